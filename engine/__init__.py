@@ -1,0 +1,29 @@
+"""baton.engine: requests, scheduler, KV cache, engine core, model runner, front ends.
+
+The public names are imported lazily so that importing a submodule (the
+tokenizer, the loader) does not load the whole engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "baton.engine.llm",
+    "LLMEngine": "baton.engine.llm_engine",
+    "EngineConfig": "baton.engine.config",
+    "SamplingParams": "baton.engine.sampling_params",
+    "RequestOutput": "baton.engine.outputs",
+    "CompletionOutput": "baton.engine.outputs",
+    "Logprob": "baton.engine.outputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'baton.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,348 @@
+"""Which KV cache blocks each request owns, with prefix caching (one KV cache group).
+
+This is the bookkeeping half of the paged KV cache; the device tensors (per layer
+``[num_blocks, block_size, num_kv_heads, head_dim]``) live in the model runner. Block id
+``NULL_BLOCK_ID`` (0) is reserved as the null/pad block: block tables are padded with it and
+it is never allocated, so a request's blocks are always in ``1 .. num_blocks-1``.
+
+Prefix caching: a block completely filled with known tokens gets a hash chained over its
+parent, ``sha256(parent_hash + int64 token bytes)``, so equal hashes mean equal token
+prefixes (sha256, not Python's ``hash``, so colliding prompts cannot be crafted). A request
+about to start looks its prompt up with ``get_computed_blocks`` and takes the hits with the
+first ``allocate_slots``. Released blocks keep their hash in an LRU of evictable blocks until
+the space is needed.
+
+Call protocol (the scheduler's side):
+
+1. admitting a request (new, or resumed after preemption):
+   ``n = get_computed_blocks(rid, tokens)`` then
+   ``allocate_slots(rid, n + num_new_tokens [+ lookahead], num_new_computed_tokens=n)``,
+   back to back. The lookup only records what it found; the blocks are taken (ref count +1)
+   by that first ``allocate_slots``. Passing a smaller multiple of ``block_size`` (or 0)
+   takes only that many hit blocks. If ``allocate_slots`` returns None the lookup stays
+   recorded, so the call can be retried.
+2. every step: ``allocate_slots(rid, num_computed + num_new_tokens [+ lookahead])``, then,
+   once tokens are known, ``cache_blocks(rid, tokens, num_known_tokens)``.
+3. finishing, aborting or preempting: ``free(rid)``; it also forgets the request's lookup and
+   hashes.
+
+A request's token ids must only grow (append-only) between admission and ``free``: the
+block hashes computed for it are kept and extended incrementally.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from baton.engine.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, KVCacheBlock
+
+__all__ = ["NULL_BLOCK_ID", "BlockHash", "KVCacheManager", "hash_block_tokens"]
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The hash of one full block: sha256 over the parent's hash and the int64 token ids.
+
+    Raises:
+        OverflowError: for a token id outside the int64 range.
+    """
+    h = hashlib.sha256(parent_hash or b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+class KVCacheManager:
+    """Allocates KV cache blocks to requests and shares full blocks through prefix caching.
+
+    Raises:
+        ValueError: if ``num_blocks`` is not an int >= 2 (block 0 is reserved) or
+            ``block_size`` is not an int >= 1.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self._pool = BlockPool(num_blocks)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of the request are already registered (or were hits).
+        self._req_num_cached: dict[str, int] = {}
+        self._req_hashes: dict[str, list[BlockHash]] = {}
+        # Number of hit blocks recorded by the last lookup, until allocate_slots takes them.
+        self._pending_hits: dict[str, int] = {}
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+
+    # --- accounting -------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: free plus evictable cached blocks."""
+        return self._pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one request (0 once every request is freed)."""
+        return self._pool.num_used_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently findable by prefix-cache lookups (held or evictable)."""
+        return self._pool.num_cached_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable blocks (all but the null block) held by requests."""
+        return self._pool.num_used_blocks / self._pool.num_usable_blocks
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up by ``get_computed_blocks`` so far."""
+        return self._queried_tokens
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Tokens found in the prefix cache by ``get_computed_blocks`` so far."""
+        return self._hit_tokens
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens over all lookups (0.0 before the first lookup).
+
+        A waiting request that is looked up again every step counts every time.
+        """
+        return self._hit_tokens / self._queried_tokens if self._queried_tokens else 0.0
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens (ceil division)."""
+        return -(-num_tokens // self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block ids in sequence order ([] for an unknown id)."""
+        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    # --- the protocol -----------------------------------------------------------------
+
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Looks up the longest cached chain of full blocks prefixing ``token_ids``.
+
+        Returns the number of tokens found, a multiple of ``block_size`` that never covers
+        the last token (one token must be computed to have logits to sample). Takes no
+        block: it records the hit count for the request's next ``allocate_slots`` and
+        replaces any earlier lookup. Counts queried and hit tokens for the metrics. Returns
+        0 (and counts nothing) with prefix caching disabled.
+
+        Raises:
+            ValueError: if the request already holds blocks (look up only before the first
+                allocation after admission or preemption).
+        """
+        if self._req_blocks.get(request_id):
+            raise ValueError(
+                f"request {request_id!r} already holds blocks; free it before a new lookup"
+            )
+        self._pending_hits.pop(request_id, None)
+        if not self.enable_prefix_caching:
+            return 0
+        max_blocks = (len(token_ids) - 1) // self.block_size if token_ids else 0
+        num_hits = 0
+        while num_hits < max_blocks:
+            block_hash = self._block_hash(request_id, token_ids, num_hits)
+            if self._pool.get_cached_block(block_hash) is None:
+                break
+            num_hits += 1
+        self._pending_hits[request_id] = num_hits
+        self._queried_tokens += len(token_ids)
+        self._hit_tokens += num_hits * self.block_size
+        return num_hits * self.block_size
+
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, num_new_computed_tokens: int = 0
+    ) -> list[int] | None:
+        """Makes the request own enough blocks to hold ``num_tokens`` tokens in total.
+
+        ``num_tokens`` counts everything the request's blocks must hold after this step:
+        computed tokens (cache hits included), the tokens to compute now, and any
+        lookahead. ``num_new_computed_tokens`` (only on the first allocation after
+        ``get_computed_blocks``) is how many of the found tokens to take; those blocks get
+        one more reference and leave the evictable LRU. New blocks come from the free list,
+        then by evicting the least recently freed cached blocks.
+
+        Returns the ids of the newly allocated blocks (hit blocks not included; [] if the
+        request already holds enough), or None when too few blocks are free, in which case
+        nothing changes (all or nothing).
+
+        Raises:
+            ValueError: for negative counts; ``num_new_computed_tokens`` that is not a
+                multiple of ``block_size``, exceeds what the lookup found, exceeds
+                ``num_tokens``, or is given for a request that already holds blocks; or a
+                lookup gone stale (a hit block evicted between lookup and allocation).
+        """
+        _check_count("num_tokens", num_tokens)
+        _check_count("num_new_computed_tokens", num_new_computed_tokens)
+        if num_new_computed_tokens > num_tokens:
+            raise ValueError(
+                f"num_new_computed_tokens ({num_new_computed_tokens}) exceeds "
+                f"num_tokens ({num_tokens})"
+            )
+        blocks = self._req_blocks.get(request_id)
+        hits = self._take_hits(request_id, bool(blocks), num_new_computed_tokens)
+        num_new = self.num_blocks_needed(num_tokens) - len(blocks or ()) - len(hits)
+        num_new = max(num_new, 0)
+        # Hit blocks nobody holds sit in the evictable LRU, so taking them costs free space.
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_new + num_revived > self._pool.num_free_blocks:
+            return None
+        self._pool.touch(hits)
+        new_blocks = self._pool.allocate(num_new)
+        if blocks is None:
+            blocks = self._req_blocks[request_id] = []
+            self._req_num_cached[request_id] = 0
+        if hits:
+            blocks.extend(hits)
+            self._req_num_cached[request_id] = len(hits)
+        blocks.extend(new_blocks)
+        self._pending_hits.pop(request_id, None)
+        return [b.block_id for b in new_blocks]
+
+    def cache_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_known_tokens: int
+    ) -> None:
+        """Registers the request's blocks that are now full of known tokens for reuse.
+
+        Blocks covering ``token_ids[:num_known_tokens]`` completely get their hash
+        (``num_known_tokens`` is computed minus in-flight placeholders under async
+        scheduling). Incremental and idempotent: blocks registered by an earlier call are
+        skipped, and a smaller ``num_known_tokens`` than before does nothing. A block whose
+        hash another block already carries stays unhashed (the existing mapping is kept).
+        No-op with prefix caching disabled.
+
+        Raises:
+            ValueError: for an unknown request, ``num_known_tokens`` outside
+                ``0 .. len(token_ids)``, or known full blocks beyond the blocks the request
+                holds.
+        """
+        if not self.enable_prefix_caching:
+            return
+        blocks = self._req_blocks.get(request_id)
+        if blocks is None:
+            raise ValueError(f"request {request_id!r} holds no blocks; allocate_slots first")
+        _check_count("num_known_tokens", num_known_tokens)
+        if num_known_tokens > len(token_ids):
+            raise ValueError(
+                f"num_known_tokens ({num_known_tokens}) exceeds len(token_ids) ({len(token_ids)})"
+            )
+        num_full = num_known_tokens // self.block_size
+        if num_full > len(blocks):
+            raise ValueError(
+                f"request {request_id!r} has {num_full} full blocks of known tokens but holds "
+                f"only {len(blocks)} blocks"
+            )
+        start = self._req_num_cached[request_id]
+        for i in range(start, num_full):
+            self._pool.cache_block(blocks[i], self._block_hash(request_id, token_ids, i))
+        if num_full > start:
+            self._req_num_cached[request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Releases the request's blocks and forgets its lookup and hashes.
+
+        Blocks are released tail first, so a sequence's tail is evicted before its head;
+        hashed blocks at ref count 0 stay findable until evicted. Unknown ids are a no-op.
+        """
+        self._pending_hits.pop(request_id, None)
+        self._req_hashes.pop(request_id, None)
+        self._req_num_cached.pop(request_id, None)
+        blocks = self._req_blocks.pop(request_id, None)
+        if blocks:
+            self._pool.release(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block hash (e.g. after the weights change).
+
+        Returns False and changes nothing while any request holds a block; True once
+        cleared. Lookups recorded before a reset are stale: admit with a new lookup.
+        """
+        return self._pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Cross-checks the pool with the per-request lists (O(num_blocks + held blocks)).
+
+        Raises:
+            AssertionError: naming the first disagreement (ref counts, free list, LRU,
+                hash map, per-request progress).
+        """
+        self._pool.check_invariants()
+        refs = [0] * self.num_blocks
+        assert self._req_blocks.keys() == self._req_num_cached.keys(), "request maps disagree"
+        for request_id, blocks in self._req_blocks.items():
+            ids = [b.block_id for b in blocks]
+            assert len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice"
+            assert NULL_BLOCK_ID not in ids, f"request {request_id!r} holds the null block"
+            num_cached = self._req_num_cached[request_id]
+            assert 0 <= num_cached <= len(blocks), f"request {request_id!r} cache progress"
+            if self.enable_prefix_caching:
+                assert len(self._req_hashes.get(request_id, ())) >= num_cached
+            for block_id in ids:
+                refs[block_id] += 1
+        for block in self._pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs[block.block_id]}"
+            )
+
+    # --- internals --------------------------------------------------------------------
+
+    def _block_hash(self, request_id: str, token_ids: Sequence[int], index: int) -> BlockHash:
+        """The hash of the request's block ``index``, extending its hash chain as needed."""
+        hashes = self._req_hashes.setdefault(request_id, [])
+        bs = self.block_size
+        while len(hashes) <= index:
+            i = len(hashes)
+            hashes.append(
+                hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
+            )
+        return hashes[index]
+
+    def _take_hits(
+        self, request_id: str, holds_blocks: bool, num_new_computed_tokens: int
+    ) -> list[KVCacheBlock]:
+        """Resolves the recorded lookup's first hit blocks again (without taking them)."""
+        if not num_new_computed_tokens:
+            return []
+        if holds_blocks:
+            raise ValueError(
+                f"request {request_id!r} already holds blocks; num_new_computed_tokens is only "
+                "for the first allocation after get_computed_blocks"
+            )
+        if num_new_computed_tokens % self.block_size:
+            raise ValueError(
+                f"num_new_computed_tokens ({num_new_computed_tokens}) must be a multiple of "
+                f"block_size ({self.block_size})"
+            )
+        num_found = self._pending_hits.get(request_id, 0)
+        num_hits = num_new_computed_tokens // self.block_size
+        if num_hits > num_found:
+            raise ValueError(
+                f"num_new_computed_tokens ({num_new_computed_tokens}) exceeds the "
+                f"{num_found * self.block_size} tokens get_computed_blocks found for "
+                f"request {request_id!r}"
+            )
+        hits: list[KVCacheBlock] = []
+        for block_hash in self._req_hashes[request_id][:num_hits]:
+            block = self._pool.get_cached_block(block_hash)
+            if block is None:
+                raise ValueError(
+                    f"the prefix-cache lookup of request {request_id!r} is stale (a hit block "
+                    "was evicted since); call get_computed_blocks right before allocate_slots"
+                )
+            hits.append(block)
+        return hits

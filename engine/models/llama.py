@@ -1,0 +1,167 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.engine.models.attention import AttentionMetadata, paged_attention
+from baton.engine.models.config import ModelConfig
+from baton.engine.models.layers import RMSNorm, RotaryEmbedding
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: attention with fused QKV, then a SwiGLU MLP with fused gate/up."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, c.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.intermediate_size = c.intermediate_size
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        positions: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(
+            self.intermediate_size, dim=-1
+        )
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its LM head; weights come from ``load_weights``.
+
+    ``forward`` takes a flat batch (prefill chunks and decode tokens mixed) and
+    returns hidden states; ``compute_logits`` turns only the rows that sample
+    into logits.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+        )
+        self.lm_head: nn.Linear | None = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Runs the decoder on flat tokens; writes their keys/values into ``kv_caches``.
+
+        Returns hidden states ``[T, hidden_size]`` after the final norm.
+        """
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, self.rope, positions, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` in float32 for the given hidden rows."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copies Hugging Face-named weights in, fusing QKV and gate/up.
+
+        Raises:
+            ValueError: naming any missing, unexpected or wrongly shaped weight.
+        """
+        remaining = dict(weights)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in remaining:
+                raise ValueError(f"checkpoint is missing weight {name!r}")
+            return remaining.pop(name)
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if param.shape != value.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+                )
+            param.copy_(value)
+
+        with torch.no_grad():
+            put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
+            put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+            if self.lm_head is not None:
+                put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+            else:
+                remaining.pop("lm_head.weight", None)
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p)
+                put(
+                    layer.post_attention_layernorm.weight,
+                    take(p + "post_attention_layernorm.weight"),
+                    p,
+                )
+                qkv = [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+                put(layer.qkv_proj.weight, torch.cat(qkv), p + "self_attn.qkv")
+                if layer.qkv_proj.bias is not None:
+                    bias = [take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
+                    put(layer.qkv_proj.bias, torch.cat(bias), p + "self_attn.qkv bias")
+                put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
+                gate_up = [take(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+                put(layer.gate_up_proj.weight, torch.cat(gate_up), p + "mlp.gate_up")
+                put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "down_proj")
+        # Rotary inverse-frequency buffers are derived from the config.
+        extra = [k for k in remaining if not k.endswith("rotary_emb.inv_freq")]
+        if extra:
+            raise ValueError(f"checkpoint has unexpected weights: {sorted(extra)[:5]}")
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> KVCache:
+    """Per-layer (key, value) caches of shape ``[num_blocks, block_size, kv_heads, head_dim]``."""
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(config.num_layers)
+    ]

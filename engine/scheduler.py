@@ -1,0 +1,283 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, preemption, stops."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+from baton.engine.config import EngineConfig
+from baton.engine.kv_cache_manager import KVCacheManager
+from baton.engine.request import Request, RequestStatus
+from baton.engine.scheduler_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Decides which tokens each step computes and applies each step's results.
+
+    Running requests go first (decode or the rest of a chunked prefill), in
+    arrival order; then waiting ones are admitted while the token budget,
+    ``max_num_seqs`` and the KV cache allow. When blocks run out, the most
+    recently admitted running request is preempted (its blocks freed, to be
+    recomputed later, mostly from the prefix cache).
+    """
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()
+        self._step_id = 0
+
+    # ----------------------------------------------------------------- intake
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finishes (aborts, errors) requests wherever they are; unknown ids are ignored."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+            done.append(req)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Plans the next step. Side effects: allocates KV blocks, admits and
+        preempts requests, and advances ``num_computed_tokens``."""
+        budget = self.config.max_num_batched_tokens
+        num_sched: dict[str, int] = {}
+        new_reqs: list[Request] = []
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        for req in list(self.running):
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:
+                continue
+            while (blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            num_sched[req.request_id] = n
+            new_blocks[req.request_id] = blocks
+            budget -= n
+
+        while self.waiting and not preempted and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                break
+            cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            req.num_computed_tokens = cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = cached
+            n = self._num_new_tokens(req, budget)
+            blocks = self.kv.allocate_slots(req.request_id, cached + n, cached)
+            if blocks is None:
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            new_reqs.append(req)
+            num_sched[req.request_id] = n
+            budget -= n
+
+        out = self._make_output(num_sched, new_reqs, new_blocks, preempted)
+        for rid, n in num_sched.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = req.num_tokens_with_placeholders - req.num_computed_tokens
+        if req.num_output_placeholders and self._surely_finishes(req):
+            return 0
+        return max(0, min(n, budget, self.max_model_len - req.num_computed_tokens))
+
+    def _surely_finishes(self, req: Request) -> bool:
+        # An in-flight token that reaches max_tokens ends the request anyway.
+        max_tokens = req.sampling_params.max_tokens or self.max_model_len
+        produced = req.num_output_tokens + req.num_output_placeholders
+        return produced >= max_tokens or req.num_tokens_with_placeholders >= self.max_model_len
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s", req.request_id)
+
+    def _make_output(
+        self,
+        num_sched: dict[str, int],
+        new_reqs: list[Request],
+        new_blocks: dict[str, list[int]],
+        preempted: list[Request],
+    ) -> SchedulerOutput:
+        self._step_id += 1
+        new_data = tuple(
+            NewRequestData(
+                request_id=r.request_id,
+                prompt_token_ids=tuple(r.prompt_token_ids),
+                output_token_ids=tuple(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                seed=r.seed,
+                block_ids=tuple(self.kv.get_block_ids(r.request_id)),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in new_reqs
+        )
+        cached = tuple(
+            CachedRequestData(rid, tuple(blocks), self.requests[rid].num_computed_tokens)
+            for rid, blocks in new_blocks.items()
+        )
+        finished = frozenset(self._finished_ids) | {r.request_id for r in preempted}
+        self._finished_ids.clear()
+        return SchedulerOutput(
+            step_id=self._step_id,
+            new_requests=new_data,
+            cached_requests=cached,
+            num_scheduled_tokens=num_sched,
+            total_num_scheduled_tokens=sum(num_sched.values()),
+            finished_request_ids=finished,
+            preempted_request_ids=frozenset(r.request_id for r in preempted),
+        )
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(
+        self, so: SchedulerOutput, out: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Appends sampled tokens, applies stop conditions, frees finished requests.
+
+        Returns one output per request that got tokens or finished this step.
+        A failure while handling one request finishes only that request, with
+        an error.
+        """
+        results: list[EngineCoreOutput] = []
+        for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
+            req = self.requests.get(rid)
+            if req is None or req.is_finished or rid in so.preempted_request_ids:
+                continue
+            if req.status != RequestStatus.RUNNING:
+                # Preempted after this step was planned (async): a stale delivery.
+                continue
+            try:
+                results.extend(self._apply_tokens(req, tokens, out))
+            except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the rest
+                logger.exception("request %s failed while applying its output", rid)
+                results.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
+        return results
+
+    def _apply_tokens(
+        self, req: Request, tokens: list[int], out: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        error = out.errors.get(req.request_id)
+        if error is not None:
+            return [self._fail(req, error)]
+        if not tokens:
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, self._known_computed(req))
+            return []
+        req.num_output_placeholders = max(0, req.num_output_placeholders - len(tokens))
+        accepted: list[int] = []
+        for tok in tokens:
+            req.output_token_ids.append(tok)
+            accepted.append(tok)
+            if self._check_stop(req, tok):
+                break
+        self.kv.cache_blocks(req.request_id, req.all_token_ids, self._known_computed(req))
+        finish = req.status.finish_reason
+        if finish is not None:
+            self._remove_finished(req)
+        return [
+            EngineCoreOutput(
+                request_id=req.request_id,
+                new_token_ids=accepted,
+                finish_reason=finish,
+                stop_reason=req.stop_reason,
+                logprobs=out.logprobs.get(req.request_id),
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+            )
+        ]
+
+    def _known_computed(self, req: Request) -> int:
+        return min(req.num_computed_tokens - req.num_output_placeholders, req.num_tokens)
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        sp = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in sp.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return True
+        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or (
+            req.num_tokens >= self.max_model_len
+        ):
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _fail(self, req: Request, message: str) -> EngineCoreOutput:
+        req.status = RequestStatus.FINISHED_ERROR
+        req.error = message
+        self._remove_finished(req)
+        return EngineCoreOutput(req.request_id, [], finish_reason="error", error=message)
+
+    def _remove_finished(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        self._finished_ids.add(req.request_id)
+        self.requests.pop(req.request_id, None)

@@ -1,0 +1,97 @@
+"""Values handed between the scheduler, the model runner and the engine core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from baton.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has no row for (first schedule, or resumed after preemption)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    # Outputs produced before a preemption; the runner recomputes them as context.
+    output_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    seed: int
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    request_id: str
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step computes.
+
+    ``num_scheduled_tokens`` is ordered: it fixes the row order of the flat
+    batch. ``num_computed_tokens`` in the request data is the value *before*
+    this step.
+    """
+
+    step_id: int
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: tuple[CachedRequestData, ...]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_request_ids: frozenset[str]
+    preempted_request_ids: frozenset[str] = frozenset()
+    # Requests that a structured-output backend constrains this step.
+    structured_request_ids: frozenset[str] = frozenset()
+    # Async scheduling: a structured request scheduled here already has a
+    # token in flight, so its grammar cannot be advanced before sampling.
+    pending_structured_output_tokens: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Logprobs of sampled tokens: per token, (id, logprob, rank) for the sampled one then the top-k."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Tokens sampled by one step, per request in scheduled order.
+
+    A request that sampled nothing (a prefill chunk short of its prompt's end)
+    has an empty list.
+    """
+
+    request_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one request got from one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: Logprobs | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
