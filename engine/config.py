@@ -38,17 +38,28 @@ class EngineConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "kv_cache_memory_bytes",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
-            raise ValueError(f"EngineConfig.max_model_len must be an int >= 2, got {self.max_model_len!r}")
+            raise ValueError(
+                f"EngineConfig.max_model_len must be an int >= 2, got {self.max_model_len!r}"
+            )
         if self.num_kv_blocks is not None and (
             not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
         ):
-            raise ValueError(f"EngineConfig.num_kv_blocks must be an int >= 2, got {self.num_kv_blocks!r}")
+            raise ValueError(
+                f"EngineConfig.num_kv_blocks must be an int >= 2, got {self.num_kv_blocks!r}"
+            )
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"EngineConfig.dtype must be float32, float16 or bfloat16, got {self.dtype}")
+            raise ValueError(
+                f"EngineConfig.dtype must be float32, float16 or bfloat16, got {self.dtype}"
+            )

@@ -82,7 +82,9 @@ class SamplingParams:
             raise bad("presence_penalty", "a number in [-2, 2]")
         if not _is_num(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "a number in [-2, 2]")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20
+        ):
             raise bad("logprobs", "None or an int in [0, 20]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):

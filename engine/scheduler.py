@@ -90,7 +90,9 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n <= 0:
                 continue
-            while (blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)) is None:
+            while (
+                blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
+            ) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)

@@ -59,7 +59,7 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class Logprobs:
-    """Logprobs of sampled tokens: per token, (id, logprob, rank) for the sampled one then the top-k."""
+    """Logprobs of sampled tokens: per token, the sampled id then the top-k, with ranks."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+
 from baton.engine.detokenizer import DecodeProtocol, IncrementalDetokenizer, find_stop_string
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from baton.engine.block_pool import NULL_BLOCK_ID, BlockPool
-from baton.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from baton.engine.block_pool import NULL_BLOCK_ID, BlockPool
+from baton.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
 
 BS = 4
 

@@ -105,9 +105,9 @@ def test_paged_decode_equals_full_recompute():
         meta = AttentionMetadata.build(
             torch.tensor([1]), torch.tensor([n]), torch.tensor([blocks]), BLOCK
         )
-        logits = model.compute_logits(
-            model(torch.tensor([nxt]), torch.tensor([n - 1]), kv, meta)
-        )[0]
+        logits = model.compute_logits(model(torch.tensor([nxt]), torch.tensor([n - 1]), kv, meta))[
+            0
+        ]
         with torch.no_grad():
             full = hf(torch.tensor([seq])).logits[0, -1]
         assert (logits - full).abs().max().item() <= 1e-4
@@ -136,9 +136,7 @@ def test_mixed_batch_equals_each_sequence_alone():
         meta = AttentionMetadata.build(
             torch.tensor([q]), torch.tensor([ctx + q]), torch.tensor([table]), BLOCK
         )
-        alone.append(
-            model.compute_logits(model(seq[ctx:], torch.arange(ctx, ctx + q), kv, meta))
-        )
+        alone.append(model.compute_logits(model(seq[ctx:], torch.arange(ctx, ctx + q), kv, meta)))
 
     kv = allocate_kv_cache(model.config, 24, BLOCK, torch.float32)
     run_context(kv)

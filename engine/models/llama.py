@@ -8,7 +8,7 @@ from torch import nn
 
 from baton.engine.models.attention import AttentionMetadata, paged_attention
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.layers import RMSNorm, RotaryEmbedding
+from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -34,8 +34,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: RotaryEmbedding,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -45,7 +44,7 @@ class DecoderLayer(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, *rope)
         attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         x = x + self.o_proj(attn.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(
@@ -93,8 +92,9 @@ class LlamaForCausalLM(nn.Module):
         Returns hidden states ``[T, hidden_size]`` after the final norm.
         """
         x = self.embed_tokens(input_ids)
+        rope = self.rope.cos_sin(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, self.rope, positions, kv, meta)
+            x = layer(x, rope, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -162,6 +162,9 @@ def allocate_kv_cache(
     """Per-layer (key, value) caches of shape ``[num_blocks, block_size, kv_heads, head_dim]``."""
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(config.num_layers)
     ]

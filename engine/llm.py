@@ -1,0 +1,148 @@
+"""``LLM``: the offline Python API (vLLM-compatible for the common subset)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from baton.engine.config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.loader import Checkpoint
+from baton.engine.outputs import RequestOutput
+from baton.engine.sampling_params import SamplingParams, as_params_list
+from baton.engine.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class LLM:
+    """Generates completions for batches of prompts with one engine.
+
+    Args:
+        model: a GGUF file or Hugging Face folder; None = the default model.
+        dtype: "float32" (default; fastest on CPU), "float16", "bfloat16" or a torch dtype.
+        **engine_args: any other ``EngineConfig`` field (max_num_seqs,
+            max_num_batched_tokens, max_model_len, num_kv_blocks, ...).
+
+    Raises:
+        ModelLoadError: the model cannot be read. ValueError: a bad engine argument.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | torch.dtype = "float32",
+        checkpoint: Checkpoint | None = None,
+        **engine_args: Any,
+    ) -> None:
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+            dtype = _DTYPES[dtype]
+        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
+        self.config = EngineConfig(model=model, dtype=dtype, **engine_args)
+        self.engine = LLMEngine(self.config, checkpoint)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, **engine_args: Any) -> LLM:
+        """An LLM over an already loaded checkpoint (loads nothing from disk)."""
+        return cls(str(checkpoint.path), checkpoint=checkpoint, **engine_args)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Completes every prompt; returns one finished RequestOutput per prompt, in order.
+
+        Prompts are strings or lists of token ids. All prompts are validated
+        before any is queued, so a bad one raises ``ValueError`` and nothing runs.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = as_params_list(sampling_params, len(prompt_list))
+        for p in prompt_list:
+            self.engine._tokenize(p)  # validate all before queuing any
+        ids = []
+        for prompt, sp in zip(prompt_list, params, strict=True):
+            rid = f"llm-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, sp)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Renders one conversation (a list of messages) or a batch of them with the
+        model's chat template, then generates."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            ids = self.engine.tokenizer.apply_chat_template(
+                list(conv),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                **(chat_template_kwargs or {}),
+            )
+            prompts.append(list(ids))
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in final:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[r] for r in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # a single token-id prompt
+    for p in prompts:
+        if not isinstance(p, (str, list, tuple)):
+            raise ValueError(
+                f"each prompt must be a string or a list of token ids, got {type(p).__name__}"
+            )
+    return prompts

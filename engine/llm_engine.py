@@ -1,0 +1,150 @@
+"""Builds an engine from a config and runs it: input checks, core steps, outputs."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+
+import torch
+
+from baton.engine.config import EngineConfig
+from baton.engine.engine_core import EngineCore
+from baton.engine.kv_cache_manager import KVCacheManager
+from baton.engine.loader import Checkpoint, load_checkpoint
+from baton.engine.model_runner import ModelRunner
+from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.output_processor import OutputProcessor
+from baton.engine.outputs import RequestOutput
+from baton.engine.request import Request
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler import Scheduler
+from baton.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+class LLMEngine:
+    """A whole engine in one process: tokenizer, core (scheduler + runner), outputs.
+
+    ``add_request`` validates and queues; ``step`` runs one engine step and
+    returns the ``RequestOutput`` of every request that progressed.
+    """
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        self.config = config
+        ckpt = checkpoint or load_checkpoint(config.model, dtype=config.dtype)
+        self.model_config = ckpt.config
+        self.tokenizer: Tokenizer = ckpt.tokenizer
+        self.max_model_len = min(
+            config.max_model_len or ckpt.config.max_position_embeddings,
+            ckpt.config.max_position_embeddings,
+        )
+        model = LlamaForCausalLM(ckpt.config).to(dtype=config.dtype)
+        model.load_weights(ckpt.weights)
+        model.eval()
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(ckpt)
+        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        caches = allocate_kv_cache(ckpt.config, num_blocks, config.block_size, config.dtype)
+        runner = ModelRunner(
+            model, caches, config.block_size, config.max_num_seqs, self.max_model_len
+        )
+        self.core = EngineCore(Scheduler(config, kv, self.max_model_len), runner)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._seeds = random.Random(config.seed)
+        eos = set(ckpt.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = tuple(sorted(eos))
+        logger.info(
+            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+            ckpt.path,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
+
+    def _blocks_for_memory(self, ckpt: Checkpoint) -> int:
+        c = ckpt.config
+        per_block = (
+            2
+            * c.num_layers
+            * self.config.block_size
+            * c.num_kv_heads
+            * c.head_dim
+            * torch.tensor([], dtype=self.config.dtype).element_size()
+        )
+        return max(2, self.config.kv_cache_memory_bytes // per_block)
+
+    # ----------------------------------------------------------------- input
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+    ) -> None:
+        """Validates and tokenises a prompt, then queues its ``n`` completions.
+
+        Raises:
+            ValueError: empty prompt, a prompt that leaves no room for output
+                within max_model_len, token ids outside the vocabulary, or a
+                duplicate request id.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        if self.outputs.child_ids(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seeds = self._request_seeds(params)
+        child_ids = self.outputs.add_request(request_id, text, token_ids, params)
+        for cid, seed in zip(child_ids, seeds, strict=True):
+            self.core.add_request(Request.new(cid, token_ids, params, self.eos_token_ids, seed))
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            text: str | None = prompt
+        else:
+            ids = list(prompt)
+            text = None
+            vocab = self.model_config.vocab_size
+            bad = [
+                t
+                for t in ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+            ]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:3]}")
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                "so it must have at most max_model_len - 1 tokens"
+            )
+        return text, ids
+
+    def _request_seeds(self, params: SamplingParams) -> list[int]:
+        if params.seed is None:
+            return [self._seeds.getrandbits(63) for _ in range(params.n)]
+        # Completion 0 uses the user's seed as given, so n=1 and n>1 agree on it.
+        return [(params.seed + i * _SEED_MIX) % (1 << 63) for i in range(params.n)]
+
+    def abort_request(self, request_id: str) -> None:
+        """Aborts all completions of a prompt; frees their KV blocks."""
+        self.core.abort_requests(self.outputs.child_ids(request_id))
+        self.outputs.remove(request_id)
+
+    # ------------------------------------------------------------------ run
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests() or self.outputs.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns outputs of requests that progressed or finished."""
+        core_outputs = self.core.step()
+        results, stopped = self.outputs.process(core_outputs)
+        if stopped:
+            self.core.abort_requests(stopped)
+        return results

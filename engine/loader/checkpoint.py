@@ -1,0 +1,92 @@
+"""The loaded form of a model (config, weights, tokenizer) and the weight layout it must have."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from baton.engine.loader.errors import ModelLoadError
+from baton.engine.models.config import ModelConfig
+from baton.engine.tokenizer import Tokenizer
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight a checkpoint for ``config`` must hold, by Hugging Face name, with its shape.
+
+    Shapes follow ``torch.nn.Linear``: ``[out_features, in_features]``. ``lm_head.weight`` is
+    listed only for an untied model and the q/k/v biases only when ``config.attention_bias``.
+    Pure function, no side effects.
+    """
+    hidden = config.hidden_size
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}"
+        shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{prefix}.self_attn.q_proj.weight"] = (q_rows, hidden)
+        shapes[f"{prefix}.self_attn.k_proj.weight"] = (kv_rows, hidden)
+        shapes[f"{prefix}.self_attn.v_proj.weight"] = (kv_rows, hidden)
+        shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, q_rows)
+        if config.attention_bias:
+            shapes[f"{prefix}.self_attn.q_proj.bias"] = (q_rows,)
+            shapes[f"{prefix}.self_attn.k_proj.bias"] = (kv_rows,)
+            shapes[f"{prefix}.self_attn.v_proj.bias"] = (kv_rows,)
+        shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+        shapes[f"{prefix}.mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
+        shapes[f"{prefix}.mlp.up_proj.weight"] = (config.intermediate_size, hidden)
+        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, config.intermediate_size)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def check_weights(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Raise ``ModelLoadError`` naming ``path`` unless ``weights`` holds exactly the expected names
+    and shapes for ``config`` (see ``expected_weight_shapes``)."""
+    expected = expected_weight_shapes(config)
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(f"{path}: missing weights {shown} (expected by the model config)")
+    extra = [name for name in weights if name not in expected]
+    if extra:
+        raise ModelLoadError(f"{path}: unexpected weights {', '.join(extra[:5])}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(
+                f"{path}: weight {name} has shape {tuple(weights[name].shape)}, expected {shape}"
+            )
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model ready to build: where it came from, its config, its weights and its tokenizer.
+
+    ``weights`` maps Hugging Face Llama names (see ``expected_weight_shapes``) to contiguous CPU
+    tensors, all of one floating dtype. Construction checks names and shapes and raises
+    ``ModelLoadError`` when they do not fit ``config``.
+    """
+
+    path: Path
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+    def __post_init__(self) -> None:
+        check_weights(self.path, self.config, self.weights)
+        dtypes = {tensor.dtype for tensor in self.weights.values()}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise ModelLoadError(
+                f"{self.path}: weights must share one floating dtype, got {dtypes}"
+            )
+        if self.tokenizer.vocab_size > self.config.vocab_size:
+            raise ModelLoadError(
+                f"{self.path}: tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
+                f"embedding has only {self.config.vocab_size} rows"
+            )

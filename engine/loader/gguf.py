@@ -1,0 +1,322 @@
+"""Load a Llama-family model from a GGUF file (llama.cpp's format) into Hugging Face layout."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from baton.engine.loader.checkpoint import Checkpoint
+from baton.engine.loader.errors import ModelLoadError
+from baton.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from baton.engine.tokenizer import Tokenizer
+
+# Tensor types this loader dequantises (gguf.quants implements each; the block formats are the
+# ones common in published files). Anything else is refused by name rather than guessed at.
+SUPPORTED_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
+
+# llama.cpp's converter stores q/k of these architectures permuted for its interleaved RoPE;
+# qwen2 keeps the Hugging Face (half-split) order.
+_PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral"})
+
+# GGUF leaf name -> Hugging Face name inside model.layers.{i}.
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Present in some files but carrying nothing the model needs (rope_freqs is turned into config).
+_IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
+
+
+def read_gguf(path: Path) -> Any:
+    """Open ``path`` with ``gguf.GGUFReader`` and check that every tensor's data lies inside the
+    file. Raises ``ModelLoadError`` for an unreadable, corrupt or truncated file."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # the reader surfaces corruption as numpy/struct/index errors
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
+            "expected a complete GGUF v2/v3 file"
+        ) from exc
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name} ends at byte {end} but the file has {size} bytes; "
+                "the file is truncated"
+            )
+    return reader
+
+
+def gguf_metadata(reader: Any, path: Path) -> dict[str, Any]:
+    """Every metadata key of the file as a plain Python value (lists for arrays).
+
+    Raises ``ModelLoadError`` naming the key when a value cannot be decoded."""
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        try:
+            metadata[key] = field.contents()
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: metadata key {key!r} cannot be decoded ({exc})") from exc
+    return metadata
+
+
+def load_gguf_tokenizer(path: Path, metadata: Mapping[str, Any]) -> Tokenizer:
+    """The tokenizer described by a GGUF file's metadata; ``ModelLoadError`` naming ``path`` when
+    it is unsupported or inconsistent."""
+    try:
+        return Tokenizer.from_gguf_metadata(metadata)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: cannot build the tokenizer: {exc}") from exc
+
+
+def _llama3_rope_factors(
+    theta: float, head_dim: int, factor: float, low: float, high: float, original: int
+) -> np.ndarray:
+    """The per-frequency divisors llama.cpp writes as ``rope_freqs`` for Llama 3.1 scaling."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    low_wavelen, high_wavelen = original / low, original / high
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def _rope_scaling_from_freqs(
+    path: Path, factors: np.ndarray, theta: float, head_dim: int
+) -> dict[str, Any]:
+    # GGUF keeps only the computed factors, not the Llama 3 parameters behind them; recover the
+    # parameters by matching the published settings (Llama 3.1 / 3.2 / 3.3 families).
+    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
+        candidate = _llama3_rope_factors(theta, head_dim, factor, 1.0, 4.0, 8192)
+        if candidate.shape == factors.shape and np.allclose(candidate, factors, rtol=1e-4):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
+    raise ModelLoadError(
+        f"{path}: tensor rope_freqs.weight holds RoPE factors that match no known Llama 3 "
+        "rope_scaling setting; expected factor 2/4/8/16/32 with low 1, high 4, original 8192"
+    )
+
+
+def config_from_gguf(
+    path: Path, metadata: Mapping[str, Any], reader: Any, tokenizer: Tokenizer
+) -> ModelConfig:
+    """The ``ModelConfig`` a GGUF file describes.
+
+    Reads ``{arch}.block_count``, ``embedding_length``, ``feed_forward_length``,
+    ``attention.head_count(_kv)``, ``attention.key_length``, ``rope.freq_base``,
+    ``rope.scaling.*``, ``attention.layer_norm_rms_epsilon``, ``context_length`` and
+    ``vocab_size``; ties the embeddings when there is no ``output.weight`` and turns on the
+    attention bias when ``blk.0.attn_q.bias`` exists. A ``rope_freqs.weight`` tensor becomes a
+    Llama 3 ``rope_scaling``.
+
+    Raises ``ModelLoadError`` naming ``path`` and the key for an unsupported architecture or a
+    missing/invalid hyper-parameter."""
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: architecture {arch!r} is not supported; expected one of "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def get(key: str, kind: type, default: Any = None) -> Any:
+        full = f"{arch}.{key}"
+        value = metadata.get(full, default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata key {full!r} is missing")
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ModelLoadError(
+                f"{path}: metadata key {full!r} is {value!r}, expected a {kind.__name__}"
+            )
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    hidden = get("embedding_length", int)
+    num_heads = get("attention.head_count", int)
+    num_kv_heads = get("attention.head_count_kv", int, num_heads)
+    head_dim = get("attention.key_length", int, hidden // num_heads if num_heads else 0)
+    rope_dims = metadata.get(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise ModelLoadError(
+            f"{path}: {arch}.rope.dimension_count is {rope_dims} but the head size is {head_dim}; "
+            "partial rotary embeddings are not supported"
+        )
+    vocab_size = metadata.get(f"{arch}.vocab_size")
+    if vocab_size is None:
+        vocab_size = len(metadata.get("tokenizer.ggml.tokens") or ())
+    theta = get("rope.freq_base", float, 10000.0)
+
+    rope_scaling: dict[str, Any] | None = None
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
+    elif scaling_type == "yarn":
+        rope_scaling = {
+            "rope_type": "yarn",
+            "factor": get("rope.scaling.factor", float),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length", int),
+        }
+    elif scaling_type != "none":
+        raise ModelLoadError(
+            f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported; "
+            "expected none, linear or yarn"
+        )
+    if "rope_freqs.weight" in tensors:
+        if rope_scaling is not None:
+            raise ModelLoadError(f"{path}: both rope_freqs.weight and rope.scaling.type are set")
+        factors = _dequantize(path, tensors["rope_freqs.weight"]).astype(np.float32).reshape(-1)
+        rope_scaling = _rope_scaling_from_freqs(path, factors, theta, head_dim)
+
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length", int),
+            num_layers=get("block_count", int),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=get("context_length", int, 4096),
+            tie_word_embeddings="output.weight" not in tensors,
+            attention_bias="blk.0.attn_q.bias" in tensors,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_ids=tokenizer.eos_token_ids,
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: invalid model hyper-parameters: {exc}") from exc
+
+
+def _dequantize(path: Path, tensor: Any) -> np.ndarray:
+    """The values of one GGUF tensor as float32 numpy, in row-major HF order of dims."""
+    from gguf import quants
+
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TENSOR_TYPES:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name} has type {kind}, which is not supported; expected one "
+            f"of {', '.join(SUPPORTED_TENSOR_TYPES)}"
+        )
+    # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    try:
+        values = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        values = values.reshape(shape)
+    except Exception as exc:  # bad block sizes surface as numpy errors
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name} ({kind}, shape {shape}) cannot be decoded: {exc}"
+        ) from exc
+    # F32 data comes back as a read-only view of the memory-mapped file; own it instead.
+    return values if values.flags.writeable else values.copy()
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head RoPE permutation of a q/k weight ([rows, cols]) or bias ([rows]).
+
+    llama.cpp interleaves the two rotary halves of every head; Hugging Face keeps them split.
+    """
+    rows = weight.shape[0]
+    rest = tuple(weight.shape[1:])
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(rows, *rest)
+    )
+
+
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a llama/mistral/qwen2 GGUF file as a ``Checkpoint`` with weights in ``dtype``.
+
+    Reads the whole file (memory-mapped) and dequantises every weight. Raises
+    ``ModelLoadError`` naming the path for an unreadable file, an unsupported architecture,
+    tokenizer or tensor type, and for missing or misshapen tensors.
+    """
+    reader = read_gguf(path)
+    metadata = gguf_metadata(reader, path)
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: architecture {arch!r} is not supported; expected one of "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    tokenizer = load_gguf_tokenizer(path, metadata)
+    config = config_from_gguf(path, metadata, reader, tokenizer)
+
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name in _IGNORED_TENSORS:
+            continue
+        hf_name = _GLOBAL_TENSORS.get(name)
+        if hf_name is None:
+            parts = name.split(".", 2)
+            if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+                hf_name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+            else:
+                raise ModelLoadError(
+                    f"{path}: unexpected tensor {name}; expected only {arch} decoder tensors"
+                )
+        value = torch.from_numpy(_dequantize(path, tensor))
+        if arch in _PERMUTED_QK_ARCHITECTURES and (".attn_q." in name or ".attn_k." in name):
+            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+            if value.shape[0] % (2 * heads):
+                raise ModelLoadError(
+                    f"{path}: tensor {name} has {value.shape[0]} rows, expected a multiple of "
+                    f"2 x {heads} heads"
+                )
+            value = unpermute_qk(value, heads)
+        weights[hf_name] = value.to(dtype).contiguous()
+    return Checkpoint(path=path, config=config, weights=weights, tokenizer=tokenizer)

@@ -1,0 +1,163 @@
+"""Load a Llama-family model from a Hugging Face folder (config.json, *.safetensors, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from baton.engine.loader.checkpoint import Checkpoint, expected_weight_shapes
+from baton.engine.loader.errors import ModelLoadError
+from baton.engine.models.config import ModelConfig
+from baton.engine.tokenizer import Tokenizer
+
+# config.json "architectures" entry -> ModelConfig.architecture.
+SUPPORTED_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(
+            f"{path}: no config.json; expected a Hugging Face model folder "
+            "(config.json, *.safetensors, tokenizer.json) or a .gguf file"
+        )
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{config_file}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{config_file}: expected a JSON object")
+    return data
+
+
+def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> ModelConfig:
+    """The ``ModelConfig`` of a Hugging Face ``config.json`` (already parsed into ``data``).
+
+    Understands both the transformers 4 (``rope_theta``/``rope_scaling``) and 5
+    (``rope_parameters``) spellings. Raises ``ModelLoadError`` naming the file and key for an
+    unsupported architecture or a missing/invalid field.
+    """
+    config_file = path / "config.json"
+    archs = data.get("architectures") or []
+    model_type = data.get("model_type")
+    known = [SUPPORTED_HF_ARCHITECTURES[a] for a in archs if a in SUPPORTED_HF_ARCHITECTURES]
+    if known:
+        arch = known[0]
+    elif not archs and model_type in SUPPORTED_HF_ARCHITECTURES.values():
+        arch = model_type
+    else:
+        raise ModelLoadError(
+            f"{config_file}: architecture {archs or model_type!r} is not supported; expected one "
+            f"of {', '.join(SUPPORTED_HF_ARCHITECTURES)} "
+            f"(model_type {', '.join(SUPPORTED_HF_ARCHITECTURES.values())})"
+        )
+
+    def field(name: str, default: Any = None) -> Any:
+        value = data.get(name, default)
+        if value is None:
+            value = default
+        if value is None:
+            raise ModelLoadError(f"{config_file}: field {name!r} is missing")
+        return value
+
+    hidden = field("hidden_size")
+    num_heads = field("num_attention_heads")
+    head_dim = field(
+        "head_dim", hidden // num_heads if isinstance(hidden, int) and num_heads else 0
+    )
+
+    rope = data.get("rope_parameters")
+    if isinstance(rope, dict):
+        theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
+        scaling: dict[str, Any] | None = {k: v for k, v in rope.items() if k != "rope_theta"}
+    else:
+        theta = field("rope_theta", 10000.0)
+        scaling = data.get("rope_scaling")
+    if scaling is not None:
+        scaling = dict(scaling)
+        # transformers 4 wrote the kind as "type"; "default" is plain RoPE.
+        kind = scaling.pop("type", None)
+        scaling.setdefault("rope_type", kind or "default")
+        if scaling["rope_type"] == "default":
+            scaling = None
+
+    # Qwen2's q/k/v always carry a bias; Llama/Mistral only when the config says so.
+    attention_bias = arch == "qwen2" or bool(data.get("attention_bias", False))
+    bos = data.get("bos_token_id")
+    eos = data.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=field("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=field("intermediate_size"),
+            num_layers=field("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=field("num_key_value_heads", num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(field("rms_norm_eps", 1e-5)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=field("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            bos_token_id=bos if isinstance(bos, int) else tokenizer.bos_token_id,
+            eos_token_ids=tuple(dict.fromkeys(eos_ids + tokenizer.eos_token_ids)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{config_file}: invalid model hyper-parameters: {exc}") from exc
+
+
+def _read_safetensors(path: Path, wanted: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files; expected the model weights")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    if name not in wanted:
+                        # Buffers such as rotary inv_freq, or a tied lm_head copy, are not needed.
+                        continue
+                    if name in weights:
+                        raise ModelLoadError(f"{path}: weight {name} appears in two files")
+                    tensor = handle.get_tensor(name)
+                    if not tensor.is_floating_point():
+                        raise ModelLoadError(
+                            f"{file}: weight {name} has dtype {tensor.dtype}, expected a floating "
+                            "dtype (quantized safetensors are not supported)"
+                        )
+                    weights[name] = tensor.to(dtype).contiguous()
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({exc})") from exc
+    return weights
+
+
+def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a Hugging Face Llama/Mistral/Qwen2 folder as a ``Checkpoint`` with weights in ``dtype``.
+
+    Reads config.json, every ``*.safetensors`` file and the tokenizer files. Raises
+    ``ModelLoadError`` naming the path for a missing or unsupported config, missing tokenizer,
+    unreadable weights, and missing or misshapen tensors.
+    """
+    data = _read_config(path)
+    try:
+        tokenizer = Tokenizer.from_files(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot build the tokenizer: {exc}") from exc
+    config = config_from_hf(path, data, tokenizer)
+    weights = _read_safetensors(path, set(expected_weight_shapes(config)), dtype)
+    return Checkpoint(path=path, config=config, weights=weights, tokenizer=tokenizer)

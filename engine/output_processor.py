@@ -1,0 +1,202 @@
+"""Turns engine-core outputs into RequestOutputs: detokenisation, stop strings, n > 1."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler_output import EngineCoreOutput
+from baton.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _Child:
+    index: int
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+    completion: CompletionOutput
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: dict[str, _Child] = field(default_factory=dict)
+    arrival_time: float = 0.0
+
+
+def child_request_id(parent_id: str, index: int, n: int) -> str:
+    """Engine-core id of completion ``index`` of a prompt (the parent id itself when n == 1)."""
+    return parent_id if n == 1 else f"{index}_{parent_id}"
+
+
+class OutputProcessor:
+    """Keeps per-request detokenisers and assembles ``RequestOutput`` objects.
+
+    ``process`` returns the outputs of this step and the ids of engine-core
+    requests that a stop string finished (the caller aborts them in the core).
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, str] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> list[str]:
+        """Registers a prompt; returns the engine-core ids of its ``n`` completions."""
+        now = time.monotonic()
+        parent = _Parent(request_id, prompt, prompt_token_ids, params, arrival_time=now)
+        ids = []
+        for i in range(params.n):
+            cid = child_request_id(request_id, i, params.n)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
+            )
+            completion = CompletionOutput(
+                index=i,
+                text="",
+                token_ids=[],
+                cumulative_logprob=None if params.logprobs is None else 0.0,
+                logprobs=None if params.logprobs is None else [],
+            )
+            parent.children[cid] = _Child(i, detok, RequestMetrics(now), completion)
+            self._child_to_parent[cid] = request_id
+            ids.append(cid)
+        self._parents[request_id] = parent
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def remove(self, request_id: str) -> None:
+        """Forgets a prompt (all its completions)."""
+        parent = self._parents.pop(request_id, None)
+        if parent is not None:
+            for cid in parent.children:
+                self._child_to_parent.pop(cid, None)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        return [] if parent is None else list(parent.children)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        now = time.monotonic()
+        touched: dict[str, _Parent] = {}
+        stopped_by_string: list[str] = []
+        for out in outputs:
+            pid = self._child_to_parent.get(out.request_id)
+            if pid is None:
+                continue
+            parent = self._parents[pid]
+            child = parent.children[out.request_id]
+            if child.completion.finished:
+                continue
+            try:
+                if self._apply(child, out, now):
+                    stopped_by_string.append(out.request_id)
+            except Exception as exc:  # noqa: BLE001 - fail this completion, not the engine
+                child.completion.finish_reason = "error"
+                child.completion.error = f"{type(exc).__name__}: {exc}"
+                stopped_by_string.append(out.request_id)
+            touched[pid] = parent
+        results = []
+        for pid, parent in touched.items():
+            finished = all(c.completion.finished for c in parent.children.values())
+            results.append(self._make_output(parent, finished))
+            if finished:
+                self.remove(pid)
+        return results, stopped_by_string
+
+    def _apply(self, child: _Child, out: EngineCoreOutput, now: float) -> bool:
+        comp, m = child.completion, child.metrics
+        tokens = out.new_token_ids
+        if tokens:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            m.num_generation_tokens += len(tokens)
+        m.num_cached_tokens = out.num_cached_tokens
+        # A final EOS / stop token is counted but its text is never shown.
+        stop_terminated = out.finish_reason == "stop" and (
+            out.stop_reason is None or isinstance(out.stop_reason, int)
+        )
+        stop_str = child.detok.update(tokens, stop_terminated=bool(tokens) and stop_terminated)
+        comp.token_ids.extend(tokens)
+        if out.logprobs is not None and comp.logprobs is not None:
+            for ids, vals, rank in zip(
+                out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks, strict=True
+            ):
+                entry = {}
+                for j, (tid, val) in enumerate(zip(ids, vals, strict=True)):
+                    if tid in entry:
+                        continue
+                    entry[tid] = Logprob(
+                        val, rank if j == 0 else j, self.tokenizer.decode([tid], False)
+                    )
+                comp.logprobs.append(entry)
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + vals[0]
+        comp.text = child.detok.output_text
+        if stop_str is not None:
+            comp.finish_reason = "stop"
+            comp.stop_reason = stop_str
+            m.finished_time = now
+            return True
+        if out.finish_reason is not None:
+            comp.finish_reason = out.finish_reason
+            comp.stop_reason = out.stop_reason
+            comp.error = out.error
+            m.finished_time = now
+        return False
+
+    def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
+        children = sorted(parent.children.values(), key=lambda c: c.index)
+        first = children[0].metrics
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=c.completion.index,
+                    text=c.completion.text,
+                    token_ids=list(c.completion.token_ids),
+                    cumulative_logprob=c.completion.cumulative_logprob,
+                    logprobs=None if c.completion.logprobs is None else list(c.completion.logprobs),
+                    finish_reason=c.completion.finish_reason,
+                    stop_reason=c.completion.stop_reason,
+                    error=c.completion.error,
+                )
+                for c in children
+            ],
+            finished=finished,
+            metrics=first if len(children) == 1 else _merge_metrics([c.metrics for c in children]),
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+
+def _merge_metrics(ms: list[RequestMetrics]) -> RequestMetrics:
+    firsts = [m.first_token_time for m in ms if m.first_token_time is not None]
+    lasts = [m.last_token_time for m in ms if m.last_token_time is not None]
+    return RequestMetrics(
+        arrival_time=min(m.arrival_time for m in ms),
+        first_token_time=min(firsts) if firsts else None,
+        last_token_time=max(lasts) if lasts else None,
+        num_generation_tokens=max(m.num_generation_tokens for m in ms),
+        num_cached_tokens=ms[0].num_cached_tokens,
+    )

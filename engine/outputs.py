@@ -1,0 +1,72 @@
+"""What the front ends return: vLLM-compatible RequestOutput and friends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """Logprob of one token at one position, with its rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timing of one completion (seconds, monotonic clock)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between output tokens after the first; None with < 2 tokens."""
+        if self.num_generation_tokens < 2 or self.first_token_time is None:
+            return None
+        assert self.last_token_time is not None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one prompt's completions after a step (or at the end)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    extra: dict[str, object] = field(default_factory=dict)

@@ -1,0 +1,557 @@
+"""Text <-> token ids and chat templates, over a Hugging Face ``tokenizers.Tokenizer``.
+
+A ``Tokenizer`` is built either from a GGUF file's metadata (``from_gguf_metadata``) or from a
+Hugging Face folder (``from_files``). Both aim to tokenize exactly as transformers does for the
+same source, so that baton and transformers see the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+# GGUF token types (llama.cpp's llama_token_type).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Split regexes for `tokenizer.ggml.pre` values that do not use GPT-2's. Same table as
+# transformers' GGUF loader (integrations/gguf/gguf_tokenizer_mapping.py), so ids agree with it.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ),
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(
+        ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"),
+        _QWEN2_SPLIT,
+    ),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+}
+# `pre` values tokenized with GPT-2's own regex (ByteLevel(use_regex=True)), as transformers does.
+# llama.cpp additionally splits every digit apart for smollm/starcoder/refact/command-r/
+# codeshell/exaone/minerva; that differs from transformers only on whitespace right before a
+# digit, and transformers is the reference baton is checked against.
+_GPT2_REGEX_PRE_TYPES = frozenset(
+    {
+        "default",
+        "gpt2",
+        "gpt-2",
+        "mpt",
+        "olmo",
+        "jais",
+        "trillion",
+        "smollm",
+        "starcoder",
+        "refact",
+        "command-r",
+        "codeshell",
+        "exaone",
+        "minerva-7b",
+    }
+)
+SUPPORTED_GGUF_PRE_TYPES = tuple(sorted(_GPT2_REGEX_PRE_TYPES | set(_PRE_TOKENIZER_SPLITS)))
+
+
+@lru_cache(maxsize=1)
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (the byte-level alphabet)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts transformers' ``{% generation %}...{% endgeneration %}`` blocks and renders their
+    body unchanged (transformers uses them only to build assistant masks)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the same sandboxed environment transformers uses."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _special_token_content(value: Any) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"special token must be a string or a dict with 'content', got {value!r}")
+
+
+def _id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return list(value)
+    raise ValueError(f"expected a token id or a list of token ids, got {value!r}")
+
+
+def _bos_eos_post_processor(
+    bos: tuple[str, int] | None, eos: tuple[str, int] | None
+) -> processors.TemplateProcessing:
+    """The post-processor transformers builds for explicit add_bos_token / add_eos_token."""
+    head = f"{bos[0]}:0 " if bos else ""
+    tail = f" {eos[0]}:0" if eos else ""
+    single = f"{head}$A:0{tail}"
+    pair = (
+        f"{single}{(' ' + bos[0] + ':1') if bos else ''} $B:1{(' ' + eos[0] + ':1') if eos else ''}"
+    )
+    return processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t is not None]
+    )
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus the special ids and chat template of one model.
+
+    Attributes are read-only by convention. ``vocab_size`` counts every id the tokenizer can
+    produce, added tokens included. ``eos_token_ids`` holds every id that ends a generation;
+    ``eos_token_id`` is the first of them. Constructors raise ``ValueError`` for inconsistent
+    input (unknown special ids, no end-of-sequence token).
+    """
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        eos_token_ids: Sequence[int],
+        bos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        unk_token_id: int | None = None,
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        eos = tuple(dict.fromkeys(eos_token_ids))
+        if not eos:
+            raise ValueError("a tokenizer needs at least one end-of-sequence token id")
+        for name, value in (
+            ("bos_token_id", bos_token_id),
+            ("pad_token_id", pad_token_id),
+            ("unk_token_id", unk_token_id),
+            *(("eos_token_ids", e) for e in eos),
+        ):
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name} {value} is outside the vocabulary [0, {self.vocab_size})")
+        if add_bos_token and bos_token_id is None:
+            raise ValueError("add_bos_token is set but the tokenizer has no BOS token")
+        self.bos_token_id: int | None = bos_token_id
+        self.eos_token_ids: tuple[int, ...] = eos
+        self.eos_token_id: int = eos[0]
+        self.pad_token_id: int | None = pad_token_id
+        self.unk_token_id: int | None = unk_token_id
+        self.chat_template: str | None = chat_template
+        self.add_bos_token: bool = add_bos_token
+        special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        special.update(i for i in (bos_token_id, pad_token_id, unk_token_id, *eos) if i is not None)
+        self.all_special_ids: frozenset[int] = frozenset(special)
+        self._token_strings: list[str] | None = None
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes, from its metadata as plain Python values.
+
+        Supports ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE) with the ``pre`` types in
+        ``SUPPORTED_GGUF_PRE_TYPES``. Raises ``ValueError`` naming the key for another model or
+        pre-tokenizer, or for missing/inconsistent vocabulary data.
+        """
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"tokenizer.ggml.model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)"
+            )
+        pre = metadata.get("tokenizer.ggml.pre", "default")
+        if pre not in _GPT2_REGEX_PRE_TYPES and pre not in _PRE_TOKENIZER_SPLITS:
+            raise ValueError(
+                f"tokenizer.ggml.pre {pre!r} is not supported; expected one of "
+                f"{', '.join(SUPPORTED_GGUF_PRE_TYPES)}"
+            )
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        merges = metadata.get("tokenizer.ggml.merges")
+        if not isinstance(tokens, list) or not tokens:
+            raise ValueError("tokenizer.ggml.tokens is missing or empty")
+        if not isinstance(merges, list):
+            raise ValueError("tokenizer.ggml.merges is missing (a byte-level BPE needs its merges)")
+        token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(token_types) != len(tokens):
+            raise ValueError(
+                f"tokenizer.ggml.token_type has {len(token_types)} entries, "
+                f"expected one per token ({len(tokens)})"
+            )
+
+        # A byte-level vocabulary spells every token in GPT-2's byte alphabet; respell the few
+        # that llama.cpp stored as raw text (transformers does the same).
+        byte_map = _byte_to_unicode()
+        alphabet = set(byte_map.values())
+        vocab: dict[str, int] = {}
+        for index, token in enumerate(tokens):
+            spelled = (
+                token
+                if set(token) <= alphabet
+                else "".join(byte_map[b] for b in token.encode("utf-8"))
+            )
+            vocab.setdefault(spelled, index)
+        if len(vocab) != len(tokens):
+            raise ValueError("tokenizer.ggml.tokens contains duplicate tokens")
+        pairs: list[tuple[str, str]] = []
+        for merge in merges:
+            parts = merge.split(" ")
+            if len(parts) != 2:
+                raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens")
+            pairs.append((parts[0], parts[1]))
+
+        backend = BackendTokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=pairs,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
+        )
+        split = _PRE_TOKENIZER_SPLITS.get(pre)
+        if split is None:
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+        backend.decoder = decoders.ByteLevel()
+
+        def special_id(key: str) -> int | None:
+            value = metadata.get(f"tokenizer.ggml.{key}")
+            if value is None:
+                return None
+            if not isinstance(value, int) or not 0 <= value < len(tokens):
+                raise ValueError(f"tokenizer.ggml.{key} {value!r} is not a token id")
+            return value
+
+        bos, eos, unk, pad = (
+            special_id(k)
+            for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+        )
+        if eos is None:
+            raise ValueError("tokenizer.ggml.eos_token_id is missing")
+        extra_eos = [special_id("eot_token_id"), special_id("eom_token_id")]
+
+        # Control tokens become special added tokens so text containing them maps to one id;
+        # a "control" token outside the byte alphabet is a llama.cpp mislabel (transformers
+        # skips those too). The named special tokens are special whatever their type.
+        named = {i for i in (bos, eos, unk, pad) if i is not None}
+        control = [
+            AddedToken(token, normalized=False, special=True)
+            for index, (token, kind_) in enumerate(zip(tokens, token_types, strict=True))
+            if (kind_ == _TOKEN_TYPE_CONTROL and set(token) <= alphabet) or index in named
+        ]
+        if control:
+            backend.add_special_tokens(control)
+        user_defined = [
+            AddedToken(token, normalized=False, special=False)
+            for token, kind_ in zip(tokens, token_types, strict=True)
+            if kind_ == _TOKEN_TYPE_USER_DEFINED and token in vocab
+        ]
+        if user_defined:
+            backend.add_tokens(user_defined)
+
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        if add_bos or add_eos:
+            backend.post_processor = _bos_eos_post_processor(
+                (tokens[bos], bos) if add_bos and bos is not None else None,
+                (tokens[eos], eos) if add_eos else None,
+            )
+        template = metadata.get("tokenizer.chat_template")
+        return cls(
+            backend,
+            eos_token_ids=[eos, *(e for e in extra_eos if e is not None)],
+            bos_token_id=bos,
+            pad_token_id=pad,
+            unk_token_id=unk,
+            chat_template=template if isinstance(template, str) else None,
+            add_bos_token=add_bos,
+        )
+
+    @classmethod
+    def from_files(cls, directory: str | Path) -> Tokenizer:
+        """Build the tokenizer of a Hugging Face model folder.
+
+        Reads ``tokenizer.json`` (required; its post-processor decides whether a BOS is added),
+        and when present ``tokenizer_config.json`` (special tokens, chat_template),
+        ``chat_template.jinja`` and
+        ``generation_config.json`` (extra end-of-sequence ids). Raises ``FileNotFoundError`` when
+        tokenizer.json is missing and ``ValueError`` for contents it cannot use.
+        """
+        directory = Path(directory)
+        tokenizer_file = directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{tokenizer_file} not found (expected a tokenizers JSON file)")
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust library raises a bare Exception
+            raise ValueError(f"{tokenizer_file} is not a valid tokenizers file: {exc}") from exc
+        config = _read_json(directory / "tokenizer_config.json")
+        generation = _read_json(directory / "generation_config.json")
+
+        def token_id(field: str) -> int | None:
+            content = _special_token_content(config.get(field))
+            if content is None:
+                return None
+            index = backend.token_to_id(content)
+            if index is None:
+                raise ValueError(
+                    f"{directory / 'tokenizer_config.json'}: {field} {content!r} is not in the "
+                    "vocabulary"
+                )
+            return index
+
+        bos, eos, pad, unk = (
+            token_id(f) for f in ("bos_token", "eos_token", "pad_token", "unk_token")
+        )
+        eos_ids = ([eos] if eos is not None else []) + _id_list(generation.get("eos_token_id"))
+        if bos is None and isinstance(generation.get("bos_token_id"), int):
+            bos = generation["bos_token_id"]
+
+        # As in transformers 5, tokenizer.json's post-processor alone decides whether a BOS is
+        # added; add_bos_token / add_eos_token in tokenizer_config.json are ignored.
+        probe = backend.encode("", add_special_tokens=True).ids
+        add_bos_token = bos is not None and probe[:1] == [bos]
+
+        template: Any = None
+        jinja_file = directory / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        else:
+            template = config.get("chat_template")
+            if isinstance(template, list):
+                # The list form holds named templates; "default" is the one transformers uses.
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                template = named.get("default")
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"{directory}: chat_template must be a string, got {type(template)}")
+        return cls(
+            backend,
+            eos_token_ids=eos_ids,
+            bos_token_id=bos,
+            pad_token_id=pad,
+            unk_token_id=unk,
+            chat_template=template,
+            add_bos_token=add_bos_token,
+        )
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. Special tokens written in the text map to their ids; with
+        ``add_special_tokens`` the tokenizer's BOS (when it adds one) is prepended."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens are left out when ``skip_special_tokens``. Raises
+        ``ValueError`` for an id outside the vocabulary."""
+        ids = self._checked_ids(ids)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary strings of ``ids`` (byte-level spelling, e.g. ``"Ġthe"``)."""
+        strings = self.token_strings()
+        return [strings[i] for i in self._checked_ids(ids)]
+
+    def token_strings(self) -> list[str]:
+        """Every vocabulary string indexed by id, added tokens included (for grammar backends).
+
+        Computed once and cached; callers must not modify the returned list.
+        """
+        if self._token_strings is None:
+            strings = [""] * self.vocab_size
+            for token, index in self.backend.get_vocab(with_added_tokens=True).items():
+                strings[index] = token
+            self._token_strings = strings
+        return self._token_strings
+
+    def _checked_ids(self, ids: Sequence[int]) -> list[int]:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        return ids
+
+    # ------------------------------------------------------------------ chat
+
+    def special_tokens_map(self) -> dict[str, str]:
+        """The named special tokens as strings (``bos_token``, ``eos_token``, ...), the variables
+        transformers hands every chat template."""
+        named = {
+            "bos_token": self.bos_token_id,
+            "eos_token": self.eos_token_id,
+            "unk_token": self.unk_token_id,
+            "pad_token": self.pad_token_id,
+        }
+        return {k: self.backend.id_to_token(v) for k, v in named.items() if v is not None}
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render ``messages`` with the chat template, as transformers' ``apply_chat_template``.
+
+        Extra keyword arguments (``tools``, ``documents``, anything the template reads) are passed
+        to the template and override the special-token variables. Keys whose value is None are
+        dropped from each message. With ``tokenize`` the text is encoded without adding special
+        tokens. Raises ``ValueError`` when there is no template or no message, ``TypeError`` for a
+        message that is not a dict and ``jinja2.TemplateError`` when the template rejects the chat.
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if not messages:
+            raise ValueError("cannot apply a chat template to an empty conversation")
+        chat = []
+        for message in messages:
+            if not isinstance(message, Mapping):
+                raise TypeError(f"chat messages must be dicts, got {message!r}")
+            chat.append({k: v for k, v in message.items() if v is not None})
+        variables: dict[str, Any] = {"tools": None, "documents": None}
+        variables.update(self.special_tokens_map())
+        variables.update(kwargs)
+        text = _compile_chat_template(self.chat_template).render(
+            messages=chat, add_generation_prompt=add_generation_prompt, **variables
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
+            f"eos_token_ids={self.eos_token_ids}, add_bos_token={self.add_bos_token})"
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """The object in ``path``, or {} when the file does not exist."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data

@@ -1,0 +1,63 @@
+"""Repetition, presence and frequency penalties (vLLM / OpenAI semantics)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    *,
+    repetition_penalty: torch.Tensor | None,
+    presence_penalty: torch.Tensor | None,
+    frequency_penalty: torch.Tensor | None,
+    prompt_mask: torch.Tensor | None,
+    output_counts: torch.Tensor | None,
+) -> torch.Tensor:
+    """Return float32 logits [N, V] with the penalties applied; `logits` is not modified.
+
+    In vLLM's order: the repetition penalty r (for tokens in the prompt or the
+    output, a positive logit is divided by r and a negative one multiplied by r),
+    then the frequency penalty (minus count * penalty), then the presence penalty
+    (minus penalty once for a token that occurs in the output). A penalty that is
+    None is skipped; rows with the neutral value (1.0, 0.0) are left unchanged.
+
+    Raises:
+        ValueError: if a penalty is given without the mask/counts it needs, or a
+            shape does not match `logits`.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}")
+    n, v = logits.shape
+    for name, tensor in (("prompt_mask", prompt_mask), ("output_counts", output_counts)):
+        if tensor is not None and tuple(tensor.shape) != (n, v):
+            raise ValueError(f"{name} must have shape {(n, v)}, got {tuple(tensor.shape)}")
+    for name, tensor in (
+        ("repetition_penalty", repetition_penalty),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+    ):
+        if tensor is not None and tuple(tensor.shape) != (n,):
+            raise ValueError(f"{name} must have shape ({n},), got {tuple(tensor.shape)}")
+
+    out = logits.float()
+    if repetition_penalty is not None:
+        if prompt_mask is None or output_counts is None:
+            raise ValueError("repetition_penalty needs prompt_mask and output_counts")
+        r = repetition_penalty.float().unsqueeze(1)
+        seen = prompt_mask | (output_counts > 0)
+        penalised = torch.where(out > 0, out / r, out * r)
+        out = torch.where(seen, penalised, out)
+    if frequency_penalty is not None:
+        if output_counts is None:
+            raise ValueError("frequency_penalty needs output_counts")
+        out = out - frequency_penalty.float().unsqueeze(1) * output_counts.float()
+    if presence_penalty is not None:
+        if output_counts is None:
+            raise ValueError("presence_penalty needs output_counts")
+        out = out - presence_penalty.float().unsqueeze(1) * (output_counts > 0).float()
+    if out is logits:
+        # Every penalty was None: still honour "logits is not modified" for callers
+        # that go on to work in place.
+        out = out.clone()
+    return out

