@@ -144,7 +144,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns outputs of requests that progressed or finished."""
         core_outputs = self.core.step()
-        results, stopped = self.outputs.process(core_outputs)
-        if stopped:
-            self.core.abort_requests(stopped)
+        results, to_abort = self.outputs.process(core_outputs)
+        if to_abort:  # finished by a stop string, or failed in output processing
+            self.core.abort_requests(to_abort)
         return results

@@ -39,7 +39,8 @@ class OutputProcessor:
     """Keeps per-request detokenisers and assembles ``RequestOutput`` objects.
 
     ``process`` returns the outputs of this step and the ids of engine-core
-    requests that a stop string finished (the caller aborts them in the core).
+    requests that a stop string finished or that failed here (the caller
+    aborts them in the core).
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -98,7 +99,7 @@ class OutputProcessor:
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
-        stopped_by_string: list[str] = []
+        to_abort: list[str] = []
         for out in outputs:
             pid = self._child_to_parent.get(out.request_id)
             if pid is None:
@@ -109,11 +110,11 @@ class OutputProcessor:
                 continue
             try:
                 if self._apply(child, out, now):
-                    stopped_by_string.append(out.request_id)
+                    to_abort.append(out.request_id)
             except Exception as exc:  # noqa: BLE001 - fail this completion, not the engine
                 child.completion.finish_reason = "error"
                 child.completion.error = f"{type(exc).__name__}: {exc}"
-                stopped_by_string.append(out.request_id)
+                to_abort.append(out.request_id)
             touched[pid] = parent
         results = []
         for pid, parent in touched.items():
@@ -121,7 +122,7 @@ class OutputProcessor:
             results.append(self._make_output(parent, finished))
             if finished:
                 self.remove(pid)
-        return results, stopped_by_string
+        return results, to_abort
 
     def _apply(self, child: _Child, out: EngineCoreOutput, now: float) -> bool:
         comp, m = child.completion, child.metrics

@@ -7,6 +7,7 @@ Everything expensive is session-scoped so the whole suite pays for it once.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -301,3 +302,19 @@ def hf_tokenizer(default_model_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(
         default_model_path.parent, gguf_file=default_model_path.name
     )
+
+
+def shared_data_dir() -> Path | None:
+    """The shared schema data (maskbench format): $BATON_DATA_DIR or ../shared/data."""
+    env = os.environ.get("BATON_DATA_DIR")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+    return path if path.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Directory of the shared schema files; skips the test when it is absent."""
+    path = shared_data_dir()
+    if path is None:
+        pytest.skip("shared schema data not found (set BATON_DATA_DIR)")
+    return path

@@ -180,3 +180,35 @@ def test_bad_input_raises_before_scheduling(llm, prompt, params, match):
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_failure_in_one_request_spares_the_others(llm, monkeypatch):
+    from baton.engine.detokenizer import IncrementalDetokenizer
+
+    original = IncrementalDetokenizer.update
+
+    def flaky(self, new_token_ids, stop_terminated=False):
+        if self.num_output_tokens >= 3 and "poison" in getattr(self, "_tag", ""):
+            raise RuntimeError("detokenizer exploded")
+        return original(self, new_token_ids, stop_terminated)
+
+    original_init = IncrementalDetokenizer.__init__
+
+    def tagging_init(self, tokenizer, prompt_token_ids, **kw):
+        original_init(self, tokenizer, prompt_token_ids, **kw)
+        text = llm.get_tokenizer().decode(list(prompt_token_ids or []))
+        self._tag = "poison" if "poison" in text else ""
+
+    monkeypatch.setattr(IncrementalDetokenizer, "update", flaky)
+    monkeypatch.setattr(IncrementalDetokenizer, "__init__", tagging_init)
+    outs = llm.generate(
+        ["A healthy prompt", "A poison prompt", "Another healthy one"],
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert reasons == ["length", "error", "length"]
+    assert "exploded" in outs[1].outputs[0].error
+    assert len(outs[0].outputs[0].token_ids) == 8
+    sched = llm.engine.core.scheduler
+    assert not sched.has_unfinished_requests() and sched.kv.num_used_blocks == 0

@@ -1,0 +1,138 @@
+"""What a request asks to be constrained to: ``StructuredOutputsParams``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+BackendName = Literal["auto", "xgrammar", "outlines"]
+KINDS: tuple[Kind, ...] = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+BACKENDS: tuple[BackendName, ...] = ("auto", "xgrammar", "outlines")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one constraint, plus options; validated for shape at construction.
+
+    Attributes:
+        json: a JSON schema (dict, JSON text, or a pydantic model class).
+        json_object: any JSON object.
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF (GBNF) grammar.
+        structural_tag: xgrammar's structural tag (dict or JSON text).
+        backend: "auto" (xgrammar, falling back to outlines-core), "xgrammar" or "outlines".
+        whitespace: "compact" (no free whitespace between JSON tokens: a small
+            model cannot loop on newlines) or "any" (free whitespace, at most
+            ``max_whitespace_cnt`` characters in a row).
+        max_whitespace_cnt: cap on a whitespace run with whitespace="any".
+        disable_additional_properties: treat every object schema as
+            ``additionalProperties: false`` unless it says otherwise.
+        allow_unenforced: accept a schema using keywords the chosen backend
+            does not enforce (they are then ignored).
+
+    Raises:
+        ValueError: zero or several constraints, or an option out of range.
+        Deeper checks (schema meta-validation, regex and EBNF syntax) happen in
+        ``baton.grammar.validation.validate_spec`` when the request is submitted.
+    """
+
+    json: dict[str, Any] | str | type | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    backend: BackendName = "auto"
+    whitespace: Literal["compact", "any"] = "compact"
+    max_whitespace_cnt: int = 4
+    disable_additional_properties: bool = False
+    allow_unenforced: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("choice must be a list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice:
+                raise ValueError("choice must hold at least one string")
+        given = [k for k in KINDS if self._raw(k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams takes exactly one of "
+                f"{', '.join(KINDS)}; got {len(given)}"
+                + (f" ({', '.join(given)})" if given else "")
+            )
+        if self.json_object is not False and self.json_object is not True:
+            raise ValueError("json_object must be a bool")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.whitespace not in ("compact", "any"):
+            raise ValueError(f"whitespace must be 'compact' or 'any', got {self.whitespace!r}")
+        if not isinstance(self.max_whitespace_cnt, int) or not 1 <= self.max_whitespace_cnt <= 64:
+            raise ValueError(
+                f"max_whitespace_cnt must be an int in [1, 64], got {self.max_whitespace_cnt!r}"
+            )
+        for name in ("regex", "grammar"):
+            v = self._raw(name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{name} must be a non-empty string")
+        if (
+            self.json is not None
+            and not isinstance(self.json, (dict, str, bool))
+            and not hasattr(self.json, "model_json_schema")
+        ):
+            raise ValueError("json must be a schema dict, JSON text, or a pydantic model class")
+
+    def _raw(self, name: str) -> Any:
+        return object.__getattribute__(self, name)
+
+    @property
+    def kind(self) -> Kind:
+        """Which constraint this is."""
+        return next(k for k in KINDS if self._raw(k) not in (None, False))
+
+    @property
+    def schema(self) -> dict[str, Any] | bool | None:
+        """The JSON schema as a Python value (None unless kind == "json").
+
+        Raises:
+            ValueError: the schema text is not JSON.
+        """
+        s = self.json
+        if s is None:
+            return None
+        if isinstance(s, str):
+            try:
+                return json.loads(s)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"json schema is not valid JSON: {exc}") from None
+        if isinstance(s, (dict, bool)):
+            return s
+        return s.model_json_schema()
+
+    @property
+    def spec_text(self) -> str:
+        """The constraint as canonical text: the cache key's spec part."""
+        kind = self.kind
+        if kind == "json":
+            return json.dumps(self.schema, sort_keys=True, separators=(",", ":"))
+        if kind == "json_object":
+            return "{}"
+        if kind == "choice":
+            return json.dumps(list(self.choice or ()))
+        if kind == "structural_tag":
+            st = self.structural_tag
+            return st if isinstance(st, str) else json.dumps(st, sort_keys=True)
+        return str(self._raw(kind))
+
+    @property
+    def options_key(self) -> tuple[Any, ...]:
+        """Options that change the compiled grammar (part of the cache key)."""
+        return (
+            self.whitespace,
+            self.max_whitespace_cnt if self.whitespace == "any" else None,
+            self.disable_additional_properties,
+        )
