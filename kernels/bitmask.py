@@ -1,0 +1,241 @@
+"""Apply a grammar's token bitmask to logits: a Triton kernel and its torch reference.
+
+Layout (xgrammar's): the bitmask is int32 ``[R, W]``; bit j of word w (little-endian within
+the word) allows token ``32 * w + j``. Bitmask row i applies to logits row ``indices[i]`` (row i
+when ``indices`` is None). Disallowed logits become -inf in place; logits columns at or beyond
+``32 * W`` are disallowed and bits at or beyond the vocabulary are ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install can still use the torch reference
+    triton = None
+
+_BITS = 32
+_DEFAULT_BLOCK_SIZE = 1024
+
+HAS_TRITON: bool = triton is not None
+"""True when triton is importable, i.e. `apply_token_bitmask_inplace_triton` can run."""
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Return bool [R, vocab_size]: True where the token is allowed.
+
+    `bitmask` is int32 [R, W]; bit j of word w (little-endian within the word,
+    xgrammar's layout) allows token 32*w + j. Tokens at or beyond 32*W are not
+    allowed; bits beyond `vocab_size` are ignored. Allocates the result.
+
+    Raises:
+        ValueError: if `bitmask` is not a 2-D int32 tensor or vocab_size < 0.
+    """
+    _check_bitmask(bitmask)
+    if vocab_size < 0:
+        raise ValueError(f"vocab_size must be >= 0, got {vocab_size}")
+    rows, words = bitmask.shape
+    shifts = torch.arange(_BITS, dtype=torch.int32, device=bitmask.device)
+    # An arithmetic shift copies the sign bit, but "& 1" keeps only bit j anyway.
+    bits = ((bitmask.unsqueeze(2) >> shifts) & 1).bool().reshape(rows, words * _BITS)
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    allowed = torch.zeros((rows, vocab_size), dtype=torch.bool, device=bitmask.device)
+    allowed[:, : bits.shape[1]] = bits
+    return allowed
+
+
+def apply_token_bitmask_inplace_torch(
+    logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None = None
+) -> None:
+    """Set the disallowed logits to -inf, in place, with torch ops (any device).
+
+    Bitmask row i applies to logits row `indices[i]` (to row i when `indices` is
+    None, in which case the row counts must match); indices must be distinct. A
+    token is allowed when its bit is set (see `unpack_bitmask`); logits columns
+    beyond 32 * words are disallowed. Unlike xgrammar's
+    `apply_token_bitmask_inplace`, `indices` names logits rows only: the bitmask
+    is already compacted to the rows it covers.
+
+    Raises:
+        ValueError: if `logits` is not 2-D floating point, `bitmask` not 2-D int32
+            or not on the logits' device, the row counts do not match, `indices` is
+            not a 1-D integer tensor of length R, or (on the CPU) an index is out of
+            range or repeated.
+    """
+    indices = _check_inputs(logits, bitmask, indices)
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    if indices is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
+    if indices.numel() == 0:
+        return
+    rows = logits.index_select(0, indices)
+    rows.masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, indices, rows)
+
+
+def apply_token_bitmask_inplace_triton(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    indices: torch.Tensor | None = None,
+    *,
+    block_size: int = _DEFAULT_BLOCK_SIZE,
+) -> None:
+    """Set the disallowed logits to -inf, in place, with one Triton kernel launch.
+
+    Same semantics and validation as `apply_token_bitmask_inplace_torch`. One
+    program handles `block_size` tokens of one bitmask row; it reads only the
+    bitmask (and the row index) and writes only the disallowed logits. On CUDA the
+    index values are not checked (that would need a device sync): rows out of
+    range are skipped instead of written, and repeated rows get the union of
+    their masks. Runs on CPU tensors only under the Triton interpreter
+    (TRITON_INTERPRET=1 set before this module is imported).
+
+    Raises:
+        ValueError: as `apply_token_bitmask_inplace_torch`; also if `logits` is not
+            on a CUDA device (outside the interpreter) or `block_size` is not a
+            power of two >= 32.
+        ImportError: if triton is not installed.
+    """
+    if not HAS_TRITON:
+        raise ImportError("apply_token_bitmask_inplace_triton needs triton, which is not installed")
+    if block_size < _BITS or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= {_BITS}, got {block_size}")
+    indices = _check_inputs(logits, bitmask, indices)
+    if logits.device.type != "cuda" and not _INTERPRETED:
+        raise ValueError(
+            f"logits must be on a CUDA device for the Triton kernel, got {logits.device}; set "
+            f"TRITON_INTERPRET=1 before importing triton to run it on the CPU"
+        )
+    num_rows, vocab = bitmask.shape[0], logits.shape[1]
+    if num_rows == 0 or vocab == 0:
+        return
+    grid = (num_rows, triton.cdiv(vocab, block_size))
+    _apply_token_bitmask_kernel[grid](
+        logits,
+        bitmask,
+        indices,
+        logits.shape[0],
+        vocab,
+        bitmask.shape[1],
+        logits.stride(0),
+        logits.stride(1),
+        bitmask.stride(0),
+        bitmask.stride(1),
+        BLOCK_SIZE=block_size,
+        num_warps=4,
+    )
+
+
+if HAS_TRITON:
+    # Triton reads parameter annotations as types (constexpr, i32, pointers), so the runtime
+    # arguments carry none: Triton specialises them on the values passed.
+    @triton.jit
+    def _apply_token_bitmask_kernel(
+        logits_ptr,
+        bitmask_ptr,
+        indices_ptr,
+        num_logit_rows,
+        vocab_size,
+        num_words,
+        logits_row_stride,
+        logits_col_stride,
+        bitmask_row_stride,
+        bitmask_col_stride,
+        BLOCK_SIZE: tl.constexpr,
+    ) -> None:
+        """Program (r, b): -inf into logits row indices[r] (or r) at the disallowed tokens of
+        block b of bitmask row r."""
+        mask_row = tl.program_id(0).to(tl.int64)
+        block = tl.program_id(1)
+        row = mask_row if indices_ptr is None else tl.load(indices_ptr + mask_row).to(tl.int64)
+        words = block * (BLOCK_SIZE // 32) + tl.arange(0, BLOCK_SIZE // 32)
+        # Words past the bitmask load as 0: their tokens are disallowed.
+        packed = tl.load(
+            bitmask_ptr + mask_row * bitmask_row_stride + words * bitmask_col_stride,
+            mask=words < num_words,
+            other=0,
+        )
+        bits = (packed[:, None] >> tl.arange(0, 32)[None, :]) & 1
+        disallowed = tl.reshape(bits == 0, (BLOCK_SIZE,))
+        cols = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        # Out-of-range rows are skipped: unchecked device indices must not write out of bounds.
+        # The row test folds into the column bound because the interpreter rejects a store mask
+        # made by and-ing a scalar bool with a block (its result comes out int32).
+        col_end = tl.where((row >= 0) & (row < num_logit_rows), vocab_size, 0)
+        tl.store(
+            logits_ptr + row * logits_row_stride + cols.to(tl.int64) * logits_col_stride,
+            float("-inf"),
+            mask=disallowed & (cols < col_end),
+        )
+
+
+# triton.jit picks the interpreter or the compiler when the kernel is defined (at import, from
+# TRITON_INTERPRET), so ask the kernel object which one it got, whatever the environment says now.
+_INTERPRETED: bool = (
+    HAS_TRITON and type(_apply_token_bitmask_kernel).__name__ == "InterpretedFunction"
+)
+
+
+def _check_bitmask(bitmask: torch.Tensor) -> None:
+    if not isinstance(bitmask, torch.Tensor) or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise ValueError(
+            f"bitmask must be a 2-D int32 tensor [rows, words], got {_describe(bitmask)}"
+        )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__
+
+
+def _check_inputs(
+    logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Validate the arguments of the apply functions; return `indices` as int64 on the logits'
+    device (None stays None)."""
+    if (
+        not isinstance(logits, torch.Tensor)
+        or logits.dim() != 2
+        or not logits.dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"logits must be a 2-D floating-point tensor [rows, vocab], got {_describe(logits)}"
+        )
+    _check_bitmask(bitmask)
+    if bitmask.device != logits.device:
+        raise ValueError(f"bitmask is on {bitmask.device} but logits is on {logits.device}")
+    num_rows = logits.shape[0]
+    if indices is None:
+        if bitmask.shape[0] != num_rows:
+            raise ValueError(
+                f"bitmask has {bitmask.shape[0]} rows but logits has {num_rows}; pass indices "
+                f"to map bitmask rows to logits rows"
+            )
+        return None
+    if (
+        not isinstance(indices, torch.Tensor)
+        or indices.dim() != 1
+        or indices.dtype.is_floating_point
+        or indices.dtype.is_complex
+        or indices.dtype == torch.bool
+    ):
+        raise ValueError(
+            f"indices must be a 1-D integer tensor of logits row numbers, got {_describe(indices)}"
+        )
+    if indices.shape[0] != bitmask.shape[0]:
+        raise ValueError(
+            f"indices has {indices.shape[0]} entries but bitmask has {bitmask.shape[0]} rows"
+        )
+    indices = indices.to(device=logits.device, dtype=torch.int64)
+    # Checking values needs them on the host: free on the CPU, a sync elsewhere.
+    if logits.device.type == "cpu" and indices.numel() > 0:
+        if bool((indices < 0).any()) or bool((indices >= num_rows).any()):
+            raise ValueError(f"indices must be in [0, {num_rows}), got {indices.tolist()}")
+        if torch.unique(indices).numel() != indices.numel():
+            raise ValueError(f"indices must be distinct, got {indices.tolist()}")
+    return indices
