@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLMEngine": "baton.engine.llm_engine",
     "EngineConfig": "baton.engine.config",
     "SamplingParams": "baton.engine.sampling_params",
+    "StructuredOutputsParams": "baton.grammar.spec",
     "RequestOutput": "baton.engine.outputs",
     "CompletionOutput": "baton.engine.outputs",
     "Logprob": "baton.engine.outputs",

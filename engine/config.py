@@ -23,6 +23,9 @@ class EngineConfig:
         enable_prefix_caching: reuse cached blocks of identical prefixes.
         seed: base of the seeds drawn for requests that bring none.
         device: torch device of the model.
+        grammar_compile_timeout_s: time limit of one grammar compile.
+        grammar_dynamic_compilation: let xgrammar compile JSON schemas lazily
+            (much faster compiles, slower first mask fills).
     """
 
     model: str | None = None
@@ -36,6 +39,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     device: str = "cpu"
+    grammar_compile_timeout_s: float = 10.0
+    grammar_dynamic_compilation: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -58,6 +63,13 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"EngineConfig.num_kv_blocks must be an int >= 2, got {self.num_kv_blocks!r}"
+            )
+        if not isinstance(self.grammar_compile_timeout_s, (int, float)) or not (
+            self.grammar_compile_timeout_s > 0
+        ):
+            raise ValueError(
+                "EngineConfig.grammar_compile_timeout_s must be > 0, "
+                f"got {self.grammar_compile_timeout_s!r}"
             )
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from baton.engine.model_runner import ModelRunner
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler import Scheduler
-from baton.engine.scheduler_output import EngineCoreOutput
+from baton.engine.scheduler_output import EngineCoreOutput, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.002
 
 
 class EngineCore:
@@ -34,6 +37,11 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         so = self.scheduler.schedule()
+        if so.is_empty and not so.finished_request_ids:
+            # Only grammars still compiling: give the compile threads the CPU.
+            time.sleep(_IDLE_WAIT_S)
+            return self.scheduler.update_from_output(so, ModelRunnerOutput([], []))
         fwd = self.runner.execute_model(so)
-        out = self.runner.sample_tokens(fwd, grammar=None)
+        grammar = self.scheduler.get_grammar_bitmask(so)
+        out = self.runner.sample_tokens(fwd, grammar)
         return self.scheduler.update_from_output(so, out)

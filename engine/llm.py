@@ -74,8 +74,9 @@ class LLM:
         """
         prompt_list = _as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompt_list))
-        for p in prompt_list:
-            self.engine._tokenize(p)  # validate all before queuing any
+        for p, sp in zip(prompt_list, params, strict=True):  # validate all before queuing any
+            self.engine._tokenize(p)
+            self.engine.validate_params(sp)
         ids = []
         for prompt, sp in zip(prompt_list, params, strict=True):
             rid = f"llm-{next(self._ids)}"

@@ -19,6 +19,7 @@ from baton.engine.outputs import RequestOutput
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
+from baton.engine.structured_outputs import StructuredOutputManager
 from baton.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,14 +49,28 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(ckpt)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         caches = allocate_kv_cache(ckpt.config, num_blocks, config.block_size, config.dtype)
-        runner = ModelRunner(
-            model, caches, config.block_size, config.max_num_seqs, self.max_model_len
-        )
-        self.core = EngineCore(Scheduler(config, kv, self.max_model_len), runner)
-        self.outputs = OutputProcessor(self.tokenizer)
-        self._seeds = random.Random(config.seed)
         eos = set(ckpt.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
+        runner = ModelRunner(
+            model,
+            caches,
+            config.block_size,
+            config.max_num_seqs,
+            self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            tokenizer_vocab_size=self.tokenizer.vocab_size,
+        )
+        self.structured = StructuredOutputManager(
+            self.tokenizer,
+            ckpt.config.vocab_size,
+            config.max_num_seqs,
+            compile_timeout_s=config.grammar_compile_timeout_s,
+            dynamic_compilation=config.grammar_dynamic_compilation,
+        )
+        scheduler = Scheduler(config, kv, self.max_model_len, self.structured)
+        self.core = EngineCore(scheduler, runner)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._seeds = random.Random(config.seed)
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
             ckpt.path,
@@ -93,12 +108,26 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
+        self.validate_params(params)
         if self.outputs.child_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         seeds = self._request_seeds(params)
         child_ids = self.outputs.add_request(request_id, text, token_ids, params)
         for cid, seed in zip(child_ids, seeds, strict=True):
             self.core.add_request(Request.new(cid, token_ids, params, self.eos_token_ids, seed))
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Checks what SamplingParams cannot check alone (the structured-output spec).
+
+        Raises:
+            ValueError: naming what is wrong.
+        """
+        if params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be < vocab size {vocab}, got {bad}")
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -9,19 +9,13 @@ import torch
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.llama import KVCache, LlamaForCausalLM
 from baton.engine.request_states import RequestStates
-from baton.engine.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from baton.engine.scheduler_output import (
+    GrammarOutput,
+    Logprobs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from baton.sampler import Sampler, SamplingMetadata
-
-
-@dataclass(frozen=True)
-class GrammarOutput:
-    """Grammar bitmask rows for the structured requests of one step.
-
-    ``bitmask`` is int32 ``[len(request_ids), ceil(vocab / 32)]``.
-    """
-
-    request_ids: tuple[str, ...]
-    bitmask: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -52,8 +46,13 @@ class ModelRunner:
         block_size: int,
         max_num_reqs: int,
         max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        tokenizer_vocab_size: int | None = None,
     ) -> None:
         self.model = model
+        self.eos_token_ids = tuple(eos_token_ids)
+        # Ids past the tokenizer (padding rows of the embedding) can never be decoded.
+        self.tokenizer_vocab_size = tokenizer_vocab_size
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.vocab_size = model.config.vocab_size
@@ -117,6 +116,7 @@ class ModelRunner:
         logprobs: dict[str, Logprobs] = {}
         if fwd.sample_request_ids:
             logits = self.model.compute_logits(fwd.hidden)
+            self._ban_tokens(logits, fwd)
             if grammar is not None and grammar.request_ids:
                 self._apply_grammar(logits, fwd, grammar)
             meta = self._sampling_metadata(fwd.sample_rows)
@@ -131,6 +131,23 @@ class ModelRunner:
             sampled_token_ids=[sampled.get(r, []) for r in fwd.request_ids],
             logprobs=logprobs,
         )
+
+    def _ban_tokens(self, logits: torch.Tensor, fwd: ForwardOutput) -> None:
+        """Tokens a row may not sample: undecodable ids, and stop tokens before min_tokens."""
+        if self.tokenizer_vocab_size is not None and self.tokenizer_vocab_size < logits.shape[1]:
+            logits[:, self.tokenizer_vocab_size :] = float("-inf")
+        st = self.states
+        for i, row in enumerate(fwd.sample_rows.tolist()):
+            sp = st.params[row]
+            if (
+                sp.min_tokens
+                and int(st.num_tokens[row] - st.num_prompt_tokens[row]) < sp.min_tokens
+            ):
+                banned = list(sp.stop_token_ids) + (
+                    [] if sp.ignore_eos else list(self.eos_token_ids)
+                )
+                if banned:
+                    logits[i, banned] = float("-inf")
 
     def _apply_grammar(
         self, logits: torch.Tensor, fwd: ForwardOutput, grammar: GrammarOutput

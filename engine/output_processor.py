@@ -28,6 +28,8 @@ class _Parent:
     params: SamplingParams
     children: dict[str, _Child] = field(default_factory=dict)
     arrival_time: float = 0.0
+    structured_backend: str | None = None
+    structured_fallback_reason: str | None = None
 
 
 def child_request_id(parent_id: str, index: int, n: int) -> str:
@@ -108,6 +110,9 @@ class OutputProcessor:
             child = parent.children[out.request_id]
             if child.completion.finished:
                 continue
+            if out.structured_backend is not None:
+                parent.structured_backend = out.structured_backend
+                parent.structured_fallback_reason = out.structured_fallback_reason
             try:
                 if self._apply(child, out, now):
                     to_abort.append(out.request_id)
@@ -188,6 +193,8 @@ class OutputProcessor:
             finished=finished,
             metrics=first if len(children) == 1 else _merge_metrics([c.metrics for c in children]),
             num_cached_tokens=first.num_cached_tokens,
+            structured_output_backend=parent.structured_backend,
+            structured_output_fallback_reason=parent.structured_fallback_reason,
         )
 
 

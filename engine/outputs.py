@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -69,4 +69,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    extra: dict[str, object] = field(default_factory=dict)
+    # The structured-output backend that served the request, and why the
+    # preferred one did not (auto mode), if it did not.
+    structured_output_backend: str | None = None
+    structured_output_fallback_reason: str | None = None

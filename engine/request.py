@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from baton.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.engine.structured_outputs import StructuredState
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +65,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    structured: StructuredState | None = None
 
     @classmethod
     def new(

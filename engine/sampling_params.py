@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from baton.grammar.spec import StructuredOutputsParams
 
 _MAX_SEED = 2**63 - 1
 
@@ -34,8 +35,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Filled by later layers (structured outputs); kept generic to avoid an import cycle.
-    structured_outputs: Any = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence (list, a single string) for the two tuple fields.
@@ -86,6 +86,10 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20
         ):
             raise bad("logprobs", "None or an int in [0, 20]")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "None or a StructuredOutputsParams")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from baton.engine.config import EngineConfig
 from baton.engine.kv_cache_manager import KVCacheManager
@@ -12,10 +13,14 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
+    GrammarOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from baton.engine.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +35,20 @@ class Scheduler:
     recomputed later, mostly from the prefix cache).
     """
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        structured: StructuredOutputManager | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.structured = structured
+        # Outputs produced outside update_from_output (failed compiles),
+        # delivered with the next update.
+        self._side_outputs: list[EngineCoreOutput] = []
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -44,6 +59,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        spec = request.sampling_params.structured_outputs
+        if spec is not None:
+            if self.structured is None:
+                raise ValueError("this engine has no structured-output support")
+            request.structured = self.structured.start(spec)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -104,12 +125,16 @@ class Scheduler:
             new_blocks[req.request_id] = blocks
             budget -= n
 
+        skipped: list[Request] = []  # grammars still compiling: they keep their place
         while self.waiting and not preempted and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                break
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(req):
+                self.waiting.popleft()
+                if not req.is_finished:
+                    skipped.append(req)
+                continue
             cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
             req.num_computed_tokens = cached
             if req.num_cached_tokens < 0:
@@ -125,11 +150,42 @@ class Scheduler:
             new_reqs.append(req)
             num_sched[req.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
         out = self._make_output(num_sched, new_reqs, new_blocks, preempted)
         for rid, n in num_sched.items():
             self.requests[rid].num_computed_tokens += n
         return out
+
+    def _grammar_ready(self, req: Request) -> bool:
+        """Polls a compiling grammar; a failed compile finishes the request with an error."""
+        assert self.structured is not None and req.structured is not None
+        result = self.structured.poll(req.structured)
+        if result is None:
+            return False
+        if req.structured.matcher is None:
+            message = f"grammar compilation failed: {result.error}"
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = message
+            self._free(req)
+            self._side_outputs.append(
+                EngineCoreOutput(req.request_id, [], finish_reason="error", error=message)
+            )
+            return False
+        req.status = RequestStatus.WAITING
+        return True
+
+    def get_grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
+        """Bitmask rows for this step's structured requests that will sample."""
+        if self.structured is None or not so.structured_request_ids:
+            return None
+        sampling = [
+            req
+            for rid in so.structured_request_ids
+            if (req := self.requests.get(rid)) is not None
+            and req.num_computed_tokens >= req.num_tokens_with_placeholders
+        ]
+        return self.structured.grammar_bitmask(sampling)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens_with_placeholders - req.num_computed_tokens
@@ -187,6 +243,9 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_sched.values()),
             finished_request_ids=finished,
             preempted_request_ids=frozenset(r.request_id for r in preempted),
+            structured_request_ids=frozenset(
+                rid for rid in num_sched if self.requests[rid].structured is not None
+            ),
         )
 
     # ------------------------------------------------------------------ update
@@ -199,7 +258,7 @@ class Scheduler:
         A failure while handling one request finishes only that request, with
         an error.
         """
-        results: list[EngineCoreOutput] = []
+        results, self._side_outputs = self._side_outputs, []
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
             req = self.requests.get(rid)
             if req is None or req.is_finished or rid in so.preempted_request_ids:
@@ -226,6 +285,8 @@ class Scheduler:
         req.num_output_placeholders = max(0, req.num_output_placeholders - len(tokens))
         accepted: list[int] = []
         for tok in tokens:
+            if req.structured is not None and not self._advance_grammar(req, tok):
+                return [self._fail(req, f"grammar rejected sampled token {tok}")]
             req.output_token_ids.append(tok)
             accepted.append(tok)
             if self._check_stop(req, tok):
@@ -242,13 +303,28 @@ class Scheduler:
                 stop_reason=req.stop_reason,
                 logprobs=out.logprobs.get(req.request_id),
                 num_cached_tokens=max(req.num_cached_tokens, 0),
+                structured_backend=req.structured.backend if req.structured else None,
+                structured_fallback_reason=(
+                    req.structured.fallback_reason if req.structured else None
+                ),
             )
         ]
+
+    def _advance_grammar(self, req: Request, token: int) -> bool:
+        assert self.structured is not None
+        if not self.structured.accept(req, [token]):
+            logger.error("request %s: grammar rejected sampled token %d", req.request_id, token)
+            return False
+        if self.structured.is_terminated(req):
+            req.status = RequestStatus.FINISHED_STOPPED
+        return True
 
     def _known_computed(self, req: Request) -> int:
         return min(req.num_computed_tokens - req.num_output_placeholders, req.num_tokens)
 
     def _check_stop(self, req: Request, token: int) -> bool:
+        if req.status == RequestStatus.FINISHED_STOPPED:  # the grammar ended
+            return True
         sp = req.sampling_params
         n_out = req.num_output_tokens
         if n_out >= sp.min_tokens:

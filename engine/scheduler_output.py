@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from baton.engine.sampling_params import SamplingParams
 
 
@@ -58,6 +60,17 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class GrammarOutput:
+    """Grammar bitmask rows for the structured requests of one step.
+
+    ``bitmask`` is int32 ``[len(request_ids), ceil(vocab / 32)]``.
+    """
+
+    request_ids: tuple[str, ...]
+    bitmask: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Logprobs:
     """Logprobs of sampled tokens: per token, the sampled id then the top-k, with ranks."""
 
@@ -91,6 +104,9 @@ class EngineCoreOutput:
     logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # Which structured-output backend served the request, and why not the preferred one.
+    structured_backend: str | None = None
+    structured_fallback_reason: str | None = None
 
     @property
     def finished(self) -> bool:

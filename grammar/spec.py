@@ -58,7 +58,7 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
             if not self.choice:
                 raise ValueError("choice must hold at least one string")
-        given = [k for k in KINDS if self._raw(k) not in (None, False)]
+        given = [k for k in KINDS if self._given(k)]
         if len(given) != 1:
             raise ValueError(
                 "StructuredOutputsParams takes exactly one of "
@@ -89,10 +89,15 @@ class StructuredOutputsParams:
     def _raw(self, name: str) -> Any:
         return object.__getattribute__(self, name)
 
+    def _given(self, kind: str) -> bool:
+        # json=False is the valid schema that accepts nothing; json_object=False is "not asked".
+        value = self._raw(kind)
+        return value is True if kind == "json_object" else value is not None
+
     @property
     def kind(self) -> Kind:
         """Which constraint this is."""
-        return next(k for k in KINDS if self._raw(k) not in (None, False))
+        return next(k for k in KINDS if self._given(k))
 
     @property
     def schema(self) -> dict[str, Any] | bool | None:
@@ -118,7 +123,8 @@ class StructuredOutputsParams:
         """The constraint as canonical text: the cache key's spec part."""
         kind = self.kind
         if kind == "json":
-            return json.dumps(self.schema, sort_keys=True, separators=(",", ":"))
+            # Key order is kept: backends emit properties in schema order.
+            return json.dumps(self.schema, separators=(",", ":"))
         if kind == "json_object":
             return "{}"
         if kind == "choice":

@@ -1,0 +1,139 @@
+"""The engine's side of structured outputs: per-request grammars and step bitmasks.
+
+``grammar/`` knows nothing of requests; this manager ties its compile service
+and matchers to requests, checks specs at submission, and fills the bitmask
+rows of the requests that sample in a step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from baton.engine.request import Request
+from baton.engine.scheduler_output import GrammarOutput
+from baton.grammar.backend import GrammarBackend, GrammarMatcher, allocate_bitmask
+from baton.grammar.compile_service import CompileHandle, CompileResult, CompileService
+from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.validation import check_enforceable, validate_spec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StructuredState:
+    """One request's grammar: pending compile, then its matcher."""
+
+    spec: StructuredOutputsParams
+    handle: CompileHandle | None = None
+    matcher: GrammarMatcher | None = None
+    backend: str | None = None
+    fallback_reason: str | None = None
+    compile_seconds: float = 0.0
+
+
+class StructuredOutputManager:
+    """Validates specs, compiles them off-thread and fills bitmasks for the engine.
+
+    Args:
+        tokenizer: the model's tokenizer (baton ``Tokenizer``).
+        vocab_size: the model's vocabulary size (bitmask width ceil(vocab_size / 32)).
+        max_rows: most structured rows in one step (max_num_seqs).
+        compile_timeout_s: time limit of one compile.
+        dynamic_compilation: xgrammar compiles JSON schemas lazily.
+    """
+
+    def __init__(
+        self,
+        tokenizer: object,
+        vocab_size: int,
+        max_rows: int,
+        compile_timeout_s: float = 10.0,
+        cache_size: int = 256,
+        dynamic_compilation: bool = False,
+    ) -> None:
+        self.vocab_size = vocab_size
+
+        def xgrammar() -> GrammarBackend:
+            from baton.grammar.xgrammar_backend import XGrammarBackend
+
+            return XGrammarBackend(tokenizer, vocab_size, dynamic_compilation=dynamic_compilation)
+
+        def outlines() -> GrammarBackend:
+            from baton.grammar.outlines_backend import OutlinesBackend
+
+            return OutlinesBackend(tokenizer, vocab_size)
+
+        self.service = CompileService(
+            {"xgrammar": xgrammar, "outlines": outlines}, compile_timeout_s, cache_size
+        )
+        self._bitmask = allocate_bitmask(max_rows, vocab_size)
+
+    # ------------------------------------------------------------ submission
+    def validate(self, spec: StructuredOutputsParams) -> None:
+        """Checks a spec before anything is scheduled.
+
+        Raises:
+            ValueError: naming what is wrong (syntax, meta-invalid schema,
+                keywords no allowed backend enforces, limits).
+        """
+        validate_spec(spec)
+        _, reasons = self.service.candidates(spec)
+        names = ["xgrammar", "outlines"] if spec.backend == "auto" else [spec.backend]
+        check_enforceable(spec, {n: reasons.get(n) for n in names})
+
+    def start(self, spec: StructuredOutputsParams) -> StructuredState:
+        """Starts compiling; the request waits for the result."""
+        return StructuredState(spec=spec, handle=self.service.submit(spec))
+
+    def poll(self, state: StructuredState) -> CompileResult | None:
+        """None while compiling; the result once done (a matcher is then ready on success)."""
+        if state.matcher is not None:
+            return CompileResult(None, state.backend or "")
+        assert state.handle is not None
+        result = state.handle.result()
+        if result is None:
+            return None
+        state.handle = None
+        state.backend = result.backend
+        state.fallback_reason = result.fallback_reason
+        state.compile_seconds = result.seconds
+        if result.grammar is not None:
+            state.matcher = result.grammar.new_matcher()
+        return result
+
+    # ------------------------------------------------------------------ steps
+    def grammar_bitmask(self, requests: Sequence[Request]) -> GrammarOutput | None:
+        """Bitmask rows for the structured requests that sample this step.
+
+        Rows are filled per backend in one batched call each.
+        """
+        reqs = [r for r in requests if r.structured is not None and r.structured.matcher]
+        if not reqs:
+            return None
+        by_backend: dict[str, tuple[list[GrammarMatcher], list[int]]] = {}
+        for row, req in enumerate(reqs):
+            matchers, rows = by_backend.setdefault(req.structured.backend, ([], []))
+            matchers.append(req.structured.matcher)
+            rows.append(row)
+        bitmask = self._bitmask[: len(reqs)]
+        for name, (matchers, rows) in by_backend.items():
+            self.service.backend(name).fill_bitmasks(matchers, bitmask, rows)
+        # A view of the preallocated buffer: valid until the next call.
+        return GrammarOutput(tuple(r.request_id for r in reqs), bitmask)
+
+    @staticmethod
+    def accept(req: Request, tokens: Sequence[int]) -> bool:
+        """Advances the request's matcher; False if the grammar rejects a token."""
+        assert req.structured is not None and req.structured.matcher is not None
+        return req.structured.matcher.accept_tokens(tokens)
+
+    @staticmethod
+    def is_terminated(req: Request) -> bool:
+        return bool(
+            req.structured and req.structured.matcher and req.structured.matcher.is_terminated()
+        )
+
+    def shutdown(self) -> None:
+        self.service.shutdown()

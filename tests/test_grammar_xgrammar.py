@@ -1,0 +1,853 @@
+"""The xgrammar backend: every spec kind, matcher semantics, batched masks, the enforcement table
+(each entry shown with an instance), and a sweep over the shared schema data."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from baton.engine.tokenizer import Tokenizer
+from baton.grammar.backend import GrammarError, GrammarMatcher, allocate_bitmask
+from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.xgrammar_backend import (
+    XGRAMMAR_ENFORCED_FORMATS,
+    XGRAMMAR_ENFORCED_KEYWORDS,
+    XGRAMMAR_UNENFORCED_FORMATS,
+    XGRAMMAR_UNENFORCED_KEYWORDS,
+    XGrammarBackend,
+    XGrammarCompiledGrammar,
+    bitmask_allowed,
+    close_object_schemas,
+    xgrammar_unenforced_keywords,
+)
+
+VOCAB = 49152
+EOS = 2  # <|im_end|>
+IM_START = 1
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer: Tokenizer) -> XGrammarBackend:
+    return XGrammarBackend(tokenizer, VOCAB)
+
+
+def ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def compile_spec(backend: XGrammarBackend, **kwargs: Any) -> XGrammarCompiledGrammar:
+    return backend.compile(StructuredOutputsParams(**kwargs))
+
+
+def allowed(matcher: GrammarMatcher) -> set[int]:
+    bitmask = allocate_bitmask(1, VOCAB)
+    matcher.fill_bitmask(bitmask, 0)
+    return set(bitmask_allowed(bitmask, 0, VOCAB))
+
+
+def walk(tokenizer: Tokenizer, grammar: XGrammarCompiledGrammar, text: str) -> bool:
+    """Whether the matcher takes ``text`` token by token and then EOS (which terminates it)."""
+    matcher = grammar.new_matcher()
+    for token in ids(tokenizer, text):
+        if not matcher.accept_tokens([token]):
+            return False
+    return matcher.accept_tokens([EOS]) and matcher.is_terminated()
+
+
+def compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+# ------------------------------------------------------------------------------------- kinds
+
+STRUCTURAL_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<call>"],
+        "tags": [
+            {
+                "type": "tag",
+                "begin": "<call>",
+                "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+                "end": "</call>",
+            }
+        ],
+    },
+}
+LEGACY_STRUCTURAL_TAG = {
+    "type": "structural_tag",
+    "structures": [{"begin": "<call>", "schema": {"type": "integer"}, "end": "</call>"}],
+    "triggers": ["<call>"],
+}
+
+KIND_CASES = [
+    (
+        {"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+        '{"a":12}',
+        '{"a":"x"}',
+    ),
+    ({"json_object": True}, '{"k":{"n":[1,"x",null,true]}}', "[1]"),
+    ({"regex": r"\d{3}-[a-z]+"}, "123-abc", "12-abc"),
+    ({"choice": ("yes", "no", 'say "hi"')}, 'say "hi"', "yes!"),
+    ({"grammar": 'root ::= "(" root ")" | "x"'}, "((x))", "((x)"),
+    ({"structural_tag": STRUCTURAL_TAG}, "hello <call>42</call> bye", "hi <call>x</call>"),
+    ({"structural_tag": json.dumps(LEGACY_STRUCTURAL_TAG)}, "a<call>7</call>", "a<call>?</call>"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "good", "bad"), KIND_CASES, ids=lambda c: str(c)[:24])
+def test_every_kind_accepts_valid_and_rejects_invalid(
+    backend: XGrammarBackend, tokenizer: Tokenizer, kwargs: dict, good: str, bad: str
+) -> None:
+    grammar = compile_spec(backend, **kwargs)
+    assert grammar.backend_name == "xgrammar"
+    assert walk(tokenizer, grammar, good)
+    assert not walk(tokenizer, grammar, bad)
+
+
+def test_eos_only_at_an_accepting_state(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
+    matcher = compile_spec(backend, regex="ab|abcd").new_matcher()
+    assert EOS not in allowed(matcher)
+    assert not matcher.accept_tokens([EOS])
+    assert matcher.accept_tokens(ids(tokenizer, "ab"))
+    assert EOS in allowed(matcher)  # "ab" may end here, or go on to "abcd"
+    assert len(allowed(matcher)) > 1
+    assert matcher.accept_tokens(ids(tokenizer, "cd"))
+    assert allowed(matcher) == {EOS}
+    assert not matcher.is_terminated()
+    assert matcher.accept_tokens([EOS])
+    assert matcher.is_terminated()
+    # Terminated: nothing more is taken, the mask allows only EOS, nothing is forced.
+    assert not matcher.accept_tokens(ids(tokenizer, "a"))
+    assert allowed(matcher) == {EOS}
+    assert matcher.jump_forward_string() == ""
+    matcher.rollback(1)
+    assert not matcher.is_terminated()
+
+
+def test_control_tokens_are_never_allowed(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
+    matcher = compile_spec(backend, regex=r"[\s\S]*").new_matcher()
+    mask = allowed(matcher)
+    special = set(backend.vocab.special_ids) - {EOS}
+    assert special and not mask & special
+    assert EOS in mask and len(mask) > 40000
+    assert not matcher.accept_tokens([IM_START])
+    # The same text spelled with ordinary tokens is just text.
+    spelled = ids(tokenizer, "<|") + ids(tokenizer, "im_start|>")
+    assert not set(spelled) & special
+    assert matcher.accept_tokens(spelled)
+
+
+def test_padded_model_vocabulary(tokenizer: Tokenizer) -> None:
+    padded = XGrammarBackend(tokenizer, VOCAB + 40)
+    matcher = padded.compile(StructuredOutputsParams(regex=r"[\s\S]*")).new_matcher()
+    bitmask = allocate_bitmask(1, VOCAB + 40)
+    assert bitmask.shape == (1, (VOCAB + 40 + 31) // 32)
+    matcher.fill_bitmask(bitmask, 0)
+    mask = set(bitmask_allowed(bitmask, 0, VOCAB + 40))
+    assert not mask & set(range(VOCAB, VOCAB + 40))
+    assert not matcher.accept_tokens([VOCAB + 3])
+    with pytest.raises(ValueError, match="bitmask"):
+        matcher.fill_bitmask(allocate_bitmask(1, VOCAB), 0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        XGrammarBackend(tokenizer, 0)
+    with pytest.raises(ValueError, match="EOS"):
+        XGrammarBackend(tokenizer, EOS)
+    with pytest.raises(ValueError, match="max_threads"):
+        XGrammarBackend(tokenizer, VOCAB, max_threads=0)
+
+
+def test_accept_validate_rollback_reset(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
+    matcher = compile_spec(backend, regex="hello world|help").new_matcher()
+    good = ids(tokenizer, "hello world")
+    assert len(good) >= 2
+    start = allowed(matcher)
+    # All or nothing: a rejected token undoes the ones before it in the same call.
+    assert not matcher.accept_tokens([*good, good[0]])
+    assert allowed(matcher) == start
+    assert matcher.validate_tokens([*good, good[0]]) == len(good)
+    assert matcher.validate_tokens([*good, EOS]) == len(good) + 1
+    assert allowed(matcher) == start and not matcher.is_terminated()
+    assert matcher.accept_tokens(good[:1])
+    after_one = allowed(matcher)
+    assert matcher.accept_tokens(good[1:])
+    matcher.rollback(len(good) - 1)
+    assert allowed(matcher) == after_one
+    matcher.rollback(0)
+    with pytest.raises(ValueError, match="roll back"):
+        matcher.rollback(5)
+    with pytest.raises(ValueError):
+        matcher.rollback(-1)
+    matcher.reset()
+    assert allowed(matcher) == start
+    assert matcher.accept_tokens(good + [EOS]) and matcher.is_terminated()
+    matcher.reset()
+    assert not matcher.is_terminated()
+
+
+def test_jump_forward_string(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    matcher = compile_spec(backend, json=schema).new_matcher()
+    assert matcher.jump_forward_string() == '{"name":"'
+    assert matcher.accept_tokens(ids(tokenizer, '{"name":"x"'))
+    assert matcher.jump_forward_string() == "}"
+
+
+def test_choice_is_exactly_the_strings(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
+    choices = ("a", 'q"uote', "back\\slash", "new\nline", "tab\t", "é😀", "<|end|>", "")
+    grammar = compile_spec(backend, choice=choices)
+    for choice in choices:
+        assert walk(tokenizer, grammar, choice), repr(choice)
+    for other in ("b", "aa", 'q\\"uote', "back\\\\slash", "new\\nline", " a"):
+        assert not walk(tokenizer, grammar, other), repr(other)
+
+
+def test_compile_errors_name_the_kind(backend: XGrammarBackend) -> None:
+    cases = [
+        ({"regex": "(?=a)b"}, "regex spec: .*Lookahead"),
+        ({"grammar": "root ::= undefined_rule"}, "grammar spec: .*undefined_rule"),
+        ({"json": {"type": "array", "items": [{"type": "integer"}]}}, "json spec: .*items"),
+        ({"json": "{not json"}, "json spec: .*not valid JSON"),
+        ({"json": {"type": "string", "pattern": "\\p{L}"}}, "json spec: .*Unicode"),
+        ({"structural_tag": {"type": "nope"}}, "structural_tag spec"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(GrammarError, match=message):
+            backend.compile(StructuredOutputsParams(**kwargs))
+
+
+# -------------------------------------------------------------------------------- whitespace
+
+
+def test_compact_and_any_whitespace(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
+    space, newline = ids(tokenizer, " ")[0], ids(tokenizer, "\n")[0]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    compact_m = compile_spec(backend, json=schema).new_matcher()
+    assert compact_m.accept_tokens(ids(tokenizer, "{"))
+    assert not allowed(compact_m) & {space, newline}
+    assert not walk(tokenizer, compile_spec(backend, json=schema), '{"a": 1}')
+    assert walk(tokenizer, compile_spec(backend, json=schema), '{"a":1}')
+
+    loose = compile_spec(backend, json=schema, whitespace="any", max_whitespace_cnt=2)
+    matcher = loose.new_matcher()
+    assert matcher.accept_tokens(ids(tokenizer, "{"))
+    assert {space, newline} <= allowed(matcher)
+    assert matcher.accept_tokens([space, newline])
+    assert not allowed(matcher) & {space, newline}  # the cap: two in a row
+    assert walk(tokenizer, loose, '{ "a" :  1 }')
+    assert not walk(tokenizer, loose, '{"a":   1}')
+    obj = compile_spec(backend, json_object=True)
+    assert not walk(tokenizer, obj, '{"a": 1}')
+    assert walk(tokenizer, compile_spec(backend, json_object=True, whitespace="any"), '{"a": 1}')
+
+
+def test_disable_additional_properties(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"inner": {"type": "object"}, "ref": {"$ref": "#/$defs/open"}},
+        "additionalProperties": {"type": "integer"},
+        "$defs": {"open": {"type": ["object", "null"]}},
+    }
+    text = '{"inner":{"x":1},"extra":2}'
+    assert walk(tokenizer, compile_spec(backend, json=schema), text)
+    closed = compile_spec(backend, json=schema, disable_additional_properties=True)
+    assert not walk(tokenizer, closed, text)
+    assert not walk(tokenizer, closed, '{"inner":{"x":1}}')
+    assert walk(tokenizer, closed, '{"inner":{},"extra":2}')  # its own setting stays
+    copy_ = close_object_schemas(schema)
+    assert copy_["properties"]["inner"]["additionalProperties"] is False
+    assert copy_["$defs"]["open"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema["$defs"]["open"]  # the original is untouched
+
+
+# ------------------------------------------------------------------------------------ batching
+
+
+@pytest.mark.parametrize("parallel_from", [1, 128], ids=["threads", "one-thread"])
+def test_batch_fill_equals_single_fills(tokenizer: Tokenizer, parallel_from: int) -> None:
+    backend = XGrammarBackend(tokenizer, VOCAB, parallel_fill_min_rows=parallel_from)
+    specs = [
+        ({"json": {"type": "object", "properties": {"n": {"type": "integer"}}}}, '{"n":1'),
+        ({"json_object": True}, '{"a":['),
+        ({"regex": "[a-z]+@[a-z]+"}, "abc@"),
+        ({"choice": ("alpha", "beta")}, "al"),
+        ({"grammar": 'root ::= ("a" | "b")+'}, "ab"),
+        ({"regex": "x"}, "x"),
+        ({"json": {"type": "array", "items": {"type": "string"}}}, ""),
+    ]
+    matchers = []
+    for kwargs, prefix in specs:
+        matcher = compile_spec(backend, **kwargs).new_matcher()
+        assert matcher.accept_tokens(ids(tokenizer, prefix))
+        matchers.append(matcher)
+    matchers[5].accept_tokens([EOS])  # a terminated one in the batch
+    rows = [6, 0, 3, 8, 1, 4, 7]
+    batch = allocate_bitmask(9, VOCAB)
+    backend.fill_bitmasks(matchers, batch, rows)
+    single = allocate_bitmask(9, VOCAB)
+    for matcher, row in zip(matchers, rows, strict=True):
+        matcher.fill_bitmask(single, row)
+    assert torch.equal(batch, single)
+    for untouched in (2, 5):
+        assert bool((batch[untouched] == -1).all())
+    assert len({tuple(batch[r].tolist()) for r in rows}) == len(rows)
+
+    with pytest.raises(TypeError):
+        backend.fill_bitmasks([object()], batch, [0])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        backend.fill_bitmasks(matchers[:1], batch.to(torch.int64), [0])
+    with pytest.raises(ValueError):
+        backend.fill_bitmasks(matchers[:2], batch, [0])
+
+
+def test_concurrent_compiles(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
+    texts = [str(10**i) for i in range(8)]
+    results: dict[int, bool] = {}
+
+    def work(i: int) -> None:
+        grammar = backend.compile(StructuredOutputsParams(json={"type": "integer", "minimum": i}))
+        results[i] = walk(tokenizer, grammar, texts[i]) and not walk(tokenizer, grammar, "-1")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == dict.fromkeys(range(8), True)
+
+
+# --------------------------------------------------------------------- the enforcement table
+
+# keyword -> (schema, a valid instance, an invalid instance the matcher rejects)
+ENFORCED_EVIDENCE: dict[str, tuple[dict, Any, Any]] = {
+    "type": ({"type": "integer"}, 1, "a"),
+    "enum": ({"enum": [1, "a", None]}, "a", 2),
+    "const": ({"const": {"a": 1}}, {"a": 1}, {"a": 2}),
+    "properties": (
+        {"type": "object", "properties": {"a": {"type": "integer"}}},
+        {"a": 1},
+        {"a": "x"},
+    ),
+    "required": (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"a": 1},
+        {},
+    ),
+    "additionalProperties": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "additionalProperties": {"type": "string"},
+        },
+        {"a": 1, "b": "x"},
+        {"a": 1, "b": 2},
+    ),
+    "unevaluatedProperties": (
+        {"type": "object", "properties": {"a": {}}, "unevaluatedProperties": False},
+        {"a": 1},
+        {"a": 1, "b": 2},
+    ),
+    "minProperties": (
+        {"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1},
+        {"a": 1},
+        {},
+    ),
+    "maxProperties": (
+        {"type": "object", "properties": {"a": {}, "b": {}}, "maxProperties": 1},
+        {"a": 1},
+        {"a": 1, "b": 2},
+    ),
+    "propertyNames": (
+        {
+            "type": "object",
+            "additionalProperties": {"type": "integer"},
+            "propertyNames": {"maxLength": 1},
+        },
+        {"a": 1},
+        {"ab": 1},
+    ),
+    "patternProperties": (
+        {"type": "object", "patternProperties": {"^x$": {"type": "integer"}}},
+        {"x": 1},
+        {"x": "s"},
+    ),
+    "items": ({"type": "array", "items": {"type": "integer"}}, [1, 2], [1, "a"]),
+    "prefixItems": (
+        {"type": "array", "prefixItems": [{"type": "integer"}], "items": False},
+        [1],
+        ["a"],
+    ),
+    "unevaluatedItems": (
+        {"type": "array", "prefixItems": [{"type": "integer"}], "unevaluatedItems": False},
+        [1],
+        [1, 2],
+    ),
+    "minItems": ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, [1, 2], [1]),
+    "maxItems": ({"type": "array", "items": {"type": "integer"}, "maxItems": 1}, [1], [1, 2]),
+    "minLength": ({"type": "string", "minLength": 2}, "ab", "a"),
+    "maxLength": ({"type": "string", "maxLength": 2}, "ab", "abc"),
+    "pattern": ({"type": "string", "pattern": "^a+$"}, "aa", "ab"),
+    "format": ({"type": "string", "format": "date"}, "2020-01-31", "2020-13-45"),
+    "minimum": ({"type": "number", "minimum": 1.5}, 1.5, 1.4),
+    "maximum": ({"type": "integer", "maximum": 3}, 3, 4),
+    "exclusiveMinimum": ({"type": "integer", "exclusiveMinimum": 3}, 4, 3),
+    "exclusiveMaximum": ({"type": "number", "exclusiveMaximum": 1.5}, 1.25, 1.5),
+    "multipleOf": ({"type": "integer", "multipleOf": 3}, 6, 7),
+    "anyOf": ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, "a", None),
+    "oneOf": ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, 1, None),
+    "allOf": ({"allOf": [{"type": "string", "maxLength": 1}]}, "s", "ss"),
+    "$ref": (
+        {
+            "$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}},
+            "$ref": "#/$defs/n",
+        },
+        {"next": {"next": {}}},
+        {"next": 1},
+    ),
+}
+
+# format -> (a valid string, an invalid string the matcher rejects)
+ENFORCED_FORMAT_EVIDENCE = {
+    "date": ("2020-01-31", "2020-13-45"),
+    "date-time": ("2020-01-31T10:00:00Z", "2020-01-31"),
+    "time": ("10:00:00Z", "25:00"),
+    "duration": ("P1D", "1D"),
+    "email": ("a@b.com", "ab"),
+    "hostname": ("a.b", "-a-"),
+    "ipv4": ("1.2.3.4", "1.2.3"),
+    "ipv6": ("::1", "xyz"),
+    "uri": ("http://a.b/c", "not a uri"),
+    "uri-reference": ("a/b", "\\\\"),
+    "uri-template": ("/a/{b}", "{"),
+    "uuid": ("123e4567-e89b-12d3-a456-426614174000", "xyz"),
+    "json-pointer": ("/a", "a"),
+    "relative-json-pointer": ("0/a", "/a"),
+}
+# format -> an invalid string the matcher accepts
+UNENFORCED_FORMAT_EVIDENCE = {
+    "idn-email": "x",
+    "idn-hostname": "-a-",
+    "iri": "x",
+    "iri-reference": "a b",
+    "regex": "(",
+}
+
+# label reported by xgrammar_unenforced_keywords -> (schema, an invalid instance the matcher
+# accepts, the JSON-Schema draft that says it is invalid)
+UNENFORCED_EVIDENCE: dict[str, tuple[Any, Any, str]] = {
+    "not": ({"type": "integer", "not": {"const": 3}}, 3, "2020-12"),
+    "if": ({"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}}, 11, "2020-12"),
+    "dependentRequired": (
+        {"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}},
+        {"a": 1},
+        "2020-12",
+    ),
+    "dependentSchemas": (
+        {
+            "type": "object",
+            "properties": {"a": {}, "b": {}},
+            "dependentSchemas": {"a": {"required": ["b"]}},
+        },
+        {"a": 1},
+        "2020-12",
+    ),
+    "dependencies": (
+        {"type": "object", "properties": {"a": {}, "b": {}}, "dependencies": {"a": ["b"]}},
+        {"a": 1},
+        "7",
+    ),
+    "uniqueItems": (
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        [1, 1],
+        "2020-12",
+    ),
+    "contains": (
+        {"type": "array", "items": {"type": "integer"}, "contains": {"minimum": 5}},
+        [1],
+        "2020-12",
+    ),
+    "$dynamicRef": (
+        {"$dynamicAnchor": "n", "type": "object", "properties": {"c": {"$dynamicRef": "#n"}}},
+        {"c": 1},
+        "2020-12",
+    ),
+    "$recursiveRef": (
+        {
+            "$recursiveAnchor": True,
+            "type": "object",
+            "properties": {"c": {"$recursiveRef": "#"}},
+        },
+        {"c": 1},
+        "2019-09",
+    ),
+    "allOf (several subschemas)": (
+        {"allOf": [{"type": "integer"}, {"minimum": 3}]},
+        "a",
+        "2020-12",
+    ),
+    "minimum (beside $ref)": (
+        {"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "minimum": 3},
+        2,
+        "2020-12",
+    ),
+    "maxLength (beside anyOf)": (
+        {"type": "string", "maxLength": 1, "anyOf": [{"type": "string"}, {"type": "integer"}]},
+        "ss",
+        "2020-12",
+    ),
+    "required (beside oneOf)": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "oneOf": [{"type": "object"}, {"type": "string"}],
+        },
+        {},
+        "2020-12",
+    ),
+    "type (beside allOf)": ({"type": "integer", "allOf": [{"type": "string"}]}, "a", "2020-12"),
+    "type (beside enum)": ({"type": "integer", "enum": [1, "x"]}, "x", "2020-12"),
+    "enum (beside const)": ({"enum": [1], "const": "a"}, "a", "2020-12"),
+    "minimum (no type)": ({"minimum": 3}, 2, "2020-12"),
+    "required (no type)": ({"required": ["a"]}, {}, "2020-12"),
+    "patternProperties (no type)": (
+        {"patternProperties": {"^x": {"type": "integer"}}},
+        {"x": "s"},
+        "2020-12",
+    ),
+    "multipleOf (number)": ({"type": "number", "multipleOf": 0.5}, 1.3, "2020-12"),
+    "minLength (beside pattern/format)": (
+        {"type": "string", "pattern": "^a+$", "minLength": 3},
+        "a",
+        "2020-12",
+    ),
+    "pattern (beside format)": (
+        {"type": "string", "format": "date", "pattern": "^2"},
+        "1999-01-01",
+        "2020-12",
+    ),
+    "pattern (lookaround)": ({"type": "string", "pattern": "^(?!a).*$"}, "a", "2020-12"),
+    "patternProperties (lookaround)": (
+        {
+            "type": "object",
+            "patternProperties": {"^(?!@@)[@a-z]+$": {"type": "integer"}},
+            "additionalProperties": False,
+        },
+        {"@@a": 1},
+        "2020-12",
+    ),
+    "patternProperties (beside additionalProperties)": (
+        {
+            "type": "object",
+            "properties": {"a": {}},
+            "patternProperties": {"^x": {"type": "integer"}},
+            "additionalProperties": {"type": "string"},
+        },
+        {"a": 1, "x": "s"},
+        "2020-12",
+    ),
+    "required (undeclared property)": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["b"],
+            "additionalProperties": {"type": "integer"},
+        },
+        {"a": 1},
+        "2020-12",
+    ),
+    "propertyNames (declared properties)": (
+        {"type": "object", "properties": {"aa": {}}, "propertyNames": {"maxLength": 1}},
+        {"aa": 1},
+        "2020-12",
+    ),
+    "$ref (non-local)": (
+        {
+            "$id": "http://example.com/root.json",
+            "$defs": {"a": {"$id": "a.json", "type": "integer"}},
+            "$ref": "a.json",
+        },
+        "a",
+        "2020-12",
+    ),
+}
+
+VALIDATORS = {
+    "7": jsonschema.Draft7Validator,
+    "2019-09": jsonschema.Draft201909Validator,
+    "2020-12": jsonschema.Draft202012Validator,
+}
+
+
+def accepts(backend: XGrammarBackend, tokenizer: Tokenizer, schema: Any, value: Any) -> bool:
+    return walk(tokenizer, compile_spec(backend, json=schema), compact(value))
+
+
+@pytest.mark.parametrize("keyword", sorted(ENFORCED_EVIDENCE))
+def test_enforced_keyword(backend: XGrammarBackend, tokenizer: Tokenizer, keyword: str) -> None:
+    schema, valid, invalid = ENFORCED_EVIDENCE[keyword]
+    assert keyword in json.dumps(schema)
+    checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    assert checker.is_valid(valid) and not checker.is_valid(invalid)
+    assert accepts(backend, tokenizer, schema, valid)
+    assert not accepts(backend, tokenizer, schema, invalid)
+    assert xgrammar_unenforced_keywords(schema) == set()
+
+
+@pytest.mark.parametrize("fmt", sorted(ENFORCED_FORMAT_EVIDENCE))
+def test_enforced_format(backend: XGrammarBackend, tokenizer: Tokenizer, fmt: str) -> None:
+    schema = {"type": "string", "format": fmt}
+    valid, invalid = ENFORCED_FORMAT_EVIDENCE[fmt]
+    assert accepts(backend, tokenizer, schema, valid)
+    assert not accepts(backend, tokenizer, schema, invalid)
+    assert xgrammar_unenforced_keywords(schema) == set()
+
+
+@pytest.mark.parametrize("fmt", sorted(UNENFORCED_FORMAT_EVIDENCE))
+def test_unenforced_format(backend: XGrammarBackend, tokenizer: Tokenizer, fmt: str) -> None:
+    schema = {"type": "string", "format": fmt}
+    assert accepts(backend, tokenizer, schema, UNENFORCED_FORMAT_EVIDENCE[fmt])
+    assert xgrammar_unenforced_keywords(schema) == {f"format ({fmt})"}
+
+
+@pytest.mark.parametrize("label", sorted(UNENFORCED_EVIDENCE))
+def test_unenforced_keyword(backend: XGrammarBackend, tokenizer: Tokenizer, label: str) -> None:
+    schema, invalid, draft = UNENFORCED_EVIDENCE[label]
+    assert not VALIDATORS[draft](schema).is_valid(invalid)  # truly invalid...
+    assert accepts(backend, tokenizer, schema, invalid)  # ...yet xgrammar takes it
+    assert label in xgrammar_unenforced_keywords(schema)
+
+
+def test_the_tables_are_all_evidenced() -> None:
+    assert set(XGRAMMAR_ENFORCED_KEYWORDS) == set(ENFORCED_EVIDENCE)
+    assert set(XGRAMMAR_UNENFORCED_KEYWORDS) <= set(UNENFORCED_EVIDENCE)
+    assert set(XGRAMMAR_ENFORCED_FORMATS) == set(ENFORCED_FORMAT_EVIDENCE)
+    assert set(XGRAMMAR_UNENFORCED_FORMATS) == set(UNENFORCED_FORMAT_EVIDENCE)
+    assert not set(XGRAMMAR_ENFORCED_KEYWORDS) & set(XGRAMMAR_UNENFORCED_KEYWORDS)
+
+
+def test_oneof_is_enforced_as_anyof(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
+    # xgrammar builds oneOf as anyOf: a value matching two branches is accepted, so
+    # overlapping branches are reported; provably disjoint ones (types, consts) are not.
+    schema = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
+    assert not jsonschema.Draft202012Validator(schema).is_valid(1)
+    assert accepts(backend, tokenizer, schema, 1)
+    assert xgrammar_unenforced_keywords(schema) == {"oneOf (overlapping branches)"}
+    disjoint = {"oneOf": [{"type": "string"}, {"type": "integer"}, {"const": None}]}
+    assert xgrammar_unenforced_keywords(disjoint) == set()
+    consts = {"oneOf": [{"const": "a"}, {"enum": ["b", "c"]}]}
+    assert xgrammar_unenforced_keywords(consts) == set()
+
+
+def test_no_false_alarms_on_a_typical_schema() -> None:
+    schema = {
+        "$defs": {"Kind": {"enum": ["a", "b"], "type": "string", "title": "Kind"}},
+        "type": "object",
+        "title": "Model",
+        "properties": {
+            "name": {"type": "string", "maxLength": 10, "description": "x"},
+            "when": {"type": "string", "format": "date-time"},
+            "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            "kind": {"anyOf": [{"$ref": "#/$defs/Kind"}, {"type": "null"}], "default": None},
+            "ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+            "count": {"type": "integer", "multipleOf": 2},
+            "ext": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "x-vendor": {"x-unknown-keyword": True, "type": "boolean"},
+        },
+        "required": ["name", "tags"],
+        "oneOf": [{"required": ["when"]}, {"required": ["kind"]}],
+    }
+    found = xgrammar_unenforced_keywords(schema)
+    # Only the root's siblings of oneOf are reported; nothing inside the properties.
+    assert found == {
+        "type (beside oneOf)",
+        "properties (beside oneOf)",
+        "required (beside oneOf)",
+        "required (no type)",
+        "oneOf (overlapping branches)",
+    }
+    del schema["oneOf"]
+    assert xgrammar_unenforced_keywords(schema) == set()
+    # Unreferenced definitions do not count; referenced ones do.
+    schema["$defs"]["Unused"] = {"not": {}}
+    assert xgrammar_unenforced_keywords(schema) == set()
+    schema["properties"]["kind"] = {"$ref": "#/$defs/Unused"}
+    assert xgrammar_unenforced_keywords(schema) == {"not"}
+    assert xgrammar_unenforced_keywords(True) == set()
+
+
+def test_unsupported_reason(backend: XGrammarBackend) -> None:
+    spec = StructuredOutputsParams
+    assert backend.unsupported_reason(spec(regex="a+")) is None
+    assert backend.unsupported_reason(spec(json_object=True)) is None
+    assert backend.unsupported_reason(spec(json={"type": "integer", "minimum": 0})) is None
+    schema = {"type": "array", "items": {"not": {"type": "null"}}, "uniqueItems": True}
+    reason = backend.unsupported_reason(spec(json=schema))
+    assert reason is not None and "not" in reason and "uniqueItems" in reason
+    assert backend.unsupported_reason(spec(json=schema, allow_unenforced=True)) is None
+    assert backend.unsupported_reason(spec(json="{broken")) is None  # compile() reports it
+
+
+# ------------------------------------------------------------------------- shared schema data
+
+
+def _deref(schema: Any, root: Any) -> Any:
+    for _ in range(32):
+        ref = schema.get("$ref") if isinstance(schema, dict) else None
+        if not (isinstance(ref, str) and ref.startswith("#")):
+            break
+        schema = root
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            schema = schema.get(part) if isinstance(schema, dict) else None
+    return schema
+
+
+def _branches(schema: Any) -> list[Any]:
+    out = []
+    for key in ("allOf", "anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            out.extend(schema[key])
+    return out
+
+
+def _property_order(schema: Any, root: Any) -> list[str]:
+    schema = _deref(schema, root)
+    if not isinstance(schema, dict):
+        return []
+    props = schema.get("properties")
+    order = list(props) if isinstance(props, dict) else []
+    for branch in _branches(schema):
+        order += [k for k in _property_order(branch, root) if k not in order]
+    return order
+
+
+def _child(schema: Any, root: Any, key: str | int) -> Any:
+    schema = _deref(schema, root)
+    if not isinstance(schema, dict):
+        return {}
+    if isinstance(key, str):
+        props = schema.get("properties")
+        if isinstance(props, dict) and key in props:
+            return props[key]
+        extra = schema.get("additionalProperties")
+    else:
+        prefix = schema.get("prefixItems")
+        if isinstance(prefix, list) and key < len(prefix):
+            return prefix[key]
+        extra = schema.get("items")
+    if isinstance(extra, dict):
+        return extra
+    for branch in _branches(schema):
+        found = _child(branch, root, key)
+        if found != {}:
+            return found
+    return {}
+
+
+def in_schema_order(value: Any, schema: Any, root: Any) -> Any:
+    """``value`` with every object's keys in its schema's ``properties`` order (xgrammar
+    generates properties in declared order only); unknown keys go last."""
+    if isinstance(value, dict):
+        rank = {k: i for i, k in enumerate(_property_order(schema, root))}
+        keys = sorted(value, key=lambda k: rank.get(k, len(rank)))
+        return {k: in_schema_order(value[k], _child(schema, root, k), root) for k in keys}
+    if isinstance(value, list):
+        return [in_schema_order(v, _child(schema, root, i), root) for i, v in enumerate(value)]
+    return value
+
+
+@pytest.fixture(scope="module")
+def lazy_backend(tokenizer: Tokenizer) -> XGrammarBackend:
+    # Same grammars; token-mask caches built on first use, so compiling all 733 schemas takes
+    # seconds rather than minutes (a few schemastore schemas take 5-30 s each eagerly).
+    return XGrammarBackend(tokenizer, VOCAB, dynamic_compilation=True)
+
+
+def _schema_files(shared_data: Path) -> list[Path]:
+    files = sorted((shared_data / "schemastore").glob("*.json"))
+    files += sorted((shared_data / "json-schema-test-suite").glob("*.json"))
+    return files
+
+
+@pytest.mark.slow
+def test_shared_schema_data(
+    lazy_backend: XGrammarBackend, tokenizer: Tokenizer, shared_data: Path
+) -> None:
+    files = _schema_files(shared_data)
+    assert len(files) > 100
+    n_schemas = compiled = valid = valid_ok = reordered = invalid = invalid_ok = 0
+    unexplained: list[str] = []
+    t0 = time.perf_counter()
+    for path in files:
+        case = json.loads(path.read_text())
+        schema = case["schema"]
+        n_schemas += 1
+        try:
+            # json=False (the schema "false") reads as "no json given": ValueError.
+            grammar = lazy_backend.compile(StructuredOutputsParams(json=schema))
+        except (GrammarError, ValueError):
+            continue
+        compiled += 1
+        flagged = xgrammar_unenforced_keywords(schema)
+        for test in case["tests"]:
+            data = test["data"]
+            ok = walk(tokenizer, grammar, compact(data))
+            if not ok:
+                ordered = in_schema_order(data, schema, schema)
+                ok = compact(ordered) != compact(data) and walk(
+                    tokenizer, grammar, compact(ordered)
+                )
+                reordered += ok and test["valid"]
+            if test["valid"]:
+                valid += 1
+                valid_ok += ok
+            else:
+                invalid += 1
+                invalid_ok += ok
+                # Every invalid instance xgrammar takes is explained by the table (or by oneOf,
+                # which it treats as anyOf).
+                if ok and not flagged and "oneOf" not in json.dumps(schema):
+                    unexplained.append(f"{path.name}: {test['description']}")
+    seconds = time.perf_counter() - t0
+    print(
+        f"\nxgrammar shared data: compiled {compiled}/{n_schemas} schemas, "
+        f"valid accepted {valid_ok}/{valid} ({reordered} after reordering keys to schema order), "
+        f"invalid accepted {invalid_ok}/{invalid}; {seconds:.1f} s"
+    )
+    assert compiled >= 0.9 * n_schemas
+    # Measured: 680/733 compile, 1313/1618 valid accepted. The rest are xgrammar being stricter
+    # than JSON Schema (strict mode forbids undeclared keys, untyped schemas get a type, patterns
+    # are anchored, 2.0 is not an integer), never unsound.
+    assert valid_ok >= 0.75 * valid
+    assert not unexplained, unexplained
+
+
+def test_eager_compile_of_the_test_suite(
+    backend: XGrammarBackend, lazy_backend: XGrammarBackend, shared_data: Path
+) -> None:
+    # The eager path compiles the same set as the lazy one (the test-suite schemas are small).
+    eager = lazy = 0
+    for path in sorted((shared_data / "json-schema-test-suite").glob("*.json")):
+        schema = json.loads(path.read_text())["schema"]
+        if schema is False:  # the spec cannot say "false"; xgrammar rejects it anyway
+            continue
+        spec = StructuredOutputsParams(json=schema)
+        for b in (backend, lazy_backend):
+            try:
+                b.compile(spec)
+            except GrammarError:
+                continue
+            if b is backend:
+                eager += 1
+            else:
+                lazy += 1
+    assert eager == lazy > 250

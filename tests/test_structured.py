@@ -1,0 +1,246 @@
+"""Structured outputs through the whole engine: every output that stops is valid."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+
+
+def load_schemas(root: Path) -> list[tuple[str, dict]]:
+    out = []
+    for sub in ("schemastore", "json-schema-test-suite"):
+        for path in sorted((root / sub).glob("*.json")):
+            doc = json.loads(path.read_text())
+            out.append((f"{sub}/{path.name}", doc["schema"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir):
+    # Lazy xgrammar compiles: eager compiles of all of SchemaStore take minutes here.
+    return LLM(
+        str(tiny_model_dir), max_model_len=1024, max_num_seqs=128, grammar_dynamic_compilation=True
+    )
+
+
+@pytest.fixture(scope="module")
+def llm(default_checkpoint):
+    return LLM.from_checkpoint(default_checkpoint, max_model_len=1024, max_num_seqs=32)
+
+
+def _validator(schema):
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def _check_outputs(outs, schemas):
+    """Every completion that finished with "stop" parses and validates."""
+    stopped = 0
+    for (name, schema), out in zip(schemas, outs, strict=True):
+        c = out.outputs[0]
+        if c.finish_reason != "stop":
+            assert c.finish_reason in ("length", "error"), (name, c.finish_reason)
+            continue
+        stopped += 1
+        try:
+            value = json.loads(c.text)
+        except json.JSONDecodeError as exc:
+            raise AssertionError(f"{name}: not JSON: {c.text[:200]!r}") from exc
+        errors = list(_validator(schema).iter_errors(value))
+        assert not errors, f"{name} ({out.structured_output_backend}): {errors[0].message}"
+    return stopped
+
+
+def test_every_shared_schema_with_the_tiny_model(tiny_llm, shared_data):
+    schemas = load_schemas(shared_data)
+    accepted, specs = [], []
+    rejected = 0
+    for name, schema in schemas:
+        spec = StructuredOutputsParams(json=schema)
+        try:
+            tiny_llm.engine.validate_params(SamplingParams(structured_outputs=spec))
+        except ValueError:
+            rejected += 1
+            continue
+        accepted.append((name, schema))
+        specs.append(
+            SamplingParams(max_tokens=64, temperature=1.0, seed=0, structured_outputs=spec)
+        )
+    outs = tiny_llm.generate([[1, 2, 3]] * len(specs), specs, use_tqdm=False)
+    stopped = _check_outputs(outs, accepted)
+    backends: dict[str, int] = {}
+    errors = 0
+    for o in outs:
+        backends[o.structured_output_backend or "none"] = (
+            backends.get(o.structured_output_backend or "none", 0) + 1
+        )
+        errors += o.outputs[0].finish_reason == "error"
+    print(
+        f"\nshared schemas: {len(schemas)}, refused at submission {rejected}, "
+        f"served by {backends}, finished with stop {stopped}, compile errors {errors}"
+    )
+    assert stopped > len(accepted) // 4
+
+
+def test_sample_of_schemas_with_the_default_model(llm, shared_data):
+    # The 20 smallest SchemaStore schemas that a backend enforces: a 135M model
+    # can finish those within the token limit.
+    schemas = sorted(
+        (s for s in load_schemas(shared_data) if s[0].startswith("schemastore")),
+        key=lambda s: len(json.dumps(s[1])),
+    )
+    picked = []
+    for name, schema in schemas:
+        spec = StructuredOutputsParams(json=schema)
+        try:
+            llm.engine.validate_params(SamplingParams(structured_outputs=spec))
+        except ValueError:
+            continue
+        picked.append((name, schema, spec))
+        if len(picked) == 20:
+            break
+    prompts = [
+        [{"role": "user", "content": f"Write a JSON document for this schema: {json.dumps(s)}"}]
+        for _, s, _ in picked
+    ]
+    params = [
+        SamplingParams(max_tokens=128, temperature=0.0, structured_outputs=sp) for *_, sp in picked
+    ]
+    outs = llm.chat(prompts, params, use_tqdm=False)
+    stopped = _check_outputs(outs, [(n, s) for n, s, _ in picked])
+    print(f"\ndefault model: {stopped}/{len(picked)} finished with stop, all valid")
+    assert len(picked) == 20 and stopped >= 5
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    email: str | None = None
+
+
+def _one(llm, spec, prompt="Answer:", **kw):
+    kw.setdefault("max_tokens", 64)
+    kw.setdefault("temperature", 0.0)
+    return llm.generate(prompt, SamplingParams(structured_outputs=spec, **kw), use_tqdm=False)[0]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_regex_and_choice(llm, backend):
+    out = _one(llm, StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}", backend=backend))
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", out.outputs[0].text)
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.structured_output_backend == backend
+    choices = ["red", "green", "blue"]
+    out = _one(
+        llm, StructuredOutputsParams(choice=choices, backend=backend), "My favourite colour:"
+    )
+    assert out.outputs[0].text in choices
+
+
+def test_grammar_json_object_and_pydantic(llm):
+    ebnf = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    out = _one(llm, StructuredOutputsParams(grammar=ebnf))
+    assert re.fullmatch(r"yes|no|maybe [0-9]", out.outputs[0].text)
+    out = _one(llm, StructuredOutputsParams(json_object=True), "A JSON object about a cat:")
+    assert isinstance(json.loads(out.outputs[0].text), dict)
+    out = llm.chat(
+        [{"role": "user", "content": "Describe a person as JSON."}],
+        SamplingParams(
+            max_tokens=96, temperature=0.0, structured_outputs=StructuredOutputsParams(json=Person)
+        ),
+        use_tqdm=False,
+    )[0]
+    assert out.outputs[0].finish_reason == "stop"
+    Person.model_validate_json(out.outputs[0].text)
+
+
+def test_compact_whitespace_by_default(llm):
+    schema = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+        "required": ["items"],
+    }
+    out = llm.chat(
+        [{"role": "user", "content": "List three fruits as JSON with an items array."}],
+        SamplingParams(
+            max_tokens=128, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert "\n" not in out.text
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_auto_falls_back_and_records_why(llm):
+    # A regex xgrammar cannot compile, but outlines can: auto must fall back.
+    out = _one(llm, StructuredOutputsParams(regex=r"(?i)abc"))
+    assert out.structured_output_backend in ("xgrammar", "outlines")
+    # Force a fallback with a schema keyword only one backend enforces.
+    schema = {"type": "integer", "minimum": 3, "maximum": 7}
+    out = _one(llm, StructuredOutputsParams(json=schema), "A number:")
+    assert out.structured_output_backend == "xgrammar"
+    assert 3 <= json.loads(out.outputs[0].text) <= 7
+
+
+def test_compile_time_limit_fails_only_that_request(default_checkpoint):
+    llm = LLM.from_checkpoint(default_checkpoint, max_model_len=512, grammar_compile_timeout_s=1e-4)
+    big = {
+        "type": "object",
+        "properties": {
+            f"field_{i}": {"type": "string", "pattern": "[a-z]{1,9}"} for i in range(200)
+        },
+    }
+    outs = llm.generate(
+        ["free text:", "constrained:"],
+        [
+            SamplingParams(max_tokens=8, temperature=0.0),
+            SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=big)),
+        ],
+        use_tqdm=False,
+    )
+    assert outs[0].outputs[0].finish_reason == "length"
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert "timed out" in outs[1].outputs[0].error
+
+
+def test_compile_cache_hits(llm):
+    service = llm.engine.structured.service
+    spec = StructuredOutputsParams(
+        json={"type": "object", "properties": {"x": {"type": "integer"}}}
+    )
+    _one(llm, spec)
+    hits = service.hits
+    _one(llm, spec)
+    assert service.hits == hits + 1
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        (StructuredOutputsParams(json="{not json"), "JSON"),
+        (StructuredOutputsParams(json={"type": 5}), "schema"),
+        (StructuredOutputsParams(regex="("), "regex"),
+        (StructuredOutputsParams(grammar="root ::= "), "grammar|EBNF"),
+    ],
+)
+def test_bad_specs_are_refused_before_scheduling(llm, spec, match):
+    with pytest.raises(ValueError, match=match):
+        _one(llm, spec)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_zero_or_two_constraints_is_an_error():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
