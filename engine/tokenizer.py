@@ -21,6 +21,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from baton.grammar.vocab import byte_to_unicode
+
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -99,24 +101,6 @@ _GPT2_REGEX_PRE_TYPES = frozenset(
     }
 )
 SUPPORTED_GGUF_PRE_TYPES = tuple(sorted(_GPT2_REGEX_PRE_TYPES | set(_PRE_TOKENIZER_SPLITS)))
-
-
-@lru_cache(maxsize=1)
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable characters (the byte-level alphabet)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -290,7 +274,7 @@ class Tokenizer:
 
         # A byte-level vocabulary spells every token in GPT-2's byte alphabet; respell the few
         # that llama.cpp stored as raw text (transformers does the same).
-        byte_map = _byte_to_unicode()
+        byte_map = byte_to_unicode()
         alphabet = set(byte_map.values())
         vocab: dict[str, int] = {}
         for index, token in enumerate(tokens):

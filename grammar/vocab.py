@@ -44,7 +44,8 @@ class Vocab:
 
 
 @lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (the byte-level alphabet)."""
     printable = (
         list(range(ord("!"), ord("~") + 1))
         + list(range(ord("¡"), ord("¬") + 1))
@@ -57,7 +58,12 @@ def _byte_decoder() -> dict[str, int]:
             printable.append(byte)
             chars.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    return {c: b for b, c in byte_to_unicode().items()}
 
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
