@@ -817,6 +817,9 @@ class XGrammarBackend(GrammarBackend):
                 live_rows.append(int(row))
         if not live:
             return
+        if len(live) == 1:  # the batch API's list handling costs more than it saves here
+            live[0].fill_next_token_bitmask(bitmask, live_rows[0])
+            return
         batch = self._parallel_batch if len(live) >= self._parallel_min_rows else self._serial_batch
         with self._batch_lock:
             batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
