@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from baton.bench.plotting import pyplot
 from baton.engine.loader import load_checkpoint
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.config import ModelConfig
@@ -152,13 +153,8 @@ def print_table(result: dict) -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     names = [r["case"] for r in result["rows"]]
     x = range(len(names))

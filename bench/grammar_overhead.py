@@ -18,6 +18,7 @@ from pathlib import Path
 import xgrammar as xgr
 
 from baton.bench.forward import RESULTS
+from baton.bench.plotting import pyplot
 from baton.engine.loader import load_tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
@@ -109,12 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(4.5, 3))
     names = ["raw xgrammar", "baton wrapper"]

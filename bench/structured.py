@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from baton.bench.forward import RESULTS
+from baton.bench.plotting import pyplot
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.loader import load_checkpoint
 
@@ -114,12 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     rows = result["rows"]
     x = range(len(rows))

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from baton.bench.forward import RESULTS, build_transformers
+from baton.bench.plotting import pyplot
 from baton.engine import LLM, SamplingParams
 from baton.engine.loader import load_checkpoint
 
@@ -124,12 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(5, 3))
     names = ["baton", "transformers"]
