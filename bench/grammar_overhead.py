@@ -72,11 +72,40 @@ def time_wrapper(backend, compiled, ids, vocab_size: int) -> float:
     return time.perf_counter() - t0
 
 
+def time_raw_batch(group, vocab_size: int) -> tuple[float, int]:
+    """Rows advanced together, as in an engine step: one native batch fill per step."""
+    steps = min(len(ids) for _, ids in group)
+    matchers = [xgr.GrammarMatcher(c.compiled) for c, _ in group]
+    batch = xgr.BatchGrammarMatcher(1)
+    bitmask = xgr.allocate_token_bitmask(len(group), vocab_size)
+    rows = list(range(len(group)))
+    t0 = time.perf_counter()
+    for i in range(steps):
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        for m, (_, ids) in zip(matchers, group, strict=True):
+            m.accept_token(ids[i])
+    return time.perf_counter() - t0, steps * len(group)
+
+
+def time_wrapper_batch(backend, group, vocab_size: int) -> tuple[float, int]:
+    steps = min(len(ids) for _, ids in group)
+    matchers = [c.new_matcher() for c, _ in group]
+    bitmask = allocate_bitmask(len(group), vocab_size)
+    rows = list(range(len(group)))
+    t0 = time.perf_counter()
+    for i in range(steps):
+        backend.fill_bitmasks(matchers, bitmask, rows)
+        for m, (_, ids) in zip(matchers, group, strict=True):
+            m.accept_tokens([ids[i]])
+    return time.perf_counter() - t0, steps * len(group)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--limit", type=int, default=60, help="schemas to walk")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=int, default=16, help="rows per step in the batched case")
     p.add_argument("--out", type=Path, default=RESULTS / "grammar_overhead.json")
     a = p.parse_args(argv)
     tokenizer = load_tokenizer()
@@ -90,17 +119,37 @@ def main(argv: list[str] | None = None) -> int:
             raw_s += time_raw(compiled, ids, vocab)
             wrap_s += time_wrapper(backend, compiled, ids, vocab)
             tokens += len(ids)
+    braw = bwrap = 0.0
+    btokens = 0
+    for start in range(0, len(cases) - a.batch + 1, a.batch):
+        group = cases[start : start + a.batch]
+        for _ in range(a.repeats):
+            t, n = time_raw_batch(group, vocab)
+            braw += t
+            t, _ = time_wrapper_batch(backend, group, vocab)
+            bwrap += t
+            btokens += n
     result = {
         "schemas": len(cases),
         "tokens": tokens,
         "raw_us_per_token": raw_s / tokens * 1e6,
         "wrapper_us_per_token": wrap_s / tokens * 1e6,
         "ratio": wrap_s / raw_s,
+        "batch": a.batch,
+        "batch_tokens": btokens,
+        "batch_raw_us_per_token": braw / max(btokens, 1) * 1e6,
+        "batch_wrapper_us_per_token": bwrap / max(btokens, 1) * 1e6,
+        "batch_ratio": bwrap / braw if braw else float("nan"),
     }
     print(
-        f"{result['schemas']} schemas, {tokens} tokens: raw xgrammar "
+        f"{result['schemas']} schemas, batch 1, {tokens} tokens: raw xgrammar "
         f"{result['raw_us_per_token']:.1f} µs/token, baton wrapper "
         f"{result['wrapper_us_per_token']:.1f} µs/token, ratio {result['ratio']:.3f}"
+    )
+    print(
+        f"batch {a.batch}, {btokens} tokens: raw xgrammar "
+        f"{result['batch_raw_us_per_token']:.1f} µs/token, baton wrapper "
+        f"{result['batch_wrapper_us_per_token']:.1f} µs/token, ratio {result['batch_ratio']:.3f}"
     )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))
