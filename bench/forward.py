@@ -11,14 +11,13 @@ writes JSON and a PNG next to the README's results.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from baton.bench.plotting import pyplot
+from baton.bench.plotting import pyplot, save_results
 from baton.engine.loader import load_checkpoint
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.config import ModelConfig
@@ -186,10 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     result = run(a.model, [int(b) for b in a.batches.split(",")], a.trials, a.context, a.steps)
     print_table(result)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2))
-    plot(result, a.out.with_suffix(".png"))
-    print(f"wrote {a.out}")
+    save_results(result, a.out, plot)
     return 0
 
 

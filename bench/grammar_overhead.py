@@ -18,7 +18,7 @@ from pathlib import Path
 import xgrammar as xgr
 
 from baton.bench.forward import RESULTS
-from baton.bench.plotting import pyplot
+from baton.bench.plotting import pyplot, save_results
 from baton.engine.loader import load_tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
@@ -151,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['batch_raw_us_per_token']:.1f} µs/token, baton wrapper "
         f"{result['batch_wrapper_us_per_token']:.1f} µs/token, ratio {result['batch_ratio']:.3f}"
     )
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2))
-    _plot(result, a.out.with_suffix(".png"))
-    print(f"wrote {a.out}")
+    save_results(result, a.out, _plot)
     return 0
 
 

@@ -1,7 +1,10 @@
-"""Matplotlib set up for the benchmarks' PNGs (headless); optional."""
+"""Writing benchmark results: JSON, and a PNG through headless matplotlib (optional)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 
@@ -16,3 +19,11 @@ def pyplot() -> ModuleType | None:
         print("matplotlib is not installed: no plot")
         return None
     return plt
+
+
+def save_results(result: dict, out: Path, plot: Callable[[dict, Path], None]) -> None:
+    """Writes ``result`` as JSON to ``out`` and its plot beside it (same name, .png)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out}")

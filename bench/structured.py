@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from baton.bench.forward import RESULTS
-from baton.bench.plotting import pyplot
+from baton.bench.plotting import pyplot, save_results
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.loader import load_checkpoint
 
@@ -107,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             f"valid {structured[-1]['valid']}/{batch}"
         )
     result = {"model": str(ckpt.path), "threads": torch.get_num_threads(), "rows": rows}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2))
-    _plot(result, a.out.with_suffix(".png"))
-    print(f"wrote {a.out}")
+    save_results(result, a.out, _plot)
     return 0
 
 

@@ -10,14 +10,13 @@ Prints tokens/s for each and the ratio; writes JSON and a PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from baton.bench.forward import RESULTS, build_transformers
-from baton.bench.plotting import pyplot
+from baton.bench.plotting import pyplot, save_results
 from baton.engine import LLM, SamplingParams
 from baton.engine.loader import load_checkpoint
 
@@ -117,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         r = result[name]
         print(f"{name:<14} {r['tokens']:>8} {r['seconds']:>9.1f} {r['tok_per_s']:>8.1f}")
     print(f"baton / transformers throughput: {result['ratio']:.2f}x")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2))
-    _plot(result, a.out.with_suffix(".png"))
-    print(f"wrote {a.out}")
+    save_results(result, a.out, _plot)
     return 0
 
 

@@ -15,7 +15,7 @@ from baton.engine.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from baton.sampler import Sampler, SamplingMetadata
+from baton.sampler import Sampler, SamplingMetadata, apply_token_bitmask_
 
 
 @dataclass(frozen=True)
@@ -152,8 +152,6 @@ class ModelRunner:
     def _apply_grammar(
         self, logits: torch.Tensor, fwd: ForwardOutput, grammar: GrammarOutput
     ) -> None:
-        from baton.sampler import apply_token_bitmask_
-
         index = {r: i for i, r in enumerate(fwd.sample_request_ids)}
         pairs = [(index[r], i) for i, r in enumerate(grammar.request_ids) if r in index]
         if not pairs:
