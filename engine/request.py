@@ -41,7 +41,7 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # a live entity: compared by identity, not field by field
 class Request:
     """Mutable scheduler-side state of one sequence.
 

@@ -106,7 +106,7 @@ class Scheduler:
         preempted: list[Request] = []
 
         for req in list(self.running):
-            if req not in self.running:  # preempted earlier in this loop
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:

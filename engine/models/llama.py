@@ -39,18 +39,32 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        sizes = (self.q_size, self.kv_size, self.kv_size)
+        q, k, v = fused_linear(self.input_layernorm(x), self.qkv_proj, sizes)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, *rope)
         attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         x = x + self.o_proj(attn.reshape(t, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(
-            self.intermediate_size, dim=-1
-        )
+        sizes = (self.intermediate_size, self.intermediate_size)
+        gate, up = fused_linear(self.post_attention_layernorm(x), self.gate_up_proj, sizes)
         return x + self.down_proj(F.silu(gate) * up)
+
+
+# Below this many tokens, one GEMM per output part beat the fused GEMM on this
+# CPU's float32 BLAS (decode batch 1-8: 3-8% per step); above it the fused one
+# wins. The weight stays fused either way: its row slices are free views.
+SPLIT_GEMM_MAX_TOKENS = 16
+
+
+def fused_linear(x: torch.Tensor, linear: nn.Linear, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """``linear(x)`` split into ``sizes`` along the last dim (QKV, gate/up)."""
+    if x.shape[0] > SPLIT_GEMM_MAX_TOKENS:
+        return list(linear(x).split(sizes, dim=-1))
+    weights = linear.weight.split(sizes)
+    biases = (None,) * len(sizes) if linear.bias is None else linear.bias.split(sizes)
+    return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 
 
 class LlamaForCausalLM(nn.Module):
