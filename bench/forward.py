@@ -6,6 +6,7 @@ the ratio baton / transformers (lower is better; the goal is <= 1.0) and
 writes JSON and a PNG next to the README's results.
 
     python -m baton.bench.forward [--model PATH] [--batches 1,8,32,64] [--trials 5]
+        [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class BatonCase:
         self.model, self.batch, self.context, self.steps = model, batch, context, steps
         per_seq = -(-(context + steps + 1) // BLOCK)
         self.tables = torch.arange(1, 1 + batch * per_seq).view(batch, per_seq)
-        self.kv = allocate_kv_cache(model.config, 1 + batch * per_seq, BLOCK, torch.float32)
+        dtype = model.embed_tokens.weight.dtype
+        self.kv = allocate_kv_cache(model.config, 1 + batch * per_seq, BLOCK, dtype)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         b, n = ids.shape
@@ -107,11 +109,19 @@ def timed(fn) -> float:
 
 
 @torch.inference_mode()
-def run(model_path: str | None, batches: list[int], trials: int, context: int, steps: int) -> dict:
+def run(
+    model_path: str | None,
+    batches: list[int],
+    trials: int,
+    context: int,
+    steps: int,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     ckpt = load_checkpoint(model_path)
     baton = LlamaForCausalLM(ckpt.config)
     baton.load_weights(ckpt.weights)
-    hf = build_transformers(ckpt.config, ckpt.weights)
+    baton.to(dtype)
+    hf = build_transformers(ckpt.config, ckpt.weights).to(dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in batches:
@@ -131,6 +141,7 @@ def run(model_path: str | None, batches: list[int], trials: int, context: int, s
     return {
         "model": str(ckpt.path),
         "context_tokens": context,
+        "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "rows": rows,
@@ -169,7 +180,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("ms per step")
     ax.set_yscale("log")
     ax.legend()
-    ax.set_title("Forward pass, same weights, same run")
+    ax.set_title(f"Forward pass ({result['dtype']}), same weights, same run")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -181,11 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--context", type=int, default=64, help="tokens cached before decoding")
     p.add_argument("--steps", type=int, default=8, help="decode steps timed per trial")
-    p.add_argument("--out", type=Path, default=RESULTS / "forward.json")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--out", type=Path, default=None, help="default: results/forward[_DTYPE].json")
     a = p.parse_args(argv)
-    result = run(a.model, [int(b) for b in a.batches.split(",")], a.trials, a.context, a.steps)
+    dtype = getattr(torch, a.dtype)
+    suffix = "" if a.dtype == "float32" else f"_{a.dtype}"
+    out = a.out or RESULTS / f"forward{suffix}.json"
+    batches = [int(b) for b in a.batches.split(",")]
+    result = run(a.model, batches, a.trials, a.context, a.steps, dtype)
     print_table(result)
-    save_results(result, a.out, plot)
+    save_results(result, out, plot)
     return 0
 
 

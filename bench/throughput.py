@@ -2,9 +2,13 @@
 
 Same model weights, same prompts, greedy, every request generating exactly
 ``--output-len`` tokens (EOS ignored on both sides), measured in one run.
-Prints tokens/s for each and the ratio; writes JSON and a PNG.
+Each dtype runs both engines in that dtype (transformers casts its whole model,
+baton keeps norms and softmax in float32). Prints tokens/s, the same-dtype
+ratio, and each baton run against transformers in float32 (stock
+``from_pretrained``); writes JSON and a PNG.
 
     python -m baton.bench.throughput [--num-prompts 64] [--output-len 128]
+        [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -85,37 +89,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--hf-batch", type=int, default=64, help="transformers batch size")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--out", type=Path, default=RESULTS / "throughput.json")
     a = p.parse_args(argv)
 
     ckpt = load_checkpoint(a.model)
-    llm = LLM.from_checkpoint(ckpt, max_model_len=1024, max_num_seqs=a.max_num_seqs)
-    tok = llm.get_tokenizer()
-    prompts = [tok.apply_chat_template(c, tokenize=True) for c in make_prompts(a.num_prompts)]
-    hf = build_transformers(ckpt.config, ckpt.weights)
-
-    run_baton(llm, prompts[:2], 4)  # warm-up
-    b_time, b_tokens = run_baton(llm, prompts, a.output_len)
-    h_time, h_tokens = run_transformers(hf, prompts, a.output_len, a.hf_batch)
+    rows = []
+    prompts: list[list[int]] = []
+    for name in a.dtypes.split(","):
+        dtype = getattr(torch, name)
+        llm = LLM.from_checkpoint(
+            ckpt, max_model_len=1024, max_num_seqs=a.max_num_seqs, dtype=dtype
+        )
+        tok = llm.get_tokenizer()
+        prompts = [tok.apply_chat_template(c, tokenize=True) for c in make_prompts(a.num_prompts)]
+        run_baton(llm, prompts[:2], 4)  # warm-up
+        b_time, b_tokens = run_baton(llm, prompts, a.output_len)
+        del llm
+        hf = build_transformers(ckpt.config, ckpt.weights).to(dtype)
+        h_time, h_tokens = run_transformers(hf, prompts, a.output_len, a.hf_batch)
+        del hf
+        rows.append(
+            {
+                "dtype": name,
+                "baton": {"seconds": b_time, "tokens": b_tokens, "tok_per_s": b_tokens / b_time},
+                "transformers": {
+                    "seconds": h_time,
+                    "tokens": h_tokens,
+                    "tok_per_s": h_tokens / h_time,
+                },
+            }
+        )
+    hf32 = next((r for r in rows if r["dtype"] == "float32"), None)
+    for r in rows:
+        r["ratio"] = r["baton"]["tok_per_s"] / r["transformers"]["tok_per_s"]
+        if hf32 is not None:
+            r["ratio_vs_transformers_float32"] = (
+                r["baton"]["tok_per_s"] / hf32["transformers"]["tok_per_s"]
+            )
     result = {
         "model": str(ckpt.path),
         "num_prompts": a.num_prompts,
         "output_len": a.output_len,
+        "hf_batch": a.hf_batch,
         "threads": torch.get_num_threads(),
-        "baton": {"seconds": b_time, "tokens": b_tokens, "tok_per_s": b_tokens / b_time},
-        "transformers": {
-            "seconds": h_time,
-            "tokens": h_tokens,
-            "tok_per_s": h_tokens / h_time,
-            "batch": a.hf_batch,
-        },
+        "rows": rows,
     }
-    result["ratio"] = result["baton"]["tok_per_s"] / result["transformers"]["tok_per_s"]
-    print(f"{'engine':<14} {'tokens':>8} {'seconds':>9} {'tok/s':>8}")
-    for name in ("baton", "transformers"):
-        r = result[name]
-        print(f"{name:<14} {r['tokens']:>8} {r['seconds']:>9.1f} {r['tok_per_s']:>8.1f}")
-    print(f"baton / transformers throughput: {result['ratio']:.2f}x")
+    print(f"{'dtype':<9} {'baton tok/s':>12} {'hf tok/s':>9} {'baton/hf':>9} {'baton/hf fp32':>14}")
+    for r in rows:
+        vs32 = r.get("ratio_vs_transformers_float32", float("nan"))
+        print(
+            f"{r['dtype']:<9} {r['baton']['tok_per_s']:>12.1f} "
+            f"{r['transformers']['tok_per_s']:>9.1f} {r['ratio']:>9.2f} {vs32:>14.2f}"
+        )
     save_results(result, a.out, _plot)
     return 0
 
@@ -124,9 +150,14 @@ def _plot(result: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(5, 3))
-    names = ["baton", "transformers"]
-    ax.bar(names, [result[n]["tok_per_s"] for n in names], color=["tab:blue", "tab:gray"])
+    fig, ax = plt.subplots(figsize=(6, 3))
+    rows = result["rows"]
+    x = range(len(rows))
+    for offset, engine, color in ((-0.2, "baton", "tab:blue"), (0.2, "transformers", "tab:gray")):
+        values = [r[engine]["tok_per_s"] for r in rows]
+        ax.bar([i + offset for i in x], values, 0.4, label=engine, color=color)
+    ax.set_xticks(list(x), [r["dtype"] for r in rows])
+    ax.legend()
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"{result['num_prompts']} prompts x {result['output_len']} tokens, greedy")
     fig.tight_layout()
