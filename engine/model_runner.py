@@ -36,6 +36,31 @@ class ForwardOutput:
     hidden: torch.Tensor
 
 
+@dataclass(frozen=True)
+class SampledTokens:
+    """One step's sampled tokens, still a device tensor ``[N]`` in ``sample_request_ids`` order."""
+
+    request_ids: tuple[str, ...]
+    sample_request_ids: tuple[str, ...]
+    token_ids: torch.Tensor
+    logprobs: dict[str, Logprobs]
+
+
+def runner_output(
+    request_ids: tuple[str, ...],
+    sample_request_ids: tuple[str, ...],
+    tokens: list[int],
+    logprobs: dict[str, Logprobs],
+) -> ModelRunnerOutput:
+    """The scheduler's view of a step: per scheduled request, its sampled tokens (0 or 1)."""
+    sampled = dict(zip(sample_request_ids, tokens, strict=True))
+    return ModelRunnerOutput(
+        request_ids=list(request_ids),
+        sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in request_ids],
+        logprobs=logprobs,
+    )
+
+
 class ModelRunner:
     """Owns the model, its KV cache and the persistent request rows."""
 
@@ -89,7 +114,7 @@ class ModelRunner:
         starts = torch.cumsum(query_lens, 0) - query_lens
         offsets = torch.arange(int(query_lens.sum())) - torch.repeat_interleave(starts, query_lens)
         positions = torch.repeat_interleave(computed, query_lens) + offsets
-        input_ids = st.token_ids[token_rows, positions]
+        input_ids = st.input_ids(token_rows, positions)
 
         meta = AttentionMetadata.build(query_lens, seq_lens, st.block_table[rows], self.block_size)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -108,29 +133,29 @@ class ModelRunner:
 
     # ------------------------------------------------------------ sampling
     @torch.inference_mode()
+    def sample(self, fwd: ForwardOutput, grammar: GrammarOutput | None = None) -> SampledTokens:
+        """Samples one token per sampling row and writes it into the rows (device state)."""
+        logprobs: dict[str, Logprobs] = {}
+        if not fwd.sample_request_ids:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return SampledTokens(fwd.request_ids, (), empty, logprobs)
+        logits = self.model.compute_logits(fwd.hidden)
+        self._ban_tokens(logits, fwd)
+        if grammar is not None and grammar.request_ids:
+            self._apply_grammar(logits, fwd, grammar)
+        meta = self._sampling_metadata(fwd.sample_rows)
+        out = self.sampler(logits, meta)
+        self.states.append_sampled(fwd.sample_rows, out.token_ids)
+        if out.logprobs is not None:
+            logprobs = self._logprobs(fwd, out.logprobs)
+        return SampledTokens(fwd.request_ids, fwd.sample_request_ids, out.token_ids, logprobs)
+
     def sample_tokens(
         self, fwd: ForwardOutput, grammar: GrammarOutput | None = None
     ) -> ModelRunnerOutput:
-        """Samples one token per sampling row and writes it into the rows."""
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, Logprobs] = {}
-        if fwd.sample_request_ids:
-            logits = self.model.compute_logits(fwd.hidden)
-            self._ban_tokens(logits, fwd)
-            if grammar is not None and grammar.request_ids:
-                self._apply_grammar(logits, fwd, grammar)
-            meta = self._sampling_metadata(fwd.sample_rows)
-            out = self.sampler(logits, meta)
-            self.states.append_sampled(fwd.sample_rows, out.token_ids)
-            for rid, tok in zip(fwd.sample_request_ids, out.token_ids.tolist(), strict=True):
-                sampled[rid] = [tok]
-            if out.logprobs is not None:
-                logprobs = self._logprobs(fwd, out.logprobs)
-        return ModelRunnerOutput(
-            request_ids=list(fwd.request_ids),
-            sampled_token_ids=[sampled.get(r, []) for r in fwd.request_ids],
-            logprobs=logprobs,
-        )
+        """``sample`` with its tokens read back to the host, as the scheduler takes them."""
+        s = self.sample(fwd, grammar)
+        return runner_output(s.request_ids, s.sample_request_ids, s.token_ids.tolist(), s.logprobs)
 
     def _ban_tokens(self, logits: torch.Tensor, fwd: ForwardOutput) -> None:
         """Tokens a row may not sample: undecodable ids, and stop tokens before min_tokens."""
@@ -170,7 +195,7 @@ class ModelRunner:
         use_top_k = any(p.effective_top_k > 0 for p in params)
         use_top_p = any(p.top_p < 1.0 for p in params)
         use_min_p = any(p.min_p > 0.0 for p in params)
-        penalised = [r for r in row_list if r in st.output_counts]
+        penalised = any(st.uses_penalties[r] for r in row_list)
         max_lp = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         pen: dict[str, torch.Tensor | None] = dict.fromkeys(
             (
@@ -182,17 +207,12 @@ class ModelRunner:
             )
         )
         if penalised:
-            v = self.vocab_size
-            zeros_mask = torch.zeros(v, dtype=torch.bool)
-            zeros_counts = torch.zeros(v, dtype=torch.int32)
             pen = {
                 "repetition_penalty": st.repetition_penalty[rows],
                 "presence_penalty": st.presence_penalty[rows],
                 "frequency_penalty": st.frequency_penalty[rows],
-                "prompt_mask": torch.stack([st.prompt_mask.get(r, zeros_mask) for r in row_list]),
-                "output_counts": torch.stack(
-                    [st.output_counts.get(r, zeros_counts) for r in row_list]
-                ),
+                "prompt_mask": st.prompt_mask[rows],
+                "output_counts": st.output_counts[rows],
             }
         return SamplingMetadata(
             temperature=temperature,

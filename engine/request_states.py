@@ -11,6 +11,7 @@ import torch
 
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import NewRequestData
+from baton.kernels.step_state import gather_input_ids, post_sample_update_
 
 
 class RequestStates:
@@ -45,9 +46,12 @@ class RequestStates:
         self.presence_penalty = torch.zeros(max_num_reqs, dtype=torch.float32)
         self.frequency_penalty = torch.zeros(max_num_reqs, dtype=torch.float32)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
-        # Token occurrence tables exist only for rows that use penalties.
-        self.prompt_mask: dict[int, torch.Tensor] = {}
-        self.output_counts: dict[int, torch.Tensor] = {}
+        self.last_sampled = torch.zeros(max_num_reqs, dtype=torch.int64)
+        # Dense occurrence tables, so the post-sampling update is one kernel for
+        # every row; only rows in ``uses_penalties`` read them.
+        self.uses_penalties = [False] * max_num_reqs
+        self.prompt_mask = torch.zeros(max_num_reqs, vocab_size, dtype=torch.bool)
+        self.output_counts = torch.zeros(max_num_reqs, vocab_size, dtype=torch.int32)
 
     def add(self, data: NewRequestData) -> int:
         """Takes a free row for a new (or resumed) request and fills it."""
@@ -75,14 +79,16 @@ class RequestStates:
         self.repetition_penalty[row] = sp.repetition_penalty
         self.presence_penalty[row] = sp.presence_penalty
         self.frequency_penalty[row] = sp.frequency_penalty
+        self.last_sampled[row] = tokens[-1]
+        self.uses_penalties[row] = sp.uses_penalties
+        counts = self.output_counts[row]
+        counts.zero_()
+        out = tokens[len(data.prompt_token_ids) :]
+        counts.index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
         if sp.uses_penalties:
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask = self.prompt_mask[row]
+            mask.zero_()
             mask[tokens[: len(data.prompt_token_ids)]] = True
-            counts = torch.zeros(self.vocab_size, dtype=torch.int32)
-            out = tokens[len(data.prompt_token_ids) :]
-            counts.index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-            self.prompt_mask[row] = mask
-            self.output_counts[row] = counts
         return row
 
     def append_blocks(self, row: int, block_ids: tuple[int, ...]) -> None:
@@ -99,16 +105,16 @@ class RequestStates:
         if row is None:
             return
         self.params[row] = None
-        self.prompt_mask.pop(row, None)
-        self.output_counts.pop(row, None)
+        self.uses_penalties[row] = False
         self._free_rows.append(row)
 
     def append_sampled(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Writes one sampled token at the end of each given row."""
-        pos = self.num_tokens[rows]
-        self.token_ids[rows, pos] = tokens
-        self.num_tokens[rows] = pos + 1
-        for row, tok in zip(rows.tolist(), tokens.tolist(), strict=True):
-            counts = self.output_counts.get(row)
-            if counts is not None:
-                counts[tok] += 1
+        """Writes one sampled token at the end of each given (distinct) row, on the device:
+        token ids, lengths, last sampled token and penalty counts."""
+        post_sample_update_(
+            self.token_ids, self.num_tokens, self.last_sampled, self.output_counts, rows, tokens
+        )
+
+    def input_ids(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The step's input ids, read from the rows (never through the CPU scheduler)."""
+        return gather_input_ids(self.token_ids, token_rows, positions)
