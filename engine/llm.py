@@ -28,7 +28,8 @@ class LLM:
         model: a GGUF file or Hugging Face folder; None = the default model.
         dtype: "float32" (default; fastest on CPU), "float16", "bfloat16" or a torch dtype.
         **engine_args: any other ``EngineConfig`` field (max_num_seqs,
-            max_num_batched_tokens, max_model_len, num_kv_blocks, ...).
+            max_num_batched_tokens, max_model_len, num_kv_blocks,
+            async_scheduling, executor, ...).
 
     Raises:
         ModelLoadError: the model cannot be read. ValueError: a bad engine argument.
@@ -60,6 +61,17 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def stats(self) -> dict[str, float | int]:
+        """Engine statistics since start: ``steps``, ``deferred_steps``,
+        ``device_busy_fraction``, and seconds spent in ``schedule_s``,
+        ``bitmask_s``, ``device_wait_s``, ``update_s`` (plus ``engine_s``,
+        ``device_s``)."""
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stops the model worker process and compile threads (also done at exit)."""
+        self.engine.shutdown()
 
     def generate(
         self,

@@ -8,18 +8,20 @@ from collections.abc import Sequence
 
 import torch
 
+from baton.engine.async_scheduler import AsyncScheduler
 from baton.engine.config import EngineConfig
 from baton.engine.engine_core import EngineCore
+from baton.engine.executor import Executor, RunnerSpec, UniExecutor, build_runner
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.loader import Checkpoint, load_checkpoint
-from baton.engine.model_runner import ModelRunner
-from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.mp_executor import MultiprocExecutor
 from baton.engine.output_processor import OutputProcessor
 from baton.engine.outputs import RequestOutput
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
 from baton.engine.structured_outputs import StructuredOutputManager
+from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,23 +45,26 @@ class LLMEngine:
             config.max_model_len or ckpt.config.max_position_embeddings,
             ckpt.config.max_position_embeddings,
         )
-        model = LlamaForCausalLM(ckpt.config).to(dtype=config.dtype)
-        model.load_weights(ckpt.weights)
-        model.eval()
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(ckpt)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        caches = allocate_kv_cache(ckpt.config, num_blocks, config.block_size, config.dtype)
         eos = set(ckpt.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
-        runner = ModelRunner(
-            model,
-            caches,
-            config.block_size,
-            config.max_num_seqs,
-            self.max_model_len,
+        spec = RunnerSpec(
+            model_config=ckpt.config,
+            dtype=config.dtype,
+            num_kv_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             tokenizer_vocab_size=self.tokenizer.vocab_size,
         )
+        checker = SyncChecker.from_env()
+        executor: Executor
+        if config.executor == "mp":
+            executor = MultiprocExecutor(spec, ckpt.weights, checker)
+        else:
+            executor = UniExecutor(build_runner(spec, ckpt.weights), checker)
         self.structured = StructuredOutputManager(
             self.tokenizer,
             ckpt.config.vocab_size,
@@ -67,16 +72,26 @@ class LLMEngine:
             compile_timeout_s=config.grammar_compile_timeout_s,
             dynamic_compilation=config.grammar_dynamic_compilation,
         )
-        scheduler = Scheduler(config, kv, self.max_model_len, self.structured)
-        self.core = EngineCore(scheduler, runner)
+        scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
+        scheduler = scheduler_cls(config, kv, self.max_model_len, self.structured)
+        self.core = EngineCore(
+            scheduler,
+            executor,
+            async_scheduling=bool(config.async_scheduling),
+            max_concurrent_batches=config.max_concurrent_batches,
+            checker=checker,
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, "
+            "executor %s, async scheduling %s",
             ckpt.path,
             num_blocks,
             config.block_size,
             self.max_model_len,
+            config.executor,
+            "on" if config.async_scheduling else "off",
         )
 
     def _blocks_for_memory(self, ckpt: Checkpoint) -> int:
@@ -172,8 +187,17 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns outputs of requests that progressed or finished."""
-        core_outputs = self.core.step()
+        core_outputs = self.core.run_step()
         results, to_abort = self.outputs.process(core_outputs)
         if to_abort:  # finished by a stop string, or failed in output processing
             self.core.abort_requests(to_abort)
         return results
+
+    def stats(self) -> dict[str, float | int]:
+        """Engine step statistics since start (see ``EngineStats``)."""
+        return self.core.stats.as_dict()
+
+    def shutdown(self) -> None:
+        """Stops the model worker (if any) and the grammar compile threads; idempotent."""
+        self.core.shutdown()
+        self.structured.shutdown()

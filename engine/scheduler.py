@@ -54,6 +54,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
         self._step_id = 0
+        self.num_preemptions = 0
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -176,14 +177,18 @@ class Scheduler:
         return True
 
     def get_grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
-        """Bitmask rows for this step's structured requests that will sample."""
+        """Bitmask rows for this step's structured requests that will sample.
+
+        Under async scheduling a deferred step asks after the previous step's
+        tokens were applied: requests that finished or were preempted since
+        get no row (their token will be dropped).
+        """
         if self.structured is None or not so.structured_request_ids:
             return None
         sampling = [
             req
             for rid in so.structured_request_ids
-            if (req := self.requests.get(rid)) is not None
-            and req.num_computed_tokens >= req.num_tokens_with_placeholders
+            if (req := self.requests.get(rid)) is not None and req.status == RequestStatus.RUNNING
         ]
         return self.structured.grammar_bitmask(sampling)
 
@@ -206,6 +211,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
         logger.debug("preempted %s", req.request_id)
 
@@ -244,7 +250,10 @@ class Scheduler:
             finished_request_ids=finished,
             preempted_request_ids=frozenset(r.request_id for r in preempted),
             structured_request_ids=frozenset(
-                rid for rid in num_sched if self.requests[rid].structured is not None
+                rid
+                for rid, n in num_sched.items()
+                if (req := self.requests[rid]).structured is not None
+                and req.num_computed_tokens + n >= req.num_tokens_with_placeholders
             ),
         )
 

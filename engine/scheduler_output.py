@@ -48,7 +48,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_request_ids: frozenset[str]
     preempted_request_ids: frozenset[str] = frozenset()
-    # Requests that a structured-output backend constrains this step.
+    # Structured requests that sample this step (they need a bitmask row).
     structured_request_ids: frozenset[str] = frozenset()
     # Async scheduling: a structured request scheduled here already has a
     # token in flight, so its grammar cannot be advanced before sampling.

@@ -1,0 +1,38 @@
+"""The scheduler under async scheduling: tokens in flight count as placeholders."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from baton.engine.scheduler import Scheduler
+from baton.engine.scheduler_output import SchedulerOutput
+
+
+class AsyncScheduler(Scheduler):
+    """Plans step N+1 before step N's tokens reach the CPU.
+
+    After each schedule, every request that samples in the planned step gets
+    one output placeholder, so the next schedule already counts that token as
+    known (its value is read from device memory by the runner). The base
+    class removes placeholders when real tokens arrive, zeroes them on
+    preemption and drops stale deliveries for preempted requests.
+
+    When a structured request that samples in the planned step still has a
+    token in flight, its grammar cannot produce the step's bitmask yet: the
+    output says so with ``pending_structured_output_tokens`` and the engine
+    defers that step's sampling until the earlier tokens are applied.
+    """
+
+    def schedule(self) -> SchedulerOutput:
+        so = super().schedule()
+        pending = False
+        for rid in so.num_scheduled_tokens:
+            req = self.requests[rid]
+            if req.num_computed_tokens < req.num_tokens_with_placeholders:
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            if req.num_output_placeholders and rid in so.structured_request_ids:
+                pending = True
+            req.num_output_placeholders += 1
+        if pending:
+            return dataclasses.replace(so, pending_structured_output_tokens=True)
+        return so

@@ -1,0 +1,60 @@
+"""Where the engine's time goes: per-step CPU phases, device waits and device time."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+_RECENT_STEPS = 4096
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step: wall time, the CPU phases, the wait and the device time it retired."""
+
+    wall_s: float
+    cpu_s: float
+    device_wait_s: float
+    device_s: float
+    deferred: bool
+
+
+@dataclass
+class EngineStats:
+    """Totals since the engine started, plus the most recent steps.
+
+    ``device_busy_fraction`` is the device's forward-and-sample time over the
+    wall time spent inside engine steps (idle time between calls is not
+    counted).
+    """
+
+    steps: int = 0
+    deferred_steps: int = 0
+    schedule_s: float = 0.0
+    bitmask_s: float = 0.0
+    device_wait_s: float = 0.0
+    update_s: float = 0.0
+    engine_s: float = 0.0
+    device_s: float = 0.0
+    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=_RECENT_STEPS))
+
+    def record(self, wall_s: float, device_wait_s: float, device_s: float, deferred: bool) -> None:
+        """Adds one engine step (the phase totals are added by the core as they happen)."""
+        self.engine_s += wall_s
+        self.device_s += device_s
+        cpu = max(0.0, wall_s - device_wait_s)
+        self.recent.append(StepRecord(wall_s, cpu, device_wait_s, device_s, deferred))
+
+    def as_dict(self) -> dict[str, float | int]:
+        busy = self.device_s / self.engine_s if self.engine_s > 0 else 0.0
+        return {
+            "steps": self.steps,
+            "deferred_steps": self.deferred_steps,
+            "device_busy_fraction": min(1.0, busy),
+            "schedule_s": self.schedule_s,
+            "bitmask_s": self.bitmask_s,
+            "device_wait_s": self.device_wait_s,
+            "update_s": self.update_s,
+            "engine_s": self.engine_s,
+            "device_s": self.device_s,
+        }

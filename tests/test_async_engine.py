@@ -1,0 +1,233 @@
+"""Async scheduling end to end on a tiny model: parity with sync, deferral, stats, the worker."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+
+import jsonschema
+import pytest
+import torch
+
+from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.engine.config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.sync_check import SyncCheckError
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(arr):",
+    "Once upon a time",
+    "1, 2, 3, 4,",
+    "Name three colours:",
+    "Translate: good morning",
+    "import numpy as np",
+    "What is 2+2?",
+    "A JSON person:",
+    "Pick one:",
+]
+
+
+def mixed_requests(stop_ids: list[int]) -> list[tuple[str, SamplingParams]]:
+    """Free, JSON, regex and choice requests; greedy and seeded; every stop condition."""
+    so = StructuredOutputsParams
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=so(json=SCHEMA)),
+        SamplingParams(max_tokens=16, temperature=1.0, seed=7, stop_token_ids=stop_ids),
+        SamplingParams(max_tokens=24, temperature=1.0, seed=3, stop=["e"]),
+        SamplingParams(
+            max_tokens=20, temperature=0.8, seed=11, structured_outputs=so(regex=r"[a-z]{3,9}")
+        ),
+        SamplingParams(
+            max_tokens=8,
+            temperature=1.0,
+            seed=5,
+            structured_outputs=so(choice=["red", "green", "blue"]),
+        ),
+        SamplingParams(
+            max_tokens=10, min_tokens=6, temperature=1.0, seed=9, stop_token_ids=stop_ids
+        ),
+        SamplingParams(
+            max_tokens=30, temperature=1.0, seed=13, top_k=20, top_p=0.9, repetition_penalty=1.2
+        ),
+        SamplingParams(max_tokens=40, temperature=0.7, seed=17, structured_outputs=so(json=SCHEMA)),
+        SamplingParams(max_tokens=14, temperature=0.0, logprobs=2),
+    ]
+    return list(zip(PROMPTS, params, strict=True))
+
+
+def run(engine: LLMEngine, requests, abort: dict[str, int] | None = None) -> dict:
+    """Runs requests to the end; aborts ``abort[rid]`` once it has shown that many tokens."""
+    abort = dict(abort or {})
+    for i, (prompt, sp) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, sp)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            if out.finished:
+                final[out.request_id] = (c.token_ids, c.finish_reason, c.text)
+            elif out.request_id in abort and len(c.token_ids) >= abort[out.request_id]:
+                engine.abort_request(out.request_id)
+                final[out.request_id] = (c.token_ids, "abort", c.text)
+                del abort[out.request_id]
+    return final
+
+
+def build(tiny_model_dir, **kw) -> LLMEngine:
+    kw.setdefault("max_model_len", 256)
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), **kw))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    sync = build(tiny_model_dir, async_scheduling=False)
+    asy = build(tiny_model_dir, async_scheduling=True)
+    yield sync, asy
+    sync.shutdown()
+    asy.shutdown()
+
+
+def _stop_ids(engine: LLMEngine) -> list[int]:
+    return [engine.tokenizer.encode(w)[0] for w in (" the", " a", ",", ".", " and")]
+
+
+def test_async_and_sync_give_the_same_tokens(engines):
+    sync, asy = engines
+    reqs = mixed_requests(_stop_ids(sync))
+    a = run(sync, reqs, abort={"r7": 5})
+    b = run(asy, reqs, abort={"r7": 5})
+    assert a == b
+    reasons = {v[1] for v in a.values()}
+    assert {"stop", "length", "abort"} <= reasons
+    assert a["r7"][1] == "abort" and len(a["r7"][0]) == 5
+    for rid in ("r1", "r8"):
+        if a[rid][1] == "stop":
+            jsonschema.validate(json.loads(a[rid][2]), SCHEMA)
+    assert a["r5"][2] in ("red", "green", "blue")
+
+
+def test_parity_under_preemption_and_chunked_prefill(tiny_model_dir):
+    reqs = mixed_requests([]) * 2
+    results = []
+    for mode in (False, True):
+        engine = build(
+            tiny_model_dir,
+            async_scheduling=mode,
+            block_size=4,
+            num_kv_blocks=24,
+            max_num_batched_tokens=16,
+        )
+        results.append(run(engine, reqs))
+        preemptions = engine.core.scheduler.num_preemptions
+        engine.shutdown()
+        assert preemptions > 0
+    assert results[0] == results[1]
+
+
+def test_deferral_happens_iff_a_structured_token_is_in_flight(engines):
+    sync, asy = engines
+    free = [(p, SamplingParams(max_tokens=8, temperature=0.0)) for p in PROMPTS[:4]]
+    before = asy.stats()["deferred_steps"]
+    run(asy, free)
+    assert asy.stats()["deferred_steps"] == before  # free requests never defer
+    json_sp = SamplingParams(
+        max_tokens=8,
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(json=SCHEMA),
+    )
+    steps0 = asy.stats()["steps"]
+    run(asy, [(PROMPTS[0], json_sp)])
+    stats = asy.stats()
+    # Every decode step of a lone structured request has its previous token in flight.
+    assert stats["deferred_steps"] - before == stats["steps"] - steps0 - 1
+    sync_before = sync.stats()["deferred_steps"]
+    run(sync, [(PROMPTS[0], json_sp)])
+    assert sync.stats()["deferred_steps"] == sync_before == 0
+
+
+def test_stats_report_every_phase(engines):
+    _, asy = engines
+    run(asy, [(p, SamplingParams(max_tokens=6, temperature=0.0)) for p in PROMPTS[:3]])
+    stats = asy.stats()
+    for key in ("steps", "deferred_steps", "device_busy_fraction", "schedule_s", "bitmask_s"):
+        assert key in stats
+    assert stats["steps"] > 0
+    assert 0.0 < stats["device_busy_fraction"] <= 1.0
+    assert stats["device_wait_s"] > 0 and stats["update_s"] > 0 and stats["schedule_s"] > 0
+
+
+def test_max_tokens_takes_no_extra_step(engines):
+    for engine in engines:
+        steps = engine.stats()["steps"]
+        run(engine, [(PROMPTS[0], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))])
+        assert engine.stats()["steps"] - steps == 9
+
+
+def test_sync_check_catches_a_planted_item(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("BATON_SYNC_CHECK", "error")
+    engine = build(tiny_model_dir, async_scheduling=True)
+    try:
+        sp = SamplingParams(max_tokens=6, temperature=0.0)
+        json_sp = SamplingParams(
+            max_tokens=6, temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+        )
+        reqs = [(PROMPTS[0], sp), (PROMPTS[1], json_sp)]
+        assert len(run(engine, reqs)) == 2  # the step itself never waits outside get_output()
+        real = engine.core.scheduler.schedule
+
+        def planted():
+            torch.ones(1).sum().item()
+            return real()
+
+        monkeypatch.setattr(engine.core.scheduler, "schedule", planted)
+        engine.add_request("x", PROMPTS[2], sp)
+        with pytest.raises(SyncCheckError, match="planted"):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_worker_crash_fails_requests_instead_of_hanging(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), max_model_len=256, async_scheduling=True)
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], sp)
+    engine.add_request("b", PROMPTS[1], sp)
+    engine.step()
+    engine.step()
+    os.kill(engine.core.executor._proc.pid, signal.SIGKILL)
+    final = {}
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0]
+    assert set(final) == {"a", "b"}
+    for c in final.values():
+        assert c.finish_reason == "error"
+    with pytest.raises(RuntimeError, match="worker"):
+        llm.generate(["hello"], sp, use_tqdm=False)
+    llm.shutdown()
+
+
+def test_worker_process_dies_with_the_engine(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), max_model_len=128)
+    proc = llm.engine.core.executor._proc
+    assert proc.is_alive()
+    del llm
+    gc.collect()
+    proc.join(timeout=10)
+    assert not proc.is_alive()
