@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import queue
 import signal
+import threading
 import time
 import traceback
 import weakref
@@ -137,30 +139,36 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         ctx = torch_mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "baton.engine.mp_executor"])
-        self._conn, child = ctx.Pipe()
+        # One pipe each way: the worker answers from a sender thread, so neither
+        # side can block on a full pipe while the other blocks on its own send.
+        self._replies_conn, replies_w = ctx.Pipe(duplex=False)
+        commands_r, self._conn = ctx.Pipe(duplex=False)
         flat, index = pack_weights(weights)
         self._proc = ctx.Process(
             target=_worker_main,
-            args=(child, spec, flat, index, self._bitmasks, self._sampled),
+            args=(commands_r, replies_w, spec, flat, index, self._bitmasks, self._sampled),
             name="baton-model-worker",
             daemon=True,
         )
         self._proc.start()
-        child.close()
+        commands_r.close()
+        replies_w.close()
         del flat
-        self._finalizer = weakref.finalize(self, _stop_worker, self._conn, self._proc)
+        self._finalizer = weakref.finalize(
+            self, _stop_worker, self._conn, self._replies_conn, self._proc
+        )
         self._wait_ready()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
-        while not self._conn.poll(_POLL_S):
+        while not self._replies_conn.poll(_POLL_S):
             if not self._proc.is_alive() or time.monotonic() > deadline:
                 self.shutdown()
                 raise ExecutorError(
                     f"model worker process did not start (exit code {self._proc.exitcode})"
                 )
         try:
-            kind, detail = self._conn.recv()
+            kind, detail = self._replies_conn.recv()
         except (EOFError, OSError) as exc:
             self.shutdown()
             raise ExecutorError(f"model worker process died while starting: {exc}") from exc
@@ -197,11 +205,11 @@ class MultiprocExecutor(Executor):
                 if self._dead is not None:
                     raise ExecutorError(self._dead)
                 try:
-                    if not self._conn.poll(_POLL_S):
+                    if not self._replies_conn.poll(_POLL_S):
                         if not self._proc.is_alive():
                             self._died("the model worker process died")
                         continue
-                    reply: _Reply = self._conn.recv()
+                    reply: _Reply = self._replies_conn.recv()
                 except (EOFError, OSError) as exc:
                     self._died(f"the model worker process died: {exc}")
                 self._replies[reply.step_id] = reply
@@ -233,19 +241,21 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _stop_worker(conn: Connection, proc: Any) -> None:
+def _stop_worker(commands: Connection, replies: Connection, proc: Any) -> None:
     with contextlib.suppress(OSError, EOFError, BrokenPipeError):
-        conn.send(("shutdown",))
+        commands.send(("shutdown",))
     proc.join(timeout=5)
     if proc.is_alive():
         proc.terminate()
         proc.join(timeout=5)
-    conn.close()
+    commands.close()
+    replies.close()
 
 
 # ------------------------------------------------------------------- worker
 def _worker_main(
-    conn: Connection,
+    commands: Connection,
+    replies: Connection,
     spec: RunnerSpec,
     flat: torch.Tensor,
     index: dict[str, Any],
@@ -257,16 +267,19 @@ def _worker_main(
         runner = build_runner(spec, _unpack_weights(flat, index))
         del flat
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
-        conn.send(("error", traceback.format_exc()))
+        replies.send(("error", traceback.format_exc()))
         return
-    conn.send(("ready", None))
+    replies.send(("ready", None))
+    outbox: queue.SimpleQueue[_Reply | None] = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_replies, args=(replies, outbox), daemon=True)
+    sender.start()
     pending: deque[ForwardOutput | _FailedStep] = deque()
     busy = 0.0
     while True:
         try:
-            message = conn.recv()
+            message = commands.recv()
         except (EOFError, OSError):
-            return  # the engine is gone
+            break  # the engine is gone
         kind = message[0]
         t0 = time.perf_counter()
         if kind == "execute":
@@ -276,15 +289,24 @@ def _worker_main(
             except Exception:  # noqa: BLE001 - fails this step's requests, not the worker
                 message = f"model step failed:\n{traceback.format_exc()}"
                 pending.append(_FailedStep(tuple(so.num_scheduled_tokens), message))
+            busy += time.perf_counter() - t0
         elif kind == "sample":
             _, step_id, slot, grammar_ids = message
             reply = _sample(runner, pending, step_id, slot, grammar_ids, bitmasks, sampled)
             busy += time.perf_counter() - t0
-            conn.send(dataclasses.replace(reply, device_seconds=busy))
-            continue
+            outbox.put(dataclasses.replace(reply, device_seconds=busy))
         elif kind == "shutdown":
+            break
+    outbox.put(None)
+    sender.join(timeout=5)
+
+
+def _send_replies(replies: Connection, outbox: queue.SimpleQueue[_Reply | None]) -> None:
+    while (reply := outbox.get()) is not None:
+        try:
+            replies.send(reply)
+        except (OSError, EOFError, BrokenPipeError):
             return
-        busy += time.perf_counter() - t0
 
 
 def _sample(

@@ -231,3 +231,16 @@ def test_worker_process_dies_with_the_engine(tiny_model_dir):
     gc.collect()
     proc.join(timeout=10)
     assert not proc.is_alive()
+
+
+def test_large_messages_both_ways_do_not_deadlock(tiny_model_dir):
+    # Long prompts make "execute" messages larger than a pipe's buffer, sent while
+    # replies with logprobs come back: neither side may block the other.
+    engine = build(tiny_model_dir, max_model_len=2048, max_num_seqs=32, async_scheduling=True)
+    try:
+        prompt = list(range(1000, 2900))
+        sp = SamplingParams(max_tokens=4, temperature=0.0, logprobs=20, ignore_eos=True)
+        final = run(engine, [(prompt, sp)] * 24)
+        assert len(final) == 24 and all(len(v[0]) == 4 for v in final.values())
+    finally:
+        engine.shutdown()
