@@ -9,13 +9,20 @@ from collections import deque
 from baton.engine.executor import AsyncOutput, Executor, ExecutorError
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler import Scheduler
-from baton.engine.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from baton.engine.scheduler_output import (
+    EngineCoreOutput,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from baton.engine.stats import EngineStats
 from baton.engine.sync_check import SyncChecker
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.002
+# A longer gap between two steps is idle time, not part of the engine's work.
+_MAX_FRONT_END_GAP_S = 0.05
 
 
 class EngineCore:
@@ -46,6 +53,7 @@ class EngineCore:
         self.batch_queue: deque[tuple[SchedulerOutput, AsyncOutput]] = deque()
         self.deferred: SchedulerOutput | None = None
         self._dead: str | None = None
+        self._last_step_end: float | None = None
 
     def add_request(self, request: Request) -> None:
         if self._dead is not None:
@@ -62,6 +70,9 @@ class EngineCore:
     def run_step(self) -> list[EngineCoreOutput]:
         """One step in the configured mode; an executor failure fails every request."""
         t0 = time.perf_counter()
+        if self._last_step_end is not None and t0 - self._last_step_end < _MAX_FRONT_END_GAP_S:
+            # Front-end work between steps (detokenising) overlaps the device too.
+            self.stats.engine_s += t0 - self._last_step_end
         wait0, device0 = self.stats.device_wait_s, self.executor.device_seconds
         deferred0 = self.stats.deferred_steps
         try:
@@ -75,6 +86,7 @@ class EngineCore:
             self.executor.device_seconds - device0,
             self.stats.deferred_steps > deferred0,
         )
+        self._last_step_end = time.perf_counter()
         return outputs
 
     # ------------------------------------------------------------------ modes
@@ -126,7 +138,7 @@ class EngineCore:
             self.stats.steps += 1
         return so
 
-    def _bitmask(self, so: SchedulerOutput):  # noqa: ANN202 - GrammarOutput | None
+    def _bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
         t0 = time.perf_counter()
         grammar = self.scheduler.get_grammar_bitmask(so)
         self.stats.bitmask_s += time.perf_counter() - t0

@@ -23,9 +23,9 @@ class StepRecord:
 class EngineStats:
     """Totals since the engine started, plus the most recent steps.
 
-    ``device_busy_fraction`` is the device's forward-and-sample time over the
-    wall time spent inside engine steps (idle time between calls is not
-    counted).
+    ``device_busy_fraction`` is the device's forward-and-sample time over
+    ``engine_s``: the wall time of engine steps plus the short gaps between
+    them where the front end processes outputs (idle periods are not counted).
     """
 
     steps: int = 0
