@@ -1,4 +1,4 @@
-"""The ``baton`` command line: ``baton generate`` (more subcommands come later)."""
+"""The ``baton`` command line: ``baton generate`` and ``baton bench engine``."""
 
 from __future__ import annotations
 
@@ -11,16 +11,28 @@ def _generate(args: argparse.Namespace) -> int:
     from baton.engine.llm import LLM
     from baton.engine.sampling_params import SamplingParams
 
-    llm = LLM(args.model, max_model_len=args.max_model_len)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
-    )
-    if args.raw:
-        out = llm.generate([args.prompt], params, use_tqdm=False)[0]
-    else:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    # None lets the engine decide (on unless an option rules it out).
+    async_scheduling = False if args.no_async_scheduling else None
+    llm = LLM(args.model, max_model_len=args.max_model_len, async_scheduling=async_scheduling)
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+        if args.raw:
+            out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+        else:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
     print(out.outputs[0].text)
     return 0
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    # Imported here: nothing in the product imports bench at module level.
+    from baton.bench.engine import main as bench_main
+
+    return bench_main(list(args.passthrough))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,14 +48,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-model-len", type=int, default=2048)
     gen.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")
+    gen.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="run each step to completion instead of planning the next one while the model runs",
+    )
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="run a benchmark")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    # No -h here: every argument, --help included, belongs to the benchmark's own parser.
+    bench_sub.add_parser(
+        "engine",
+        add_help=False,
+        help="async vs sync scheduling, free vs JSON requests (see baton bench engine --help)",
+    ).set_defaults(func=_bench_engine, passes_unknown_args=True)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``baton`` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "passes_unknown_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.passthrough = unknown
     try:
         return args.func(args)
     except ValueError as exc:  # bad input: one clear line, no traceback

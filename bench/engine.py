@@ -1,0 +1,718 @@
+"""Engine benchmark: async vs sync scheduling, free vs JSON-schema requests, two regimes.
+
+Regime "a" runs the default model (on a CPU the forward dominates a step).
+Regime "b" ("gpu-like") runs a tiny random-weight model with the real vocabulary,
+whose forward takes a few ms, so the engine's CPU work (scheduling, grammar
+bitmasks, detokenization) weighs more, as it does next to a GPU. For each
+regime, one engine with async scheduling and one without are built once, warmed
+up, and measured interleaved over the batch sizes, free (EOS ignored) and
+JSON-schema requests, all greedy. Every JSON output that stopped by itself is
+validated against the schema. Prints a table, the ratios the goals need and
+whether each goal was met (it asserts nothing); writes JSON and a PNG.
+
+    python -m baton.bench.engine [--regimes a,b] [--batches 1,8,32,64]
+        [--output-len 64] [--json-fractions 0,1] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import torch
+
+from baton.bench.forward import RESULTS
+from baton.bench.plotting import pyplot, save_results
+from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.engine.loader import Checkpoint, expected_weight_shapes, load_checkpoint, load_tokenizer
+from baton.engine.models.config import ModelConfig
+from baton.engine.outputs import RequestOutput
+from baton.engine.stats import StepRecord
+from baton.engine.tokenizer import Tokenizer
+
+REGIMES = {"a": "default model", "b": "gpu-like (tiny random model)"}
+# Steps left out at each end of a run for the steady-state figures: the prefill
+# steps at the start, the draining batch at the end.
+STEADY_TRIM = 3
+BLOCK_SIZE = 16
+WARMUP_TOKENS = 4
+
+# Long-ish objects (about 50-60 tokens from the default model) so that, at the default
+# --output-len, some finish by themselves and their validity gets checked.
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 24},
+        "occupation": {"type": "string", "maxLength": 24},
+        "hobbies": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 16},
+            "minItems": 1,
+            "maxItems": 2,
+        },
+        "bio": {"type": "string", "maxLength": 40},
+    },
+    "required": ["name", "age", "city", "occupation", "hobbies", "bio"],
+    "additionalProperties": False,
+}
+PEOPLE = ("a baker", "a pilot", "a chess player", "a gardener", "a painter", "a doctor")
+
+# Goal thresholds (targets, not measurements).
+BUSY_TARGET = 0.95
+STEP_OVERHEAD_TARGET = 1.05
+ASYNC_SPEEDUP_TARGET = 1.25
+STRUCTURED_TPOT_TARGET = 1.03
+
+
+@dataclass(frozen=True)
+class TinyModelShape:
+    """Shape of the regime-b model: small enough that a batch-32 forward takes a few ms."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    init_std: float = 0.02
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of "
+                f"num_heads ({self.num_heads})"
+            )
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one benchmark run measures; raises ``ValueError`` naming a bad field."""
+
+    regimes: tuple[str, ...] = ("a", "b")
+    batches: tuple[int, ...] = (1, 8, 32, 64)
+    json_fractions: tuple[float, ...] = (0.0, 1.0)
+    output_len: int = 64
+    repeats: int = 2
+    goal_batch: int = 32
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.regimes or any(r not in REGIMES for r in self.regimes):
+            raise ValueError(
+                f"regimes must be a non-empty subset of {sorted(REGIMES)}, got {list(self.regimes)}"
+            )
+        if not self.batches or any(b <= 0 for b in self.batches):
+            raise ValueError(f"batches must be positive ints, got {list(self.batches)}")
+        if not self.json_fractions or any(not 0.0 <= f <= 1.0 for f in self.json_fractions):
+            raise ValueError(f"json fractions must lie in [0, 1], got {list(self.json_fractions)}")
+        if self.output_len < 2:
+            raise ValueError(
+                f"output_len must be >= 2 (TPOT needs two tokens), got {self.output_len}"
+            )
+        for name in ("regimes", "batches", "json_fractions"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name} must not repeat a value, got {list(values)}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.goal_batch <= 0:
+            raise ValueError(f"goal_batch must be a positive int, got {self.goal_batch}")
+
+
+@dataclass
+class RunMeasure:
+    """One ``generate`` call: its wall time, outputs and the engine statistics it added."""
+
+    seconds: float
+    tokens: int
+    tpots: list[float]
+    checked: int
+    invalid: int
+    stats: dict[str, float]
+    records: list[StepRecord] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------ models
+def tiny_checkpoint(tokenizer: Tokenizer, shape: TinyModelShape | None = None) -> Checkpoint:
+    """A random-weight Llama over ``tokenizer``'s whole vocabulary, built in memory (seeded)."""
+    shape = shape or TinyModelShape()
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.hidden_size // shape.num_heads,
+        rope_theta=100000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tuple(tokenizer.eos_token_ids),
+    )
+    generator = torch.Generator().manual_seed(shape.seed)
+    weights = {}
+    for name, dims in expected_weight_shapes(config).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(dims)
+        else:
+            weights[name] = torch.randn(dims, generator=generator) * shape.init_std
+    return Checkpoint(Path("tiny-random-llama"), config, weights, tokenizer)
+
+
+def conversations(start: int, n: int) -> list[list[dict[str, str]]]:
+    """``n`` chat prompts asking for a JSON person; the index ``start + i`` makes each unique
+    (past the shared chat-template prefix) so that no run reuses another run's prefix cache."""
+    fields = ", ".join(SCHEMA["required"])
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"Invent {PEOPLE[(start + i) % len(PEOPLE)]} (person #{start + i}) "
+                f"and describe them as a JSON object with {fields}.",
+            }
+        ]
+        for i in range(n)
+    ]
+
+
+def request_params(n: int, json_fraction: float, output_len: int) -> list[SamplingParams]:
+    """Greedy params: the first ``round(n * json_fraction)`` JSON-constrained, the rest free."""
+    n_json = round(n * json_fraction)
+    free = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    structured = SamplingParams(
+        max_tokens=output_len,
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(json=SCHEMA),
+    )
+    return [structured] * n_json + [free] * (n - n_json)
+
+
+# ---------------------------------------------------------------- measuring
+def invalid_json(
+    outputs: Sequence[RequestOutput], params: Sequence[SamplingParams]
+) -> tuple[int, int]:
+    """(checked, invalid): JSON requests that stopped by themselves, and those whose text does
+    not parse or does not validate against ``SCHEMA``."""
+    checked = invalid = 0
+    for out, sp in zip(outputs, params, strict=True):
+        completion = out.outputs[0]
+        if sp.structured_outputs is None or completion.finish_reason != "stop":
+            continue
+        checked += 1
+        try:
+            jsonschema.validate(json.loads(completion.text), SCHEMA)
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            invalid += 1
+    return checked, invalid
+
+
+def measure(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> RunMeasure:
+    """Runs one batch to the end; the engine statistics are deltas over this call only."""
+    core_stats = llm.engine.core.stats
+    # The per-step deque is bounded: emptying it makes "this run's steps" exact.
+    core_stats.recent.clear()
+    before = llm.stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    after = llm.stats()
+    delta = {k: after[k] - before[k] for k in after if k != "device_busy_fraction"}
+    tpots = [o.metrics.time_per_output_token for o in outs]
+    checked, invalid = invalid_json(outs, params)
+    return RunMeasure(
+        seconds=seconds,
+        tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+        tpots=[t for t in tpots if t is not None],
+        checked=checked,
+        invalid=invalid,
+        stats=delta,
+        records=list(core_stats.recent),
+    )
+
+
+def host_cpu_s(record: StepRecord, inline_device: bool) -> float:
+    """The engine's own CPU time in a step. With an in-process executor the forward runs on the
+    engine thread and is not a wait, so ``cpu_s`` holds it too and it is taken out."""
+    return max(0.0, record.cpu_s - record.device_s) if inline_device else record.cpu_s
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def summarize(
+    runs: Sequence[RunMeasure], regime: str, llm: LLM, json_fraction: float, batch: int
+) -> dict[str, Any]:
+    """One table row from the repetitions of one case."""
+    inline = llm.config.executor == "uni"
+    seconds = sum(r.seconds for r in runs)
+    tokens = sum(r.tokens for r in runs)
+    engine_s = sum(r.stats["engine_s"] for r in runs)
+    device_s = sum(r.stats["device_s"] for r in runs)
+    steady = [rec for r in runs for rec in r.records[STEADY_TRIM : len(r.records) - STEADY_TRIM]]
+    steady_wall = sum(rec.wall_s for rec in steady)
+    mean_wall = _mean([rec.wall_s for rec in steady])
+    mean_cpu = _mean([host_cpu_s(rec, inline) for rec in steady])
+    mean_device = _mean([rec.device_s for rec in steady])
+    bound = max(mean_cpu, mean_device) if mean_cpu is not None and mean_device is not None else 0
+    tpot = _mean([t for r in runs for t in r.tpots])
+    return {
+        "regime": regime,
+        "async": bool(llm.config.async_scheduling),
+        "executor": llm.config.executor,
+        "json_fraction": json_fraction,
+        "batch": batch,
+        "runs": len(runs),
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "tok_per_s": tokens / seconds if seconds > 0 else None,
+        "tpot_ms": tpot * 1e3 if tpot is not None else None,
+        # Both busy figures are capped at 1 like EngineStats: a step's device time may
+        # overlap the output processing that runs between steps, outside their wall time.
+        "device_busy": min(1.0, device_s / engine_s) if engine_s > 0 else None,
+        "device_busy_of_wall": device_s / seconds if seconds > 0 else None,
+        "outside_steps_s": seconds - engine_s,
+        "steady_steps": len(steady),
+        "steady_device_busy": (
+            min(1.0, sum(rec.device_s for rec in steady) / steady_wall) if steady_wall > 0 else None
+        ),
+        "steps": sum(int(r.stats["steps"]) for r in runs),
+        "deferred_steps": sum(int(r.stats["deferred_steps"]) for r in runs),
+        "step_wall_ms": mean_wall * 1e3 if mean_wall is not None else None,
+        "step_cpu_ms": mean_cpu * 1e3 if mean_cpu is not None else None,
+        "step_device_ms": mean_device * 1e3 if mean_device is not None else None,
+        "step_over_bound": mean_wall / bound if mean_wall is not None and bound > 0 else None,
+        "json_checked": sum(r.checked for r in runs),
+        "json_invalid": sum(r.invalid for r in runs),
+    }
+
+
+def step_trace(run: RunMeasure, llm: LLM) -> dict[str, list[float]]:
+    """Per-step wall, engine CPU and device time (ms) of one run, for the plot."""
+    inline = llm.config.executor == "uni"
+    return {
+        "wall_ms": [rec.wall_s * 1e3 for rec in run.records],
+        "cpu_ms": [host_cpu_s(rec, inline) * 1e3 for rec in run.records],
+        "device_ms": [rec.device_s * 1e3 for rec in run.records],
+        "deferred": [rec.deferred for rec in run.records],
+    }
+
+
+# ------------------------------------------------------------------ running
+def build_llm(
+    ckpt: Checkpoint, async_on: bool, max_batch: int, max_len: int, warm: list[list[int]]
+) -> LLM:
+    """An engine over ``ckpt`` sized for the benchmark, warmed up on ``warm`` (first-call
+    costs, the schema's grammar compile)."""
+    blocks_per_seq = math.ceil(max_len / BLOCK_SIZE) + 1
+    llm = LLM.from_checkpoint(
+        ckpt,
+        async_scheduling=async_on,
+        max_num_seqs=max_batch,
+        max_model_len=max_len,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=max_batch * blocks_per_seq + 8,
+    )
+    llm.generate(warm, request_params(len(warm), 0.5, WARMUP_TOKENS), use_tqdm=False)
+    return llm
+
+
+def run_regime(
+    cfg: BenchConfig, regime: str, ckpt: Checkpoint, trace_case: tuple[int, float] | None
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """All cases of one regime; returns its rows and, for ``trace_case`` (batch, json
+    fraction), the per-step traces of the last repetition with async on and off."""
+    tok = ckpt.tokenizer
+    cases = [
+        (b, f, rep) for b in cfg.batches for rep in range(cfg.repeats) for f in cfg.json_fractions
+    ]
+    prompts: dict[tuple[int, float, int], list[list[int]]] = {}
+    start = 0
+    for case in cases:
+        batch = case[0]
+        prompts[case] = [
+            list(tok.apply_chat_template(c, tokenize=True)) for c in conversations(start, batch)
+        ]
+        start += batch
+    warm = [list(tok.apply_chat_template(c, tokenize=True)) for c in conversations(start, 4)]
+    longest = max(len(p) for p in [*warm, *(p for ps in prompts.values() for p in ps)])
+    max_len = longest + max(cfg.output_len, WARMUP_TOKENS) + 1
+    llms: dict[bool, LLM] = {}
+    runs: dict[tuple[bool, int, float], list[RunMeasure]] = {}
+    try:
+        for mode in (True, False):
+            llms[mode] = build_llm(ckpt, mode, max(cfg.batches), max_len, warm)
+        for batch, fraction, rep in cases:
+            params = request_params(batch, fraction, cfg.output_len)
+            # Alternate which mode goes first, so drift in machine load hits both alike.
+            order = (True, False) if rep % 2 == 0 else (False, True)
+            for mode in order:
+                run = measure(llms[mode], prompts[(batch, fraction, rep)], params)
+                runs.setdefault((mode, batch, fraction), []).append(run)
+        rows = [
+            summarize(runs[(mode, b, f)], regime, llms[mode], f, b)
+            for b in cfg.batches
+            for f in cfg.json_fractions
+            for mode in (True, False)
+        ]
+        trace = None
+        if trace_case is not None and (True, *trace_case) in runs:
+            trace = {
+                "regime": regime,
+                "batch": trace_case[0],
+                "json_fraction": trace_case[1],
+                "async": step_trace(runs[(True, *trace_case)][-1], llms[True]),
+                "sync": step_trace(runs[(False, *trace_case)][-1], llms[False]),
+            }
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    return rows, trace
+
+
+# ------------------------------------------------------------- ratios, goals
+def _find(rows: list[dict[str, Any]], key: dict[str, Any]) -> dict[str, Any] | None:
+    return next((r for r in rows if all(r[k] == v for k, v in key.items())), None)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def compute_ratios(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """async/sync throughput per (regime, json fraction, batch) and structured/free TPOT with
+    async per (regime, batch), from rows of the same run."""
+    speedups = []
+    tpot_ratios = []
+    for r in rows:
+        if not r["async"]:
+            continue
+        case = {"regime": r["regime"], "json_fraction": r["json_fraction"], "batch": r["batch"]}
+        sync = _find(rows, {**case, "async": False})
+        if sync is not None:
+            speedups.append(
+                {
+                    "regime": r["regime"],
+                    "json_fraction": r["json_fraction"],
+                    "batch": r["batch"],
+                    "async_over_sync_tok_per_s": _ratio(r["tok_per_s"], sync["tok_per_s"]),
+                }
+            )
+        if r["json_fraction"] == 1.0:
+            free = _find(rows, {**case, "json_fraction": 0.0, "async": True})
+            if free is not None:
+                tpot_ratios.append(
+                    {
+                        "regime": r["regime"],
+                        "batch": r["batch"],
+                        "structured_over_free_tpot": _ratio(r["tpot_ms"], free["tpot_ms"]),
+                    }
+                )
+    return {"async_over_sync": speedups, "structured_over_free": tpot_ratios}
+
+
+def _goal(
+    name: str, target: str, values: dict[str, float | None], worst: str, threshold: float
+) -> dict[str, Any]:
+    """A goal judged on its worst measured value (``worst`` = "min" or "max")."""
+    measured = [v for v in values.values() if v is not None]
+    if not measured:
+        return {"goal": name, "target": target, "value": None, "met": None, "values": values}
+    value = min(measured) if worst == "min" else max(measured)
+    met = value >= threshold if worst == "min" else value <= threshold
+    return {"goal": name, "target": target, "value": value, "met": met, "values": values}
+
+
+def evaluate_goals(
+    rows: list[dict[str, Any]], ratios: dict[str, list[dict[str, Any]]], goal_batch: int
+) -> list[dict[str, Any]]:
+    """The four goals, each with its measured value(s); nothing is asserted."""
+    at_goal = [r for r in rows if r["async"] and r["batch"] == goal_batch]
+
+    def label(r: dict[str, Any]) -> str:
+        return f"{r['regime']} json={r['json_fraction']:g} b={r['batch']}"
+
+    speedup = next(
+        (
+            s["async_over_sync_tok_per_s"]
+            for s in ratios["async_over_sync"]
+            if s["regime"] == "b" and s["json_fraction"] == 1.0 and s["batch"] == goal_batch
+        ),
+        None,
+    )
+    return [
+        _goal(
+            f"steady device busy with async, batch {goal_batch}, every regime",
+            f">= {BUSY_TARGET:.0%}",
+            {label(r): r["steady_device_busy"] for r in at_goal},
+            "min",
+            BUSY_TARGET,
+        ),
+        _goal(
+            f"async step time / max(CPU, device), batch {goal_batch}",
+            f"<= {STEP_OVERHEAD_TARGET}",
+            {label(r): r["step_over_bound"] for r in at_goal},
+            "max",
+            STEP_OVERHEAD_TARGET,
+        ),
+        _goal(
+            f"async/sync throughput, regime b, batch {goal_batch}, 100% JSON",
+            f">= {ASYNC_SPEEDUP_TARGET}",
+            {f"b json=1 b={goal_batch}": speedup},
+            "min",
+            ASYNC_SPEEDUP_TARGET,
+        ),
+        _goal(
+            "structured/free TPOT with async, regime a, every batch",
+            f"<= {STRUCTURED_TPOT_TARGET}",
+            {
+                f"a b={t['batch']}": t["structured_over_free_tpot"]
+                for t in ratios["structured_over_free"]
+                if t["regime"] == "a"
+            },
+            "max",
+            STRUCTURED_TPOT_TARGET,
+        ),
+    ]
+
+
+# ------------------------------------------------------------------ output
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_report(result: dict[str, Any]) -> None:
+    """The rows, the ratios and the goals, as text."""
+    head = (
+        f"{'reg':<3} {'async':<5} {'json':>4} {'batch':>5} {'tok/s':>8} {'TPOT ms':>8} "
+        f"{'busy':>5} {'steady':>6} {'defer':>5} {'wall ms':>8} {'cpu ms':>7} {'dev ms':>7} "
+        f"{'wall/max':>8} {'bad json':>8}"
+    )
+    print(head)
+    for r in result["rows"]:
+        print(
+            f"{r['regime']:<3} {'on' if r['async'] else 'off':<5} {r['json_fraction']:>4.0%} "
+            f"{r['batch']:>5} {_fmt(r['tok_per_s'], '.1f'):>8} {_fmt(r['tpot_ms'], '.2f'):>8} "
+            f"{_fmt(r['device_busy'], '.0%'):>5} {_fmt(r['steady_device_busy'], '.0%'):>6} "
+            f"{r['deferred_steps']:>5} {_fmt(r['step_wall_ms'], '.2f'):>8} "
+            f"{_fmt(r['step_cpu_ms'], '.2f'):>7} {_fmt(r['step_device_ms'], '.2f'):>7} "
+            f"{_fmt(r['step_over_bound'], '.2f'):>8} "
+            f"{r['json_invalid']:>3}/{r['json_checked']:<4}"
+        )
+    print("\nasync/sync throughput:")
+    for s in result["ratios"]["async_over_sync"]:
+        print(
+            f"  {s['regime']} json={s['json_fraction']:.0%} batch {s['batch']:>3}: "
+            f"{_fmt(s['async_over_sync_tok_per_s'], '.2f')}"
+        )
+    print("structured/free TPOT (async):")
+    for t in result["ratios"]["structured_over_free"]:
+        print(
+            f"  {t['regime']} batch {t['batch']:>3}: {_fmt(t['structured_over_free_tpot'], '.3f')}"
+        )
+    print("\ngoals:")
+    for g in result["goals"]:
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[g["met"]]
+        values = ", ".join(f"{k}: {_fmt(v, '.3f')}" for k, v in g["values"].items())
+        print(f"  [{verdict}] {g['goal']} {g['target']}: {_fmt(g['value'], '.3f')}  ({values})")
+    invalid = sum(r["json_invalid"] for r in result["rows"])
+    checked = sum(r["json_checked"] for r in result["rows"])
+    print(f"\ninvalid JSON outputs: {invalid} of {checked} that stopped by themselves")
+
+
+def _csv(kind: type, text: str) -> tuple[Any, ...]:
+    try:
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {kind.__name__}s, got {text!r}"
+        ) from None
+
+
+def _strs(text: str) -> tuple[str, ...]:
+    return _csv(str, text)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return _csv(int, text)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return _csv(float, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark, prints the report and writes ``--out`` (JSON) and its PNG.
+
+    Loads the default model (regime a), starts one model worker process per
+    regime, and exits through argparse (SystemExit 2) on a bad argument.
+    """
+    p = argparse.ArgumentParser(prog="baton bench engine", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model",
+        default=None,
+        help="regime a's model and regime b's tokenizer (default: SmolLM2-135M)",
+    )
+    p.add_argument(
+        "--regimes",
+        type=_strs,
+        default=("a", "b"),
+        help="a = default model, b = gpu-like tiny model (default: a,b)",
+    )
+    p.add_argument("--batches", type=_ints, default=(1, 8, 32, 64), help="default: 1,8,32,64")
+    p.add_argument(
+        "--json-fractions",
+        type=_floats,
+        default=(0.0, 1.0),
+        help="share of JSON-schema requests in a batch (default: 0,1)",
+    )
+    p.add_argument("--output-len", type=int, default=64, help="max tokens per request")
+    p.add_argument("--repeats", type=int, default=2, help="runs per case, interleaved")
+    p.add_argument(
+        "--goal-batch",
+        type=int,
+        default=32,
+        help="batch size at which the per-batch goals are judged (default: 32)",
+    )
+    p.add_argument(
+        "--out", type=Path, default=RESULTS / "engine.json", help="JSON path; the PNG goes beside"
+    )
+    a = p.parse_args(argv)
+    try:
+        cfg = BenchConfig(
+            regimes=a.regimes,
+            batches=a.batches,
+            json_fractions=a.json_fractions,
+            output_len=a.output_len,
+            repeats=a.repeats,
+            goal_batch=a.goal_batch,
+            model=a.model,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+
+    trace_regime = "b" if "b" in cfg.regimes else cfg.regimes[0]
+    trace_batch = cfg.goal_batch if cfg.goal_batch in cfg.batches else max(cfg.batches)
+    trace_case = (trace_batch, max(cfg.json_fractions))
+    rows: list[dict[str, Any]] = []
+    trace = None
+    models: dict[str, str] = {}
+    tiny = TinyModelShape()
+    for regime in cfg.regimes:
+        if regime == "a":
+            ckpt = load_checkpoint(cfg.model)
+        else:
+            ckpt = tiny_checkpoint(load_tokenizer(cfg.model), tiny)
+        models[regime] = str(ckpt.path)
+        regime_rows, regime_trace = run_regime(
+            cfg, regime, ckpt, trace_case if regime == trace_regime else None
+        )
+        rows += regime_rows
+        trace = regime_trace or trace
+        del ckpt
+    ratios = compute_ratios(rows)
+    result = {
+        "regimes": {r: REGIMES[r] for r in cfg.regimes},
+        "models": models,
+        "tiny_model": asdict(tiny),
+        "batches": list(cfg.batches),
+        "json_fractions": list(cfg.json_fractions),
+        "output_len": cfg.output_len,
+        "repeats": cfg.repeats,
+        "goal_batch": cfg.goal_batch,
+        "steady_trim_steps": STEADY_TRIM,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "schema": SCHEMA,
+        "rows": rows,
+        "ratios": ratios,
+        "goals": evaluate_goals(rows, ratios, cfg.goal_batch),
+        "step_trace": trace,
+    }
+    print_report(result)
+    save_results(result, a.out, _plot)
+    return 0
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    regimes = list(result["regimes"])
+    cols = max(2, len(regimes))
+    fig, axes = plt.subplots(2, cols, figsize=(6 * cols, 7), squeeze=False)
+    trace = result["step_trace"]
+    for ax, mode in zip(axes[0], ("async", "sync"), strict=False):
+        if trace is None:
+            ax.set_axis_off()
+            continue
+        t = trace[mode]
+        steps = range(len(t["wall_ms"]))
+        ax.plot(steps, t["wall_ms"], color="black", lw=1, label="step wall")
+        ax.plot(steps, t["cpu_ms"], color="tab:orange", label="engine CPU")
+        ax.plot(steps, t["device_ms"], color="tab:blue", label="device (forward+sample)")
+        deferred = [i for i, d in enumerate(t["deferred"]) if d]
+        if deferred:
+            ax.scatter(
+                deferred, [0] * len(deferred), marker="|", color="tab:red", label="deferred step"
+            )
+        ax.set_xlabel("engine step")
+        ax.set_ylabel("ms")
+        ax.set_title(
+            f"async {'on' if mode == 'async' else 'off'}: regime {trace['regime']}, "
+            f"batch {trace['batch']}, {trace['json_fraction']:.0%} JSON"
+        )
+        ax.legend(fontsize=8)
+    for ax in axes[0][2:]:
+        ax.set_axis_off()
+    for i, ax in enumerate(axes[1]):
+        if i >= len(regimes):
+            ax.set_axis_off()
+            continue
+        rows = [r for r in result["rows"] if r["regime"] == regimes[i]]
+        cases = sorted({(r["json_fraction"], r["batch"]) for r in rows})
+        x = range(len(cases))
+        for offset, mode, color in ((-0.2, True, "tab:green"), (0.2, False, "tab:gray")):
+            values = [
+                next(
+                    (
+                        r["tok_per_s"] or 0.0
+                        for r in rows
+                        if (r["json_fraction"], r["batch"]) == c and r["async"] == mode
+                    ),
+                    0.0,
+                )
+                for c in cases
+            ]
+            ax.bar(
+                [j + offset for j in x],
+                values,
+                0.4,
+                color=color,
+                label=f"async {'on' if mode else 'off'}",
+            )
+        ax.set_xticks(list(x), [f"{f:.0%} JSON\nb={b}" for f, b in cases], fontsize=7)
+        ax.set_ylabel("output tokens / s")
+        ax.set_title(f"regime {regimes[i]}: {result['regimes'][regimes[i]]}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
