@@ -42,6 +42,9 @@ class EngineConfig:
             "uni": in this process, synchronously on CPU. None picks "mp" when
             async scheduling is on, else "uni".
         max_concurrent_batches: steps in flight under async scheduling.
+        worker_threads: torch threads of the model worker process ("mp"); None
+            leaves one core to the engine thread when there are more than two,
+            and uses every core otherwise.
     """
 
     model: str | None = None
@@ -60,6 +63,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     executor: str | None = None
     max_concurrent_batches: int = 2
+    worker_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -94,6 +98,15 @@ class EngineConfig:
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(
                 f"EngineConfig.dtype must be float32, float16 or bfloat16, got {self.dtype}"
+            )
+        if self.worker_threads is not None and (
+            not isinstance(self.worker_threads, int)
+            or isinstance(self.worker_threads, bool)
+            or self.worker_threads < 1
+        ):
+            raise ValueError(
+                f"EngineConfig.worker_threads must be a positive int or None, "
+                f"got {self.worker_threads!r}"
             )
         if self.async_scheduling not in (None, True, False):
             raise ValueError(

@@ -40,6 +40,7 @@ class RunnerSpec:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     tokenizer_vocab_size: int | None
+    num_threads: int | None = None  # torch threads where the runner runs; None: unchanged
 
 
 def build_runner(spec: RunnerSpec, weights: dict[str, torch.Tensor]) -> ModelRunner:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Sequence
 
@@ -58,6 +59,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             tokenizer_vocab_size=self.tokenizer.vocab_size,
+            num_threads=_worker_threads(config) if config.executor == "mp" else None,
         )
         checker = SyncChecker.from_env()
         executor: Executor
@@ -201,3 +203,11 @@ class LLMEngine:
         """Stops the model worker (if any) and the grammar compile threads; idempotent."""
         self.core.shutdown()
         self.structured.shutdown()
+
+
+def _worker_threads(config: EngineConfig) -> int:
+    if config.worker_threads is not None:
+        return config.worker_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    # The engine thread needs a core of its own to overlap the worker's forward.
+    return max(1, (cores or 1) - 1) if (cores or 1) > 2 else (cores or 1)

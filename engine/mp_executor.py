@@ -264,6 +264,8 @@ def _worker_main(
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        if spec.num_threads is not None:
+            torch.set_num_threads(spec.num_threads)
         runner = build_runner(spec, _unpack_weights(flat, index))
         del flat
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
