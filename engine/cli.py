@@ -1,4 +1,4 @@
-"""The ``baton`` command line: ``baton generate`` and ``baton bench engine``."""
+"""The ``baton`` command line: ``baton generate`` and ``baton bench NAME``."""
 
 from __future__ import annotations
 
@@ -28,11 +28,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_engine(args: argparse.Namespace) -> int:
-    # Imported here: nothing in the product imports bench at module level.
-    from baton.bench.engine import main as bench_main
+# `baton bench NAME ...` runs `baton.bench.NAME.main(argv)`.
+BENCHMARKS = {
+    "engine": "async vs sync scheduling, free vs JSON requests",
+    "grammar": "compile and mask times of the grammar backends on schema files (MaskBench)",
+    "forward": "baton's forward pass vs transformers' on the same weights",
+    "throughput": "offline throughput, baton vs transformers batched generate",
+    "structured": "structured vs free time per output token",
+}
 
-    return bench_main(list(args.passthrough))
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    # Imported here: nothing in the product imports bench at module level.
+    module = importlib.import_module(f"baton.bench.{args.benchmark}")
+    return module.main(list(args.passthrough))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,11 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     # No -h here: every argument, --help included, belongs to the benchmark's own parser.
-    bench_sub.add_parser(
-        "engine",
-        add_help=False,
-        help="async vs sync scheduling, free vs JSON requests (see baton bench engine --help)",
-    ).set_defaults(func=_bench_engine, passes_unknown_args=True)
+    for name, help_text in BENCHMARKS.items():
+        bench_sub.add_parser(
+            name, add_help=False, help=f"{help_text} (see baton bench {name} --help)"
+        ).set_defaults(func=_bench, passes_unknown_args=True)
     return parser
 
 

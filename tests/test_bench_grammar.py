@@ -1,0 +1,391 @@
+"""``baton bench grammar``: input formats, the walk's verdicts, the summary, and that a crashing,
+exiting or hanging backend is recorded while the run goes on.
+
+The fake backends below are module-level classes so that the spawned workers can unpickle them
+(by this module's name, which pytest puts on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import resource
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from baton.bench.grammar import (
+    BACKENDS,
+    GrammarBenchConfig,
+    auto_rows,
+    load_cases,
+    main,
+    parse_schema_file,
+    run_benchmark,
+)
+from baton.bench.grammar_worker import serialize_instance
+from baton.grammar.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
+from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.vocab import VocabSource
+
+VOCAB_SIZE = 49152
+SUMMARY_KEYS = {
+    "schemas",
+    "compiled",
+    "passing",
+    "passing_pct",
+    "compile_errors",
+    "unsupported",
+    "invalid_schema",
+    "timeouts",
+    "crashes",
+    "oom",
+    "timeouts_crashes",
+    "tests_run",
+    "valid_tests",
+    "invalid_tests",
+    "valid_rejected",
+    "invalid_accepted",
+    "instance_errors",
+    "tokens",
+    "mask_mismatches",
+    "compile_ms",
+    "mask_us",
+}
+
+# A schema whose verdicts are known: one mislabelled test makes exactly one valid instance
+# rejected.
+OBJECT_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+OBJECT_TESTS = [
+    {"description": "an integer", "valid": True, "data": {"a": 12}},
+    {"description": "a string", "valid": False, "data": {"a": "x"}},
+    {"description": "empty", "valid": False, "data": {}},
+    {"description": "mislabelled", "valid": True, "data": {"a": [1]}},
+]
+
+
+# ------------------------------------------------------------------------------ fake backends
+
+
+class _FakeMatcher(GrammarMatcher):
+    """Allows everything; ``fill_bitmask`` ends the process (a crash mid-walk)."""
+
+    def accept_tokens(self, tokens: Sequence[int]) -> bool:
+        return True
+
+    def validate_tokens(self, tokens: Sequence[int]) -> int:
+        return len(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        os._exit(3)
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        pass
+
+    def jump_forward_string(self) -> str:
+        return ""
+
+
+class _FakeGrammar(CompiledGrammar):
+    backend_name = "fake"
+
+    def new_matcher(self) -> GrammarMatcher:
+        return _FakeMatcher()
+
+
+class _FakeBackend(GrammarBackend):
+    name = "fake"
+
+    def __init__(self, tokenizer: VocabSource, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def unsupported_reason(self, spec: StructuredOutputsParams) -> str | None:
+        return None
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        return _FakeGrammar()
+
+
+class SegfaultBackend(_FakeBackend):
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file from this test
+        os.kill(os.getpid(), signal.SIGSEGV)
+        raise AssertionError("unreachable")
+
+
+class HangBackend(_FakeBackend):
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        time.sleep(3600)
+        raise AssertionError("unreachable")
+
+
+class ExitInWalkBackend(_FakeBackend):
+    pass  # compiles; its matcher exits the process at the first bitmask fill
+
+
+class BrokenBackend(_FakeBackend):
+    def __init__(self, tokenizer: VocabSource, vocab_size: int) -> None:
+        raise ValueError("this backend cannot be built")
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _write(path: Path, content: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(content))
+    return path
+
+
+def _rows(result: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(r["schema"], r["backend"]): r for r in result["rows"]}
+
+
+def _check_summary(summary: dict[str, Any]) -> None:
+    assert set(summary) >= SUMMARY_KEYS
+    assert summary["timeouts_crashes"] == summary["timeouts"] + summary["crashes"]
+    # Every schema ends one way: walked to the end, compile error, time-out or crash; a time-out
+    # or crash may come after the compile (during a test's walk).
+    finished = summary["schemas"] - summary["compile_errors"] - summary["timeouts_crashes"]
+    assert 0 <= finished <= summary["compiled"] <= summary["schemas"] - summary["compile_errors"]
+    assert summary["unsupported"] + summary["invalid_schema"] <= summary["compile_errors"]
+    assert summary["passing"] <= finished
+    assert summary["valid_tests"] + summary["invalid_tests"] == summary["tests_run"]
+    assert summary["valid_rejected"] <= summary["valid_tests"]
+    assert summary["invalid_accepted"] <= summary["invalid_tests"]
+    mask = summary["mask_us"]
+    if summary["tokens"]:
+        assert 0 < mask["p50"] <= mask["p99"] <= mask["max"]
+    else:
+        assert mask["avg"] is None
+
+
+# --------------------------------------------------------------------------------- unit tests
+
+
+def test_maskbench_and_bare_files_are_told_apart(tmp_path: Path) -> None:
+    mask = _write(tmp_path / "m.json", {"description": "d", "schema": OBJECT_SCHEMA, "tests": []})
+    bare = _write(tmp_path / "b.json", {"type": "object", "properties": {"schema": {}}})
+    assert parse_schema_file(mask, "m").schema == OBJECT_SCHEMA
+    case = parse_schema_file(bare, "b")
+    assert case.tests == ()
+    assert case.schema["properties"] == {"schema": {}}
+    assert parse_schema_file(_write(tmp_path / "t.json", True), "t").schema is True
+    (tmp_path / "bad.txt").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.txt"):
+        parse_schema_file(tmp_path / "bad.txt", "bad")
+    with pytest.raises(ValueError, match="expected a schema"):
+        parse_schema_file(_write(tmp_path / "list.json", [1]), "list")
+    bad_test = {"schema": {}, "tests": [{"description": "x", "data": 1}]}
+    with pytest.raises(ValueError, match="test 0"):
+        parse_schema_file(_write(tmp_path / "bt.json", bad_test), "bt")
+
+
+def test_load_cases_recurses_sorts_and_limits(tmp_path: Path) -> None:
+    _write(tmp_path / "z" / "b.json", {"type": "string"})
+    _write(tmp_path / "a.json", {"type": "integer"})
+    (tmp_path / "LICENSE").write_text("not a schema")
+    assert [c.id for c in load_cases([tmp_path])] == ["a.json", "z/b.json"]
+    assert [c.id for c in load_cases([tmp_path], limit=1)] == ["a.json"]
+    with pytest.raises(ValueError, match="no such"):
+        load_cases([tmp_path / "missing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no \\*.json"):
+        load_cases([tmp_path / "empty"])
+
+
+def test_instances_are_serialised_as_the_whitespace_mode_expects() -> None:
+    data = {"a": [1, "é"], "b": None}
+    assert serialize_instance(data, "compact") == '{"a":[1,"é"],"b":null}'
+    assert serialize_instance(data, "any") == '{"a": [1, "é"], "b": null}'
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="jobs"):
+        GrammarBenchConfig(data=(Path("."),), jobs=0)
+    with pytest.raises(ValueError, match="timeout"):
+        GrammarBenchConfig(data=(Path("."),), timeout_s=0)
+    with pytest.raises(ValueError, match="limit"):
+        GrammarBenchConfig(data=(Path("."),), limit=0)
+    with pytest.raises(SystemExit):
+        main(["--backends", "nope", "--data", "."])
+
+
+def _row(backend: str, status: str, compile_ms: float | None, **extra: Any) -> dict[str, Any]:
+    return {
+        "schema": "s",
+        "backend": backend,
+        "served_by": backend,
+        "status": status,
+        "error": None if status == "ok" else f"{backend} failed",
+        "compiled": status == "ok",
+        "compile_ms": compile_ms,
+        **extra,
+    }
+
+
+def test_auto_falls_back_only_when_xgrammar_cannot_take_the_schema() -> None:
+    times = {("s", "outlines"): np.array([1.0, 2.0]), ("s", "xgrammar"): np.array([3.0])}
+    rows = [_row("xgrammar", "compile_error", 2.0), _row("outlines", "ok", 5.0)]
+    (auto,), auto_times = auto_rows(rows, times)
+    assert (auto["backend"], auto["served_by"], auto["status"]) == ("auto", "outlines", "ok")
+    assert auto["compile_ms"] == pytest.approx(7.0)  # the failed attempt counts
+    assert auto_times[("s", "auto")].tolist() == [1.0, 2.0]
+
+    rows = [_row("xgrammar", "timeout", None), _row("outlines", "ok", 5.0)]
+    (auto,), _ = auto_rows(rows, times)
+    assert (auto["served_by"], auto["status"]) == ("xgrammar", "timeout")
+
+    rows = [_row("xgrammar", "compile_error", 1.0), _row("outlines", "compile_error", 1.0)]
+    (auto,), auto_times = auto_rows(rows, times)
+    assert auto["status"] == "compile_error" and auto["served_by"] is None
+    assert "xgrammar failed" in auto["error"] and "outlines failed" in auto["error"]
+    assert not auto_times
+
+    assert auto_rows([_row("xgrammar", "ok", 1.0)], times) == ([], {})
+
+
+# ---------------------------------------------------------------------------- worker processes
+
+
+@pytest.mark.slow
+def test_cli_on_shared_data_with_both_backends(shared_data: Path, tmp_path: Path) -> None:
+    suite = sorted((shared_data / "json-schema-test-suite").glob("*.json"))[:4]
+    store = sorted((shared_data / "schemastore").glob("*.json"), key=lambda p: p.stat().st_size)
+    files = suite + store[:2]
+    assert len(files) == 6
+    out = tmp_path / "res" / "grammar.json"
+    argv = ["--data", *map(str, files), "--backends", "xgrammar,outlines", "--jobs", "2"]
+    assert main([*argv, "--no-progress", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    with out.with_suffix(".csv").open() as fh:
+        csv_rows = list(csv.DictReader(fh))
+    assert len(csv_rows) == len(result["rows"]) == 3 * len(files)
+    assert {r["backend"] for r in csv_rows} == {"xgrammar", "outlines", "auto"}
+
+    summary = result["summary"]
+    assert list(summary) == ["xgrammar", "outlines", "auto"]
+    for name, s in summary.items():
+        _check_summary(s)
+        assert s["schemas"] == len(files), name
+        assert s["timeouts_crashes"] == 0, name
+        assert s["mask_mismatches"] == 0, name
+    assert summary["xgrammar"]["passing"] >= 1
+    assert summary["xgrammar"]["tokens"] > 0
+    assert summary["auto"]["compiled"] >= max(
+        summary["xgrammar"]["compiled"], summary["outlines"]["compiled"]
+    )
+    tests = sum(len(json.loads(f.read_text())["tests"]) for f in files)
+    assert result["config"]["tests"] == tests
+    # Every test of a compiled schema was walked.
+    for row in result["rows"]:
+        assert row["tests_run"] == (row["tests"] if row["compiled"] else 0)
+    cdf = result["mask_us_cdf"]["xgrammar"]
+    assert cdf["us"] == sorted(cdf["us"]) and cdf["p"][0] == 0.0 and cdf["p"][-1] == 100.0
+
+
+@pytest.mark.slow
+def test_bare_schema_directory_and_exact_verdicts(tmp_path: Path, tokenizer: VocabSource) -> None:
+    data = tmp_path / "data"
+    _write(data / "bare" / "string.json", {"type": "string", "maxLength": 5})
+    _write(data / "bare" / "closed.json", OBJECT_SCHEMA)
+    _write(
+        data / "known.json", {"description": "d", "schema": OBJECT_SCHEMA, "tests": OBJECT_TESTS}
+    )
+    # "12" is a prefix of valid integers >= 100: only the EOS check can reject it.
+    min_tests = [
+        {"description": "big", "valid": True, "data": 150},
+        {"description": "small", "valid": False, "data": 12},
+    ]
+    _write(data / "min.json", {"schema": {"type": "integer", "minimum": 100}, "tests": min_tests})
+    config = GrammarBenchConfig(data=(data,), backends=("xgrammar",), progress=False)
+    result = run_benchmark(config, tokenizer=tokenizer, vocab_size=VOCAB_SIZE)
+    rows = _rows(result)
+    for name in ("bare/string.json", "bare/closed.json"):
+        row = rows[(name, "xgrammar")]
+        assert (row["status"], row["tests"], row["tokens"], row["passing"]) == ("ok", 0, 0, True)
+    known = rows[("known.json", "xgrammar")]
+    assert known["status"] == "ok" and known["tests_run"] == 4
+    assert (known["valid_rejected"], known["invalid_accepted"]) == (1, 0)
+    assert known["passing"] is False
+    assert known["failures"] == ["valid rejected: mislabelled"]
+    # {"a":12} is walked to the end: its tokens plus EOS, one mask fill each.
+    full = len(tokenizer.encode('{"a":12}', add_special_tokens=False)) + 1  # type: ignore[attr-defined]
+    assert known["tokens"] > full
+    minimum = rows[("min.json", "xgrammar")]
+    assert (minimum["invalid_accepted"], minimum["passing"]) == (0, True)
+    summary = result["summary"]
+    assert list(summary) == ["xgrammar"]  # no auto without outlines
+    _check_summary(summary["xgrammar"])
+    assert (summary["xgrammar"]["passing"], summary["xgrammar"]["schemas"]) == (3, 4)
+
+
+@pytest.mark.slow
+def test_crashing_and_hanging_backends_are_recorded_and_the_run_goes_on(
+    tmp_path: Path, tokenizer: VocabSource
+) -> None:
+    data = tmp_path / "data"
+    _write(data / "1.json", {"description": "d", "schema": OBJECT_SCHEMA, "tests": OBJECT_TESTS})
+    _write(data / "2.json", {"type": "integer"})
+    factories = {
+        "segv": SegfaultBackend,
+        "hang": HangBackend,
+        "exit": ExitInWalkBackend,
+        "xgrammar": BACKENDS["xgrammar"],
+    }
+    config = GrammarBenchConfig(
+        data=(data,), backends=tuple(factories), timeout_s=1.5, jobs=2, progress=False
+    )
+    t0 = time.monotonic()
+    result = run_benchmark(config, tokenizer=tokenizer, vocab_size=VOCAB_SIZE, factories=factories)
+    assert time.monotonic() - t0 < 45
+    rows = _rows(result)
+    for schema in ("1.json", "2.json"):
+        segv = rows[(schema, "segv")]
+        assert segv["status"] == "crash" and "SIGSEGV" in segv["error"], segv
+        assert "during compile" in segv["error"]
+        hang = rows[(schema, "hang")]
+        assert hang["status"] == "timeout" and "compile took longer" in hang["error"], hang
+        assert rows[(schema, "xgrammar")]["status"] == "ok"
+    # The exiting matcher dies at its first fill, in the first test; a bare schema has no walk.
+    exited = rows[("1.json", "exit")]
+    assert exited["status"] == "crash" and "exited with code 3" in exited["error"], exited
+    assert "test 0" in exited["error"] and exited["compiled"] is True
+    assert rows[("2.json", "exit")]["status"] == "ok"
+    assert rows[("1.json", "xgrammar")]["valid_rejected"] == 1
+    summary = result["summary"]
+    for s in summary.values():
+        _check_summary(s)
+    assert (summary["segv"]["crashes"], summary["hang"]["timeouts"]) == (2, 2)
+    assert summary["exit"]["timeouts_crashes"] == 1
+
+
+@pytest.mark.slow
+def test_a_backend_that_cannot_be_built_stops_the_run(
+    tmp_path: Path, tokenizer: VocabSource
+) -> None:
+    _write(tmp_path / "s.json", {"type": "integer"})
+    config = GrammarBenchConfig(data=(tmp_path,), backends=("broken",), progress=False)
+    with pytest.raises(RuntimeError, match="this backend cannot be built"):
+        run_benchmark(
+            config, tokenizer=tokenizer, vocab_size=VOCAB_SIZE, factories={"broken": BrokenBackend}
+        )
