@@ -1,10 +1,12 @@
-"""The ``baton`` command line: ``baton generate`` and ``baton bench NAME``."""
+"""The ``baton`` command line: ``baton generate``, ``baton serve`` and ``baton bench NAME``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+
+from baton.engine.server.serve import add_serve_parser
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -65,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run each step to completion instead of planning the next one while the model runs",
     )
     gen.set_defaults(func=_generate)
+
+    add_serve_parser(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)

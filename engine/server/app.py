@@ -1,0 +1,66 @@
+"""``build_app``: the FastAPI application of the OpenAI-compatible server.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` (503 when the engine cannot serve), ``GET /metrics`` (Prometheus text).
+The app does not own the engine: whoever built the ``AsyncLLM`` shuts it down.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from baton.engine.async_llm import AsyncLLM
+from baton.engine.server import chat, completions
+from baton.engine.server.config import ServerConfig
+from baton.engine.server.errors import APIError, install_error_handlers
+from baton.engine.server.metrics import ServerMetrics
+from baton.engine.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from baton.engine.server.state import ServerState, get_state
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
+    """An app serving ``engine`` under ``config`` (API key, body limit, model name)."""
+    app = FastAPI(title="baton", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics()
+    app.state.baton = ServerState(engine, config, metrics)
+    created = int(time.time())
+    install_error_handlers(app, metrics.reject)
+    app.include_router(chat.router)
+    app.include_router(completions.router)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        state = get_state(request)
+        card = {
+            "id": state.config.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "baton",
+            "max_model_len": state.engine.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if not get_state(request).engine.is_healthy():
+            return APIError(503, "the engine is not running").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        state = get_state(request)
+        text = state.metrics.render(state.engine.stats(), state.engine.is_healthy())
+        return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
+
+    # The last added runs first: the key is checked before any body is read.
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.max_body_bytes, on_reject=metrics.reject
+    )
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, on_reject=metrics.reject)
+    return app

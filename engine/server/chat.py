@@ -1,0 +1,200 @@
+"""``POST /v1/chat/completions``: render the conversation, generate, answer or stream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from baton.engine.async_llm import EngineDeadError
+from baton.engine.outputs import CompletionOutput, RequestOutput
+from baton.engine.server.errors import APIError, bad_request, error_body
+from baton.engine.server.generation import (
+    SSE_DONE,
+    ClientDisconnected,
+    DeltaTracker,
+    SSEResponse,
+    TrackedStream,
+    close_all,
+    collect,
+    completion_error,
+    sse,
+    start_requests,
+    until_disconnect,
+    usage,
+)
+from baton.engine.server.logprobs import chat_logprobs
+from baton.engine.server.params import chat_sampling_params, check_model
+from baton.engine.server.protocol import ChatCompletionRequest
+from baton.engine.server.state import get_state
+from baton.engine.tokenizer import Tokenizer
+
+router = APIRouter()
+
+
+def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The prompt token ids of the conversation, rendered with the model's chat template.
+
+    Raises:
+        APIError: 400 for non-text content parts or a conversation the template rejects.
+    """
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages[{i}].content: only text parts are supported, got {part.type!r}",
+                        f"messages[{i}].content",
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        message = m.model_dump(exclude_none=True)
+        message["content"] = content or ""
+        messages.append(message)
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            tokenize=True,
+            **(body.chat_template_kwargs or {}),
+        )
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise bad_request(f"messages: the chat template failed: {exc}", "messages") from None
+    return list(ids)
+
+
+def _choice_logprobs(c: CompletionOutput, top_n: int, wanted: bool) -> dict[str, Any] | None:
+    if not wanted or c.logprobs is None:
+        return None
+    return {"content": chat_logprobs(c.token_ids, c.logprobs, top_n)}
+
+
+def _response(
+    out: RequestOutput, body: ChatCompletionRequest, request_id: str, created: int, model: str
+) -> dict[str, Any]:
+    top_n = body.top_logprobs or 0
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": _choice_logprobs(c, top_n, body.logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for c in out.outputs
+    ]
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(len(out.prompt_token_ids), completion_tokens),
+    }
+
+
+async def _stream(
+    stream: TrackedStream,
+    body: ChatCompletionRequest,
+    request_id: str,
+    created: int,
+    model: str,
+) -> AsyncIterator[str]:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    top_n = body.top_logprobs or 0
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        data: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        if include_usage:
+            data["usage"] = None
+        data.update(extra)
+        return sse(data)
+
+    yield chunk(
+        [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            for i in range(body.n)
+        ]
+    )
+    trackers = [DeltaTracker() for _ in range(body.n)]
+    last: RequestOutput | None = None
+    try:
+        async for out in stream:
+            last = out
+            error = completion_error([out])
+            if error is not None:
+                yield sse(error_body(error, "server_error"))
+                break
+            choices = []
+            for c in out.outputs:
+                text, ids, entries = trackers[c.index].delta(c)
+                if not text and not ids and not c.finished:
+                    continue
+                choice: dict[str, Any] = {
+                    "index": c.index,
+                    "delta": {"content": text} if text else {},
+                    "finish_reason": c.finish_reason,
+                }
+                if body.logprobs:
+                    choice["logprobs"] = {"content": chat_logprobs(ids, entries, top_n)}
+                if c.finished:
+                    choice["stop_reason"] = c.stop_reason
+                choices.append(choice)
+            if choices:
+                yield chunk(choices)
+    except EngineDeadError as exc:
+        yield sse(error_body(str(exc), "server_error"))
+    if include_usage and last is not None:
+        completion_tokens = sum(len(c.token_ids) for c in last.outputs)
+        yield chunk([], usage=usage(len(last.prompt_token_ids), completion_tokens))
+    yield SSE_DONE
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    """OpenAI's chat completions (see the module docs of ``baton.engine.server``)."""
+    state = get_state(request)
+    check_model(body.model, state.config)
+    params = chat_sampling_params(body, state.config)
+    prompt = render_chat(state.engine.get_tokenizer(), body)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    model = body.model or state.config.served_model_name
+    fmt = body.response_format
+    structured_param = (
+        "structured_outputs"
+        if body.structured_outputs is not None
+        else "response_format"
+        if fmt is not None and fmt.type != "text"
+        else None
+    )
+    streams = await start_requests(state, [prompt], params, request_id, structured_param)
+    if body.stream:
+        return SSEResponse(
+            _stream(streams[0], body, request_id, created, model), lambda: close_all(streams)
+        )
+    try:
+        (out,) = await until_disconnect(request, collect(streams))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        close_all(streams)
+    error = completion_error([out])
+    if error is not None:
+        raise APIError(500, error)
+    return JSONResponse(_response(out, body, request_id, created, model))

@@ -1,0 +1,179 @@
+"""``POST /v1/completions``: one or more prompts (text or token ids), answered or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from baton.engine.async_llm import EngineDeadError, Prompt
+from baton.engine.outputs import RequestOutput
+from baton.engine.server.errors import APIError, bad_request, error_body
+from baton.engine.server.generation import (
+    SSE_DONE,
+    ClientDisconnected,
+    DeltaTracker,
+    SSEResponse,
+    TrackedStream,
+    close_all,
+    collect,
+    completion_error,
+    merge,
+    sse,
+    start_requests,
+    until_disconnect,
+    usage,
+)
+from baton.engine.server.logprobs import completion_logprobs
+from baton.engine.server.params import check_model, completion_sampling_params
+from baton.engine.server.protocol import CompletionRequest
+from baton.engine.server.state import get_state
+
+router = APIRouter()
+
+
+def prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    """The request's prompts: a string, a list of strings, a list of token ids, or a list of
+    token-id lists.
+
+    Raises:
+        APIError: 400 for an empty prompt list.
+    """
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    return usage(
+        sum(len(o.prompt_token_ids) for o in outputs),
+        sum(len(c.token_ids) for o in outputs for c in o.outputs),
+    )
+
+
+def _response(
+    outputs: list[RequestOutput],
+    body: CompletionRequest,
+    request_id: str,
+    created: int,
+    model: str,
+) -> dict[str, Any]:
+    choices = []
+    for p, out in enumerate(outputs):
+        for c in out.outputs:
+            logprobs = None
+            if body.logprobs is not None and c.logprobs is not None:
+                logprobs = completion_logprobs(c.token_ids, c.logprobs, body.logprobs)
+            choices.append(
+                {
+                    "index": p * body.n + c.index,
+                    "text": c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(outputs),
+    }
+
+
+async def _stream(
+    streams: list[TrackedStream],
+    body: CompletionRequest,
+    request_id: str,
+    created: int,
+    model: str,
+) -> AsyncIterator[str]:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    n = body.n
+    trackers = [DeltaTracker() for _ in range(len(streams) * n)]
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        data: dict[str, Any] = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        if include_usage:
+            data["usage"] = None
+        data.update(extra)
+        return sse(data)
+
+    last: dict[int, RequestOutput] = {}
+    try:
+        async for p, out in merge(streams):
+            last[p] = out
+            error = completion_error([out])
+            if error is not None:
+                yield sse(error_body(error, "server_error"))
+                break
+            choices = []
+            for c in out.outputs:
+                tracker = trackers[p * n + c.index]
+                offset = tracker.text_len
+                text, ids, entries = tracker.delta(c)
+                if not text and not ids and not c.finished:
+                    continue
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = completion_logprobs(ids, entries, body.logprobs, offset)
+                choice: dict[str, Any] = {
+                    "index": p * n + c.index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                }
+                if c.finished:
+                    choice["stop_reason"] = c.stop_reason
+                choices.append(choice)
+            if choices:
+                yield chunk(choices)
+    except EngineDeadError as exc:
+        yield sse(error_body(str(exc), "server_error"))
+    if include_usage and last:
+        yield chunk([], usage=_usage(list(last.values())))
+    yield SSE_DONE
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    """OpenAI's (legacy) text completions."""
+    state = get_state(request)
+    check_model(body.model, state.config)
+    params = completion_sampling_params(body, state.config)
+    prompts = prompts_of(body.prompt)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    model = body.model or state.config.served_model_name
+    structured_param = "structured_outputs" if body.structured_outputs is not None else None
+    streams = await start_requests(state, prompts, params, request_id, structured_param)
+    if body.stream:
+        return SSEResponse(
+            _stream(streams, body, request_id, created, model), lambda: close_all(streams)
+        )
+    try:
+        outputs = await until_disconnect(request, collect(streams))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        close_all(streams)
+    error = completion_error(outputs)
+    if error is not None:
+        raise APIError(500, error)
+    return JSONResponse(_response(outputs, body, request_id, created, model))

@@ -1,0 +1,49 @@
+"""``ServerConfig``: the HTTP server's own settings (the engine has ``EngineConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.grammar.spec import BACKENDS
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one OpenAI-compatible server.
+
+    Attributes:
+        served_model_name: the model name clients must send (and ``/v1/models`` lists).
+        api_key: when set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``.
+        max_body_bytes: largest request body accepted (413 above it).
+        structured_outputs_backend: backend of structured requests that name none
+            ("auto", "xgrammar" or "outlines").
+        max_n: largest ``n`` (completions per prompt) one request may ask for.
+
+    Raises:
+        ValueError: naming the field that is out of range.
+    """
+
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    structured_outputs_backend: str = "auto"
+    max_n: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.served_model_name, str) or not self.served_model_name:
+            raise ValueError(
+                f"served_model_name must be a non-empty string, got {self.served_model_name!r}"
+            )
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be None or a non-empty string")
+        for name in ("max_body_bytes", "max_n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.structured_outputs_backend not in BACKENDS:
+            raise ValueError(
+                f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "
+                f"got {self.structured_outputs_backend!r}"
+            )

@@ -1,0 +1,212 @@
+"""Prometheus metrics in the text exposition format, written by hand (no client library).
+
+``ServerMetrics`` keeps the per-request counters and histograms that the handlers update
+(on the server's event loop) and renders them together with the engine's gauges from
+``AsyncLLM.stats()``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Mapping
+
+from baton.engine.outputs import RequestOutput
+
+PREFIX = "baton_"
+REQUEST_STATUSES = ("finished", "aborted", "error", "rejected")
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _num(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _header(name: str, kind: str, help_text: str) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+
+
+class Counter:
+    """A monotonically increasing count, optionally split by one label."""
+
+    def __init__(self, name: str, help_text: str, label: str | None = None) -> None:
+        self.name, self.help, self.label = name, help_text, label
+        self._values: dict[str, float] = {}
+
+    def inc(self, amount: float = 1.0, label_value: str = "") -> None:
+        if amount < 0:
+            raise ValueError(f"counter {self.name} cannot decrease (got {amount})")
+        self._values[label_value] = self._values.get(label_value, 0.0) + amount
+
+    def value(self, label_value: str = "") -> float:
+        return self._values.get(label_value, 0.0)
+
+    def preset(self, label_values: Iterable[str]) -> None:
+        """Shows these label values at 0 before they first happen."""
+        for v in label_values:
+            self._values.setdefault(v, 0.0)
+
+    def render(self) -> list[str]:
+        lines = _header(self.name, "counter", self.help)
+        if not self._values:
+            lines.append(f"{self.name} 0")
+        for lv, v in sorted(self._values.items()):
+            labels = {self.label: lv} if self.label else {}
+            lines.append(f"{self.name}{_labels(labels)} {_num(v)}")
+        return lines
+
+
+class Histogram:
+    """Observations counted into cumulative ``le`` buckets, with their sum and count."""
+
+    def __init__(self, name: str, help_text: str, buckets: Iterable[float]) -> None:
+        self.name, self.help = name, help_text
+        self.buckets = tuple(sorted(buckets))
+        self._counts = [0] * len(self.buckets)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i, upper in enumerate(self.buckets):
+            if value <= upper:
+                self._counts[i] += 1
+
+    def render(self) -> list[str]:
+        lines = _header(self.name, "histogram", self.help)
+        for upper, n in zip(self.buckets, self._counts, strict=True):
+            lines.append(f'{self.name}_bucket{{le="{_num(upper)}"}} {n}')
+        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
+        lines.append(f"{self.name}_sum {_num(self.sum)}")
+        lines.append(f"{self.name}_count {self.count}")
+        return lines
+
+
+# Engine gauges and counters taken from AsyncLLM.stats(): (stats key, metric, type, help).
+_ENGINE_METRICS = (
+    ("num_running", "num_requests_running", "gauge", "Requests running in the engine."),
+    ("num_waiting", "num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
+    ("kv_usage", "kv_cache_usage", "gauge", "Fraction of KV cache blocks held by requests."),
+    ("kv_free_blocks", "kv_free_blocks", "gauge", "KV cache blocks free to allocate."),
+    ("kv_total_blocks", "kv_total_blocks", "gauge", "Usable KV cache blocks."),
+    (
+        "device_busy_fraction",
+        "device_busy_fraction",
+        "gauge",
+        "Device time over wall time inside engine steps since start.",
+    ),
+    ("steps", "engine_steps_total", "counter", "Engine steps that ran a batch."),
+    (
+        "deferred_steps",
+        "deferred_steps_total",
+        "counter",
+        "Steps whose sampling waited for a structured request's token in flight.",
+    ),
+)
+
+
+class ServerMetrics:
+    """Request-level metrics of one server plus the engine's, rendered for ``/metrics``.
+
+    ``observe_request`` is called once per finished, aborted or failed generation;
+    ``reject`` once per request refused before it ran.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = Counter(
+            f"{PREFIX}requests_total",
+            "Requests by outcome (finished, aborted, error, rejected).",
+            label="status",
+        )
+        self.requests.preset(REQUEST_STATUSES)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens_total", "Prompt tokens processed.")
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens_total", "Tokens generated.")
+        self.structured_requests = Counter(
+            f"{PREFIX}structured_requests_total", "Generations with a structured-output constraint."
+        )
+        self.generations = Counter(f"{PREFIX}generations_total", "Generations run (any outcome).")
+        self.ttft = Histogram(
+            f"{PREFIX}time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request.",
+            _TPOT_BUCKETS,
+        )
+
+    def reject(self) -> None:
+        """Counts a request refused before it ran (bad input, auth, size, model)."""
+        with self._lock:
+            self.requests.inc(1, "rejected")
+
+    def observe_request(self, status: str, output: RequestOutput | None, structured: bool) -> None:
+        """Counts one generation that ran with its final (or last seen) output."""
+        if status not in REQUEST_STATUSES:
+            raise ValueError(f"status must be one of {REQUEST_STATUSES}, got {status!r}")
+        with self._lock:
+            self.requests.inc(1, status)
+            self.generations.inc()
+            if structured:
+                self.structured_requests.inc()
+            if output is None:
+                return
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+            ttft = output.metrics.time_to_first_token
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            tpot = output.metrics.time_per_output_token
+            if tpot is not None:
+                self.tpot.observe(tpot)
+
+    def render(self, engine_stats: Mapping[str, float | int], healthy: bool) -> str:
+        """The whole exposition text (ends with a newline)."""
+        with self._lock:
+            lines: list[str] = []
+            for metric in (
+                self.requests,
+                self.generations,
+                self.prompt_tokens,
+                self.generation_tokens,
+                self.structured_requests,
+            ):
+                lines += metric.render()
+            name = f"{PREFIX}structured_fraction"
+            total = self.generations.value()
+            fraction = self.structured_requests.value() / total if total else 0.0
+            lines += _header(name, "gauge", "Fraction of generations that were structured.")
+            lines.append(f"{name} {_num(fraction)}")
+            lines += self.ttft.render()
+            lines += self.tpot.render()
+        for key, metric, kind, help_text in _ENGINE_METRICS:
+            name = PREFIX + metric
+            lines += _header(name, kind, help_text)
+            lines.append(f"{name} {_num(float(engine_stats.get(key, 0)))}")
+        name = f"{PREFIX}grammar_compile_seconds"
+        lines += _header(name, "summary", "Grammar compile time (cache hits excluded).")
+        lines.append(f"{name}_sum {_num(float(engine_stats.get('grammar_compile_s', 0.0)))}")
+        lines.append(f"{name}_count {_num(float(engine_stats.get('grammar_compiles', 0)))}")
+        name = f"{PREFIX}grammar_cache_hits_total"
+        lines += _header(name, "counter", "Grammar compiles served from the cache.")
+        lines.append(f"{name} {_num(float(engine_stats.get('grammar_cache_hits', 0)))}")
+        name = f"{PREFIX}healthy"
+        lines += _header(name, "gauge", "1 while the engine can serve requests.")
+        lines.append(f"{name} {1 if healthy else 0}")
+        return "\n".join(lines) + "\n"

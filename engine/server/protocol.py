@@ -1,0 +1,148 @@
+"""Request bodies of the OpenAI-compatible endpoints, as pydantic models.
+
+Unknown fields are ignored (clients send many optional ones), except a few whose silent
+dropping would change the answer (``tools``, ``logit_bias``, ``echo``, ``suffix``,
+``best_of``): the handlers reject those with a 400. Values are range-checked by
+``SamplingParams`` when the handlers build it, so the messages name the same limits
+everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class ContentPart(_Body):
+    """One part of a multi-part message content; only text parts are supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    """One chat message; content is text or a list of text parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Body):
+    """baton's ``structured_outputs`` body field: exactly one constraint plus options
+    (the fields of ``StructuredOutputsParams``)."""
+
+    json_schema: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    backend: str | None = None
+    whitespace: str | None = None
+    max_whitespace_cnt: int | None = None
+    disable_additional_properties: bool | None = None
+    allow_unenforced: bool | None = None
+
+
+class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a final chunk carrying usage."""
+
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Body):
+    """Fields shared by chat and text completions (OpenAI's plus vLLM-style extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    # Extras beyond OpenAI's API (vLLM's names).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_GenerationRequest):
+    """Body of ``POST /v1/completions``: a string, strings, token ids or lists of them."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's one line per union member.
+        def ids(v: Any) -> bool:
+            return isinstance(v, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in v
+            )
+
+        ok = (
+            isinstance(value, str)
+            or ids(value)
+            or (isinstance(value, list) and all(isinstance(p, str) for p in value))
+            or (isinstance(value, list) and all(ids(p) for p in value))
+        )
+        if not ok:
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of token ids "
+                "or a list of token-id lists"
+            )
+        return value
