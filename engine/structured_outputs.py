@@ -8,6 +8,7 @@ rows of the requests that sample in a step.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.validation import check_enforceable, validate_spec
 
 logger = logging.getLogger(__name__)
+
+_VALIDATED_CACHE_SIZE = 1024
 
 
 @dataclass
@@ -69,6 +72,7 @@ class StructuredOutputManager:
             {"xgrammar": xgrammar, "outlines": outlines}, compile_timeout_s, cache_size
         )
         self._bitmask = allocate_bitmask(max_rows, vocab_size)
+        self._validated: OrderedDict[tuple[object, ...], None] = OrderedDict()
 
     # ------------------------------------------------------------ submission
     def validate(self, spec: StructuredOutputsParams) -> None:
@@ -78,10 +82,18 @@ class StructuredOutputManager:
             ValueError: naming what is wrong (syntax, meta-invalid schema,
                 keywords no allowed backend enforces, limits).
         """
+        key = (spec.kind, spec.spec_text, spec.options_key, spec.backend, spec.allow_unenforced)
+        if key in self._validated:
+            self._validated.move_to_end(key)
+            return
         validate_spec(spec)
         _, reasons = self.service.candidates(spec)
         names = ["xgrammar", "outlines"] if spec.backend == "auto" else [spec.backend]
         check_enforceable(spec, {n: reasons.get(n) for n in names})
+        # Many requests share a schema: meta-validating it took ~10 ms each time.
+        self._validated[key] = None
+        if len(self._validated) > _VALIDATED_CACHE_SIZE:
+            self._validated.popitem(last=False)
 
     def start(self, spec: StructuredOutputsParams) -> StructuredState:
         """Starts compiling; the request waits for the result."""
