@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.baton-installed
-PROMPT ?= In two sentences, what is a large language model?
+PROMPT ?= Invent a fictional person: name, age, city and three hobbies.
+SCHEMA ?= {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120},"city":{"type":"string","maxLength":40},"hobbies":{"type":"array","items":{"type":"string","maxLength":30},"minItems":1,"maxItems":3}},"required":["name","age","city","hobbies"],"additionalProperties":false}
 
 .PHONY: demo test lint setup
 
@@ -22,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/baton generate "$(PROMPT)"
+	$(VENV)/bin/baton generate --json-schema '$(SCHEMA)' --max-tokens 200 "$(PROMPT)"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

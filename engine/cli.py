@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from baton.engine.server.serve import add_serve_parser
 
@@ -13,21 +15,72 @@ def _generate(args: argparse.Namespace) -> int:
     from baton.engine.llm import LLM
     from baton.engine.sampling_params import SamplingParams
 
+    structured = _structured_outputs(args)
     # None lets the engine decide (on unless an option rules it out).
     async_scheduling = False if args.no_async_scheduling else None
     llm = LLM(args.model, max_model_len=args.max_model_len, async_scheduling=async_scheduling)
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            structured_outputs=structured,
         )
-        if args.raw:
-            out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+        prompt: str | list[int] = args.prompt
+        if not args.raw:
+            messages = [{"role": "user", "content": args.prompt}]
+            prompt = list(llm.get_tokenizer().apply_chat_template(messages, tokenize=True))
+        if args.stream:
+            _stream(llm, prompt, params)
         else:
-            out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+            print(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text)
     finally:
         llm.shutdown()
-    print(out.outputs[0].text)
     return 0
+
+
+def _stream(llm: object, prompt: str | list[int], params: object) -> None:
+    """Prints the text as it is generated."""
+    engine = llm.engine  # type: ignore[attr-defined]
+    engine.add_request("cli", prompt, params)
+    shown = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            print(text[shown:], end="", flush=True)
+            shown = len(text)
+    print()
+
+
+def _structured_outputs(args: argparse.Namespace) -> object | None:
+    """The constraint asked for on the command line, if any.
+
+    Raises:
+        ValueError: an unreadable schema file or schema text that is not JSON.
+    """
+    from baton.grammar.spec import StructuredOutputsParams
+
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(text).read_text()
+            except OSError as exc:
+                message = f"--json-schema: cannot read {args.json_schema!r}: {exc}"
+                raise ValueError(message) from None
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--json-schema: not valid JSON: {exc}") from None
+        return StructuredOutputsParams(json=schema)
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.choice is not None:
+        choices = [c for c in args.choice.split(",") if c]
+        if not choices:
+            raise ValueError("--choice needs at least one non-empty choice, comma-separated")
+        return StructuredOutputsParams(choice=choices)
+    return None
 
 
 # `baton bench NAME ...` runs `baton.bench.NAME.main(argv)`.
@@ -61,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-model-len", type=int, default=2048)
     gen.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")
+    gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", metavar="FILE", help="a JSON schema file (or inline JSON) to follow"
+    )
+    constraint.add_argument("--regex", metavar="R", help="a regular expression the output matches")
+    constraint.add_argument("--choice", metavar="A,B", help="the output is one of these strings")
     gen.add_argument(
         "--no-async-scheduling",
         action="store_true",

@@ -140,7 +140,7 @@ class EngineCore:
 
     def _bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
         t0 = time.perf_counter()
-        grammar = self.scheduler.get_grammar_bitmask(so)
+        grammar = self.scheduler.get_grammar_bitmask(so, self.executor.bitmask_buffer())
         self.stats.bitmask_s += time.perf_counter() - t0
         return grammar
 

@@ -97,6 +97,10 @@ class Executor(ABC):
         it needs before returning.
         """
 
+    def bitmask_buffer(self) -> torch.Tensor | None:
+        """Where the next ``sample_tokens``'s bitmask should be filled (no copy), if anywhere."""
+        return None
+
     @abstractmethod
     def supports_async_scheduling(self) -> bool:
         """Whether ``execute_model``/``sample_tokens`` return before the work is done."""

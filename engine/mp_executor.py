@@ -186,10 +186,15 @@ class MultiprocExecutor(Executor):
         request_ids: tuple[str, ...] = ()
         if grammar is not None and grammar.request_ids:
             n = len(grammar.request_ids)
-            self._bitmasks[slot, :n].copy_(grammar.bitmask[:n])
+            target = self._bitmasks[slot, :n]
+            if grammar.bitmask.data_ptr() != target.data_ptr():  # not filled in place
+                target.copy_(grammar.bitmask[:n])
             request_ids = grammar.request_ids
         self._send(("sample", step_id, slot, request_ids))
         return _MpOutput(self, step_id)
+
+    def bitmask_buffer(self) -> torch.Tensor:
+        return self._bitmasks[self._slot]
 
     def _send(self, message: tuple[Any, ...]) -> None:
         if self._dead is not None:

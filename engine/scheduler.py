@@ -7,6 +7,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import torch
+
 from baton.engine.config import EngineConfig
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.request import Request, RequestStatus
@@ -176,7 +178,9 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         return True
 
-    def get_grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
+    def get_grammar_bitmask(
+        self, so: SchedulerOutput, out: torch.Tensor | None = None
+    ) -> GrammarOutput | None:
         """Bitmask rows for this step's structured requests that will sample.
 
         Under async scheduling a deferred step asks after the previous step's
@@ -190,7 +194,7 @@ class Scheduler:
             for rid in so.structured_request_ids
             if (req := self.requests.get(rid)) is not None and req.status == RequestStatus.RUNNING
         ]
-        return self.structured.grammar_bitmask(sampling)
+        return self.structured.grammar_bitmask(sampling, out)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens_with_placeholders - req.num_computed_tokens

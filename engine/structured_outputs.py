@@ -12,6 +12,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from baton.engine.request import Request
 from baton.engine.scheduler_output import GrammarOutput
 from baton.grammar.backend import GrammarBackend, GrammarMatcher, allocate_bitmask
@@ -45,6 +47,8 @@ class StructuredOutputManager:
         max_rows: most structured rows in one step (max_num_seqs).
         compile_timeout_s: time limit of one compile.
         dynamic_compilation: xgrammar compiles JSON schemas lazily.
+        fill_threads: threads of xgrammar's batched mask fills (and compiles);
+            1 when the model's worker process needs every core.
     """
 
     def __init__(
@@ -55,13 +59,19 @@ class StructuredOutputManager:
         compile_timeout_s: float = 10.0,
         cache_size: int = 256,
         dynamic_compilation: bool = False,
+        fill_threads: int = 2,
     ) -> None:
         self.vocab_size = vocab_size
 
         def xgrammar() -> GrammarBackend:
             from baton.grammar.xgrammar_backend import XGrammarBackend
 
-            return XGrammarBackend(tokenizer, vocab_size, dynamic_compilation=dynamic_compilation)
+            return XGrammarBackend(
+                tokenizer,
+                vocab_size,
+                max_threads=fill_threads,
+                dynamic_compilation=dynamic_compilation,
+            )
 
         def outlines() -> GrammarBackend:
             from baton.grammar.outlines_backend import OutlinesBackend
@@ -116,10 +126,14 @@ class StructuredOutputManager:
         return result
 
     # ------------------------------------------------------------------ steps
-    def grammar_bitmask(self, requests: Sequence[Request]) -> GrammarOutput | None:
+    def grammar_bitmask(
+        self, requests: Sequence[Request], out: torch.Tensor | None = None
+    ) -> GrammarOutput | None:
         """Bitmask rows for the structured requests that sample this step.
 
-        Rows are filled per backend in one batched call each.
+        Rows are filled per backend in one batched call each, into ``out``
+        (int32 ``[rows, words]``, e.g. the device's shared buffer) when given,
+        else into the manager's own buffer.
         """
         reqs = [r for r in requests if r.structured is not None and r.structured.matcher]
         if not reqs:
@@ -129,10 +143,10 @@ class StructuredOutputManager:
             matchers, rows = by_backend.setdefault(req.structured.backend, ([], []))
             matchers.append(req.structured.matcher)
             rows.append(row)
-        bitmask = self._bitmask[: len(reqs)]
+        bitmask = (self._bitmask if out is None else out)[: len(reqs)]
         for name, (matchers, rows) in by_backend.items():
             self.service.backend(name).fill_bitmasks(matchers, bitmask, rows)
-        # A view of the preallocated buffer: valid until the next call.
+        # A view of a preallocated buffer: valid until it is filled again.
         return GrammarOutput(tuple(r.request_id for r in reqs), bitmask)
 
     @staticmethod

@@ -1,0 +1,220 @@
+"""Writes the README's "Results" tables from the JSON files in bench/results/.
+
+Every number in the README's results section comes from a benchmark run, never
+typed by hand: this script replaces the text between the markers
+``<!-- results:begin -->`` and ``<!-- results:end -->`` with tables rendered from
+whatever result files exist, each with the command that produced it.
+
+    python -m baton.bench.readme_results [--readme README.md] [--results DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from baton.bench.forward import RESULTS
+
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _forward(d: dict[str, Any]) -> str:
+    rows = [
+        [r["case"], f"{r['baton_ms']:.1f}", f"{r['transformers_ms']:.1f}", f"{r['ratio']:.2f}"]
+        for r in d["rows"]
+    ]
+    return _table(["case", "baton ms", "transformers ms", "baton / transformers"], rows)
+
+
+def _throughput(d: dict[str, Any]) -> str:
+    rows = []
+    for r in d["rows"]:
+        vs32 = r.get("ratio_vs_transformers_float32")
+        rows.append(
+            [
+                r["dtype"],
+                f"{r['baton']['tok_per_s']:.0f}",
+                f"{r['transformers']['tok_per_s']:.0f}",
+                f"{r['ratio']:.2f}",
+                "" if vs32 is None else f"{vs32:.2f}",
+            ]
+        )
+    header = ["dtype", "baton tok/s", "transformers tok/s", "same dtype", "vs transformers fp32"]
+    caption = f"{d['num_prompts']} prompts x {d['output_len']} tokens, greedy.\n\n"
+    return caption + _table(header, rows)
+
+
+def _structured(d: dict[str, Any]) -> str:
+    rows = [
+        [
+            str(r["batch"]),
+            f"{r['free_tpot_ms']:.1f}",
+            f"{r['structured_tpot_ms']:.1f}",
+            f"{r['ratio']:.2f}",
+        ]
+        for r in d["rows"]
+    ]
+    return _table(["batch", "free TPOT ms", "JSON TPOT ms", "structured / free"], rows)
+
+
+def _grammar(d: dict[str, Any]) -> str:
+    summary = d["summary"]
+    names = list(summary)
+    metrics: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("schemas passing", lambda s: f"{s['passing']} ({s['passing_pct']:.1f}%)"),
+        ("compiled", lambda s: str(s["compiled"])),
+        ("compile errors (unsupported)", lambda s: f"{s['compile_errors']} ({s['unsupported']})"),
+        ("time-outs / crashes", lambda s: f"{s['timeouts']} / {s['crashes']}"),
+        ("valid rejected", lambda s: f"{s['valid_rejected']} of {s['valid_tests']}"),
+        ("invalid accepted", lambda s: f"{s['invalid_accepted']} of {s['invalid_tests']}"),
+        (
+            "compile ms avg / p50 / p99",
+            lambda s: "{avg:.0f} / {p50:.1f} / {p99:.0f}".format(**s["compile_ms"]),
+        ),
+        (
+            "mask µs/token avg / p50 / p99",
+            lambda s: "{avg:.1f} / {p50:.1f} / {p99:.1f}".format(**s["mask_us"]),
+        ),
+    ]
+    rows = [[label] + [fn(summary[n]) for n in names] for label, fn in metrics]
+    return _table([""] + names, rows)
+
+
+def _grammar_overhead(d: dict[str, Any]) -> str:
+    rows = [
+        [
+            "1",
+            f"{d['raw_us_per_token']:.1f}",
+            f"{d['wrapper_us_per_token']:.1f}",
+            f"{d['ratio']:.2f}",
+        ],
+        [
+            str(d["batch"]),
+            f"{d['batch_raw_us_per_token']:.1f}",
+            f"{d['batch_wrapper_us_per_token']:.1f}",
+            f"{d['batch_ratio']:.2f}",
+        ],
+    ]
+    return _table(["batch", "raw xgrammar µs/token", "baton µs/token", "ratio"], rows)
+
+
+def _engine(d: dict[str, Any]) -> str:
+    rows = []
+    for r in d["rows"]:
+        rows.append(
+            [
+                r["regime"],
+                "on" if r["async_scheduling"] else "off",
+                f"{r['json_fraction']:.0%}",
+                str(r["batch"]),
+                f"{r['tok_per_s']:.0f}",
+                f"{r['tpot_ms']:.1f}",
+                f"{r['device_busy_steady']:.2f}",
+                str(r["deferred_steps"]),
+                f"{r['step_vs_max_cpu_device']:.2f}",
+            ]
+        )
+    header = [
+        "regime",
+        "async",
+        "JSON",
+        "batch",
+        "tok/s",
+        "TPOT ms",
+        "device busy",
+        "deferred",
+        "step / max(cpu, dev)",
+    ]
+    return _table(header, rows)
+
+
+# (file, title, command, renderer)
+SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
+    ("forward.json", "Forward pass, float32", "baton bench forward", _forward),
+    (
+        "forward_bfloat16.json",
+        "Forward pass, bfloat16",
+        "baton bench forward --dtype bfloat16",
+        _forward,
+    ),
+    ("throughput.json", "Offline throughput", "baton bench throughput", _throughput),
+    ("engine.json", "Async vs sync scheduling", "baton bench engine", _engine),
+    ("structured.json", "Structured vs free TPOT", "baton bench structured", _structured),
+    ("grammar.json", "Grammar backends (MaskBench)", "baton bench grammar", _grammar),
+    (
+        "grammar_overhead.json",
+        "Grammar wrapper overhead",
+        "python -m baton.bench.grammar_overhead",
+        _grammar_overhead,
+    ),
+]
+
+
+def render(results: Path = RESULTS) -> str:
+    """The results section's body from the result files present in ``results``."""
+    parts = [
+        f"Measured on {platform.machine()} with {_cores()} CPU cores (no GPU); "
+        "`python -m baton.bench.readme_results` rewrites this section from "
+        "`bench/results/*.json`.",
+    ]
+    for name, title, command, renderer in SECTIONS:
+        path = results / name
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        try:
+            body = renderer(data)
+        except (KeyError, TypeError) as exc:  # an older result file: say so, don't guess
+            body = f"(cannot render {name}: missing {exc})"
+        png = path.with_suffix(".png")
+        image = f"\n\n![{title}](bench/results/{png.name})" if png.exists() else ""
+        parts.append(f"### {title}\n\n`{command}` → `bench/results/{name}`\n\n{body}{image}")
+    return "\n\n".join(parts)
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def update_readme(readme: Path, results: Path = RESULTS) -> bool:
+    """Replaces the marked section; returns whether the text changed.
+
+    Raises:
+        ValueError: the README lacks the markers.
+    """
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme} has no {BEGIN} ... {END} section")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{BEGIN}\n{render(results)}\n{END}{tail}"
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--readme", type=Path, default=README)
+    p.add_argument("--results", type=Path, default=RESULTS)
+    a = p.parse_args(argv)
+    changed = update_readme(a.readme, a.results)
+    print(f"{a.readme}: {'updated' if changed else 'already up to date'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
