@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 from collections.abc import Sequence
 
 import torch
 
 from baton.engine.async_scheduler import AsyncScheduler
-from baton.engine.config import EngineConfig
+from baton.engine.config import EngineConfig, num_cpu_cores
 from baton.engine.engine_core import EngineCore
 from baton.engine.executor import Executor, RunnerSpec, UniExecutor, build_runner
 from baton.engine.kv_cache_manager import KVCacheManager
@@ -209,7 +208,7 @@ class LLMEngine:
 def _worker_threads(config: EngineConfig) -> int:
     if config.worker_threads is not None:
         return config.worker_threads
-    cores = _num_cores()
+    cores = num_cpu_cores()
     # The engine thread needs a core of its own to overlap the worker's forward.
     return cores - 1 if cores > 2 else cores
 
@@ -219,10 +218,4 @@ def _engine_threads(config: EngineConfig, worker_threads: int | None) -> int:
     (at least one). Mask fills that spread over the worker's cores slowed its forward 2x."""
     if worker_threads is None:
         return 2
-    return max(1, _num_cores() - worker_threads)
-
-
-def _num_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return max(1, num_cpu_cores() - worker_threads)

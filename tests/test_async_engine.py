@@ -224,7 +224,7 @@ def test_worker_crash_fails_requests_instead_of_hanging(tiny_model_dir):
 
 
 def test_worker_process_dies_with_the_engine(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), max_model_len=128)
+    llm = LLM(str(tiny_model_dir), max_model_len=128, async_scheduling=True)
     proc = llm.engine.core.executor._proc
     assert proc.is_alive()
     del llm

@@ -214,7 +214,7 @@ def test_engine_thread_failure_fails_streams(tiny_model_dir: Path) -> None:
 
 @pytest.mark.timeout(90)
 def test_worker_death_is_unhealthy_and_fails_requests(tiny_model_dir: Path) -> None:
-    llm = AsyncLLM.from_engine_args(str(tiny_model_dir), num_kv_blocks=32)
+    llm = AsyncLLM.from_engine_args(str(tiny_model_dir), num_kv_blocks=32, executor="mp")
     try:
         assert llm.is_healthy()
         proc = llm._engine.core.executor._proc  # type: ignore[union-attr,attr-defined]

@@ -222,9 +222,16 @@ def _check(s: AsyncScheduler, dev: FakeDevice, added: list[str], ended: set[str]
     s.kv.check_invariants()
 
 
-def test_engine_config_resolves_async_scheduling(caplog):
+def test_engine_config_resolves_async_scheduling(caplog, monkeypatch):
+    monkeypatch.setattr("baton.engine.config.num_cpu_cores", lambda: 8)
     assert EngineConfig().async_scheduling is True
     assert EngineConfig().executor == "mp"
+    monkeypatch.setattr("baton.engine.config.num_cpu_cores", lambda: 2)
+    with caplog.at_level("INFO", logger="baton.engine.config"):
+        assert EngineConfig().async_scheduling is False
+    assert "only 2 CPU cores" in caplog.text
+    assert EngineConfig(async_scheduling=True).executor == "mp"  # slower, but allowed
+    caplog.clear()
     with caplog.at_level("INFO", logger="baton.engine.config"):
         cfg = EngineConfig(executor="uni")
     assert cfg.async_scheduling is False
