@@ -90,6 +90,8 @@ BENCHMARKS = {
     "forward": "baton's forward pass vs transformers' on the same weights",
     "throughput": "offline throughput, baton vs transformers batched generate",
     "structured": "structured vs free time per output token",
+    "serve": "load test of baton serve: concurrent clients, TTFT and TPOT",
+    "peers": "the same JSON-schema workload on baton and its peers",
 }
 
 
