@@ -1,0 +1,865 @@
+"""Peers benchmark: the same JSON-schema workload on baton and its peers.
+
+One run, one workload: the same chat prompts (as the same token ids), the same
+JSON schema, greedy decoding, the same ``--max-tokens``, at each
+``--concurrency`` N (N prompts submitted at once), on the same weights, through
+
+* baton (``LLM.generate``; one row per ``--baton-dtypes`` entry),
+* transformers batched ``generate`` (left padding) with xgrammar's Hugging Face
+  logits processor,
+* Outlines 1.x over the same transformers model (skipped with a note when
+  ``outlines`` is not installed),
+* llama-cpp-python with a JSON-schema grammar on the GGUF file (skipped with a
+  note when ``llama_cpp`` is not installed or the model is not a GGUF file).
+  Its Python API decodes one sequence at a time, so concurrency N runs the N
+  prompts one after another, and it computes on the GGUF's quantized weights
+  as stored where the others use the same weights dequantized to float32.
+
+Each engine is built, warmed up on prompts of its own, measured at every
+concurrency, and closed before the next one starts. No engine reuses a
+cached prompt prefix (baton runs with prefix caching off, llama-cpp-python's
+state is reset before each prompt), so every prompt is prefilled in full.
+Reports per engine and concurrency: output tokens/s, TPOT (ms) and the share of
+outputs that parse as JSON and validate against the schema; the ratios
+baton / each peer; and whether each goal of the issue is met (nothing is
+asserted). Writes JSON and a PNG.
+
+    python -m baton.bench.peers [--model PATH | --tiny] [--concurrency 1,16]
+        [--max-tokens 96] [--baton-dtypes float32] [--engines ...] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.metadata
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import jsonschema
+import torch
+
+from baton.bench.forward import RESULTS, build_transformers
+from baton.bench.plotting import pyplot, save_results
+from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
+from baton.engine.tokenizer import Tokenizer
+
+# A small object the default model fills in well under the default --max-tokens
+# (about 40 tokens), with keywords every peer enforces (lengths, bounds, counts).
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 24},
+        "skills": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 16},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "age", "city", "skills"],
+    "additionalProperties": False,
+}
+SUBJECTS = (
+    "a baker",
+    "a pilot",
+    "a chess player",
+    "a gardener",
+    "a painter",
+    "a doctor",
+    "a sailor",
+    "a librarian",
+)
+
+ENGINES: dict[str, str] = {
+    "baton": "baton",
+    "transformers": "transformers+xgrammar",
+    "outlines": "outlines",
+    "llama-cpp": "llama-cpp-python",
+}
+DTYPES = ("float32", "bfloat16")
+WARMUP_PROMPTS = 2
+WARMUP_TOKENS = 8
+
+# Goals of the issue: (peer, "high" = the highest concurrency measured or 1, minimum
+# baton/peer output tokens/s). Targets, not measurements.
+GOALS: tuple[tuple[str, str, float], ...] = (
+    ("outlines", "high", 3.0),
+    ("transformers", "high", 3.0),
+    ("llama-cpp", "high", 2.0),
+    ("transformers", "1", 1.2),
+)
+
+
+# ------------------------------------------------------------------ config
+@dataclass(frozen=True)
+class PeersConfig:
+    """What one run measures; raises ``ValueError`` naming a bad field.
+
+    Attributes:
+        concurrency: prompts submitted at once, one measured case each.
+        max_tokens: most output tokens per request (EOS counts as one).
+        baton_dtypes: one baton row per dtype; the peers run in float32.
+        engines: keys of ``ENGINES`` to run, in order.
+        repeats: runs per (engine, concurrency); figures pool them.
+        model: GGUF file or Hugging Face folder (None: the default model);
+            with ``tiny``, only its tokenizer is used.
+        tiny: a random-weight 2-layer model over the model's vocabulary (smoke runs).
+    """
+
+    concurrency: tuple[int, ...] = (1, 16)
+    max_tokens: int = 96
+    baton_dtypes: tuple[str, ...] = ("float32",)
+    engines: tuple[str, ...] = tuple(ENGINES)
+    repeats: int = 1
+    model: str | None = None
+    tiny: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency must be positive ints, got {list(self.concurrency)}")
+        if self.max_tokens < 2:
+            raise ValueError(
+                f"max_tokens must be >= 2 (TPOT needs two tokens), got {self.max_tokens}"
+            )
+        if not self.baton_dtypes or any(d not in DTYPES for d in self.baton_dtypes):
+            raise ValueError(
+                f"baton dtypes must be a non-empty subset of {list(DTYPES)}, "
+                f"got {list(self.baton_dtypes)}"
+            )
+        if not self.engines or any(e not in ENGINES for e in self.engines):
+            raise ValueError(
+                f"engines must be a non-empty subset of {list(ENGINES)}, got {list(self.engines)}"
+            )
+        for name in ("concurrency", "baton_dtypes", "engines"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name} must not repeat a value, got {list(values)}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+
+
+# ---------------------------------------------------------------- workload
+@dataclass(frozen=True)
+class Workload:
+    """The prompts every engine gets: chat text and the same text as token ids."""
+
+    texts: tuple[str, ...]
+    prompt_ids: tuple[tuple[int, ...], ...]
+    warmup_texts: tuple[str, ...]
+    warmup_ids: tuple[tuple[int, ...], ...]
+    schema: dict[str, Any]
+    max_tokens: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+
+    @property
+    def max_model_len(self) -> int:
+        longest = max(len(p) for p in (*self.prompt_ids, *self.warmup_ids))
+        return longest + self.max_tokens + 1
+
+
+def conversation(index: int) -> list[dict[str, str]]:
+    """The ``index``-th chat prompt asking for a JSON person; each index is unique text."""
+    fields = ", ".join(SCHEMA["required"])
+    subject = SUBJECTS[index % len(SUBJECTS)]
+    return [
+        {
+            "role": "user",
+            "content": f"Invent {subject} (person #{index}) and describe them "
+            f"as a JSON object with {fields}.",
+        }
+    ]
+
+
+def build_workload(tokenizer: Tokenizer, num_prompts: int, max_tokens: int) -> Workload:
+    """``num_prompts`` measured prompts plus ``WARMUP_PROMPTS`` different ones, rendered with
+    the model's chat template. Raises ``ValueError`` when the tokenizer has no EOS id."""
+    if not tokenizer.eos_token_ids:
+        raise ValueError("the tokenizer has no EOS token id: requests could never stop")
+    texts = [
+        tokenizer.apply_chat_template(conversation(i), tokenize=False)
+        for i in range(num_prompts + WARMUP_PROMPTS)
+    ]
+    ids = [tuple(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    pad = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_ids[0]
+    )
+    return Workload(
+        texts=tuple(texts[:num_prompts]),
+        prompt_ids=tuple(ids[:num_prompts]),
+        warmup_texts=tuple(texts[num_prompts:]),
+        warmup_ids=tuple(ids[num_prompts:]),
+        schema=SCHEMA,
+        max_tokens=max_tokens,
+        eos_token_ids=tuple(tokenizer.eos_token_ids),
+        pad_token_id=pad,
+    )
+
+
+def hf_tokenizer(tokenizer: Tokenizer) -> Any:
+    """A transformers fast tokenizer over the same ``tokenizers`` object as baton's (no chat
+    template: the peers get the prompts already rendered)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=copy.deepcopy(tokenizer.backend), **tokenizer.special_tokens_map()
+    )
+
+
+def check_same_ids(hf_tok: Any, workload: Workload) -> None:
+    """The peers that take text must see the token ids baton gets; raises ``ValueError``
+    naming the first prompt that the transformers tokenizer encodes differently."""
+    for text, ids in zip(
+        (*workload.texts, *workload.warmup_texts),
+        (*workload.prompt_ids, *workload.warmup_ids),
+        strict=True,
+    ):
+        if tuple(hf_tok(text)["input_ids"]) != ids:
+            raise ValueError(f"transformers' tokenizer encodes prompt {text!r} differently")
+
+
+def build_hf_model(ckpt: Checkpoint) -> Any:
+    """transformers' Llama over the checkpoint's float32 weights (eval mode). Raises
+    ``ValueError`` when a weight does not land in the model (names or shapes differ)."""
+    weights = {k: v.float() for k, v in ckpt.weights.items()}
+    model = build_transformers(ckpt.config, weights).float()
+    state = model.state_dict()
+    tied = {"lm_head.weight"} if ckpt.config.tie_word_embeddings else set()
+    missing = sorted(set(state) - set(weights) - tied)
+    unknown = sorted(set(weights) - set(state))
+    if missing or unknown:
+        raise ValueError(
+            f"checkpoint and transformers' Llama disagree: missing {missing[:3]}, "
+            f"unknown {unknown[:3]}"
+        )
+    if any(not torch.equal(state[k], w) for k, w in weights.items()):
+        raise ValueError("transformers' Llama did not take the checkpoint's weights as they are")
+    return model
+
+
+# ---------------------------------------------------------------- measuring
+@dataclass(frozen=True)
+class Completion:
+    """One request's output: its text, how many tokens it generated (EOS included) and its
+    mean time per output token after the first (None with fewer than two tokens)."""
+
+    text: str
+    tokens: int
+    tpot_s: float | None
+
+
+class Runner(Protocol):
+    """One engine set up for the workload."""
+
+    label: str
+
+    def run(self, prompts: range) -> list[Completion]:
+        """Generates for the workload's prompts ``prompts``, all submitted at once."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class StepRecorder:
+    """A transformers streamer that keeps each decoding step's time and tokens (the first
+    ``put`` is the prompt). Duck-typed: ``generate`` only calls ``put`` and ``end``."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.tokens: list[list[int]] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.tokens.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
+def sequences_from_steps(
+    recorder: StepRecorder, batch: int, eos_token_ids: Sequence[int]
+) -> list[tuple[list[int], float | None]]:
+    """Each row's generated ids up to its first EOS (included) and its TPOT in seconds, from
+    the steps of one batched ``generate``."""
+    eos = set(eos_token_ids)
+    out = []
+    for row in range(batch):
+        ids: list[int] = []
+        for step in recorder.tokens:
+            ids.append(step[row])
+            if step[row] in eos:
+                break
+        n = len(ids)
+        tpot = (recorder.times[n - 1] - recorder.times[0]) / (n - 1) if n > 1 else None
+        out.append((ids, tpot))
+    return out
+
+
+def is_valid(text: str, schema: dict[str, Any]) -> bool:
+    """True when ``text`` parses as JSON and validates against ``schema``."""
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+@dataclass
+class CaseMeasure:
+    """The repetitions of one (engine, concurrency) case."""
+
+    seconds: list[float] = field(default_factory=list)
+    completions: list[Completion] = field(default_factory=list)
+
+
+def summarize(
+    runner: Runner, engine: str, dtype: str, concurrency: int, case: CaseMeasure, schema: dict
+) -> dict[str, Any]:
+    """One table row."""
+    seconds = sum(case.seconds)
+    tokens = sum(c.tokens for c in case.completions)
+    tpots = [c.tpot_s for c in case.completions if c.tpot_s is not None]
+    valid = sum(is_valid(c.text, schema) for c in case.completions)
+    n = len(case.completions)
+    return {
+        "engine": engine,
+        "label": runner.label,
+        "dtype": dtype,
+        "concurrency": concurrency,
+        "runs": len(case.seconds),
+        "requests": n,
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "tok_per_s": tokens / seconds if seconds > 0 else None,
+        "tpot_ms": statistics.fmean(tpots) * 1e3 if tpots else None,
+        "valid": valid,
+        "valid_share": valid / n if n else None,
+        "mean_output_tokens": tokens / n if n else None,
+    }
+
+
+# ------------------------------------------------------------------ engines
+class BatonRunner:
+    """baton's offline ``LLM`` over the checkpoint, in ``dtype``."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: str, workload: Workload, max_batch: int) -> None:
+        self.label = f"baton {dtype}"
+        self.workload = workload
+        self.llm = LLM.from_checkpoint(
+            ckpt,
+            dtype=getattr(torch, dtype),
+            max_num_seqs=max(max_batch, WARMUP_PROMPTS),
+            max_model_len=workload.max_model_len,
+            # Like for like: no peer reuses a prefix across requests in this benchmark.
+            enable_prefix_caching=False,
+        )
+        self.params = SamplingParams(
+            max_tokens=workload.max_tokens,
+            temperature=0.0,
+            structured_outputs=StructuredOutputsParams(json=workload.schema),
+        )
+        warm = SamplingParams(
+            max_tokens=WARMUP_TOKENS,
+            temperature=0.0,
+            structured_outputs=StructuredOutputsParams(json=workload.schema),
+        )
+        self.llm.generate([list(p) for p in workload.warmup_ids], warm, use_tqdm=False)
+
+    def run(self, prompts: range) -> list[Completion]:
+        ids = [list(self.workload.prompt_ids[i]) for i in prompts]
+        outs = self.llm.generate(ids, self.params, use_tqdm=False)
+        return [
+            Completion(
+                o.outputs[0].text, len(o.outputs[0].token_ids), o.metrics.time_per_output_token
+            )
+            for o in outs
+        ]
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+class TransformersXgrammarRunner:
+    """transformers batched ``generate`` (left padding, greedy) with xgrammar's logits
+    processor, the grammar compiled once the way xgrammar's docs show it."""
+
+    label = "transformers+xgrammar"
+
+    def __init__(self, model: Any, hf_tok: Any, workload: Workload) -> None:
+        import xgrammar as xgr
+
+        self.model, self.hf_tok, self.workload = model, hf_tok, workload
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf_tok,
+            vocab_size=model.config.vocab_size,
+            stop_token_ids=list(workload.eos_token_ids),
+        )
+        # Compact JSON, as baton's default (no free whitespace between tokens).
+        self.grammar = xgr.GrammarCompiler(info).compile_json_schema(
+            json.dumps(workload.schema),
+            strict_mode=True,
+            any_whitespace=False,
+            separators=(",", ":"),
+        )
+        self._generate([list(p) for p in workload.warmup_ids], WARMUP_TOKENS)
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+        from xgrammar.contrib.hf import LogitsProcessor
+
+        pad = self.workload.pad_token_id
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        recorder = StepRecorder()
+        self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=list(self.workload.eos_token_ids),
+            # One processor per call: it keeps grammar state across the steps of one call.
+            logits_processor=[LogitsProcessor(self.grammar)],
+            streamer=recorder,
+        )
+        return [
+            Completion(self.hf_tok.decode(seq, skip_special_tokens=True), len(seq), tpot)
+            for seq, tpot in sequences_from_steps(
+                recorder, len(prompts), self.workload.eos_token_ids
+            )
+        ]
+
+    def run(self, prompts: range) -> list[Completion]:
+        return self._generate(
+            [list(self.workload.prompt_ids[i]) for i in prompts], self.workload.max_tokens
+        )
+
+    def close(self) -> None:
+        pass
+
+
+class OutlinesRunner:
+    """Outlines' ``Generator`` over the transformers model with a JSON-schema output type
+    (its default backend, outlines-core), batched with ``Generator.batch``."""
+
+    label = "outlines"
+
+    def __init__(self, model: Any, hf_tok: Any, workload: Workload) -> None:
+        import outlines
+        from outlines.types import JsonSchema
+
+        self.workload = workload
+        self.model = outlines.from_transformers(model, hf_tok)
+        # Compact JSON, as baton's default: no whitespace between JSON tokens.
+        output_type = JsonSchema(json.dumps(workload.schema), whitespace_pattern="")
+        self.generator = outlines.Generator(self.model, output_type)
+        self._generate(list(workload.warmup_texts), WARMUP_TOKENS)
+
+    def _generate(self, texts: list[str], max_tokens: int) -> list[Completion]:
+        recorder = StepRecorder()
+        outs = self.generator.batch(
+            texts,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=self.workload.pad_token_id,
+            eos_token_id=list(self.workload.eos_token_ids),
+            streamer=recorder,
+        )
+        steps = sequences_from_steps(recorder, len(texts), self.workload.eos_token_ids)
+        return [
+            Completion(text, len(seq), tpot) for text, (seq, tpot) in zip(outs, steps, strict=True)
+        ]
+
+    def run(self, prompts: range) -> list[Completion]:
+        with torch.inference_mode():
+            return self._generate(
+                [self.workload.texts[i] for i in prompts], self.workload.max_tokens
+            )
+
+    def close(self) -> None:
+        pass
+
+
+class LlamaCppRunner:
+    """llama-cpp-python on the GGUF file with a grammar from the JSON schema; greedy
+    (``temp=0``), prompts decoded one after another (no batched API), state reset before each
+    prompt so no prefix is reused."""
+
+    label = "llama-cpp-python"
+
+    def __init__(self, gguf_path: Path, workload: Workload) -> None:
+        from llama_cpp import Llama, LlamaGrammar
+
+        self.workload = workload
+        threads = torch.get_num_threads()
+        self.llm = Llama(
+            model_path=str(gguf_path),
+            n_ctx=workload.max_model_len,
+            n_threads=threads,
+            n_threads_batch=threads,
+            seed=0,
+            verbose=False,
+        )
+        self.grammar = LlamaGrammar.from_json_schema(json.dumps(workload.schema), verbose=False)
+        self.eos = set(workload.eos_token_ids) | {self.llm.token_eos()}
+        for p in workload.warmup_ids:
+            self._one(p, WARMUP_TOKENS)
+
+    def _one(self, prompt: Sequence[int], max_tokens: int) -> Completion:
+        self.llm.reset()
+        ids: list[int] = []
+        times: list[float] = []
+        for token in self.llm.generate(list(prompt), temp=0.0, grammar=self.grammar):
+            times.append(time.perf_counter())
+            ids.append(token)
+            if token in self.eos or len(ids) >= max_tokens:
+                break
+        body = [t for t in ids if t not in self.eos]
+        text = self.llm.detokenize(body).decode("utf-8", errors="replace")
+        tpot = (times[-1] - times[0]) / (len(ids) - 1) if len(ids) > 1 else None
+        return Completion(text, len(ids), tpot)
+
+    def run(self, prompts: range) -> list[Completion]:
+        return [self._one(self.workload.prompt_ids[i], self.workload.max_tokens) for i in prompts]
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+# ------------------------------------------------------------------ running
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _unavailable(module: str) -> str | None:
+    """Why ``module`` cannot be used here, or None when it imports."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return f"`import {module}` failed ({exc}); install it to include this peer"
+    return None
+
+
+def measure_engine(
+    runner: Runner, engine: str, dtype: str, cfg: PeersConfig, workload: Workload
+) -> list[dict[str, Any]]:
+    """Every concurrency of ``cfg`` on one engine, ``cfg.repeats`` times each."""
+    rows = []
+    for c in cfg.concurrency:
+        case = CaseMeasure()
+        for _ in range(cfg.repeats):
+            t0 = time.perf_counter()
+            completions = runner.run(range(c))
+            case.seconds.append(time.perf_counter() - t0)
+            case.completions += completions
+        rows.append(summarize(runner, engine, dtype, c, case, workload.schema))
+        print(
+            f"  {runner.label} c={c}: {rows[-1]['tok_per_s']:.1f} tok/s, "
+            f"{rows[-1]['valid']}/{rows[-1]['requests']} valid",
+            flush=True,
+        )
+    return rows
+
+
+def run(cfg: PeersConfig) -> dict[str, Any]:
+    """Runs every engine of ``cfg``; returns the result dict (rows, ratios, goals, notes)."""
+    tokenizer = load_tokenizer(cfg.model)
+    if cfg.tiny:
+        from baton.bench.engine import tiny_checkpoint
+
+        ckpt = tiny_checkpoint(tokenizer)
+    else:
+        ckpt = load_checkpoint(cfg.model)
+    workload = build_workload(tokenizer, max(cfg.concurrency), cfg.max_tokens)
+    rows: list[dict[str, Any]] = []
+    engines: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    hf_model: Any = None
+    hf_tok: Any = None
+
+    def hf_parts() -> tuple[Any, Any]:
+        nonlocal hf_model, hf_tok
+        if hf_model is None:
+            hf_tok = hf_tokenizer(tokenizer)
+            check_same_ids(hf_tok, workload)
+            hf_model = build_hf_model(ckpt)
+        return hf_model, hf_tok
+
+    def attempt(engine: str, dtype: str, build: Callable[[], Runner]) -> None:
+        t0 = time.perf_counter()
+        runner = build()
+        setup_s = time.perf_counter() - t0
+        engines.append({"engine": engine, "label": runner.label, "setup_s": setup_s})
+        print(f"{runner.label}: set up and warmed up in {setup_s:.1f} s", flush=True)
+        try:
+            rows.extend(measure_engine(runner, engine, dtype, cfg, workload))
+        finally:
+            runner.close()
+
+    max_batch = max(cfg.concurrency)
+    for engine in cfg.engines:
+        if engine == "baton":
+            for dtype in cfg.baton_dtypes:
+                attempt(engine, dtype, lambda d=dtype: BatonRunner(ckpt, d, workload, max_batch))
+            continue
+        module = {
+            "transformers": "xgrammar.contrib.hf",
+            "outlines": "outlines",
+            "llama-cpp": "llama_cpp",
+        }[engine]
+        reason = _unavailable(module)
+        if reason is None and engine == "llama-cpp" and ckpt.path.suffix != ".gguf":
+            reason = f"llama-cpp-python needs a GGUF file; the model is {ckpt.path}"
+        if reason is not None:
+            skipped.append({"engine": engine, "label": ENGINES[engine], "reason": reason})
+            print(f"{ENGINES[engine]}: skipped: {reason}", flush=True)
+            continue
+        if engine == "transformers":
+            attempt(engine, "float32", lambda: TransformersXgrammarRunner(*hf_parts(), workload))
+        elif engine == "outlines":
+            attempt(engine, "float32", lambda: OutlinesRunner(*hf_parts(), workload))
+        else:
+            attempt(engine, "float32", lambda: LlamaCppRunner(ckpt.path, workload))
+    ratios = compute_ratios(rows)
+    return {
+        "model": str(ckpt.path),
+        "tiny": cfg.tiny,
+        "concurrency": list(cfg.concurrency),
+        "max_tokens": cfg.max_tokens,
+        "repeats": cfg.repeats,
+        "baton_dtypes": list(cfg.baton_dtypes),
+        "peer_dtype": "float32",
+        "prefix_caching": False,
+        "whitespace": "compact JSON for baton, xgrammar and Outlines; llama.cpp's own grammar",
+        "threads": torch.get_num_threads(),
+        "versions": {
+            p: _version(p)
+            for p in (
+                "torch",
+                "transformers",
+                "xgrammar",
+                "outlines",
+                "outlines_core",
+                "llama_cpp_python",
+            )
+        },
+        "schema": SCHEMA,
+        "prompt_tokens": [len(p) for p in workload.prompt_ids],
+        "engines": engines,
+        "skipped": skipped,
+        "rows": rows,
+        "ratios": ratios,
+        "goals": evaluate_goals(rows, ratios, cfg),
+    }
+
+
+# ------------------------------------------------------------- ratios, goals
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compute_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """baton / peer output tokens/s (and peer / baton TPOT) for every baton row, peer row and
+    concurrency measured: above 1 means baton is faster."""
+    out = []
+    for b in (r for r in rows if r["engine"] == "baton"):
+        for p in (
+            r for r in rows if r["engine"] != "baton" and r["concurrency"] == b["concurrency"]
+        ):
+            out.append(
+                {
+                    "baton": b["label"],
+                    "peer": p["engine"],
+                    "peer_label": p["label"],
+                    "concurrency": b["concurrency"],
+                    "tok_per_s_ratio": _ratio(b["tok_per_s"], p["tok_per_s"]),
+                    "tpot_speedup": _ratio(p["tpot_ms"], b["tpot_ms"]),
+                }
+            )
+    return out
+
+
+def evaluate_goals(
+    rows: list[dict[str, Any]], ratios: list[dict[str, Any]], cfg: PeersConfig
+) -> list[dict[str, Any]]:
+    """The issue's goals, judged on the float32 baton row (the peers' dtype; else the first
+    baton dtype); the other baton rows' ratios are listed beside. Nothing is asserted."""
+    ref = f"baton {'float32' if 'float32' in cfg.baton_dtypes else cfg.baton_dtypes[0]}"
+    high = max(cfg.concurrency)
+    goals = []
+    for peer, at, target in GOALS:
+        c = high if at == "high" else int(at)
+        found = [r for r in ratios if r["peer"] == peer and r["concurrency"] == c]
+        values = {r["baton"]: r["tok_per_s_ratio"] for r in found}
+        value = values.get(ref)
+        goals.append(
+            {
+                "goal": f"{ref} / {ENGINES[peer]} output tok/s at concurrency {c}",
+                "target": f">= {target:g}",
+                "threshold": target,
+                "value": value,
+                "met": None if value is None else value >= target,
+                "values": values,
+            }
+        )
+    return goals
+
+
+# ------------------------------------------------------------------ output
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_report(result: dict[str, Any]) -> None:
+    """The table, the ratios, the goals and the skipped peers, as text."""
+    print(f"\n{'engine':<24} {'conc':>4} {'tok/s':>8} {'TPOT ms':>8} {'valid':>7} {'tok/req':>7}")
+    for r in result["rows"]:
+        print(
+            f"{r['label']:<24} {r['concurrency']:>4} {_fmt(r['tok_per_s'], '.1f'):>8} "
+            f"{_fmt(r['tpot_ms'], '.1f'):>8} {_fmt(r['valid_share'], '.0%'):>7} "
+            f"{_fmt(r['mean_output_tokens'], '.1f'):>7}"
+        )
+    if result["ratios"]:
+        print("\nbaton / peer output tok/s (TPOT speed-up):")
+        for q in result["ratios"]:
+            print(
+                f"  {q['baton']} / {q['peer_label']} at concurrency {q['concurrency']}: "
+                f"{_fmt(q['tok_per_s_ratio'], '.2f')} ({_fmt(q['tpot_speedup'], '.2f')})"
+            )
+    print("\ngoals:")
+    for g in result["goals"]:
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[g["met"]]
+        print(f"  [{verdict}] {g['goal']} {g['target']}: {_fmt(g['value'], '.2f')}")
+    for s in result["skipped"]:
+        print(f"note: {s['label']} skipped: {s['reason']}")
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    labels = list(dict.fromkeys(r["label"] for r in result["rows"]))
+    conc = result["concurrency"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    width = 0.8 / max(1, len(labels))
+    panels = (
+        ("tok_per_s", "output tokens / s", True),
+        ("tpot_ms", "TPOT (ms)", True),
+        ("valid_share", "share of outputs valid", False),
+    )
+    for ax, (key, name, log) in zip(axes, panels, strict=True):
+        for i, label in enumerate(labels):
+            values = [
+                next(
+                    (
+                        r[key] or 0.0
+                        for r in result["rows"]
+                        if r["label"] == label and r["concurrency"] == c
+                    ),
+                    0.0,
+                )
+                for c in conc
+            ]
+            ax.bar(
+                [j + (i - (len(labels) - 1) / 2) * width for j in range(len(conc))],
+                values,
+                width,
+                label=label,
+            )
+        ax.set_xticks(range(len(conc)), [f"concurrency {c}" for c in conc])
+        ax.set_ylabel(name)
+        if log:
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(0.0, 1.05)
+    axes[0].legend(fontsize=8)
+    skipped = ", ".join(s["label"] for s in result["skipped"])
+    fig.suptitle(
+        f"JSON-schema workload, greedy, <= {result['max_tokens']} tokens"
+        + (f" (skipped: {skipped})" if skipped else "")
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _csv(kind: type, text: str) -> tuple[Any, ...]:
+    try:
+        return tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {kind.__name__}s, got {text!r}"
+        ) from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return _csv(int, text)
+
+
+def _strs(text: str) -> tuple[str, ...]:
+    return _csv(str, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark, prints the report and writes ``--out`` (JSON) and its PNG.
+
+    Loads the model (or builds the tiny one), starts baton's model worker process, and exits
+    through argparse (SystemExit 2) on a bad argument.
+    """
+    p = argparse.ArgumentParser(prog="baton bench peers", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="random-weight 2-layer model over --model's tokenizer (smoke runs; no llama-cpp)",
+    )
+    p.add_argument("--concurrency", type=_ints, default=(1, 16), help="default: 1,16")
+    p.add_argument("--max-tokens", type=int, default=96, help="max output tokens (default: 96)")
+    p.add_argument(
+        "--baton-dtypes", type=_strs, default=("float32",), help="float32 and/or bfloat16"
+    )
+    p.add_argument(
+        "--engines",
+        type=_strs,
+        default=tuple(ENGINES),
+        help=f"subset of {','.join(ENGINES)} (default: all)",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="runs per engine and concurrency")
+    p.add_argument("--out", type=Path, default=RESULTS / "peers.json", help="JSON path; PNG beside")
+    a = p.parse_args(argv)
+    try:
+        cfg = PeersConfig(
+            concurrency=a.concurrency,
+            max_tokens=a.max_tokens,
+            baton_dtypes=a.baton_dtypes,
+            engines=a.engines,
+            repeats=a.repeats,
+            model=a.model,
+            tiny=a.tiny,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+    result = run(cfg)
+    print_report(result)
+    save_results(result, a.out, _plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""The peers benchmark: its pure parts, a smoke run on a tiny model, its CLI entry."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from baton.bench.peers import (
+    SCHEMA,
+    PeersConfig,
+    StepRecorder,
+    compute_ratios,
+    evaluate_goals,
+    is_valid,
+    sequences_from_steps,
+)
+from baton.engine.cli import main as cli_main
+
+ROW_KEYS = {
+    "engine",
+    "label",
+    "dtype",
+    "concurrency",
+    "requests",
+    "seconds",
+    "output_tokens",
+    "tok_per_s",
+    "tpot_ms",
+    "valid",
+    "valid_share",
+}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"concurrency": ()}, "concurrency"),
+        ({"concurrency": (1, 0)}, "concurrency"),
+        ({"concurrency": (2, 2)}, "must not repeat"),
+        ({"max_tokens": 1}, "max_tokens"),
+        ({"baton_dtypes": ("float16",)}, "baton dtypes"),
+        ({"engines": ("vllm",)}, "engines"),
+        ({"repeats": 0}, "repeats"),
+    ],
+)
+def test_config_rejects_bad_fields(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PeersConfig(**kwargs)
+
+
+def test_validity_needs_parse_and_schema() -> None:
+    good = '{"name":"Ann","age":40,"city":"Oslo","skills":["bread"]}'
+    assert is_valid(good, SCHEMA)
+    assert not is_valid(good[:-1], SCHEMA)  # truncated: does not parse
+    assert not is_valid(good.replace("40", "400"), SCHEMA)  # parses, breaks maximum
+    assert not is_valid("", SCHEMA)
+
+
+def test_sequences_stop_at_first_eos_and_time_from_the_first_token() -> None:
+    rec = StepRecorder()
+    rec.put(torch.tensor([[5, 6], [7, 8]]))  # the prompt: not a step
+    for tokens in ([10, 20], [2, 21], [2, 22]):
+        rec.put(torch.tensor(tokens))
+    rec.times = [1.0, 1.5, 2.5]
+    (a, tpot_a), (b, tpot_b) = sequences_from_steps(rec, 2, eos_token_ids=(2,))
+    assert a == [10, 2] and tpot_a == pytest.approx(0.5)
+    assert b == [20, 21, 22] and tpot_b == pytest.approx(0.75)
+
+
+def _row(engine: str, label: str, c: int, tok_per_s: float) -> dict[str, Any]:
+    return {
+        "engine": engine,
+        "label": label,
+        "concurrency": c,
+        "tok_per_s": tok_per_s,
+        "tpot_ms": 1000.0 / tok_per_s,
+    }
+
+
+def test_goals_judge_the_float32_row_at_the_highest_concurrency() -> None:
+    rows = [
+        _row("baton", "baton float32", 1, 30.0),
+        _row("baton", "baton float32", 16, 300.0),
+        _row("baton", "baton bfloat16", 16, 600.0),
+        _row("transformers", "transformers+xgrammar", 1, 20.0),
+        _row("transformers", "transformers+xgrammar", 16, 150.0),
+        _row("outlines", "outlines", 16, 50.0),
+    ]
+    ratios = compute_ratios(rows)
+    assert len(ratios) == 1 + 2 * 2  # c=1: one pair; c=16: two baton rows x two peers
+    cfg = PeersConfig(concurrency=(1, 16), baton_dtypes=("float32", "bfloat16"))
+    goals = {
+        (g["goal"].split(" / ")[1].split(" ")[0], g["threshold"]): g
+        for g in evaluate_goals(rows, ratios, cfg)
+    }
+    outlines = goals[("outlines", 3.0)]
+    assert outlines["value"] == pytest.approx(6.0) and outlines["met"] is True
+    assert outlines["values"]["baton bfloat16"] == pytest.approx(12.0)
+    hf16 = goals[("transformers+xgrammar", 3.0)]
+    assert hf16["value"] == pytest.approx(2.0) and hf16["met"] is False
+    assert goals[("transformers+xgrammar", 1.2)]["value"] == pytest.approx(1.5)
+    assert goals[("llama-cpp-python", 2.0)]["met"] is None  # not measured, not failed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_tiny_run_has_every_row_and_notes_the_missing_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from baton.bench.peers import main
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed: import fails
+    out = tmp_path / "peers.json"
+    argv = ["--tiny", "--concurrency", "1,2", "--max-tokens", "8"]
+    assert main([*argv, "--engines", "baton,transformers,llama-cpp", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["engine"], r["concurrency"]): r for r in result["rows"]}
+    assert set(rows) == {(e, c) for e in ("baton", "transformers") for c in (1, 2)}
+    for (_, c), row in rows.items():
+        assert set(row) >= ROW_KEYS
+        assert row["requests"] == c
+        assert 0 < row["output_tokens"] <= 8 * c
+        assert row["tok_per_s"] > 0 and row["tpot_ms"] > 0
+        assert 0 <= row["valid"] <= c and 0.0 <= row["valid_share"] <= 1.0
+    assert {(q["peer"], q["concurrency"]) for q in result["ratios"]} == {
+        ("transformers", 1),
+        ("transformers", 2),
+    }
+    assert [s["engine"] for s in result["skipped"]] == ["llama-cpp"]
+    assert "llama_cpp" in result["skipped"][0]["reason"]
+    assert len(result["goals"]) == 4
+    measured = [g for g in result["goals"] if "transformers" in g["goal"]]
+    assert all(g["value"] is not None and g["met"] in (True, False) for g in measured)
+
+
+def test_cli_bench_peers_help_passes_through(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench", "peers", "--help"])
+    assert exc.value.code == 0
+    assert "--concurrency" in capsys.readouterr().out
