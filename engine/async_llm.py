@@ -228,6 +228,11 @@ class AsyncLLM:
         """
         if request_id is None:
             request_id = f"async-{next(self._ids)}"
+        if self._engine is not None and self._dead is None:
+            failure = _executor_failure(self._engine)
+            if failure is not None:
+                # Refused here: the engine thread may be idle and not know yet.
+                raise EngineDeadError(f"the model executor failed: {failure}")
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -282,14 +287,7 @@ class AsyncLLM:
         """True while the engine thread runs and the model (worker) can still run steps."""
         if self._dead is not None or not self._thread.is_alive() or self._engine is None:
             return False
-        core = self._engine.core
-        if getattr(core, "_dead", None) is not None:
-            return False
-        executor = core.executor
-        if getattr(executor, "_dead", None) is not None:
-            return False
-        proc = getattr(executor, "_proc", None)
-        return proc is None or proc.is_alive()
+        return _executor_failure(self._engine) is None
 
     def shutdown(self) -> None:
         """Stops the engine thread and the engine; open streams fail with ``EngineDeadError``.
@@ -339,6 +337,12 @@ class AsyncLLM:
                 if engine.has_unfinished_requests():
                     self._dispatch(engine, tracked, engine.step())
                 self._publish(engine)
+                failure = _executor_failure(engine)
+                if failure is not None:
+                    # The core failed its requests (their outputs went out above) and refuses
+                    # new ones: stop here, so that the engine is dead everywhere at once.
+                    reason = f"the model executor failed: {failure}"
+                    break
         except BaseException as exc:  # noqa: BLE001 - must fail the clients, not hang them
             logger.exception("engine thread failed")
             reason = f"the engine thread failed: {type(exc).__name__}: {exc}"
@@ -481,6 +485,19 @@ class AsyncLLM:
             engine.shutdown()
         except Exception:  # noqa: BLE001 - shutting down must not raise
             logger.exception("engine shutdown failed")
+
+
+def _executor_failure(engine: LLMEngine) -> str | None:
+    """Why the engine's core or executor can no longer run steps (e.g. the model worker
+    died), or None while it can. Safe to call from any thread: it only reads flags."""
+    core = engine.core
+    dead = getattr(core, "_dead", None) or getattr(core.executor, "_dead", None)
+    if dead is not None:
+        return str(dead)
+    proc = getattr(core.executor, "_proc", None)
+    if proc is not None and not proc.is_alive():
+        return f"the model worker exited (exit code {proc.exitcode})"
+    return None
 
 
 def _fail_add(cmd: _Add, error: BaseException) -> None:

@@ -92,6 +92,7 @@ BENCHMARKS = {
     "structured": "structured vs free time per output token",
     "serve": "load test of baton serve: concurrent clients, TTFT and TPOT",
     "peers": "the same JSON-schema workload on baton and its peers",
+    "soak": "reliability soak of baton serve: mixed, invalid and disconnecting clients",
 }
 
 

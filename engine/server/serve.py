@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,8 @@ from baton.grammar.spec import BACKENDS
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "BATON_API_KEY"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def default_served_model_name(model: str | None) -> str:
@@ -66,6 +72,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="largest request body accepted (413 above)",
     )
     p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long requests in flight may run before they are cancelled "
+        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}; a second Ctrl-C stops at once)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     p.set_defaults(func=run_serve)
@@ -73,7 +87,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Builds the engine and serves until interrupted; returns the exit status.
+    """Builds the engine and serves until SIGTERM or SIGINT; returns the exit status.
+
+    On either signal the server stops accepting connections, lets the requests in flight
+    finish (at most ``--shutdown-timeout`` seconds, then cancels them), shuts the engine
+    down and returns 0. When the server cannot start (e.g. the port is taken) uvicorn exits
+    with status 3 (``SystemExit``), after the engine is shut down.
 
     Raises:
         ValueError: a bad option (before the model is loaded, where possible).
@@ -85,6 +104,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    shutdown_timeout = getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S)
+    if not shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
     config = ServerConfig(
         served_model_name=args.served_model_name or default_served_model_name(args.model),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -102,15 +124,42 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
             logger.warning("serving on %s without an API key", args.host)
-        app = build_app(engine, config)
-        # Bounded: an open stream must not keep Ctrl-C from stopping the server.
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=5,
+        server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(engine, config),
+                host=args.host,
+                port=args.port,
+                log_level=args.log_level,
+                # Bounded: an open stream must not keep a stop signal from stopping the server.
+                timeout_graceful_shutdown=shutdown_timeout,
+            )
         )
+        with _stop_signals_absorbed():
+            server.run()
+        if not server.started:
+            return 1
+        logger.info("server stopped; shutting the engine down")
     finally:
         engine.shutdown()
     return 0
+
+
+@contextlib.contextmanager
+def _stop_signals_absorbed() -> Iterator[None]:
+    """While serving, SIGINT/SIGTERM are uvicorn's (graceful shutdown). After its shutdown,
+    uvicorn raises the signal it caught again, for the handler it replaced: with the default
+    ones, SIGTERM would kill the process (status -15, engine never shut down) and SIGINT
+    would raise KeyboardInterrupt. These no-op handlers take that second delivery instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are the main thread's; uvicorn does not capture them either
+        return
+
+    def absorb(signum: int, frame: object) -> None:
+        logger.debug("signal %d after shutdown: already stopping", signum)
+
+    previous = {sig: signal.signal(sig, absorb) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
