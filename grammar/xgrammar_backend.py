@@ -463,51 +463,6 @@ def close_object_schemas(schema: Any) -> Any:
     return schema
 
 
-# Characters a JSON string may hold unescaped: no control characters, quote or backslash.
-_PLAIN_STRING_CHARS = '[^\\x00-\\x1f"\\\\]'
-
-
-def bound_strings_safely(schema: Any) -> Any:
-    """A copy of ``schema`` where length-bounded strings become patterns xgrammar gets right.
-
-    xgrammar (0.2.9) compiles ``minLength``/``maxLength`` to ``[^"\\\r\n]{m,n}``, which
-    lets raw control characters into the string: invalid JSON (seen in a soak run).
-    A string schema with a length bound and no ``pattern``, ``format``, ``enum`` or
-    ``const`` gets an equivalent ``pattern`` of plain characters instead. Escapes are
-    then not generated in those strings; every output stays valid JSON and in bounds.
-    """
-    schema = copy.deepcopy(schema)
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        bounded = "minLength" in node or "maxLength" in node
-        exempt = any(k in node for k in ("pattern", "format", "enum", "const"))
-        if node.get("type") == "string" and bounded and not exempt:
-            low = node.pop("minLength", 0)
-            high = node.pop("maxLength", None)
-            if isinstance(low, int) and (high is None or isinstance(high, int)):
-                upper = "" if high is None else str(high)
-                node["pattern"] = f"^{_PLAIN_STRING_CHARS}{{{low},{upper}}}$"
-            else:  # not integers: leave the (invalid) bounds for validation to report
-                node["minLength"] = low
-                if high is not None:
-                    node["maxLength"] = high
-        for key, value in node.items():
-            if key in ("properties", "patternProperties", "$defs", "definitions"):
-                if isinstance(value, dict):
-                    stack.extend(value.values())
-            elif key in ("enum", "const", "default", "examples", "required"):
-                continue
-            elif isinstance(value, (dict, list)):
-                stack.append(value)
-    return schema
-
-
 # ---------------------------------------------------------------------------- helpers
 
 _XGR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -811,7 +766,7 @@ class XGrammarBackend(GrammarBackend):
         kind = spec.kind
         c = self._compiler
         if kind == "json":
-            schema = bound_strings_safely(spec.schema)
+            schema = spec.schema
             if spec.disable_additional_properties:
                 schema = close_object_schemas(schema)
             return c.compile_json_schema(

@@ -851,20 +851,3 @@ def test_eager_compile_of_the_test_suite(
             else:
                 lazy += 1
     assert eager == lazy > 250
-
-
-def test_length_bounded_strings_never_hold_control_characters(
-    backend: XGrammarBackend, tokenizer: Tokenizer
-) -> None:
-    # xgrammar 0.2.9 alone compiles maxLength to [^"\\\r\n]{0,n}: raw U+0015 got through.
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 4}},
-        "required": ["name"],
-    }
-    grammar = compile_spec(backend, json=schema)
-    assert walk(tokenizer, grammar, '{"name":"Nik"}')
-    assert not walk(tokenizer, grammar, '{"name":"Ni\x15"}')
-    assert not walk(tokenizer, grammar, '{"name":"Nikos"}')  # still bounded
-    assert not walk(tokenizer, grammar, '{"name":""}')
-    assert schema["properties"]["name"] == {"type": "string", "minLength": 1, "maxLength": 4}
