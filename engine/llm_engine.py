@@ -27,6 +27,7 @@ from baton.engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+_MIN_FLOAT32 = float(torch.finfo(torch.float32).tiny)
 
 
 class LLMEngine:
@@ -118,9 +119,9 @@ class LLMEngine:
         """Validates and tokenises a prompt, then queues its ``n`` completions.
 
         Raises:
-            ValueError: empty prompt, a prompt that leaves no room for output
-                within max_model_len, token ids outside the vocabulary, or a
-                duplicate request id.
+            ValueError: empty prompt, text with lone surrogates, a prompt that
+                leaves no room for output within max_model_len, token ids outside
+                the vocabulary, or a duplicate request id.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -134,13 +135,24 @@ class LLMEngine:
             self.core.add_request(Request.new(cid, token_ids, params, self.eos_token_ids, seed))
 
     def validate_params(self, params: SamplingParams) -> None:
-        """Checks what SamplingParams cannot check alone (the structured-output spec).
+        """Checks what SamplingParams cannot check alone: the structured-output spec,
+        values the sampler's float32 state cannot hold, stop token ids in the vocabulary.
 
         Raises:
             ValueError: naming what is wrong.
         """
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(params, name)
+            # The sampler keeps these in float32, where they would round to 0: temperature 0
+            # there contradicts the request's non-greedy mode, and top_p or
+            # repetition_penalty 0 is out of range; either fails the whole step.
+            if 0 < value < _MIN_FLOAT32:
+                raise ValueError(
+                    f"{name} {value!r} is too small: the sampler keeps it in float32, "
+                    f"where positive values below {_MIN_FLOAT32:.3g} round to 0"
+                )
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
@@ -150,6 +162,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                # Lone surrogates (JSON allows "\ud800") make the tokenizer raise TypeError.
+                raise ValueError(
+                    f"prompt must be valid Unicode text: {exc.reason} at position {exc.start}"
+                ) from None
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             text: str | None = prompt
         else:

@@ -194,7 +194,12 @@ class Scheduler:
             for rid in so.structured_request_ids
             if (req := self.requests.get(rid)) is not None and req.status == RequestStatus.RUNNING
         ]
-        return self.structured.grammar_bitmask(sampling, out)
+        return self.structured.grammar_bitmask(sampling, out, on_error=self._fail_outside_update)
+
+    def _fail_outside_update(self, req: Request, message: str) -> None:
+        """Fails a request between updates; its output goes out with the next update."""
+        logger.error("request %s failed: %s", req.request_id, message)
+        self._side_outputs.append(self._fail(req, message))
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens_with_placeholders - req.num_computed_tokens

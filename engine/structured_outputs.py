@@ -7,9 +7,10 @@ rows of the requests that sample in a step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from baton.engine.scheduler_output import GrammarOutput
 from baton.grammar.backend import GrammarBackend, GrammarMatcher, allocate_bitmask
 from baton.grammar.compile_service import CompileHandle, CompileResult, CompileService
 from baton.grammar.spec import StructuredOutputsParams
-from baton.grammar.validation import check_enforceable, validate_spec
+from baton.grammar.validation import DEFAULT_MAX_DEPTH, check_enforceable, validate_spec
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,13 @@ class StructuredOutputManager:
             ValueError: naming what is wrong (syntax, meta-invalid schema,
                 keywords no allowed backend enforces, limits).
         """
-        key = (spec.kind, spec.spec_text, spec.options_key, spec.backend, spec.allow_unenforced)
+        try:
+            key = (spec.kind, spec.spec_text, spec.options_key, spec.backend, spec.allow_unenforced)
+        except RecursionError:
+            # json.dumps / json.loads of a hostile schema, before validate_spec could look.
+            raise ValueError(
+                f"json schema nests deeper than the limit of {DEFAULT_MAX_DEPTH} levels"
+            ) from None
         if key in self._validated:
             self._validated.move_to_end(key)
             return
@@ -122,18 +129,34 @@ class StructuredOutputManager:
         state.fallback_reason = result.fallback_reason
         state.compile_seconds = result.seconds
         if result.grammar is not None:
-            state.matcher = result.grammar.new_matcher()
+            try:
+                state.matcher = result.grammar.new_matcher()
+            except Exception as exc:  # noqa: BLE001 - a backend bug fails this request only
+                logger.exception("creating a %s matcher failed", result.backend)
+                return dataclasses.replace(
+                    result,
+                    grammar=None,
+                    error=f"matcher creation failed: {type(exc).__name__}: {exc}",
+                )
         return result
 
     # ------------------------------------------------------------------ steps
     def grammar_bitmask(
-        self, requests: Sequence[Request], out: torch.Tensor | None = None
+        self,
+        requests: Sequence[Request],
+        out: torch.Tensor | None = None,
+        on_error: Callable[[Request, str], None] | None = None,
     ) -> GrammarOutput | None:
         """Bitmask rows for the structured requests that sample this step.
 
         Rows are filled per backend in one batched call each, into ``out``
         (int32 ``[rows, words]``, e.g. the device's shared buffer) when given,
         else into the manager's own buffer.
+
+        When a batched fill raises and ``on_error`` is given, the rows are filled
+        one by one instead; a request whose own fill raises gets an all-allowed
+        row and is reported to ``on_error(request, message)`` (the caller fails
+        it, so its token is dropped). Without ``on_error`` the exception propagates.
         """
         reqs = [r for r in requests if r.structured is not None and r.structured.matcher]
         if not reqs:
@@ -145,9 +168,32 @@ class StructuredOutputManager:
             rows.append(row)
         bitmask = (self._bitmask if out is None else out)[: len(reqs)]
         for name, (matchers, rows) in by_backend.items():
-            self.service.backend(name).fill_bitmasks(matchers, bitmask, rows)
+            try:
+                self.service.backend(name).fill_bitmasks(matchers, bitmask, rows)
+            except Exception:
+                if on_error is None:
+                    raise
+                logger.exception("batched %s bitmask fill failed; filling row by row", name)
+                self._fill_rows(reqs, matchers, rows, bitmask, on_error)
         # A view of a preallocated buffer: valid until it is filled again.
         return GrammarOutput(tuple(r.request_id for r in reqs), bitmask)
+
+    @staticmethod
+    def _fill_rows(
+        reqs: Sequence[Request],
+        matchers: Sequence[GrammarMatcher],
+        rows: Sequence[int],
+        bitmask: torch.Tensor,
+        on_error: Callable[[Request, str], None],
+    ) -> None:
+        # One request's broken matcher must fail that request only, not the step.
+        for matcher, row in zip(matchers, rows, strict=True):
+            try:
+                matcher.fill_bitmask(bitmask, row)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, who fails it
+                # Not all-zero: a row that allows nothing would break sampling for the batch.
+                bitmask[row].fill_(-1)
+                on_error(reqs[row], f"grammar bitmask fill failed: {type(exc).__name__}: {exc}")
 
     @staticmethod
     def accept(req: Request, tokens: Sequence[int]) -> bool:

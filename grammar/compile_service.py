@@ -178,7 +178,9 @@ class CompileService:
             return future.result(), True
         try:
             grammar = backend.compile(spec)
-        except Exception as exc:  # noqa: BLE001 - a backend bug fails this spec only
+        except BaseException as exc:  # noqa: BLE001 - a backend bug fails this spec only
+            # BaseException too (PyO3 panics are one): an unresolved cache entry would block
+            # every later compile of this spec, and the pool threads it runs on, for good.
             err = (
                 exc
                 if isinstance(exc, GrammarError)
@@ -187,6 +189,8 @@ class CompileService:
             with self._lock:
                 self._cache.pop(key, None)
             future.set_exception(err)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             raise err from exc
         future.set_result(grammar)
         return grammar, False
