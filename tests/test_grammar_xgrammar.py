@@ -855,7 +855,7 @@ def test_eager_compile_of_the_test_suite(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="xgrammar 0.2.9 compiles minLength/maxLength strings to [^\"\\\\\\r\\n]{m,n}, which "
+    reason='xgrammar 0.2.9 compiles minLength/maxLength strings to [^"\\\\\\r\\n]{m,n}, which '
     "admits raw control characters (invalid JSON). Rewriting them to a pattern fixed this "
     "but cut the shared-data schemas the tiny model completes from over 94 to 39 (cause "
     "not found), so it is not applied",
