@@ -197,8 +197,9 @@ def test_a_raising_grammar_backend_fails_only_its_request(
 
 # ------------------------------------------------------------------ slow compile
 
-SLOW_COMPILE_S = 3.0
-COMPILE_TIMEOUT_S = 0.4
+# Far apart, so that a loaded host cannot blur them; the test's end releases the slow compile.
+SLOW_COMPILE_S = 10.0
+COMPILE_TIMEOUT_S = 1.0
 
 
 @pytest.fixture
@@ -236,7 +237,9 @@ def test_a_compile_past_its_time_limit_fails_only_its_request(
         grammar_compile_timeout_s=COMPILE_TIMEOUT_S,
     )
     try:
-        run(engine, [("warm", PROMPTS[0], structured(json=SCHEMA))])  # backend built, cached
+        # Backend built, the good specs cached: only the slow one waits for a compile thread.
+        run(engine, [("warm", PROMPTS[0], structured(json=SCHEMA))])
+        run(engine, [("warm2", PROMPTS[0], structured(regex=GOOD_REGEX))])
         slow_down_compile(engine, monkeypatch, release, SLOW_COMPILE_S)
         t0 = time.monotonic()
         failed_after: list[float] = []
@@ -254,7 +257,7 @@ def test_a_compile_past_its_time_limit_fails_only_its_request(
         (c,) = final["slow"].outputs
         assert c.finish_reason == "error" and "timed out" in str(c.error)
         # It failed at its limit, not when the (sleeping) compile came back.
-        assert failed_after and failed_after[0] < SLOW_COMPILE_S - 0.5
+        assert failed_after and failed_after[0] < SLOW_COMPILE_S - 2.0
         for rid, _, sp in requests[1:]:
             assert_normal(final[rid], sp)
         assert_idle(engine)
@@ -263,7 +266,7 @@ def test_a_compile_past_its_time_limit_fails_only_its_request(
 
 
 def _free_batch(trial: int) -> list[tuple[str, str, SamplingParams]]:
-    return [(f"t{trial}f{i}", PROMPTS[i], free_params(64, seed=i)) for i in range(4)]
+    return [(f"t{trial}f{i}", PROMPTS[i], free_params(48, seed=i)) for i in range(4)]
 
 
 def _measure(engine: LLMEngine, trial: int, with_slow: bool) -> tuple[float, int, list[list[int]]]:
@@ -308,7 +311,7 @@ def test_a_pending_slow_compile_does_not_slow_the_others(
         slow_down_compile(engine, monkeypatch, release, 120.0)
         base: list[float] = []
         slow: list[float] = []
-        for trial in range(6):
+        for trial in range(5):
             tpot_a, steps_a, tokens_a = _measure(engine, 2 * trial, with_slow=False)
             tpot_b, steps_b, tokens_b = _measure(engine, 2 * trial + 1, with_slow=True)
             assert steps_a == steps_b  # no step waited for the compile
@@ -489,11 +492,12 @@ class _Panic(BaseException):
     """Like pyo3's PanicException: a BaseException, not an Exception."""
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_panicking_compile_fails_its_requests_and_leaves_the_pool_usable(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = build(tiny_model_dir, async_scheduling=False, grammar_compile_timeout_s=5.0)
+    # A long limit: requests stuck behind the broken cache entry would wait all of it.
+    engine = build(tiny_model_dir, async_scheduling=False, grammar_compile_timeout_s=30.0)
     try:
         backend = engine.structured.service.backend("xgrammar")
         real = backend.compile
@@ -514,7 +518,7 @@ def test_a_panicking_compile_fails_its_requests_and_leaves_the_pool_usable(
             (c,) = final[rid].outputs
             assert c.finish_reason == "error" and "planted panic" in str(c.error), c.error
         assert_normal(final["ok"], requests[3][2])
-        assert time.monotonic() - t0 < 4.0  # failed at once, not at the compile time limit
+        assert time.monotonic() - t0 < 15.0  # failed at once, not at the compile time limit
         after = [("after", PROMPTS[0], structured(json=SCHEMA))]
         assert_normal(run(engine, after)["after"], after[0][2])
     finally:
