@@ -30,7 +30,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ import httpx
 import jsonschema
 
 from baton.bench.plotting import pyplot, save_results
+from baton.bench.serve import free_port, parse_metrics, write_tiny_model_dir
+from baton.engine.loader import load_tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "soak.json"
@@ -418,55 +419,6 @@ async def _send_stream(client: httpx.AsyncClient, req: SoakRequest, out: Outcome
 
 
 # ------------------------------------------------------------------ server
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def write_tiny_model_dir(directory: Path) -> Path:
-    """Writes bench.engine's tiny random-weight Llama (the default model's tokenizer and chat
-    template) as a Hugging Face folder in ``directory`` and returns it."""
-    from safetensors.torch import save_file
-
-    from baton.bench.engine import TinyModelShape, tiny_checkpoint
-    from baton.engine.loader import load_tokenizer
-
-    tokenizer = load_tokenizer()
-    ckpt = tiny_checkpoint(tokenizer, TinyModelShape())
-    c = ckpt.config
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "max_position_embeddings": c.max_position_embeddings,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": list(c.eos_token_ids),
-    }
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in ckpt.weights.items()}, directory / "model.safetensors")
-    tokenizer.backend.save(str(directory / "tokenizer.json"))
-    tokenizer_config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **tokenizer.special_tokens_map(),
-    }
-    if tokenizer.chat_template is not None:
-        tokenizer_config["chat_template"] = tokenizer.chat_template
-    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    return directory
-
-
 def serve_command(model: str | None, port: int, extra: Sequence[str] = ()) -> list[str]:
     """The command line of a ``baton serve`` on loopback ``port``."""
     cmd = [sys.executable, "-m", "baton.engine.cli", "serve", "--host", "127.0.0.1"]
@@ -563,20 +515,6 @@ def read_rss_kb(pid: int) -> int | None:
     except (OSError, ValueError):
         return None
     return None
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text as {sample name with its labels as written: value}."""
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            samples[name] = float(value)
-        except ValueError:
-            continue
-    return samples
 
 
 def wait_idle(base: str, timeout_s: float = 30.0) -> dict[str, float]:
@@ -778,7 +716,7 @@ def _model_path(config: SoakConfig) -> Iterator[str | None]:
         yield config.model
         return
     with tempfile.TemporaryDirectory(prefix="baton-soak-") as tmp:
-        yield str(write_tiny_model_dir(Path(tmp) / "tiny-random-llama"))
+        yield str(write_tiny_model_dir(Path(tmp) / "tiny-random-llama", load_tokenizer()))
 
 
 def run_soak(config: SoakConfig, log_path: Path | None = None) -> dict[str, Any]:
