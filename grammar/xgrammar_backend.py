@@ -463,6 +463,17 @@ def close_object_schemas(schema: Any) -> Any:
     return schema
 
 
+# xgrammar (0.2.9) spells one character of a minLength/maxLength string as this class, which
+# admits raw control characters (invalid JSON: seen in a soak run) and no escapes. In the
+# grammar's EBNF it becomes one JSON string character: plain, or an escape sequence (which
+# JSON Schema counts as one character, as the bounds do).
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = (
+    '([^\\0-\\x1f\\"\\\\] | "\\\\" ([\\"\\\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] '
+    "[A-Fa-f0-9]))"
+)
+
+
 # ---------------------------------------------------------------------------- helpers
 
 _XGR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -762,6 +773,16 @@ class XGrammarBackend(GrammarBackend):
             return {"any_whitespace": True, "max_whitespace_cnt": spec.max_whitespace_cnt}
         return {"any_whitespace": False, "separators": (",", ":")}
 
+    def _compile_json(self, schema: str, **options: Any) -> xgr.CompiledGrammar:
+        """``compile_json_schema`` in strict mode, with xgrammar's length-bounded string
+        characters closed to raw control characters (see ``_BOUNDED_STRING_CHAR``)."""
+        grammar = xgr.Grammar.from_json_schema(schema, strict_mode=True, **options)
+        text = str(grammar)
+        if _BOUNDED_STRING_CHAR not in text:
+            return self._compiler.compile_grammar(grammar)
+        fixed = text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+        return self._compiler.compile_grammar(xgr.Grammar.from_ebnf(fixed, root_rule_name="root"))
+
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind = spec.kind
         c = self._compiler
@@ -769,9 +790,7 @@ class XGrammarBackend(GrammarBackend):
             schema = spec.schema
             if spec.disable_additional_properties:
                 schema = close_object_schemas(schema)
-            return c.compile_json_schema(
-                json.dumps(schema), strict_mode=True, **self._json_options(spec)
-            )
+            return self._compile_json(json.dumps(schema), **self._json_options(spec))
         if kind == "json_object":
             # Non-strict: an object schema without properties then admits any keys and values.
             return c.compile_json_schema(
