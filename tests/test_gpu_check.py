@@ -1,0 +1,69 @@
+"""The prepared GPU check's CPU-side behaviour: it refuses cleanly without CUDA, picks the
+GPU-marked test files, and summarises the files a run leaves behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton.bench import gpu_check
+
+SCRIPT = Path(gpu_check.__file__).resolve().parent / "gpu_check.sh"
+
+
+def test_the_shell_script_parses() -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_without_cuda_nothing_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert gpu_check.run(tmp_path / "out", tmp_path / "prep") == 2
+    assert "no CUDA device" in capsys.readouterr().out
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_only_files_with_gpu_tests_are_collected() -> None:
+    files = {Path(f).name for f in gpu_check.gpu_test_files()}
+    assert "test_kernels_paged_attention.py" in files and "test_kernels_step_state.py" in files
+    assert "test_server.py" not in files  # imports the server's packages
+
+
+def test_stages_fit_the_time_budget(tmp_path: Path) -> None:
+    stages = gpu_check.stages(tmp_path, "/models/x")
+    assert sum(s.timeout_s for s in stages) < 7 * 60  # the check must end within 8 minutes
+    engine = next(s for s in stages if s.name == "bench engine").argv
+    assert engine[engine.index("--device") + 1] == "cuda"
+    assert engine[engine.index("--model") + 1] == "/models/x"
+    default = next(s for s in gpu_check.stages(tmp_path, None) if s.name == "bench engine")
+    assert "--model" not in default.argv  # the default model, when it is installed
+
+
+def test_summary_reads_the_results(tmp_path: Path) -> None:
+    (tmp_path / "gpu_tests.xml").write_text(
+        '<testsuites><testsuite tests="5" failures="1" errors="0" skipped="1">'
+        '<testcase name="test_a"/><testcase name="test_b"><failure message="x"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+
+    def row(async_on: bool, tok_per_s: float) -> dict[str, object]:
+        return {
+            "batch": 32,
+            "json_fraction": 1.0,
+            "async": async_on,
+            "tok_per_s": tok_per_s,
+            "tpot_ms": 4.0,
+            "steady_device_busy": 0.97,
+        }
+
+    engine = {"rows": [row(True, 3000.0), row(False, 2000.0)], "goals": []}
+    (tmp_path / "engine.json").write_text(json.dumps(engine))
+    results = [{"stage": "gpu tests", "status": "exit 1", "seconds": 12.0}]
+    text = gpu_check.summary(tmp_path, {"device": "H200", "torch": "2.11", "cuda": "13"}, results)
+    assert "3 passed, 1 failed, 0 errors, 1 skipped (failing: test_b)" in text
+    line = next(t for t in text.splitlines() if t.split()[:2] == ["32", "100%"])
+    assert line.split()[2:5] == ["3000", "2000", "1.50"]
+    assert "paged_attention.json:\n(not written)" in text
