@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -318,3 +320,30 @@ def shared_data() -> Path:
     if path is None:
         pytest.skip("shared schema data not found (set BATON_DATA_DIR)")
     return path
+
+
+InterpreterRun = Callable[[str, Any, Path], Any]
+
+
+@pytest.fixture(scope="session")
+def run_interpreted() -> InterpreterRun:
+    """``run(code, payload, folder)``: saves ``payload`` to ``folder``, runs ``code`` in a fresh
+    Python with TRITON_INTERPRET=1 (the interpreter is chosen when a kernel module is imported,
+    which this process may already have done) as ``code cases.pt out.pt``, and returns what it
+    saved to out.pt. Fails the test with the child's output when it exits non-zero."""
+    pytest.importorskip("triton")
+
+    def run(code: str, payload: Any, folder: Path) -> Any:
+        torch.save(payload, folder / "cases.pt")
+        result = subprocess.run(
+            [sys.executable, "-c", code, str(folder / "cases.pt"), str(folder / "out.pt")],
+            env={**os.environ, "TRITON_INTERPRET": "1"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert result.returncode == 0, f"interpreter run failed:\n{result.stdout}\n{result.stderr}"
+        return torch.load(folder / "out.pt")
+
+    return run

@@ -5,11 +5,8 @@ sampler's dispatch between the two."""
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -17,6 +14,9 @@ import torch
 
 import baton.sampler.bitmask as sampler_bitmask
 from baton.kernels import bitmask as kb
+
+if TYPE_CHECKING:
+    from conftest import InterpreterRun
 
 Case = dict[str, Any]
 
@@ -135,7 +135,9 @@ def _reference(case: Case, device: str = "cpu") -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def interpreted(
+    tmp_path_factory: pytest.TempPathFactory, run_interpreted: InterpreterRun
+) -> dict[str, torch.Tensor]:
     """Case name -> `base` after the Triton kernel ran on it under TRITON_INTERPRET=1."""
     folder = tmp_path_factory.mktemp("bitmask_interpreter")
     names = list(_cases())
@@ -144,23 +146,7 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Ten
         case = _cases()[name]
         base = case["base"].clone()
         payload.append({**case, "base": base, "view": _view(base, case)})
-    torch.save(payload, folder / "cases.pt")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _INTERPRETER_RUNNER,
-            str(folder / "cases.pt"),
-            str(folder / "out.pt"),
-        ],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, f"interpreter run failed:\n{result.stdout}\n{result.stderr}"
-    outputs = torch.load(folder / "out.pt")
+    outputs = run_interpreted(_INTERPRETER_RUNNER, payload, folder)
     return dict(zip(names, outputs, strict=True))
 
 

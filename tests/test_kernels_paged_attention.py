@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 from baton.engine.models.attention import AttentionMetadata, paged_attention
 from baton.kernels import paged_attention as kpa
+
+if TYPE_CHECKING:
+    from conftest import InterpreterRun
 
 Case = dict[str, Any]
 
@@ -268,32 +268,17 @@ def _rows(case: Case, row: int, *, seq_len: int) -> Case:
 
 
 @pytest.fixture(scope="module")
-def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]:
+def interpreted(
+    tmp_path_factory: pytest.TempPathFactory, run_interpreted: InterpreterRun
+) -> dict[str, tuple[Any, Any]]:
     """name -> (returned tensor, out) after the Triton kernel ran on the cases under
     TRITON_INTERPRET=1; the untrusted-values case is named "bad_values", the empty batch
     "empty"."""
-    pytest.importorskip("triton")
     folder = tmp_path_factory.mktemp("paged_attention_interpreter")
     cases = dict(_cases())
     cases["bad_values"] = _bad_values_case()
     cases["empty"] = _case(8, [], heads=2, kv_heads=1, head_dim=16)
-    torch.save(cases, folder / "cases.pt")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _INTERPRETER_RUNNER,
-            str(folder / "cases.pt"),
-            str(folder / "out.pt"),
-        ],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, f"interpreter run failed:\n{result.stdout}\n{result.stderr}"
-    return torch.load(folder / "out.pt")
+    return run_interpreted(_INTERPRETER_RUNNER, cases, folder)
 
 
 @pytest.mark.parametrize("name", list(_cases()))

@@ -5,16 +5,16 @@ CUDA), argument validation and the dispatch between the two."""
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 from baton.kernels import step_state as ks
+
+if TYPE_CHECKING:
+    from conftest import InterpreterRun
 
 Case = dict[str, Any]
 
@@ -308,10 +308,11 @@ def test_update_reference_raises_index_error_out_of_range(entry: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def interpreted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], ...]:
+def interpreted(
+    tmp_path_factory: pytest.TempPathFactory, run_interpreted: InterpreterRun
+) -> tuple[dict[str, Any], ...]:
     """(gather name -> (returned ids, out), update name -> buffers) after the Triton kernels ran
     on the cases under TRITON_INTERPRET=1; the out-of-range cases are named "bad_entries"."""
-    pytest.importorskip("triton")
     folder = tmp_path_factory.mktemp("step_state_interpreter")
     gathers = dict(_gather_cases())
     gathers["bad_entries"] = {
@@ -325,23 +326,7 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any
     bad = _bad_entries_update()
     bad["bases"] = {name: bad[name] for name in _STATE}
     updates["bad_entries"] = {**bad, "block_size": 16}
-    torch.save((gathers, updates), folder / "cases.pt")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _INTERPRETER_RUNNER,
-            str(folder / "cases.pt"),
-            str(folder / "out.pt"),
-        ],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, f"interpreter run failed:\n{result.stdout}\n{result.stderr}"
-    return torch.load(folder / "out.pt")
+    return run_interpreted(_INTERPRETER_RUNNER, (gathers, updates), folder)
 
 
 @pytest.mark.parametrize("name", list(_gather_cases()))
