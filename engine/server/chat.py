@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from baton.engine.async_llm import EngineDeadError
 from baton.engine.outputs import CompletionOutput, RequestOutput
-from baton.engine.server.errors import APIError, bad_request, error_body
+from baton.engine.server.errors import bad_request, error_body
 from baton.engine.server.generation import (
     SSE_DONE,
     ClientDisconnected,
@@ -21,11 +21,11 @@ from baton.engine.server.generation import (
     SSEResponse,
     TrackedStream,
     close_all,
-    collect,
+    collect_unary,
     completion_error,
     sse,
+    sse_chunker,
     start_requests,
-    until_disconnect,
     usage,
 )
 from baton.engine.server.logprobs import chat_logprobs
@@ -112,18 +112,7 @@ async def _stream(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     top_n = body.top_logprobs or 0
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        data: dict[str, Any] = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": choices,
-        }
-        if include_usage:
-            data["usage"] = None
-        data.update(extra)
-        return sse(data)
+    chunk = sse_chunker(request_id, "chat.completion.chunk", created, model, include_usage)
 
     yield chunk(
         [
@@ -189,12 +178,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             _stream(streams[0], body, request_id, created, model), lambda: close_all(streams)
         )
     try:
-        (out,) = await until_disconnect(request, collect(streams))
+        (out,) = await collect_unary(request, streams)
     except ClientDisconnected:
         return Response(status_code=499)
-    finally:
-        close_all(streams)
-    error = completion_error([out])
-    if error is not None:
-        raise APIError(500, error)
     return JSONResponse(_response(out, body, request_id, created, model))

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from baton.engine.async_llm import EngineDeadError, Prompt
 from baton.engine.outputs import RequestOutput
-from baton.engine.server.errors import APIError, bad_request, error_body
+from baton.engine.server.errors import bad_request, error_body
 from baton.engine.server.generation import (
     SSE_DONE,
     ClientDisconnected,
@@ -20,12 +20,12 @@ from baton.engine.server.generation import (
     SSEResponse,
     TrackedStream,
     close_all,
-    collect,
+    collect_unary,
     completion_error,
     merge,
     sse,
+    sse_chunker,
     start_requests,
-    until_disconnect,
     usage,
 )
 from baton.engine.server.logprobs import completion_logprobs
@@ -102,18 +102,7 @@ async def _stream(
     n = body.n
     trackers = [DeltaTracker() for _ in range(len(streams) * n)]
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        data: dict[str, Any] = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-        }
-        if include_usage:
-            data["usage"] = None
-        data.update(extra)
-        return sse(data)
+    chunk = sse_chunker(request_id, "text_completion", created, model, include_usage)
 
     last: dict[int, RequestOutput] = {}
     try:
@@ -168,12 +157,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             _stream(streams, body, request_id, created, model), lambda: close_all(streams)
         )
     try:
-        outputs = await until_disconnect(request, collect(streams))
+        outputs = await collect_unary(request, streams)
     except ClientDisconnected:
         return Response(status_code=499)
-    finally:
-        close_all(streams)
-    error = completion_error(outputs)
-    if error is not None:
-        raise APIError(500, error)
     return JSONResponse(_response(outputs, body, request_id, created, model))

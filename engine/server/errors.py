@@ -4,6 +4,8 @@ FastAPI handlers that produce them (bad parameters, pydantic validation, anythin
 from __future__ import annotations
 
 import logging
+import secrets
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -112,5 +114,19 @@ def install_error_handlers(app: FastAPI, on_reject: Callable[[], None] | None = 
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request %s %s failed", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        # The exception's text may quote the request (a prompt, a schema): it goes to the
+        # log only, and the client gets a reference to find it there.
+        ref = secrets.token_hex(6)
+        where = "".join(traceback.format_tb(exc.__traceback__))
+        # Prompts must not reach the log by default: the message only at DEBUG.
+        logger.error(
+            "request %s %s failed (ref %s): %s\n%s",
+            request.method,
+            request.url.path,
+            ref,
+            type(exc).__name__,
+            where,
+        )
+        logger.debug("ref %s: %s", ref, exc)
+        message = f"internal error (ref {ref}); the server log has the details"
+        return APIError(500, message).response()

@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 from baton.engine.async_llm import EngineDeadError, Prompt, RequestStream
 from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.server.errors import bad_request
+from baton.engine.server.errors import APIError, bad_request
 from baton.engine.server.metrics import ServerMetrics
 from baton.engine.server.state import ServerState
 
@@ -177,6 +177,46 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     raise ClientDisconnected
+
+
+async def collect_unary(request: Request, streams: Sequence[TrackedStream]) -> list[RequestOutput]:
+    """The final outputs of a non-streamed response; closes (aborts) every stream either way.
+
+    Raises:
+        ClientDisconnected: the client went away first.
+        APIError: 500 when a request failed inside the engine.
+    """
+    try:
+        outputs = await until_disconnect(request, collect(streams))
+    finally:
+        close_all(streams)
+    error = completion_error(outputs)
+    if error is not None:
+        raise APIError(500, error)
+    return outputs
+
+
+def sse_chunker(
+    request_id: str, obj: str, created: int, model: str, include_usage: bool
+) -> Callable[..., str]:
+    """``chunk(choices, **extra)``: one streamed chunk as an event, in OpenAI's envelope
+    (``usage`` null on every chunk when the client asked for a final usage chunk; ``extra``
+    overrides, e.g. that final ``usage``)."""
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        data: dict[str, Any] = {
+            "id": request_id,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        if include_usage:
+            data["usage"] = None
+        data.update(extra)
+        return sse(data)
+
+    return chunk
 
 
 def sse(data: dict[str, Any]) -> str:

@@ -70,12 +70,34 @@ class ApiKeyMiddleware:
 class BodyLimitMiddleware:
     """Answers 413 to a request body over ``max_bytes``: from its Content-Length when given,
     else while reading it. The body is read here (at most ``max_bytes``) and replayed to the
-    app; later ``receive`` calls (disconnect) go to the server."""
+    app; later ``receive`` calls (disconnect) go to the server.
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None]) -> None:
+    Before answering 413 it reads and drops the rest of the body, up to ``drain_bytes`` more:
+    closing a connection with unread request bytes makes the kernel reset it, and the client
+    would see a reset instead of the 413. A body larger still is cut off (reset) unread.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        on_reject: Callable[[], None],
+        drain_bytes: int | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.drain_bytes = max(4 * max_bytes, 1 << 20) if drain_bytes is None else drain_bytes
         self._on_reject = on_reject
+
+    async def _drain(self, receive: Receive, more_body: bool) -> None:
+        """Reads and drops the rest of the body, at most ``drain_bytes``."""
+        dropped = 0
+        while more_body and dropped <= self.drain_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            dropped += len(message.get("body", b""))
+            more_body = message.get("more_body", False)
 
     async def _too_large(self, send: Send, size: str) -> None:
         self._on_reject()
@@ -98,6 +120,8 @@ class BodyLimitMiddleware:
                 except ValueError:
                     declared = -1
                 if declared > self.max_bytes:
+                    if declared <= self.max_bytes + self.drain_bytes:
+                        await self._drain(receive, more_body=True)
                     await self._too_large(send, str(declared))
                     return
         chunks: list[bytes] = []
@@ -110,6 +134,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
+                await self._drain(receive, message.get("more_body", False))
                 await self._too_large(send, f"more than {self.max_bytes}")
                 return
             chunks.append(chunk)
