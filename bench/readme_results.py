@@ -148,6 +148,101 @@ def _engine(d: dict[str, Any]) -> str:
     return caption + _table(header, rows) + ("\n\n" + "\n".join(lines) if lines else "")
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _goal_lines(goals: list[Any]) -> list[str]:
+    lines = []
+    for g in goals:
+        if not isinstance(g, dict):
+            continue
+        if g.get("value") is None:
+            lines.append(f"- not measured: {g['goal']} {g['target']}")
+        else:
+            verdict = "met" if g["met"] else "MISSED"
+            lines.append(f"- {verdict}: {g['goal']} {g['target']}: {g['value']:.2f}")
+    return lines
+
+
+def _peers(d: dict[str, Any]) -> str:
+    rows = [
+        [
+            r["label"],
+            str(r["concurrency"]),
+            _num(r["tok_per_s"], ".1f"),
+            _num(r["tpot_ms"], ".1f"),
+            _pct(r["valid_share"]),
+        ]
+        for r in d["rows"]
+    ]
+    table = _table(["engine", "concurrency", "output tok/s", "TPOT ms", "valid JSON"], rows)
+    skipped = [f"- skipped {s['label']}: {s['reason']}" for s in d.get("skipped", [])]
+    caption = (
+        f"The same JSON-schema workload (same token ids, greedy, at most {d['max_tokens']} "
+        f"tokens) on every engine, measured in one run.\n\n"
+    )
+    notes = _goal_lines(d.get("goals") or []) + skipped
+    return caption + table + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def _serve(d: dict[str, Any]) -> str:
+    rows = [
+        [
+            str(r["concurrency"]),
+            f"{r['done']}/{r['issued']}",
+            _num(r["tok_per_s"], ".0f"),
+            f"{_num(r['ttft_p50_ms'], '.0f')} / {_num(r['ttft_p99_ms'], '.0f')}",
+            f"{_num(r['tpot_p50_ms'], '.1f')} / {_num(r['tpot_p99_ms'], '.1f')}",
+            _pct(r["json_valid_share"]),
+        ]
+        for r in d["rows"]
+    ]
+    header = [
+        "concurrency",
+        "done",
+        "output tok/s",
+        "TTFT p50 / p99 ms",
+        "TPOT p50 / p99 ms",
+        "valid JSON",
+    ]
+    caption = (
+        f"Streaming clients against `baton serve` over loopback: model {d['model']} "
+        f"({d['dtype']}), {d['json_fraction']:.0%} JSON-schema requests, at most "
+        f"{d['max_tokens']} tokens each.\n\n"
+    )
+    return caption + _table(header, rows)
+
+
+def _soak(d: dict[str, Any]) -> str:
+    f, c = d["figures"], d["config"]
+    rows = [
+        ["requests sent", f"{f['requests_sent']} in {f['seconds']:.0f} s"],
+        ["valid requests completed", f"{f['valid_completed']} / {f['valid']}"],
+        [
+            "structured outputs checked / invalid",
+            f"{f['structured_stopped_checked']} / {f['structured_invalid_output']}",
+        ],
+        ["invalid requests answered 400", f"{f['invalid_400']} / {f['invalid']}"],
+        ["clients that hung up, ended cleanly", f"{f['disconnect_clean']} / {f['disconnect']}"],
+        ["5xx responses", str(f["http_5xx"])],
+        ["KV blocks free after", f"{f['kv_free_blocks']:.0f} / {f['kv_total_blocks']:.0f}"],
+        ["RSS growth, first to last quarter", f"{f['rss_growth']:.1%}"],
+        ["/health after, SIGTERM exit code", f"{f['health_after']}, {f['sigterm_exit_code']}"],
+    ]
+    failed = [name for name, ok in d["criteria"].items() if not ok]
+    verdict = "passed" if d["passed"] else "FAILED: " + ", ".join(failed)
+    caption = (
+        f"{c['requests']} mixed requests at concurrency {c['concurrency']} on model "
+        f"{c['model']}, at most {c['max_tokens']} tokens each: {verdict}.\n\n"
+    )
+    return caption + _table(["figure", "value"], rows)
+
+
 # (file, title, command, renderer)
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("forward.json", "Forward pass, float32", "baton bench forward", _forward),
@@ -167,6 +262,9 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "python -m baton.bench.grammar_overhead",
         _grammar_overhead,
     ),
+    ("peers.json", "Against other engines (JSON schema)", "baton bench peers", _peers),
+    ("serve.json", "Serving over HTTP", "baton bench serve", _serve),
+    ("soak.json", "Soak", "baton bench soak", _soak),
 ]
 
 
