@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.engine.device_buffers import check_device
+
 logger = logging.getLogger(__name__)
 
 EXECUTORS = ("uni", "mp")
@@ -41,19 +43,21 @@ class EngineConfig:
         num_kv_blocks: explicit number of KV blocks (overrides kv_cache_memory_bytes).
         enable_prefix_caching: reuse cached blocks of identical prefixes.
         seed: base of the seeds drawn for requests that bring none.
-        device: torch device of the model.
+        device: torch device of the model: "cpu", "cuda" or "cuda:N". A CUDA device
+            needs the in-process executor ("uni"), which overlaps there.
         grammar_compile_timeout_s: time limit of one grammar compile.
         grammar_dynamic_compilation: let xgrammar compile JSON schemas lazily
             (much faster compiles, slower first mask fills).
         async_scheduling: plan step N+1 while the device runs step N. None
             turns it on unless an option that cannot overlap is set, or the CPU
             has fewer than 3 cores (then it is off, and the reason is logged at
-            INFO); True with an incompatible option raises ValueError. Resolved
-            to a bool at construction.
+            INFO); on CUDA it is on. True with an incompatible option raises
+            ValueError. Resolved to a bool at construction.
         executor: who runs the model. "mp": a worker process (on CPU the only
-            way to overlap, since a forward in a thread is starved by the GIL);
-            "uni": in this process, synchronously on CPU. None picks "mp" when
-            async scheduling is on, else "uni".
+            way to overlap, since a forward in a thread is starved by the GIL;
+            CPU only); "uni": in this process, synchronously on CPU, queued on a
+            stream on CUDA. None picks "uni" on CUDA; on CPU "mp" when async
+            scheduling is on, else "uni".
         max_concurrent_batches: steps in flight under async scheduling.
         worker_threads: torch threads of the model worker process ("mp"); None
             leaves one core to the engine thread when there are more than two,
@@ -130,6 +134,16 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.executor must be one of {EXECUTORS} or None, got {self.executor!r}"
             )
+        try:
+            check_device(self.device)
+        except ValueError as exc:
+            raise ValueError(f"EngineConfig.device: {exc}") from None
+        if self.executor == "mp" and self.device != "cpu":
+            raise ValueError(
+                f"EngineConfig.executor='mp' runs the model in a CPU worker process and cannot "
+                f"drive device {self.device!r}; use executor='uni' (or None), which overlaps "
+                "on CUDA"
+            )
         if self.max_concurrent_batches > 2:
             raise ValueError(
                 "EngineConfig.max_concurrent_batches must be 1 or 2 "
@@ -138,7 +152,8 @@ class EngineConfig:
         enabled = self._resolve_async()
         object.__setattr__(self, "async_scheduling", enabled)
         if self.executor is None:
-            object.__setattr__(self, "executor", "mp" if enabled else "uni")
+            on_cpu_worker = enabled and self.device == "cpu"
+            object.__setattr__(self, "executor", "mp" if on_cpu_worker else "uni")
 
     def _resolve_async(self) -> bool:
         blocker = None

@@ -4,24 +4,30 @@ The engine core talks to an ``Executor`` only: ``execute_model`` queues a
 step's forward, ``sample_tokens`` queues its sampling and returns an
 ``AsyncOutput``, and ``AsyncOutput.get_output()`` is the one place where the
 engine thread waits for device work. ``UniExecutor`` runs the runner in this
-process (synchronously on the CPU); ``MultiprocExecutor`` (mp_executor.py)
-runs it in a worker process so that a CPU forward overlaps the engine thread.
+process: synchronously on the CPU, queued on the runner's stream on CUDA (so
+it overlaps there); ``MultiprocExecutor`` (mp_executor.py) runs it in a worker
+process so that a CPU forward overlaps the engine thread.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
 from abc import ABC, abstractmethod
 from collections import deque
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
-from baton.engine.model_runner import ForwardOutput, ModelRunner
+from baton.engine.device_buffers import DeviceIO
+from baton.engine.model_runner import ForwardOutput, ModelRunner, SampledTokens
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
 from baton.engine.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from baton.engine.sync_check import SyncChecker
+
+# Start and end marks of a piece of device work (see ``DeviceIO.mark``).
+_Span = tuple[torch.cuda.Event | float, torch.cuda.Event | float]
 
 
 class ExecutorError(RuntimeError):
@@ -41,14 +47,20 @@ class RunnerSpec:
     eos_token_ids: tuple[int, ...]
     tokenizer_vocab_size: int | None
     num_threads: int | None = None  # torch threads where the runner runs; None: unchanged
+    device: str = "cpu"  # where the model, its KV cache and the request rows live
 
 
 def build_runner(spec: RunnerSpec, weights: dict[str, torch.Tensor]) -> ModelRunner:
-    """Builds the model from ``weights``, allocates its KV cache and wraps both in a runner."""
+    """Builds the model from ``weights`` on ``spec.device``, allocates its KV cache there and
+    wraps both in a runner."""
     model = LlamaForCausalLM(spec.model_config).to(dtype=spec.dtype)
     model.load_weights(weights)
     model.eval()
-    caches = allocate_kv_cache(spec.model_config, spec.num_kv_blocks, spec.block_size, spec.dtype)
+    device = torch.device(spec.device)
+    model.to(device)
+    caches = allocate_kv_cache(
+        spec.model_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
+    )
     return ModelRunner(
         model,
         caches,
@@ -115,34 +127,69 @@ class Executor(ABC):
 
 
 class UniExecutor(Executor):
-    """Runs the runner in this process; on the CPU every call completes before returning."""
+    """Runs the runner in this process.
+
+    On the CPU every call completes before returning (the CPU is the device, so its work is
+    allowed under ``BATON_SYNC_CHECK``). On CUDA the calls only queue work on the runner's
+    stream, so async scheduling overlaps; the runner then runs under the engine's sync-check
+    guard, where any host read of a device value is reported. Device time comes from the
+    host clock on the CPU and from CUDA events on CUDA, read when an output is collected.
+    """
 
     def __init__(self, runner: ModelRunner, checker: SyncChecker | None = None) -> None:
         self.runner = runner
-        self._pending: deque[ForwardOutput] = deque()
+        self._io: DeviceIO = runner.io
+        self._pending: deque[tuple[ForwardOutput, _Span]] = deque()
         self._device_s = 0.0
         self._checker = checker or SyncChecker("off")
 
+    def _device_work(self) -> AbstractContextManager[object]:
+        # On the CPU the runner's calls are the device's work, not a wait for it; on CUDA
+        # they only queue work, so a host read inside them is a real sync and stays reported.
+        return self._checker.allow() if self._io.is_host else contextlib.nullcontext()
+
     def execute_model(self, so: SchedulerOutput) -> None:
-        t0 = time.perf_counter()
-        with self._checker.allow():  # the CPU is the device: this is its work, not a wait
-            self._pending.append(self.runner.execute_model(so))
-        self._device_s += time.perf_counter() - t0
+        start = self._io.mark()
+        with self._device_work():
+            fwd = self.runner.execute_model(so)
+        self._pending.append((fwd, (start, self._io.mark())))
 
     def sample_tokens(self, step_id: int, grammar: GrammarOutput | None) -> AsyncOutput:
-        fwd = self._pending.popleft()
+        fwd, forward_span = self._pending.popleft()
         if fwd.step_id != step_id:
             raise ExecutorError(f"sample_tokens for step {step_id}, but step {fwd.step_id} is next")
-        t0 = time.perf_counter()
+        start = self._io.mark()
+        with self._device_work():
+            sampled = self.runner.sample(fwd, grammar)
+        return _UniOutput(self, sampled, (forward_span, (start, self._io.mark())))
+
+    def _collect(self, sampled: SampledTokens, spans: tuple[_Span, ...]) -> ModelRunnerOutput:
+        """The one wait: the host copies of a step's results, then its device time."""
         with self._checker.allow():
-            out = self.runner.sample_tokens(fwd, grammar)
-        self._device_s += time.perf_counter() - t0
-        return CompletedOutput(out)
+            output = sampled.to_runner_output()
+            self._device_s += sum(self._io.seconds_between(a, b) for a, b in spans)
+        return output
 
     def supports_async_scheduling(self) -> bool:
-        # A CPU forward in a thread of this process is starved by the GIL.
-        return False
+        # A CPU forward in a thread of this process is starved by the GIL; a CUDA one is
+        # only queued here.
+        return not self._io.is_host
 
     @property
     def device_seconds(self) -> float:
         return self._device_s
+
+
+class _UniOutput(AsyncOutput):
+    """A step sampled by a ``UniExecutor``: its host copies and timing marks, collected once."""
+
+    def __init__(
+        self, executor: UniExecutor, sampled: SampledTokens, spans: tuple[_Span, ...]
+    ) -> None:
+        self._executor, self._sampled, self._spans = executor, sampled, spans
+        self._output: ModelRunnerOutput | None = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._executor._collect(self._sampled, self._spans)
+        return self._output

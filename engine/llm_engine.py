@@ -60,6 +60,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             tokenizer_vocab_size=self.tokenizer.vocab_size,
             num_threads=_worker_threads(config) if config.executor == "mp" else None,
+            device=config.device,
         )
         checker = SyncChecker.from_env()
         executor: Executor
@@ -87,9 +88,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, "
+            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d, "
             "executor %s, async scheduling %s",
             ckpt.path,
+            config.device,
             num_blocks,
             config.block_size,
             self.max_model_len,

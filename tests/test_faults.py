@@ -465,14 +465,6 @@ def test_a_prompt_with_a_lone_surrogate_is_refused(engines: dict[str, LLMEngine]
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "engine/model_runner.py _ban_tokens bans EOS before min_tokens even when the grammar "
-        "allows nothing else: the row is all -inf, token 0 is sampled, the grammar rejects "
-        "it and the request fails (HTTP 500). Found by tests/test_fuzz_http.py."
-    ),
-)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_grammar_that_ends_before_min_tokens_ends_the_output(
     engines: dict[str, LLMEngine], mode: str

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from baton.engine.device_buffers import stage_to_device
+from baton.kernels.paged_attention import HAS_TRITON, paged_decode_attention
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Per-step attention inputs shared by every layer.
+    """Per-step attention inputs shared by every layer, on the model's device.
 
     Attributes:
         slot_mapping: int64 ``[T]``, flat cache slot (block * block_size + offset)
@@ -32,6 +36,8 @@ class AttentionMetadata:
         mask: bool ``[B, 1, Q, S]``, True where a query may attend to a key.
         num_seqs: B.
         max_query_len: Q.
+        seq_lens: int64 ``[B]``, tokens in each sequence after this step.
+        block_tables: int64 ``[B, ceil(S / block_size)]``, each sequence's blocks in order.
     """
 
     slot_mapping: torch.Tensor
@@ -40,15 +46,22 @@ class AttentionMetadata:
     mask: torch.Tensor
     num_seqs: int
     max_query_len: int
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
 
     @staticmethod
     def build(
-        query_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_tables: torch.Tensor,
+        query_lens: np.ndarray | torch.Tensor,
+        seq_lens: np.ndarray | torch.Tensor,
+        block_tables: np.ndarray | torch.Tensor,
         block_size: int,
+        device: torch.device | str | None = None,
     ) -> AttentionMetadata:
-        """Builds the metadata from per-sequence lengths and block tables.
+        """Builds the metadata from per-sequence lengths and block tables known on the host.
+
+        Everything that depends on per-token data is computed on the host, where the lengths
+        are; the ``[B, S]`` tables are expanded on ``device`` from ``[B]``-sized inputs, which
+        reach it in one (pinned, non-blocking) copy. No device value is read on the host.
 
         Args:
             query_lens: int64 ``[B]``, new tokens of each sequence this step (>= 1).
@@ -57,58 +70,81 @@ class AttentionMetadata:
             block_tables: int64 ``[B, max_blocks]``, block ids of each sequence in
                 order; unused entries may hold any valid block id.
             block_size: tokens per cache block.
+            device: where the metadata is used; None = the CPU.
+
+        The arrays are numpy arrays or CPU tensors (reading a tensor's values counts as a host
+        read for ``BATON_SYNC_CHECK``: the model runner passes numpy arrays).
 
         Raises:
-            ValueError: on inconsistent shapes or lengths.
+            ValueError: on inconsistent shapes or lengths, or tensors not on the CPU.
         """
-        if query_lens.dim() != 1 or query_lens.shape != seq_lens.shape:
+        q = _host_int64(query_lens, "query_lens")
+        s = _host_int64(seq_lens, "seq_lens")
+        tables = _host_int64(block_tables, "block_tables")
+        if q.ndim != 1 or q.shape != s.shape:
             raise ValueError("query_lens and seq_lens must be 1-D tensors of the same length")
-        num_seqs = int(query_lens.shape[0])
-        if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        num_seqs = q.shape[0]
+        if tables.ndim != 2 or tables.shape[0] != num_seqs:
             raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks]")
-        device = query_lens.device
-        max_q = int(query_lens.max())
-        max_s = int(seq_lens.max())
-        if bool((query_lens < 1).any()) or bool((seq_lens < query_lens).any()):
+        if num_seqs == 0:
+            raise ValueError("attention metadata needs at least one sequence")
+        if (q < 1).any() or (s < q).any():
             raise ValueError("each sequence needs 1 <= query_len <= seq_len")
-        if max_s > block_tables.shape[1] * block_size:
+        max_q, max_s = int(q.max()), int(s.max())
+        if max_s > tables.shape[1] * block_size:
             raise ValueError("block_tables are too short for seq_lens")
 
+        ctx_lens = s - q
+        starts = np.cumsum(q) - q
+        token_seq = np.repeat(np.arange(num_seqs), q)
+        token_off = np.arange(token_seq.size) - starts[token_seq]
+        token_pos = ctx_lens[token_seq] + token_off
+        slot_mapping = (
+            tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
+        )
+        # Pure decode needs no padded layout (nothing to stage).
+        query_index = token_seq[:0] if max_q == 1 else token_seq * max_q + token_off
+        used_tables = np.ascontiguousarray(tables[:, : -(-max_s // block_size)])
+        slots_d, query_d, seq_d, ctx_d, q_d, tables_d = stage_to_device(
+            [slot_mapping, query_index, s, ctx_lens, q, used_tables],
+            torch.device("cpu") if device is None else torch.device(device),
+        )
+
         # Flat slot of every (sequence, key position) pair.
-        key_pos = torch.arange(max_s, device=device)
-        blocks = block_tables.gather(1, (key_pos // block_size).expand(num_seqs, -1))
+        key_pos = torch.arange(max_s, device=seq_d.device)
+        blocks = tables_d.gather(1, (key_pos // block_size).expand(num_seqs, -1))
         kv_index = blocks * block_size + key_pos % block_size
-        valid_key = key_pos < seq_lens[:, None]
+        valid_key = key_pos < seq_d[:, None]
         kv_index = torch.where(valid_key, kv_index, torch.zeros_like(kv_index))
 
         # Query i of sequence b sits at absolute position ctx_b + i and sees
         # keys 0..ctx_b + i (causal), all of which are < seq_len_b.
-        ctx_lens = seq_lens - query_lens
-        q_pos = torch.arange(max_q, device=device)
-        q_abs = ctx_lens[:, None] + q_pos[None, :]
+        q_pos = torch.arange(max_q, device=seq_d.device)
+        q_abs = ctx_d[:, None] + q_pos[None, :]
         mask = key_pos[None, None, :] <= q_abs[:, :, None]
         mask = mask & valid_key[:, None, :]
         # Padded query rows would see nothing and give NaN; let them see key 0.
-        pad_rows = q_pos[None, :] >= query_lens[:, None]
+        pad_rows = q_pos[None, :] >= q_d[:, None]
         mask[..., 0] |= pad_rows
-        mask = mask[:, None]
-
-        starts = torch.cumsum(query_lens, 0) - query_lens
-        token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens)
-        token_off = torch.arange(int(query_lens.sum()), device=device) - starts[token_seq]
-        token_pos = ctx_lens[token_seq] + token_off
-        slot_mapping = (
-            block_tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
-        )
-        query_index = None if max_q == 1 else token_seq * max_q + token_off
         return AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=slots_d,
             kv_index=kv_index,
-            query_index=query_index,
-            mask=mask,
+            query_index=None if max_q == 1 else query_d,
+            mask=mask[:, None],
             num_seqs=num_seqs,
             max_query_len=max_q,
+            seq_lens=seq_d,
+            block_tables=tables_d,
         )
+
+
+def _host_int64(value: np.ndarray | torch.Tensor, name: str) -> np.ndarray:
+    """``value`` as an int64 numpy array (a view when it already is one)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU (host-known lengths), got {value.device}")
+        value = value.numpy()
+    return np.asarray(value, dtype=np.int64)
 
 
 def paged_attention(
@@ -135,6 +171,12 @@ def paged_attention(
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     flat_k.index_copy_(0, meta.slot_mapping, k)
     flat_v.index_copy_(0, meta.slot_mapping, v)
+    if meta.query_index is None and q.is_cuda and HAS_TRITON:
+        # Pure decode on the GPU: the Triton kernel reads the blocks in place instead of
+        # gathering every sequence's keys into a padded copy first.
+        return paged_decode_attention(
+            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale
+        )
 
     b, qlen = meta.num_seqs, meta.max_query_len
     num_heads = q.shape[1]
