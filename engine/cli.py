@@ -18,7 +18,12 @@ def _generate(args: argparse.Namespace) -> int:
     structured = _structured_outputs(args)
     # None lets the engine decide (on unless an option rules it out).
     async_scheduling = False if args.no_async_scheduling else None
-    llm = LLM(args.model, max_model_len=args.max_model_len, async_scheduling=async_scheduling)
+    llm = LLM(
+        args.model,
+        max_model_len=args.max_model_len,
+        async_scheduling=async_scheduling,
+        device=args.device,
+    )
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -116,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-model-len", type=int, default=2048)
+    gen.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     gen.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     constraint = gen.add_mutually_exclusive_group()

@@ -7,6 +7,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from baton.engine.cli import main
 
@@ -56,3 +57,11 @@ def test_bad_constraints_are_one_line_errors(tiny_model_dir, capsys, tmp_path):
     assert code == 2 and "regex" in err.lower()
     with pytest.raises(SystemExit):
         main(["generate", "--regex", "a", "--choice", "b", "x"])  # mutually exclusive
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_a_cuda_device_without_cuda_is_a_one_line_error(tiny_model_dir, capsys):
+    code, _, err = _generate(tiny_model_dir, capsys, "--device", "cuda", "x")
+    assert code == 2 and "needs CUDA" in err and "Traceback" not in err
+    code, _, err = _generate(tiny_model_dir, capsys, "--device", "gpu0", "x")
+    assert code == 2 and "'cpu', 'cuda' or 'cuda:N'" in err

@@ -54,6 +54,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument(
         "--no-async-scheduling",
         action="store_true",
@@ -120,6 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_args["max_model_len"] = args.max_model_len
     if args.no_async_scheduling:
         engine_args["async_scheduling"] = False
+    engine_args["device"] = getattr(args, "device", "cpu")
     engine = AsyncLLM.from_engine_args(args.model, dtype=args.dtype, **engine_args)
     try:
         if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
