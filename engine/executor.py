@@ -84,16 +84,6 @@ class AsyncOutput(ABC):
         """
 
 
-class CompletedOutput(AsyncOutput):
-    """An output that was computed before ``sample_tokens`` returned."""
-
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self._output = output
-
-    def get_output(self) -> ModelRunnerOutput:
-        return self._output
-
-
 class Executor(ABC):
     """Runs a ``ModelRunner`` for the engine core, step by step, in order."""
 
