@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from baton.kernels.checks import check_power_of_two, check_triton_device, describe
+
 try:
     import triton
     import triton.language as tl
@@ -125,14 +127,9 @@ def apply_token_bitmask_inplace_triton(
     """
     if not HAS_TRITON:
         raise ImportError("apply_token_bitmask_inplace_triton needs triton, which is not installed")
-    if block_size < _BITS or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= {_BITS}, got {block_size}")
+    check_power_of_two("block_size", block_size, _BITS)
     indices = _check_inputs(logits, bitmask, indices)
-    if logits.device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(
-            f"logits must be on a CUDA device for the Triton kernel, got {logits.device}; set "
-            f"TRITON_INTERPRET=1 before importing triton to run it on the CPU"
-        )
+    check_triton_device("logits", logits, _INTERPRETED)
     num_rows, vocab = bitmask.shape[0], logits.shape[1]
     if num_rows == 0 or vocab == 0:
         return
@@ -206,14 +203,8 @@ _INTERPRETED: bool = (
 def _check_bitmask(bitmask: torch.Tensor) -> None:
     if not isinstance(bitmask, torch.Tensor) or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError(
-            f"bitmask must be a 2-D int32 tensor [rows, words], got {_describe(bitmask)}"
+            f"bitmask must be a 2-D int32 tensor [rows, words], got {describe(bitmask)}"
         )
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)} and dtype {value.dtype}"
-    return type(value).__name__
 
 
 def _check_inputs(
@@ -227,7 +218,7 @@ def _check_inputs(
         or not logits.dtype.is_floating_point
     ):
         raise ValueError(
-            f"logits must be a 2-D floating-point tensor [rows, vocab], got {_describe(logits)}"
+            f"logits must be a 2-D floating-point tensor [rows, vocab], got {describe(logits)}"
         )
     _check_bitmask(bitmask)
     if bitmask.device != logits.device:
@@ -248,7 +239,7 @@ def _check_inputs(
         or indices.dtype == torch.bool
     ):
         raise ValueError(
-            f"indices must be a 1-D integer tensor of logits row numbers, got {_describe(indices)}"
+            f"indices must be a 1-D integer tensor of logits row numbers, got {describe(indices)}"
         )
     if indices.shape[0] != bitmask.shape[0]:
         raise ValueError(

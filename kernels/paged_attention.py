@@ -17,6 +17,8 @@ from numbers import Real
 import torch
 import torch.nn.functional as F
 
+from baton.kernels.checks import check_power_of_two, check_tensor, check_triton_device
+
 try:
     import triton
     import triton.language as tl
@@ -122,10 +124,10 @@ def paged_decode_attention_triton(
     """
     if not HAS_TRITON:
         raise ImportError("paged_decode_attention_triton needs triton, which is not installed")
-    _check_block_n(block_n)
+    check_power_of_two("block_n", block_n, _MIN_BLOCK_N)
     _check_arguments(q, key_cache, value_cache, block_tables, seq_lens, scale, out)
     _check_head_dim(q.shape[2])
-    _check_triton_device(q)
+    check_triton_device("q", q, _INTERPRETED)
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     if out is None:
@@ -318,21 +320,6 @@ def _dot_dtype(dtype: torch.dtype) -> object:
     ]
 
 
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)} and dtype {value.dtype}"
-    return type(value).__name__
-
-
-def _check_tensor(
-    name: str, value: object, dim: int, dtypes: tuple[torch.dtype, ...], expected: str
-) -> torch.Tensor:
-    """Raise ValueError naming `name` unless `value` is a `dim`-D tensor of one of `dtypes`."""
-    if not isinstance(value, torch.Tensor) or value.dim() != dim or value.dtype not in dtypes:
-        raise ValueError(f"{name} must be {expected}, got {_describe(value)}")
-    return value
-
-
 def _check_arguments(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -342,10 +329,10 @@ def _check_arguments(
     scale: float,
     out: torch.Tensor | None,
 ) -> None:
-    _check_tensor("q", q, 3, _FLOAT_DTYPES, "a 3-D float32, float16 or bfloat16 tensor [B, H, D]")
+    check_tensor("q", q, 3, _FLOAT_DTYPES, "a 3-D float32, float16 or bfloat16 tensor [B, H, D]")
     batch, num_heads, head_dim = q.shape
     cache_shape = f"[num_blocks, block_size, KVH, {head_dim}]"
-    _check_tensor("key_cache", key_cache, 4, (q.dtype,), f"a 4-D {q.dtype} tensor {cache_shape}")
+    check_tensor("key_cache", key_cache, 4, (q.dtype,), f"a 4-D {q.dtype} tensor {cache_shape}")
     if key_cache.shape[3] != head_dim:
         raise ValueError(f"key_cache has head dim {key_cache.shape[3]} but q has {head_dim}")
     num_kv_heads = key_cache.shape[2]
@@ -354,7 +341,7 @@ def _check_arguments(
             f"key_cache has {num_kv_heads} kv heads, which must be >= 1 and divide q's "
             f"{num_heads} heads"
         )
-    _check_tensor(
+    check_tensor(
         "value_cache",
         value_cache,
         4,
@@ -366,7 +353,7 @@ def _check_arguments(
             f"value_cache has shape {tuple(value_cache.shape)} but key_cache has "
             f"{tuple(key_cache.shape)}"
         )
-    _check_tensor(
+    check_tensor(
         "block_tables",
         block_tables,
         2,
@@ -378,13 +365,13 @@ def _check_arguments(
             f"block_tables has shape {tuple(block_tables.shape)} but must be [{batch}, "
             f"max_blocks] with max_blocks >= 1"
         )
-    _check_tensor("seq_lens", seq_lens, 1, _INDEX_DTYPES, f"a 1-D int32 or int64 tensor [{batch}]")
+    check_tensor("seq_lens", seq_lens, 1, _INDEX_DTYPES, f"a 1-D int32 or int64 tensor [{batch}]")
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries but q has {batch} sequences")
     if isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     if out is not None:
-        _check_tensor("out", out, 3, (q.dtype,), f"None or a {q.dtype} tensor of q's shape")
+        check_tensor("out", out, 3, (q.dtype,), f"None or a {q.dtype} tensor of q's shape")
         if out.shape != q.shape:
             raise ValueError(f"out has shape {tuple(out.shape)} but q has {tuple(q.shape)}")
     for name, value in (
@@ -408,17 +395,4 @@ def _check_head_dim(head_dim: int) -> None:
             f"head dim (q's last dimension) must be a power of two in [{_MIN_DOT}, "
             f"{_MAX_HEAD_DIM}] for the Triton kernel, got {head_dim}; use "
             f"paged_decode_attention_torch for other sizes"
-        )
-
-
-def _check_block_n(block_n: int) -> None:
-    if block_n < _MIN_BLOCK_N or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= {_MIN_BLOCK_N}, got {block_n}")
-
-
-def _check_triton_device(q: torch.Tensor) -> None:
-    if q.device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(
-            f"q must be on a CUDA device for the Triton kernel, got {q.device}; set "
-            f"TRITON_INTERPRET=1 before importing triton to run it on the CPU"
         )

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from baton.kernels.checks import check_power_of_two, check_triton_device, describe
+
 try:
     import triton
     import triton.language as tl
@@ -65,9 +67,9 @@ def staged_write_triton_(
     """
     if not HAS_TRITON:
         raise ImportError("staged_write_triton_ needs triton, which is not installed")
-    _check_block_size(block_size)
+    check_power_of_two("block_size", block_size, _MIN_BLOCK_SIZE)
     _check_write(target, staged)
-    _check_triton_device(target)
+    check_triton_device("target", target, _INTERPRETED)
     num_entries = staged.shape[1]
     if num_entries == 0:
         return
@@ -134,12 +136,6 @@ if HAS_TRITON:
 _INTERPRETED: bool = HAS_TRITON and type(_staged_write_kernel).__name__ == "InterpretedFunction"
 
 
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)} and dtype {value.dtype}"
-    return type(value).__name__
-
-
 def _check_write(target: torch.Tensor, staged: torch.Tensor) -> None:
     if (
         not isinstance(target, torch.Tensor)
@@ -148,7 +144,7 @@ def _check_write(target: torch.Tensor, staged: torch.Tensor) -> None:
     ):
         raise ValueError(
             f"target must be a 1-D int64 or int32 tensor (a flat view of the state), "
-            f"got {_describe(target)}"
+            f"got {describe(target)}"
         )
     if (
         not isinstance(staged, torch.Tensor)
@@ -157,22 +153,7 @@ def _check_write(target: torch.Tensor, staged: torch.Tensor) -> None:
         or staged.dtype != torch.int64
     ):
         raise ValueError(
-            f"staged must be a 2-D int64 tensor [2, N] (indices; values), got {_describe(staged)}"
+            f"staged must be a 2-D int64 tensor [2, N] (indices; values), got {describe(staged)}"
         )
     if staged.device != target.device:
         raise ValueError(f"staged is on {staged.device} but target is on {target.device}")
-
-
-def _check_block_size(block_size: int) -> None:
-    if block_size < _MIN_BLOCK_SIZE or block_size & (block_size - 1):
-        raise ValueError(
-            f"block_size must be a power of two >= {_MIN_BLOCK_SIZE}, got {block_size}"
-        )
-
-
-def _check_triton_device(target: torch.Tensor) -> None:
-    if target.device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(
-            f"target must be on a CUDA device for the Triton kernel, got {target.device}; "
-            f"set TRITON_INTERPRET=1 before importing triton to run it on the CPU"
-        )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from baton.kernels.checks import check_power_of_two, check_tensor, check_triton_device
+
 try:
     import triton
     import triton.language as tl
@@ -76,9 +78,9 @@ def gather_input_ids_triton(
     """
     if not HAS_TRITON:
         raise ImportError("gather_input_ids_triton needs triton, which is not installed")
-    _check_block_size(block_size)
+    check_power_of_two("block_size", block_size, _MIN_BLOCK_SIZE)
     _check_gather(token_ids, token_rows, positions, out)
-    _check_triton_device(token_ids)
+    check_triton_device("token_ids", token_ids, _INTERPRETED)
     num_tokens = token_rows.shape[0]
     if out is None:
         out = torch.empty(num_tokens, dtype=torch.int64, device=token_ids.device)
@@ -191,9 +193,9 @@ def post_sample_update_triton_(
     """
     if not HAS_TRITON:
         raise ImportError("post_sample_update_triton_ needs triton, which is not installed")
-    _check_block_size(block_size)
+    check_power_of_two("block_size", block_size, _MIN_BLOCK_SIZE)
     _check_update(token_ids, num_tokens, last_sampled, output_counts, rows, sampled)
-    _check_triton_device(token_ids)
+    check_triton_device("token_ids", token_ids, _INTERPRETED)
     num_sampled = rows.shape[0]
     if num_sampled == 0:
         return
@@ -337,21 +339,6 @@ if HAS_TRITON:
 _INTERPRETED: bool = HAS_TRITON and type(_gather_input_ids_kernel).__name__ == "InterpretedFunction"
 
 
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)} and dtype {value.dtype}"
-    return type(value).__name__
-
-
-def _check_tensor(
-    name: str, value: object, dim: int, dtypes: tuple[torch.dtype, ...], expected: str
-) -> torch.Tensor:
-    """Raise ValueError naming `name` unless `value` is a `dim`-D tensor of one of `dtypes`."""
-    if not isinstance(value, torch.Tensor) or value.dim() != dim or value.dtype not in dtypes:
-        raise ValueError(f"{name} must be {expected}, got {_describe(value)}")
-    return value
-
-
 def _check_same_device(reference: torch.Tensor, reference_name: str, **others: object) -> None:
     for name, value in others.items():
         if isinstance(value, torch.Tensor) and value.device != reference.device:
@@ -366,16 +353,16 @@ def _check_gather(
     positions: torch.Tensor,
     out: torch.Tensor | None,
 ) -> None:
-    _check_tensor("token_ids", token_ids, 2, (torch.int64,), "a 2-D int64 tensor [R, L]")
-    _check_tensor("token_rows", token_rows, 1, (torch.int64,), "a 1-D int64 tensor [T]")
-    _check_tensor("positions", positions, 1, (torch.int64,), "a 1-D int64 tensor [T]")
+    check_tensor("token_ids", token_ids, 2, (torch.int64,), "a 2-D int64 tensor [R, L]")
+    check_tensor("token_rows", token_rows, 1, (torch.int64,), "a 1-D int64 tensor [T]")
+    check_tensor("positions", positions, 1, (torch.int64,), "a 1-D int64 tensor [T]")
     num_tokens = token_rows.shape[0]
     if positions.shape[0] != num_tokens:
         raise ValueError(
             f"positions has {positions.shape[0]} entries but token_rows has {num_tokens}"
         )
     if out is not None:
-        _check_tensor("out", out, 1, (torch.int64,), f"None or a 1-D int64 tensor [{num_tokens}]")
+        check_tensor("out", out, 1, (torch.int64,), f"None or a 1-D int64 tensor [{num_tokens}]")
         if out.shape[0] != num_tokens:
             raise ValueError(f"out has {out.shape[0]} entries but token_rows has {num_tokens}")
     _check_same_device(token_ids, "token_ids", token_rows=token_rows, positions=positions, out=out)
@@ -389,16 +376,16 @@ def _check_update(
     rows: torch.Tensor,
     sampled: torch.Tensor,
 ) -> None:
-    _check_tensor("token_ids", token_ids, 2, (torch.int64,), "a 2-D int64 tensor [R, L]")
+    check_tensor("token_ids", token_ids, 2, (torch.int64,), "a 2-D int64 tensor [R, L]")
     num_rows = token_ids.shape[0]
     for name, value in (("num_tokens", num_tokens), ("last_sampled", last_sampled)):
-        _check_tensor(name, value, 1, (torch.int64,), f"a 1-D int64 tensor [{num_rows}]")
+        check_tensor(name, value, 1, (torch.int64,), f"a 1-D int64 tensor [{num_rows}]")
         if value.shape[0] != num_rows:
             raise ValueError(
                 f"{name} has {value.shape[0]} entries but token_ids has {num_rows} rows"
             )
     if output_counts is not None:
-        _check_tensor(
+        check_tensor(
             "output_counts",
             output_counts,
             2,
@@ -409,9 +396,9 @@ def _check_update(
             raise ValueError(
                 f"output_counts has {output_counts.shape[0]} rows but token_ids has {num_rows}"
             )
-    _check_tensor("rows", rows, 1, (torch.int64,), "a 1-D int64 tensor [N]")
+    check_tensor("rows", rows, 1, (torch.int64,), "a 1-D int64 tensor [N]")
     num_sampled = rows.shape[0]
-    _check_tensor(
+    check_tensor(
         "sampled",
         sampled,
         1,
@@ -429,18 +416,3 @@ def _check_update(
         rows=rows,
         sampled=sampled,
     )
-
-
-def _check_block_size(block_size: int) -> None:
-    if block_size < _MIN_BLOCK_SIZE or block_size & (block_size - 1):
-        raise ValueError(
-            f"block_size must be a power of two >= {_MIN_BLOCK_SIZE}, got {block_size}"
-        )
-
-
-def _check_triton_device(token_ids: torch.Tensor) -> None:
-    if token_ids.device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(
-            f"token_ids must be on a CUDA device for the Triton kernel, got {token_ids.device}; "
-            f"set TRITON_INTERPRET=1 before importing triton to run it on the CPU"
-        )
