@@ -64,12 +64,13 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 
 @dataclass(frozen=True)
 class Stage:
-    """One step of the check: a command, its time limit and its log file."""
+    """One step of the check: a command, its time limit, its log file and extra environment."""
 
     name: str
     argv: tuple[str, ...]
     timeout_s: float
     log: str
+    env: tuple[tuple[str, str], ...] = ()
 
 
 # ------------------------------------------------------------------ prepare (here)
@@ -144,7 +145,7 @@ def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:
     return sorted(str(f) for f in tests.glob("test_*.py") if "mark.gpu" in f.read_text())
 
 
-def stages(out: Path, model: str | None) -> list[Stage]:
+def stages(out: Path, model: str | None, prep: Path = DEFAULT_PREP) -> list[Stage]:
     """The check's commands, in order, with their time limits (about 7 minutes in all)."""
     py = sys.executable
     engine = [py, "-m", "baton.bench.engine", "--regimes", "a", "--device", "cuda"]
@@ -157,7 +158,16 @@ def stages(out: Path, model: str | None) -> list[Stage]:
     attention = [py, "-m", "baton.bench.paged_attention", "--repeats", "7", "--inner", "10"]
     attention += ["--out", str(out / "paged_attention.json")]
     return [
-        Stage("gpu tests", tuple(tests), 140.0, "gpu_tests.log"),
+        # The tests' tiny models take the default model's tokenizer from the prepared folder.
+        Stage(
+            "gpu tests",
+            tuple(tests),
+            140.0,
+            "gpu_tests.log",
+            (("BATON_TEST_TOKENIZER", str(prep / "tokenizer")),)
+            if (prep / "tokenizer").is_dir()
+            else (),
+        ),
         Stage("bench engine", tuple(engine), 200.0, "engine.log"),
         Stage("paged attention", tuple(attention), 50.0, "paged_attention.log"),
     ]
@@ -174,6 +184,7 @@ def run_stage(stage: Stage, out: Path) -> dict[str, Any]:
                 stderr=subprocess.STDOUT,
                 timeout=stage.timeout_s,
                 cwd=ROOT,
+                env={**os.environ, **dict(stage.env)},
                 check=False,
             )
             status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
@@ -274,7 +285,7 @@ def run(out: Path, prep: Path) -> int:
     model = model_for_engine_bench(prep, out)
     print(f"model for the engine benchmark: {model or 'default'} ({time.monotonic() - t0:.0f} s)")
     results = []
-    for stage in stages(out, model):
+    for stage in stages(out, model, prep):
         print(f"[{time.monotonic() - t0:5.0f} s] {stage.name} ...", flush=True)
         results.append(run_stage(stage, out))
     text = summary(out, env, results)

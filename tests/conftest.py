@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from baton.engine.loader import Checkpoint, load_checkpoint
+from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
 from baton.engine.loader import default_model_path as _default_model_path
 from baton.engine.loader.gguf import gguf_metadata, read_gguf
 from baton.engine.tokenizer import Tokenizer
@@ -256,10 +256,17 @@ def default_model_path() -> Path:
     return _default_model_path()
 
 
+TOKENIZER_ENV = "BATON_TEST_TOKENIZER"
+
+
 @pytest.fixture(scope="session")
-def tokenizer(default_gguf_metadata: dict[str, Any]) -> Tokenizer:
-    """baton's tokenizer of the default model."""
-    return Tokenizer.from_gguf_metadata(default_gguf_metadata)
+def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
+    """baton's tokenizer of the default model: from its GGUF file, or from the Hugging Face
+    folder in $BATON_TEST_TOKENIZER where the 98 MB file cannot go (the prepared GPU check)."""
+    folder = os.environ.get(TOKENIZER_ENV)
+    if folder:
+        return load_tokenizer(folder)
+    return Tokenizer.from_gguf_metadata(request.getfixturevalue("default_gguf_metadata"))
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,11 @@ def test_stages_fit_the_time_budget(tmp_path: Path) -> None:
     engine = next(s for s in stages if s.name == "bench engine").argv
     assert engine[engine.index("--device") + 1] == "cuda"
     assert engine[engine.index("--model") + 1] == "/models/x"
+    (tmp_path / "prep" / "tokenizer").mkdir(parents=True)
+    tests = next(
+        s for s in gpu_check.stages(tmp_path, None, tmp_path / "prep") if s.log.startswith("gpu")
+    )
+    assert dict(tests.env) == {"BATON_TEST_TOKENIZER": str(tmp_path / "prep" / "tokenizer")}
     default = next(s for s in gpu_check.stages(tmp_path, None) if s.name == "bench engine")
     assert "--model" not in default.argv  # the default model, when it is installed
 
