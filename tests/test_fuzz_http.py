@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from conftest import serve_in_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,24 +53,10 @@ def server(tiny_model_dir: Path) -> Iterator[Server]:
     config = ServerConfig(
         served_model_name=MODEL, api_key=API_KEY, max_body_bytes=MAX_BODY, max_n=4
     )
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(
-        uvicorn.Config(build_app(engine, config), log_level="critical", lifespan="off")
-    )
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
     try:
-        yield Server(f"http://127.0.0.1:{port}", engine)
+        with serve_in_thread(build_app(engine, config), log_level="critical") as base:
+            yield Server(base, engine)
     finally:
-        uv.should_exit = True
-        thread.join(15)
-        sock.close()
         engine.shutdown()
 
 

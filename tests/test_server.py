@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
+from conftest import serve_in_thread
 from pydantic import BaseModel, Field
 
 from baton.engine.async_llm import AsyncLLM
@@ -66,24 +64,10 @@ def server(tiny_model_dir: Path) -> Iterator[Server]:
         str(tiny_model_dir), num_kv_blocks=256, max_num_seqs=8, max_model_len=2048
     )
     config = ServerConfig(served_model_name=MODEL, api_key=API_KEY, max_body_bytes=MAX_BODY)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(
-        uvicorn.Config(build_app(engine, config), log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
     try:
-        yield Server(f"http://127.0.0.1:{port}", engine)
+        with serve_in_thread(build_app(engine, config), log_level="warning") as base:
+            yield Server(base, engine)
     finally:
-        uv.should_exit = True
-        thread.join(15)
-        sock.close()
         engine.shutdown()
 
 
