@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from conftest import serve_in_thread
 
 from baton.bench.soak import (
     INVALID_SPECS,
@@ -148,26 +147,9 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_0(
 
 
 # ------------------------------------------------------------ engine death
-@contextmanager
-def serve_in_thread(engine: AsyncLLM) -> Iterator[str]:
+def serve_engine(engine: AsyncLLM) -> AbstractContextManager[str]:
     """A uvicorn server for ``engine`` on a free loopback port; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    app = build_app(engine, ServerConfig(served_model_name="tiny"))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        uv.should_exit = True
-        thread.join(15)
-        sock.close()
+    return serve_in_thread(build_app(engine, ServerConfig(served_model_name="tiny")))
 
 
 def _fail_executor(engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -216,7 +198,7 @@ def test_engine_death_fails_requests_and_answers_503(
         str(tiny_model_dir), executor=executor, num_kv_blocks=128, max_model_len=2048
     )
     try:
-        with serve_in_thread(engine) as base:
+        with serve_engine(engine) as base:
             long = {"prompt": "Once", "max_tokens": 1900, "ignore_eos": True}
             plain: dict[str, httpx.Response] = {}
             sender = threading.Thread(
