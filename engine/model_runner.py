@@ -19,6 +19,7 @@ from baton.engine.device_buffers import DeviceIO, HostCopy
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.llama import KVCache, LlamaForCausalLM
 from baton.engine.request_states import RequestStates
+from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import (
     GrammarOutput,
     Logprobs,
@@ -244,15 +245,17 @@ class ModelRunner:
             if not fwd.sample_request_ids:
                 empty = torch.zeros(0, dtype=torch.int64)
                 return SampledTokens(fwd.request_ids, (), empty, None, (), HostCopy((empty,)))
+            # Each sampling row's parameters, looked up once for the whole step.
+            params = [self.states.params[r] for r in fwd.sample_rows.tolist()]
             logits = self.model.compute_logits(fwd.hidden)
             if grammar is not None and grammar.request_ids:
                 self._apply_grammar(logits, fwd, grammar)
-            self._ban_tokens(logits, fwd)
-            out = self.sampler(logits, self._sampling_metadata(fwd))
+            self._ban_tokens(logits, fwd, params)
+            out = self.sampler(logits, self._sampling_metadata(fwd, params))
             self.states.append_sampled(fwd.sample_rows, fwd.sample_rows_device, out.token_ids)
             lp = out.logprobs
             to_copy = [out.token_ids] if lp is None else [out.token_ids, *_lp_tensors(lp)]
-            num_logprobs = tuple(self.states.params[r].logprobs for r in fwd.sample_rows.tolist())
+            num_logprobs = tuple(p.logprobs for p in params)
             return SampledTokens(
                 fwd.request_ids,
                 fwd.sample_request_ids,
@@ -268,7 +271,9 @@ class ModelRunner:
         """``sample`` with its tokens read back to the host, as the scheduler takes them."""
         return self.sample(fwd, grammar).to_runner_output()
 
-    def _ban_tokens(self, logits: torch.Tensor, fwd: ForwardOutput) -> None:
+    def _ban_tokens(
+        self, logits: torch.Tensor, fwd: ForwardOutput, params: list[SamplingParams]
+    ) -> None:
         """Tokens a row may not sample: undecodable ids, and stop tokens before min_tokens.
 
         Runs after the grammar mask. A row whose grammar allows only stop tokens keeps them:
@@ -279,8 +284,7 @@ class ModelRunner:
         st = self.states
         ban_rows: list[int] = []
         ban_cols: list[int] = []
-        for i, row in enumerate(fwd.sample_rows.tolist()):
-            sp = st.params[row]
+        for i, (row, sp) in enumerate(zip(fwd.sample_rows.tolist(), params, strict=True)):
             # The host mirror knows the length: this row's tokens before this sample.
             if sp.min_tokens and st.num_tokens[row] - st.num_prompt_tokens[row] < sp.min_tokens:
                 banned = set(sp.stop_token_ids)
@@ -313,12 +317,14 @@ class ModelRunner:
         (logit_rows_device,) = self.io.to_device([logit_rows])
         apply_token_bitmask_(logits, bitmask, logit_rows_device)
 
-    def _sampling_metadata(self, fwd: ForwardOutput) -> SamplingMetadata:
-        """The sampling rows' parameters, gathered from the host mirrors and copied in two
-        transfers (int64, float32); penalty tables are gathered on the device."""
+    def _sampling_metadata(
+        self, fwd: ForwardOutput, params: list[SamplingParams]
+    ) -> SamplingMetadata:
+        """The sampling rows' parameters (``params``, in row order), gathered from the host
+        mirrors and copied in two transfers (int64, float32); penalty tables are gathered on the
+        device."""
         st, rows = self.states, fwd.sample_rows
-        params = [st.params[r] for r in rows.tolist()]
-        penalised = any(st.uses_penalties[r] for r in rows.tolist())
+        penalised = any(p.uses_penalties for p in params)
         ints = {
             "seeds": st.seeds[rows],
             "positions": st.num_tokens[rows] - st.num_prompt_tokens[rows],
