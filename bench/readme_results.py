@@ -135,12 +135,7 @@ def _engine(d: dict[str, Any]) -> str:
         "deferred steps",
         "step / max(cpu, device)",
     ]
-    goals = d.get("goals") or []
-    lines = [
-        f"- {'met' if g['met'] else 'MISSED'}: {g['goal']} {g['target']}: {g['value']:.3f}"
-        for g in goals
-        if isinstance(g, dict) and isinstance(g.get("value"), (int, float))
-    ]
+    lines = _goal_lines(d.get("goals") or [], digits=3)
     caption = (
         "Regime a: the default model. Regime b: a tiny random-weight model with the "
         "real vocabulary (CPU work weighs more, as next to a GPU).\n\n"
@@ -156,7 +151,8 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _goal_lines(goals: list[Any]) -> list[str]:
+def _goal_lines(goals: list[Any], digits: int = 2) -> list[str]:
+    """One line per goal: met, MISSED (with the measured value) or not measured."""
     lines = []
     for g in goals:
         if not isinstance(g, dict):
@@ -165,7 +161,7 @@ def _goal_lines(goals: list[Any]) -> list[str]:
             lines.append(f"- not measured: {g['goal']} {g['target']}")
         else:
             verdict = "met" if g["met"] else "MISSED"
-            lines.append(f"- {verdict}: {g['goal']} {g['target']}: {g['value']:.2f}")
+            lines.append(f"- {verdict}: {g['goal']} {g['target']}: {g['value']:.{digits}f}")
     return lines
 
 
