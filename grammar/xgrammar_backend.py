@@ -54,8 +54,10 @@ XGRAMMAR_ENFORCED_KEYWORDS: Mapping[str, str] = {
     "unevaluatedItems": "false is what strict mode does anyway",
     "minItems": "with items or prefixItems (or type array)",
     "maxItems": "with items or prefixItems (or type array)",
-    "minLength": "unless beside pattern or format (then ignored)",
-    "maxLength": "unless beside pattern or format (then ignored)",
+    "minLength": "unless beside pattern or format (then ignored); such a string holds plain "
+    "characters only, no escape sequence (stricter than JSON Schema)",
+    "maxLength": "unless beside pattern or format (then ignored); such a string holds plain "
+    "characters only, no escape sequence (stricter than JSON Schema)",
     "pattern": "anchored: an unanchored pattern must match the whole string; "
     "lookarounds are ignored",
     "format": "the formats in XGRAMMAR_ENFORCED_FORMATS, syntax only (no calendar checks)",
@@ -464,14 +466,16 @@ def close_object_schemas(schema: Any) -> Any:
 
 
 # xgrammar (0.2.9) spells one character of a minLength/maxLength string as this class, which
-# admits raw control characters (invalid JSON: seen in a soak run) and no escapes. In the
-# grammar's EBNF it becomes one JSON string character: plain, or an escape sequence (which
-# JSON Schema counts as one character, as the bounds do).
+# admits raw control characters (invalid JSON: seen in a soak run). In the grammar's EBNF it
+# becomes a plain JSON string character: anything but a control character, '"' or a
+# backslash, so a length-bounded string holds no escape sequence (xgrammar's class held none
+# either). The bounds stay exact: one class match is one code point, as JSON Schema counts.
+# Escapes are left out on purpose: a repeated alternation (plain character | escape) is a
+# rule xgrammar cannot precompute token masks for; it measured 20 ms per row per fill inside
+# such a string instead of ~7 us. Unrolling the bound into one rule per position fills as fast
+# but costs ~12 ms of compile per position. tests/test_grammar_fill_speed.py guards the speed.
 _BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHAR = (
-    '([^\\0-\\x1f\\"\\\\] | "\\\\" ([\\"\\\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] '
-    "[A-Fa-f0-9]))"
-)
+_PLAIN_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -775,12 +779,12 @@ class XGrammarBackend(GrammarBackend):
 
     def _compile_json(self, schema: str, **options: Any) -> xgr.CompiledGrammar:
         """``compile_json_schema`` in strict mode, with xgrammar's length-bounded string
-        characters closed to raw control characters (see ``_BOUNDED_STRING_CHAR``)."""
+        characters closed to raw control characters (see ``_PLAIN_STRING_CHAR``)."""
         grammar = xgr.Grammar.from_json_schema(schema, strict_mode=True, **options)
         text = str(grammar)
         if _BOUNDED_STRING_CHAR not in text:
             return self._compiler.compile_grammar(grammar)
-        fixed = text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+        fixed = text.replace(_BOUNDED_STRING_CHAR, _PLAIN_STRING_CHAR)
         return self._compiler.compile_grammar(xgr.Grammar.from_ebnf(fixed, root_rule_name="root"))
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:

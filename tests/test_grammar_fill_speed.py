@@ -1,0 +1,219 @@
+"""Mask fill speed, with a wide margin: a grammar rewrite that makes xgrammar (or outlines)
+unable to precompute token masks shows up here as a 100x slower fill, not as a wrong answer.
+
+Normal fills take 5-50 us per row on this machine. A repeated alternation for the characters of
+a length-bounded string once took 20 ms per row; the limit below sits between the two, so a
+loaded CI host passes and such a regression fails.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from baton.engine.tokenizer import Tokenizer
+from baton.grammar.backend import GrammarBackend, allocate_bitmask
+from baton.grammar.outlines_backend import OutlinesBackend
+from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.xgrammar_backend import XGrammarBackend
+
+VOCAB = 49152
+ROWS = 16
+LIMIT_US_PER_ROW = 5000.0
+
+# One schema per feature family, with an instance that passes through each of its features.
+FAMILIES: dict[str, tuple[dict[str, Any], Any]] = {
+    "bounded strings": (
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 40},
+                "code": {"type": "string", "minLength": 3, "maxLength": 3},
+                "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}},
+            },
+            "required": ["name", "code", "tags"],
+        },
+        {"name": "Ada Lovelace, Countess", "code": "ADA", "tags": ["math", "poetry"]},
+    ),
+    "patterns": (
+        {
+            "type": "object",
+            "properties": {
+                "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                "slug": {"type": "string", "pattern": "^[a-z0-9]+(-[a-z0-9]+)*$"},
+                "version": {"type": "string", "pattern": "^v?[0-9]+\\.[0-9]+(\\.[0-9]+)?$"},
+            },
+            "required": ["sku", "slug", "version"],
+        },
+        {"sku": "ABC-1234", "slug": "hello-big-world", "version": "v1.20.3"},
+    ),
+    "formats": (
+        {
+            "type": "object",
+            "properties": {
+                "when": {"type": "string", "format": "date-time"},
+                "day": {"type": "string", "format": "date"},
+                "mail": {"type": "string", "format": "email"},
+                "id": {"type": "string", "format": "uuid"},
+                "ip": {"type": "string", "format": "ipv4"},
+            },
+            "required": ["when", "day", "mail", "id", "ip"],
+        },
+        {
+            "when": "2024-05-01T12:30:00Z",
+            "day": "2024-05-01",
+            "mail": "ada@example.org",
+            "id": "123e4567-e89b-12d3-a456-426614174000",
+            "ip": "192.168.0.1",
+        },
+    ),
+    "enums and consts": (
+        {
+            "type": "object",
+            "properties": {
+                "kind": {"const": "person"},
+                "color": {"enum": ["red", "green", "blue", "dark blue"]},
+                "level": {"enum": [1, 2, 3, None]},
+            },
+            "required": ["kind", "color", "level"],
+        },
+        {"kind": "person", "color": "dark blue", "level": 2},
+    ),
+    "nested objects": (
+        {
+            "type": "object",
+            "properties": {
+                "a": {
+                    "type": "object",
+                    "properties": {
+                        "b": {
+                            "type": "object",
+                            "properties": {
+                                "c": {"type": "integer"},
+                                "d": {"type": "boolean"},
+                            },
+                            "required": ["c", "d"],
+                        },
+                        "e": {"type": "number"},
+                    },
+                    "required": ["b", "e"],
+                }
+            },
+            "required": ["a"],
+        },
+        {"a": {"b": {"c": 42, "d": True}, "e": -3.5}},
+    ),
+    "array bounds": (
+        {
+            "type": "object",
+            "properties": {
+                "points": {
+                    "type": "array",
+                    "items": {"type": "integer"},
+                    "minItems": 2,
+                    "maxItems": 5,
+                },
+                "pairs": {
+                    "type": "array",
+                    "items": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+                    "maxItems": 3,
+                },
+            },
+            "required": ["points", "pairs"],
+        },
+        {"points": [1, 22, 333], "pairs": [["x", "y"], ["z"]]},
+    ),
+    "anyOf/oneOf": (
+        {
+            "type": "object",
+            "properties": {
+                "value": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 8}]},
+                "shape": {
+                    "oneOf": [
+                        {
+                            "type": "object",
+                            "properties": {"r": {"type": "number"}},
+                            "required": ["r"],
+                        },
+                        {"type": "array", "items": {"type": "number"}},
+                    ]
+                },
+            },
+            "required": ["value", "shape"],
+        },
+        {"value": "eight", "shape": {"r": 1.5}},
+    ),
+    "deep $ref": (
+        {
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"$ref": "#/$defs/label"},
+                        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                    },
+                    "required": ["name", "children"],
+                },
+                "label": {"type": "string", "maxLength": 20},
+            },
+            "$ref": "#/$defs/node",
+        },
+        {"name": "root", "children": [{"name": "leaf", "children": []}]},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def backends(tokenizer: Tokenizer) -> dict[str, GrammarBackend]:
+    return {
+        "xgrammar": XGrammarBackend(tokenizer, VOCAB),
+        "outlines": OutlinesBackend(tokenizer, VOCAB),
+    }
+
+
+def _slowest_fill_us(
+    backend: GrammarBackend, spec: StructuredOutputsParams, tokens: list[int], eos: int
+) -> tuple[float, int]:
+    """Walks ``tokens`` with ROWS matchers in step; at every state (the final one included)
+    fills all rows at once, best of three. Returns the slowest state's µs per row and its index."""
+    grammar = backend.compile(spec)
+    matchers = [grammar.new_matcher() for _ in range(ROWS)]
+    bitmask = allocate_bitmask(ROWS, VOCAB)
+    rows = list(range(ROWS))
+    worst, worst_at = 0.0, -1
+    for index, token in enumerate([*tokens, eos]):
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            backend.fill_bitmasks(matchers, bitmask, rows)
+            best = min(best, time.perf_counter() - t0)
+        if best / ROWS * 1e6 > worst:
+            worst, worst_at = best / ROWS * 1e6, index
+        for matcher in matchers:
+            assert matcher.accept_tokens([token]), f"token {index} rejected"
+    return worst, worst_at
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_state_fills_fast(
+    backends: dict[str, GrammarBackend], tokenizer: Tokenizer, backend_name: str, family: str
+) -> None:
+    backend = backends[backend_name]
+    schema, instance = FAMILIES[family]
+    spec = StructuredOutputsParams(json=schema)
+    reason = backend.unsupported_reason(spec)
+    if reason is not None:
+        # xgrammar takes every family; outlines may refuse one, never silently.
+        assert backend_name == "outlines", reason
+        pytest.skip(f"outlines refuses {family}: {reason}")
+    text = json.dumps(instance, separators=(",", ":"))
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    worst, at = _slowest_fill_us(backend, spec, tokens, tokenizer.eos_token_ids[0])
+    prefix = tokenizer.decode(tokens[:at]) if at >= 0 else ""
+    assert worst < LIMIT_US_PER_ROW, (
+        f"{backend_name} {family}: {worst:.0f} us per row after {prefix!r}"
+    )
