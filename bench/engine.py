@@ -32,10 +32,10 @@ import torch
 from baton.bench.forward import RESULTS
 from baton.bench.plotting import pyplot, save_results
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.engine.core.stats import StepRecord
 from baton.engine.loader import Checkpoint, expected_weight_shapes, load_checkpoint, load_tokenizer
 from baton.engine.models.config import ModelConfig
 from baton.engine.outputs import RequestOutput
-from baton.engine.stats import StepRecord
 from baton.engine.tokenizer import Tokenizer
 
 REGIMES = {"a": "default model", "b": "gpu-like (tiny random model)"}

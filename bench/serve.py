@@ -182,7 +182,7 @@ class ServerProcess:
     ) -> None:
         self.port = port if port is not None else free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "baton.engine.cli", "serve"]
+        self.command = [sys.executable, "-m", "baton.engine.entrypoints.cli", "serve"]
         self.command += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype]
         self.command += ["--log-level", "warning"]
         if model is not None:

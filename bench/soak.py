@@ -421,7 +421,7 @@ async def _send_stream(client: httpx.AsyncClient, req: SoakRequest, out: Outcome
 # ------------------------------------------------------------------ server
 def serve_command(model: str | None, port: int, extra: Sequence[str] = ()) -> list[str]:
     """The command line of a ``baton serve`` on loopback ``port``."""
-    cmd = [sys.executable, "-m", "baton.engine.cli", "serve", "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "baton.engine.entrypoints.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--log-level", "warning"]
     if model is not None:
         cmd += ["--model", model]

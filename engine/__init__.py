@@ -1,4 +1,5 @@
-"""baton.engine: requests, scheduler, KV cache, engine core, model runner, front ends.
+"""baton.engine: the engine, in rooms (core, executor, worker, models, loader, processing,
+entrypoints, server) around shared values (config, sampling params, outputs, tokenizer).
 
 The public names are imported lazily so that importing a submodule (the
 tokenizer, the loader) does not load the whole engine.
@@ -10,8 +11,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "baton.engine.llm",
-    "LLMEngine": "baton.engine.llm_engine",
+    "LLM": "baton.engine.entrypoints.llm",
+    "AsyncLLM": "baton.engine.entrypoints.async_llm",
+    "LLMEngine": "baton.engine.processing.llm_engine",
     "EngineConfig": "baton.engine.config",
     "SamplingParams": "baton.engine.sampling_params",
     "StructuredOutputsParams": "baton.grammar.spec",

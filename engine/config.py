@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import torch
-
-from baton.engine.device_buffers import check_device
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +23,32 @@ def num_cpu_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device(device: str) -> torch.device:
+    """The torch device named by ``device`` ("cpu", "cuda" or "cuda:N").
+
+    Raises:
+        ValueError: for any other name, or a CUDA device that this machine does not have (CUDA
+            not available, or N past the device count).
+    """
+    if not isinstance(device, str) or not _DEVICE_RE.fullmatch(device):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {device!r} needs CUDA, which is not available here "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use 'cpu'"
+        )
+    index = int(device.split(":")[1]) if ":" in device else 0
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"device {device!r} does not exist: this machine has {count} CUDA devices")
+    return torch.device("cuda", index)
 
 
 @dataclass(frozen=True)

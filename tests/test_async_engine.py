@@ -13,7 +13,7 @@ import torch
 
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.config import EngineConfig
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.processing.llm_engine import LLMEngine
 from baton.engine.sync_check import SyncCheckError
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.engine.async_llm import AsyncLLM, EngineDeadError
+from baton.engine.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from baton.engine.outputs import RequestOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.grammar.spec import StructuredOutputsParams

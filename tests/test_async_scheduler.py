@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baton.engine.async_scheduler import AsyncScheduler
 from baton.engine.config import EngineConfig
-from baton.engine.kv_cache_manager import KVCacheManager
-from baton.engine.request import Request, RequestStatus
+from baton.engine.core.async_scheduler import AsyncScheduler
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.core.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 

@@ -19,7 +19,7 @@ from baton.bench.peers import (
     is_valid,
     sequences_from_steps,
 )
-from baton.engine.cli import main as cli_main
+from baton.engine.entrypoints.cli import main as cli_main
 
 ROW_KEYS = {
     "engine",

@@ -1,4 +1,4 @@
-"""Tests for engine/detokenizer.py against the default model's real (byte-level BPE) tokenizer."""
+"""Tests for engine/processing/detokenizer.py against the default model's real tokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from baton.engine.detokenizer import DecodeProtocol, IncrementalDetokenizer, find_stop_string
+from baton.engine.processing.detokenizer import (
+    DecodeProtocol,
+    IncrementalDetokenizer,
+    find_stop_string,
+)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPLACEMENT = "\ufffd"

@@ -183,7 +183,7 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 
 
 def test_failure_in_one_request_spares_the_others(llm, monkeypatch):
-    from baton.engine.detokenizer import IncrementalDetokenizer
+    from baton.engine.processing.detokenizer import IncrementalDetokenizer
 
     original = IncrementalDetokenizer.update
 

@@ -19,9 +19,9 @@ import pytest
 
 from baton.engine import SamplingParams, StructuredOutputsParams
 from baton.engine.config import EngineConfig
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.core.request import RequestStatus
 from baton.engine.outputs import RequestOutput
-from baton.engine.request import RequestStatus
+from baton.engine.processing.llm_engine import LLMEngine
 from baton.grammar.backend import CompiledGrammar, GrammarMatcher
 from baton.grammar.spec import StructuredOutputsParams as Spec
 from baton.grammar.xgrammar_backend import XGrammarMatcher

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from baton.engine import SamplingParams, StructuredOutputsParams
 from baton.engine.config import EngineConfig
-from baton.engine.llm_engine import LLMEngine
 from baton.engine.outputs import RequestOutput
+from baton.engine.processing.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from conftest import serve_in_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baton.engine.async_llm import AsyncLLM
+from baton.engine.entrypoints.async_llm import AsyncLLM
 from baton.engine.server.app import build_app
 from baton.engine.server.config import ServerConfig
 

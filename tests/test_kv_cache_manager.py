@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from baton.engine.block_pool import NULL_BLOCK_ID, BlockPool
-from baton.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
+from baton.engine.core.block_pool import NULL_BLOCK_ID, BlockPool
+from baton.engine.core.kv_cache_manager import KVCacheManager, hash_block_tokens
 
 BS = 4
 

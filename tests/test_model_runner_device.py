@@ -15,16 +15,16 @@ import torch
 
 from baton.engine import SamplingParams, StructuredOutputsParams
 from baton.engine import model_runner as mr
-from baton.engine.async_scheduler import AsyncScheduler
-from baton.engine.config import EngineConfig
-from baton.engine.device_buffers import DeviceIO, HostCopy, check_device, stage_to_device
-from baton.engine.engine_core import EngineCore
-from baton.engine.executor import UniExecutor
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.config import EngineConfig, check_device
+from baton.engine.core.async_scheduler import AsyncScheduler
+from baton.engine.core.engine_core import EngineCore
+from baton.engine.executor.uni import UniExecutor
 from baton.engine.models.attention import AttentionMetadata
-from baton.engine.request_states import RequestStates
+from baton.engine.processing.llm_engine import LLMEngine
 from baton.engine.scheduler_output import SchedulerOutput
 from baton.engine.sync_check import SyncChecker, SyncCheckError
+from baton.engine.worker.device_buffers import DeviceIO, HostCopy, stage_to_device
+from baton.engine.worker.request_states import RequestStates
 from baton.sampler.metadata import SamplingMetadata
 
 SCHEMA = {

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from baton.engine.config import EngineConfig
-from baton.engine.kv_cache_manager import KVCacheManager
-from baton.engine.request import Request, RequestStatus
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.core.request import Request, RequestStatus
+from baton.engine.core.scheduler import Scheduler
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import Scheduler
 from baton.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2

@@ -19,7 +19,7 @@ import pytest
 from conftest import serve_in_thread
 from pydantic import BaseModel, Field
 
-from baton.engine.async_llm import AsyncLLM
+from baton.engine.entrypoints.async_llm import AsyncLLM
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from baton.engine.server.app import build_app
 from baton.engine.server.config import ServerConfig

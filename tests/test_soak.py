@@ -25,8 +25,8 @@ from baton.bench.soak import (
     run_soak,
     verify_output,
 )
-from baton.engine.async_llm import AsyncLLM
-from baton.engine.executor import ExecutorError
+from baton.engine.entrypoints.async_llm import AsyncLLM
+from baton.engine.executor.base import ExecutorError
 from baton.engine.server.app import build_app
 from baton.engine.server.config import ServerConfig
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from baton.engine.device_buffers import stage_to_device
+from baton.engine.worker.device_buffers import stage_to_device
 from baton.kernels.paged_attention import HAS_TRITON, paged_decode_attention
 
 

@@ -12,7 +12,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from baton.engine.async_llm import AsyncLLM
+from baton.engine.entrypoints.async_llm import AsyncLLM
 from baton.engine.server import chat, completions
 from baton.engine.server.config import ServerConfig
 from baton.engine.server.errors import APIError, install_error_handlers

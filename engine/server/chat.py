@@ -11,7 +11,7 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from baton.engine.async_llm import EngineDeadError
+from baton.engine.entrypoints.async_llm import EngineDeadError
 from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.engine.server.errors import bad_request, error_body
 from baton.engine.server.generation import (

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from baton.engine.async_llm import EngineDeadError, Prompt
+from baton.engine.entrypoints.async_llm import EngineDeadError, Prompt
 from baton.engine.outputs import RequestOutput
 from baton.engine.server.errors import bad_request, error_body
 from baton.engine.server.generation import (

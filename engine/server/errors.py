@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from baton.engine.async_llm import EngineDeadError
+from baton.engine.entrypoints.async_llm import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from baton.engine.async_llm import EngineDeadError, Prompt, RequestStream
+from baton.engine.entrypoints.async_llm import EngineDeadError, Prompt, RequestStream
 from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.server.errors import APIError, bad_request

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from baton.engine.entrypoints.args import add_engine_args, config_from_args
 from baton.engine.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 from baton.grammar.spec import BACKENDS
 
@@ -42,7 +43,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API "
         "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).",
     )
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -51,15 +51,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set ${API_KEY_ENV})",
     )
     p.add_argument("--served-model-name", default=None, help="model name clients send")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    p.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="run each step to completion instead of planning the next one while the model runs",
-    )
+    add_engine_args(p)
     p.add_argument(
         "--structured-outputs-backend",
         choices=BACKENDS,
@@ -100,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """
     import uvicorn
 
-    from baton.engine.async_llm import AsyncLLM
+    from baton.engine.entrypoints.async_llm import AsyncLLM
     from baton.engine.server.app import build_app
 
     if not 0 <= args.port <= 65535:
@@ -114,15 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         structured_outputs_backend=args.structured_outputs_backend,
     )
-    engine_args: dict[str, Any] = {}
-    if args.max_num_seqs is not None:
-        engine_args["max_num_seqs"] = args.max_num_seqs
-    if args.max_model_len is not None:
-        engine_args["max_model_len"] = args.max_model_len
-    if args.no_async_scheduling:
-        engine_args["async_scheduling"] = False
-    engine_args["device"] = getattr(args, "device", "cpu")
-    engine = AsyncLLM.from_engine_args(args.model, dtype=args.dtype, **engine_args)
+    engine = AsyncLLM(config_from_args(args))
     try:
         if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
             logger.warning("serving on %s without an API key", args.host)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from baton.engine.async_llm import AsyncLLM
+from baton.engine.entrypoints.async_llm import AsyncLLM
 from baton.engine.server.config import ServerConfig
 from baton.engine.server.metrics import ServerMetrics
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from baton.engine.processing.detokenizer import IncrementalDetokenizer
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import EngineCoreOutput
 from baton.engine.tokenizer import Tokenizer

@@ -1,4 +1,13 @@
-"""Builds an engine from a config and runs it: input checks, core steps, outputs."""
+"""``LLMEngine``: builds an engine from a config and runs it: input checks, core steps, outputs.
+
+Why two layers (``LLMEngine`` here, ``EngineCore`` in ``core/``) in one process: the core
+sees token ids only (scheduler, executor, grammars over the vocabulary) and holds no text and no
+user-facing ids, so it can run wherever the device work is driven from (a data-parallel
+replica, or its own process as vLLM's EngineCoreProc) and be tested without a tokenizer.
+This layer owns everything textual around it: prompt checks and tokenisation, seeds and
+n > 1 fan-out, detokenisation and stop strings, ``RequestOutput``s. It is also where the
+pieces are put together (loader, executor, structured-output manager, scheduler, core).
+"""
 
 from __future__ import annotations
 
@@ -8,21 +17,23 @@ from collections.abc import Sequence
 
 import torch
 
-from baton.engine.async_scheduler import AsyncScheduler
 from baton.engine.config import EngineConfig, num_cpu_cores
-from baton.engine.engine_core import EngineCore
-from baton.engine.executor import Executor, RunnerSpec, UniExecutor, build_runner
-from baton.engine.kv_cache_manager import KVCacheManager
+from baton.engine.core.async_scheduler import AsyncScheduler
+from baton.engine.core.engine_core import EngineCore
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.core.request import Request
+from baton.engine.core.scheduler import Scheduler
+from baton.engine.core.structured_outputs import StructuredOutputManager
+from baton.engine.executor.base import Executor
+from baton.engine.executor.multiproc import MultiprocExecutor
+from baton.engine.executor.uni import UniExecutor
 from baton.engine.loader import Checkpoint, load_checkpoint
-from baton.engine.mp_executor import MultiprocExecutor
-from baton.engine.output_processor import OutputProcessor
 from baton.engine.outputs import RequestOutput
-from baton.engine.request import Request
+from baton.engine.processing.output_processor import OutputProcessor
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import Scheduler
-from baton.engine.structured_outputs import StructuredOutputManager
 from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
+from baton.engine.worker.build import RunnerSpec, build_runner
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +138,7 @@ class LLMEngine:
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self.tokenize_prompt(prompt)
         self.validate_params(params)
         if self.outputs.child_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -160,7 +171,13 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids must be < vocab size {vocab}, got {bad}")
 
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and token ids, checked; queues nothing.
+
+        Raises:
+            ValueError: empty prompt, text with lone surrogates, token ids outside the
+                vocabulary, or a prompt that leaves no room for output within max_model_len.
+        """
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -217,8 +234,24 @@ class LLMEngine:
         return results
 
     def stats(self) -> dict[str, float | int]:
-        """Engine step statistics since start (see ``EngineStats``)."""
-        return self.core.stats.as_dict()
+        """Engine step statistics since start (see ``EngineStats``) and the current load:
+        ``num_running``, ``num_waiting``, ``kv_total_blocks``, ``kv_free_blocks``,
+        ``kv_usage``."""
+        sched = self.core.scheduler
+        stats: dict[str, float | int] = dict(self.core.stats.as_dict())
+        stats.update(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_total_blocks=sched.kv.num_blocks - 1,  # block 0 is reserved
+            kv_free_blocks=sched.kv.num_free_blocks,
+            kv_usage=sched.kv.usage,
+        )
+        return stats
+
+    def failure(self) -> str | None:
+        """Why this engine can no longer run steps (e.g. the model worker died), or None
+        while it can. Reads only flags, so any thread may call it."""
+        return self.core.failure()
 
     def shutdown(self) -> None:
         """Stops the model worker (if any) and the grammar compile threads; idempotent."""

@@ -12,7 +12,6 @@ does not hand a block out again before the copies that used it have finished.
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -20,31 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
-
-
-def check_device(device: str) -> torch.device:
-    """The torch device named by ``device`` ("cpu", "cuda" or "cuda:N").
-
-    Raises:
-        ValueError: for any other name, or a CUDA device that this machine does not have (CUDA
-            not available, or N past the device count).
-    """
-    if not isinstance(device, str) or not _DEVICE_RE.fullmatch(device):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if device == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"device {device!r} needs CUDA, which is not available here "
-            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use 'cpu'"
-        )
-    index = int(device.split(":")[1]) if ":" in device else 0
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise ValueError(f"device {device!r} does not exist: this machine has {count} CUDA devices")
-    return torch.device("cuda", index)
 
 
 def stage_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:

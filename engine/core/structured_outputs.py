@@ -11,32 +11,19 @@ import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from baton.engine.request import Request
+from baton.engine.core.request import Request, StructuredState
 from baton.engine.scheduler_output import GrammarOutput
 from baton.grammar.backend import GrammarBackend, GrammarMatcher, allocate_bitmask
-from baton.grammar.compile_service import CompileHandle, CompileResult, CompileService
+from baton.grammar.compile_service import CompileResult, CompileService
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.validation import DEFAULT_MAX_DEPTH, check_enforceable, validate_spec
 
 logger = logging.getLogger(__name__)
 
 _VALIDATED_CACHE_SIZE = 1024
-
-
-@dataclass
-class StructuredState:
-    """One request's grammar: pending compile, then its matcher."""
-
-    spec: StructuredOutputsParams
-    handle: CompileHandle | None = None
-    matcher: GrammarMatcher | None = None
-    backend: str | None = None
-    fallback_reason: str | None = None
-    compile_seconds: float = 0.0
 
 
 class StructuredOutputManager:

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from baton.engine.config import EngineConfig
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.entrypoints.args import engine_config
 from baton.engine.loader import Checkpoint
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from baton.engine.processing.llm_engine import LLMEngine
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import Tokenizer
 
@@ -34,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _JOIN_TIMEOUT_S = 30.0
 
 
@@ -101,10 +101,14 @@ class RequestStream:
         return self._finished
 
     # Engine-thread side: both are scheduled onto the stream's loop.
-    def _deliver(self, output: RequestOutput) -> bool:
+    def deliver(self, output: RequestOutput) -> bool:
+        """Hands ``output`` to the consumer's loop (from the engine thread); False when that
+        loop is closed and nobody is listening."""
         return self._call_soon(self._put, output)
 
-    def _deliver_error(self, error: BaseException) -> bool:
+    def deliver_error(self, error: BaseException) -> bool:
+        """Ends the stream with ``error`` on the consumer's loop (from the engine thread);
+        False when that loop is closed."""
         return self._call_soon(self._fail, error)
 
     def _call_soon(self, fn: Any, arg: Any) -> bool:
@@ -207,14 +211,7 @@ class AsyncLLM:
         Raises:
             ValueError: an unknown dtype or engine argument.
         """
-        if isinstance(dtype, str):
-            if dtype not in _DTYPES:
-                raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-            dtype = _DTYPES[dtype]
-        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
-        return cls(EngineConfig(model=model, dtype=dtype, **engine_args), checkpoint)
+        return cls(engine_config(model, dtype=dtype, **engine_args), checkpoint)
 
     # ---------------------------------------------------------------- public
     async def add_request(
@@ -229,7 +226,7 @@ class AsyncLLM:
         if request_id is None:
             request_id = f"async-{next(self._ids)}"
         if self._engine is not None and self._dead is None:
-            failure = _executor_failure(self._engine)
+            failure = self._engine.failure()
             if failure is not None:
                 # Refused here: the engine thread may be idle and not know yet.
                 raise EngineDeadError(f"the model executor failed: {failure}")
@@ -287,7 +284,7 @@ class AsyncLLM:
         """True while the engine thread runs and the model (worker) can still run steps."""
         if self._dead is not None or not self._thread.is_alive() or self._engine is None:
             return False
-        return _executor_failure(self._engine) is None
+        return self._engine.failure() is None
 
     def shutdown(self) -> None:
         """Stops the engine thread and the engine; open streams fail with ``EngineDeadError``.
@@ -337,7 +334,7 @@ class AsyncLLM:
                 if engine.has_unfinished_requests():
                     self._dispatch(engine, tracked, engine.step())
                 self._publish(engine)
-                failure = _executor_failure(engine)
+                failure = engine.failure()
                 if failure is not None:
                     # The core failed its requests (their outputs went out above) and refuses
                     # new ones: stop here, so that the engine is dead everywhere at once.
@@ -392,7 +389,7 @@ class AsyncLLM:
         engine.abort_request(request_id)
         entry = tracked.pop(request_id, None)
         if entry is not None:
-            entry.stream._deliver(self._aborted_output(engine, request_id, entry))
+            entry.stream.deliver(self._aborted_output(engine, request_id, entry))
 
     @staticmethod
     def _aborted_output(engine: LLMEngine, request_id: str, entry: _Tracked) -> RequestOutput:
@@ -428,20 +425,13 @@ class AsyncLLM:
             entry.last = out
             if out.finished:
                 del tracked[out.request_id]
-            if not entry.stream._deliver(out) and not out.finished:
+            if not entry.stream.deliver(out) and not out.finished:
                 engine.abort_request(out.request_id)
                 del tracked[out.request_id]
 
     def _publish(self, engine: LLMEngine) -> None:
-        sched = engine.core.scheduler
-        kv = sched.kv
         snap: dict[str, float | int] = dict(engine.stats())
         snap.update(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            kv_total_blocks=kv.num_blocks - 1,  # block 0 is reserved
-            kv_free_blocks=kv.num_free_blocks,
-            kv_usage=kv.usage,
             grammar_compiles=self._compiles,
             grammar_compile_s=self._compile_s,
             grammar_cache_hits=self._compile_hits,
@@ -479,25 +469,12 @@ class AsyncLLM:
             if isinstance(cmd, _Add):
                 _fail_add(cmd, EngineDeadError(reason))
         for entry in tracked.values():
-            entry.stream._deliver_error(error)
+            entry.stream.deliver_error(error)
         tracked.clear()
         try:
             engine.shutdown()
         except Exception:  # noqa: BLE001 - shutting down must not raise
             logger.exception("engine shutdown failed")
-
-
-def _executor_failure(engine: LLMEngine) -> str | None:
-    """Why the engine's core or executor can no longer run steps (e.g. the model worker
-    died), or None while it can. Safe to call from any thread: it only reads flags."""
-    core = engine.core
-    dead = getattr(core, "_dead", None) or getattr(core.executor, "_dead", None)
-    if dead is not None:
-        return str(dead)
-    proc = getattr(core.executor, "_proc", None)
-    if proc is not None and not proc.is_alive():
-        return f"the model worker exited (exit code {proc.exitcode})"
-    return None
 
 
 def _fail_add(cmd: _Add, error: BaseException) -> None:

@@ -8,22 +8,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from baton.engine.entrypoints.args import add_engine_args, config_from_args
 from baton.engine.server.serve import add_serve_parser
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from baton.engine.llm import LLM
+    from baton.engine.entrypoints.llm import LLM
     from baton.engine.sampling_params import SamplingParams
 
     structured = _structured_outputs(args)
-    # None lets the engine decide (on unless an option rules it out).
-    async_scheduling = False if args.no_async_scheduling else None
-    llm = LLM(
-        args.model,
-        max_model_len=args.max_model_len,
-        async_scheduling=async_scheduling,
-        device=args.device,
-    )
+    llm = LLM.from_config(config_from_args(args))
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -116,12 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="answer one prompt with the model and print the text")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--max-model-len", type=int, default=2048)
-    gen.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    add_engine_args(gen, max_model_len=2048)
     gen.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     constraint = gen.add_mutually_exclusive_group()
@@ -130,11 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     constraint.add_argument("--regex", metavar="R", help="a regular expression the output matches")
     constraint.add_argument("--choice", metavar="A,B", help="the output is one of these strings")
-    gen.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="run each step to completion instead of planning the next one while the model runs",
-    )
     gen.set_defaults(func=_generate)
 
     add_serve_parser(sub)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from baton.engine.scheduler import Scheduler
+from baton.engine.core.scheduler import Scheduler
 from baton.engine.scheduler_output import SchedulerOutput
 
 

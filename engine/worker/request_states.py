@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from baton.engine.device_buffers import DeviceIO
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import NewRequestData
+from baton.engine.worker.device_buffers import DeviceIO
 from baton.kernels.staged_write import staged_write_
 from baton.kernels.step_state import gather_input_ids, post_sample_update_
 

@@ -6,16 +6,16 @@ import logging
 import time
 from collections import deque
 
-from baton.engine.executor import AsyncOutput, Executor, ExecutorError
-from baton.engine.request import Request, RequestStatus
-from baton.engine.scheduler import Scheduler
+from baton.engine.core.request import Request, RequestStatus
+from baton.engine.core.scheduler import Scheduler
+from baton.engine.core.stats import EngineStats
+from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
 from baton.engine.scheduler_output import (
     EngineCoreOutput,
     GrammarOutput,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from baton.engine.stats import EngineStats
 from baton.engine.sync_check import SyncChecker
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,11 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finishes requests as aborted and frees their KV blocks; unknown ids are ignored."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def failure(self) -> str | None:
+        """Why this core can no longer run steps (its executor failed), or None while it can.
+        Reads only flags, so any thread may call it."""
+        return self._dead or self.executor.failure()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue or self.deferred)

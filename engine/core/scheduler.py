@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from baton.engine.config import EngineConfig
-from baton.engine.kv_cache_manager import KVCacheManager
-from baton.engine.request import Request, RequestStatus
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.core.request import Request, RequestStatus
 from baton.engine.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -22,7 +22,7 @@ from baton.engine.scheduler_output import (
 )
 
 if TYPE_CHECKING:
-    from baton.engine.structured_outputs import StructuredOutputManager
+    from baton.engine.core.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 

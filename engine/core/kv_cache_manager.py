@@ -36,7 +36,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-from baton.engine.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, KVCacheBlock
+from baton.engine.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, KVCacheBlock
 
 __all__ = ["NULL_BLOCK_ID", "BlockHash", "KVCacheManager", "hash_block_tokens"]
 

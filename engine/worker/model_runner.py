@@ -15,10 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from baton.engine.device_buffers import DeviceIO, HostCopy
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.llama import KVCache, LlamaForCausalLM
-from baton.engine.request_states import RequestStates
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import (
     GrammarOutput,
@@ -26,6 +24,8 @@ from baton.engine.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from baton.engine.worker.device_buffers import DeviceIO, HostCopy
+from baton.engine.worker.request_states import RequestStates
 from baton.sampler import Sampler, SamplingMetadata, apply_token_bitmask_
 from baton.sampler.outputs import LogprobsTensors
 

@@ -5,12 +5,23 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from baton.engine.sampling_params import SamplingParams
+from baton.grammar.backend import GrammarMatcher
+from baton.grammar.compile_service import CompileHandle
+from baton.grammar.spec import StructuredOutputsParams
 
-if TYPE_CHECKING:
-    from baton.engine.structured_outputs import StructuredState
+
+@dataclass
+class StructuredState:
+    """One request's grammar: pending compile, then its matcher."""
+
+    spec: StructuredOutputsParams
+    handle: CompileHandle | None = None
+    matcher: GrammarMatcher | None = None
+    backend: str | None = None
+    fallback_reason: str | None = None
+    compile_seconds: float = 0.0
 
 
 class RequestStatus(enum.Enum):

@@ -9,16 +9,15 @@ from typing import Any
 import torch
 
 from baton.engine.config import EngineConfig
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.entrypoints.args import engine_config
 from baton.engine.loader import Checkpoint
 from baton.engine.outputs import RequestOutput
+from baton.engine.processing.llm_engine import LLMEngine
 from baton.engine.sampling_params import SamplingParams, as_params_list
 from baton.engine.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class LLM:
@@ -43,16 +42,19 @@ class LLM:
         checkpoint: Checkpoint | None = None,
         **engine_args: Any,
     ) -> None:
-        if isinstance(dtype, str):
-            if dtype not in _DTYPES:
-                raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-            dtype = _DTYPES[dtype]
-        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
-        self.config = EngineConfig(model=model, dtype=dtype, **engine_args)
-        self.engine = LLMEngine(self.config, checkpoint)
+        self._start(engine_config(model, dtype=dtype, **engine_args), checkpoint)
+
+    def _start(self, config: EngineConfig, checkpoint: Checkpoint | None) -> None:
+        self.config = config
+        self.engine = LLMEngine(config, checkpoint)
         self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, checkpoint: Checkpoint | None = None) -> LLM:
+        """An LLM over an engine built from ``config`` (see ``entrypoints.args``)."""
+        llm = cls.__new__(cls)
+        llm._start(config, checkpoint)
+        return llm
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, **engine_args: Any) -> LLM:
@@ -87,7 +89,7 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompt_list))
         for p, sp in zip(prompt_list, params, strict=True):  # validate all before queuing any
-            self.engine._tokenize(p)
+            self.engine.tokenize_prompt(p)
             self.engine.validate_params(sp)
         ids = []
         for prompt, sp in zip(prompt_list, params, strict=True):

@@ -34,14 +34,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as torch_mp
 
-from baton.engine.executor import (
-    AsyncOutput,
-    Executor,
-    ExecutorError,
-    RunnerSpec,
-    build_runner,
-)
-from baton.engine.model_runner import ForwardOutput, runner_output
+from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
 from baton.engine.scheduler_output import (
     GrammarOutput,
     Logprobs,
@@ -49,6 +42,8 @@ from baton.engine.scheduler_output import (
     SchedulerOutput,
 )
 from baton.engine.sync_check import SyncChecker
+from baton.engine.worker.build import RunnerSpec, build_runner
+from baton.engine.worker.model_runner import ForwardOutput, runner_output
 from baton.grammar.backend import allocate_bitmask
 
 logger = logging.getLogger(__name__)
@@ -138,7 +133,7 @@ class MultiprocExecutor(Executor):
         self._replies: dict[int, _Reply] = {}
         self._dead: str | None = None
         ctx = torch_mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "baton.engine.mp_executor"])
+        ctx.set_forkserver_preload(["torch", "baton.engine.executor.multiproc"])
         # One pipe each way: the worker answers from a sender thread, so neither
         # side can block on a full pipe while the other blocks on its own send.
         self._replies_conn, replies_w = ctx.Pipe(duplex=False)
@@ -234,6 +229,13 @@ class MultiprocExecutor(Executor):
         code = self._proc.exitcode
         self._dead = f"{message} (exit code {code})" if code is not None else message
         raise ExecutorError(self._dead)
+
+    def failure(self) -> str | None:
+        if self._dead is not None:
+            return self._dead
+        if not self._proc.is_alive():
+            return f"the model worker exited (exit code {self._proc.exitcode})"
+        return None
 
     def supports_async_scheduling(self) -> bool:
         return True

@@ -1,0 +1,77 @@
+"""Engine arguments: the one place where user-facing options (Python keywords or
+command-line flags) become a validated ``EngineConfig``.
+
+``LLM``, ``AsyncLLM.from_engine_args``, ``baton generate`` and ``baton serve`` all build
+their config here, so a new engine option is added once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from baton.engine.config import EngineConfig
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def engine_config(
+    model: str | None = None, *, dtype: str | torch.dtype = "float32", **engine_args: Any
+) -> EngineConfig:
+    """The ``EngineConfig`` for a model, a dtype (name or torch dtype) and any other
+    ``EngineConfig`` fields given as keywords.
+
+    Raises:
+        ValueError: an unknown dtype name, an unknown engine argument, or a value
+            ``EngineConfig`` refuses.
+    """
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__) - {"model", "dtype"}
+    if unknown:
+        raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
+    return EngineConfig(model=model, dtype=dtype, **engine_args)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | None = None) -> None:
+    """Adds the engine's command-line options to ``parser``; ``config_from_args`` reads them.
+
+    ``max_model_len`` is the default of ``--max-model-len`` (None: the model's own limit).
+    """
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)"
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None, help="most requests running at once"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=max_model_len, help="longest prompt + output"
+    )
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="run each step to completion instead of planning the next one while the model runs",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` of options added by ``add_engine_args``; unset options keep
+    the engine's defaults (async scheduling: decided by the engine unless turned off).
+
+    Raises:
+        ValueError: a value ``EngineConfig`` refuses.
+    """
+    engine_args: dict[str, Any] = {"device": args.device}
+    if args.max_num_seqs is not None:
+        engine_args["max_num_seqs"] = args.max_num_seqs
+    if args.max_model_len is not None:
+        engine_args["max_model_len"] = args.max_model_len
+    if args.no_async_scheduling:
+        engine_args["async_scheduling"] = False
+    return engine_config(args.model, dtype=args.dtype, **engine_args)

@@ -1,0 +1,50 @@
+"""``RunnerSpec`` and ``build_runner``: a model runner built from a picklable spec and weights,
+in whichever process will run it (the engine's, or a worker's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from baton.engine.models.config import ModelConfig
+from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.worker.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything needed to build a ``ModelRunner`` except the weights (picklable)."""
+
+    model_config: ModelConfig
+    dtype: torch.dtype
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer_vocab_size: int | None
+    num_threads: int | None = None  # torch threads where the runner runs; None: unchanged
+    device: str = "cpu"  # where the model, its KV cache and the request rows live
+
+
+def build_runner(spec: RunnerSpec, weights: dict[str, torch.Tensor]) -> ModelRunner:
+    """Builds the model from ``weights`` on ``spec.device``, allocates its KV cache there and
+    wraps both in a runner."""
+    model = LlamaForCausalLM(spec.model_config).to(dtype=spec.dtype)
+    model.load_weights(weights)
+    model.eval()
+    device = torch.device(spec.device)
+    model.to(device)
+    caches = allocate_kv_cache(
+        spec.model_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
+    )
+    return ModelRunner(
+        model,
+        caches,
+        spec.block_size,
+        spec.max_num_seqs,
+        spec.max_model_len,
+        eos_token_ids=spec.eos_token_ids,
+        tokenizer_vocab_size=spec.tokenizer_vocab_size,
+    )

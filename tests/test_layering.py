@@ -1,0 +1,123 @@
+"""The import direction rules of DESIGN.md and the README, checked on the source.
+
+Every ``import`` in every product module counts (top level, inside functions, and under
+``TYPE_CHECKING``): a rule that only holds at run time still lets a cycle in.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "grammar", "sampler", "kernels", "bench")
+
+# The rooms of engine/ and what each may import of engine/. "shared" is engine/'s top-level
+# modules (config, sampling params, outputs, hand-off values, tokenizer, sync check): both
+# sides import them, and they import no room.
+ENGINE_ROOMS: dict[str, set[str]] = {
+    "shared": {"shared"},
+    "core": {"shared", "executor.base"},  # the interface only, never an implementation
+    "executor": {"shared", "executor", "worker", "models"},
+    "worker": {"shared", "worker", "models"},
+    "models": {"shared", "models", "worker.device_buffers"},
+    "loader": {"shared", "loader", "models"},
+    "processing": {"shared", "processing", "core", "executor", "worker", "loader"},
+    "entrypoints": {"shared", "entrypoints", "processing", "loader", "server"},
+    "server": {"shared", "server", "entrypoints", "loader"},
+}
+# What each top-level package may import of baton.
+PACKAGE_RULES: dict[str, set[str]] = {
+    "engine": {"engine", "grammar", "sampler", "kernels"},
+    "grammar": {"grammar"},
+    "sampler": {"sampler", "kernels"},
+    "kernels": {"kernels"},
+    "bench": set(PACKAGES),
+}
+
+
+def _modules() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def _dotted(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["baton", *parts])
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            # `from baton.engine.executor import base` names a module too.
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if m.startswith("baton.")}
+
+
+def _engine_room(module: str) -> str | None:
+    """The room of an engine module ("shared" for engine/'s top-level modules)."""
+    parts = module.split(".")
+    if parts[:2] != ["baton", "engine"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in ENGINE_ROOMS else "shared"
+
+
+def _allowed_in_engine(importer_room: str, target: str) -> bool:
+    rest = target.split(".")[2:]
+    if not rest:
+        return True  # the lazy public facade `baton.engine`
+    target_room = rest[0] if rest[0] in ENGINE_ROOMS else "shared"
+    allowed = ENGINE_ROOMS[importer_room] | {importer_room}
+    return target_room in allowed or ".".join(rest[:2]) in allowed
+
+
+def _violations() -> list[str]:
+    bad = []
+    for path in _modules():
+        me = _dotted(path)
+        if me == "baton.engine":
+            continue  # the facade re-exports from every room, lazily
+        pkg = me.split(".")[1]
+        room = _engine_room(me)
+        for target in sorted(_imports(path)):
+            target_pkg = target.split(".")[1]
+            if target_pkg not in PACKAGE_RULES[pkg]:
+                bad.append(f"{me} imports {target} ({pkg}/ must not import {target_pkg}/)")
+            elif (
+                room is not None and target_pkg == "engine" and not _allowed_in_engine(room, target)
+            ):
+                bad.append(f"{me} imports {target} (engine room {room!r} must not)")
+    return bad
+
+
+def test_imports_point_one_way() -> None:
+    assert _violations() == []
+
+
+def test_the_checker_catches_a_wrong_import(tmp_path: Path) -> None:
+    fake = tmp_path / "m.py"
+    fake.write_text("from baton.engine.core.scheduler import Scheduler\nimport baton.engine\n")
+    assert _imports(fake) == {
+        "baton.engine.core.scheduler",
+        "baton.engine.core.scheduler.Scheduler",
+        "baton.engine",
+    }
+    assert not _allowed_in_engine("worker", "baton.engine.core.scheduler")
+    assert not _allowed_in_engine("core", "baton.engine.worker.model_runner")
+    assert not _allowed_in_engine("shared", "baton.engine.core.request")
+    assert _allowed_in_engine("core", "baton.engine.executor.base")
+    assert not _allowed_in_engine("core", "baton.engine.executor.uni")
+
+
+@pytest.mark.parametrize("room", sorted(set(ENGINE_ROOMS) - {"shared"}))
+def test_every_room_is_a_package(room: str) -> None:
+    assert (ROOT / "engine" / room / "__init__.py").is_file()
