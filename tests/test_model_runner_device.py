@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from baton.engine import SamplingParams, StructuredOutputsParams
-from baton.engine import model_runner as mr
 from baton.engine.config import EngineConfig, check_device
 from baton.engine.core.async_scheduler import AsyncScheduler
 from baton.engine.core.engine_core import EngineCore
@@ -23,6 +22,7 @@ from baton.engine.models.attention import AttentionMetadata
 from baton.engine.processing.llm_engine import LLMEngine
 from baton.engine.scheduler_output import SchedulerOutput
 from baton.engine.sync_check import SyncChecker, SyncCheckError
+from baton.engine.worker import model_runner as mr
 from baton.engine.worker.device_buffers import DeviceIO, HostCopy, stage_to_device
 from baton.engine.worker.request_states import RequestStates
 from baton.sampler.metadata import SamplingMetadata

@@ -1,0 +1,98 @@
+"""What every benchmark shares: the options that pick a model and where results go, the run's
+provenance (git commit, date, machine, threads), and writing its JSON and plot.
+
+A benchmark file keeps only its workload and its table: ``add_common_args`` for its parser,
+``write_results`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from baton.bench.plotting import save_results
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DTYPE_CHOICES = ("float32", "bfloat16")
+
+
+def add_common_args(
+    parser: argparse.ArgumentParser,
+    name: str,
+    *,
+    model: bool = True,
+    dtype: str | None = "float32",
+) -> None:
+    """Adds ``--out`` (default ``bench/results/NAME.json``) and, unless turned off,
+    ``--model`` (None: the default model) and ``--dtype`` (default ``dtype``)."""
+    if model:
+        parser.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
+    if dtype is not None:
+        parser.add_argument("--dtype", default=dtype, choices=DTYPE_CHOICES)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS_DIR / f"{name}.json",
+        help=f"default: results/{name}.json",
+    )
+
+
+def git_commit() -> str:
+    """The commit of the code being measured, with ``+dirty`` when the tree has uncommitted
+    changes, or ``unknown`` outside a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}+dirty" if dirty else head
+
+
+def run_info(**extra: Any) -> dict[str, Any]:
+    """Where and when a run happened: commit, UTC date, machine, CPU cores, torch threads;
+    ``extra`` (e.g. the dtype) is merged in."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info: dict[str, Any] = {
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cpu_cores": cores,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    info.update(extra)
+    return info
+
+
+def write_results(
+    result: dict[str, Any],
+    out: Path,
+    plot: Callable[[dict, Path], None],
+    **run_extra: Any,
+) -> None:
+    """Adds the run's provenance to ``result["run"]`` (keeping keys already there), then
+    writes ``result`` as JSON to ``out`` and its plot beside it (same name, .png)."""
+    result["run"] = {**run_info(**run_extra), **result.get("run", {})}
+    save_results(result, out, plot)

@@ -1,0 +1,42 @@
+"""bench/common.py: every result records the commit, date and machine it was measured on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+from baton.bench import common
+
+
+def test_run_info_names_the_checked_out_commit() -> None:
+    here = Path(common.__file__).resolve().parent
+    head = subprocess.run(
+        ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    info = common.run_info(dtype="bfloat16")
+    assert info["commit"].split("+")[0] == head
+    assert info["dtype"] == "bfloat16"
+    assert info["torch_threads"] >= 1 and info["cpu_cores"] >= 1
+    assert info["date"].endswith("+00:00")
+
+
+def test_write_results_adds_the_run_and_keeps_given_keys(tmp_path: Path) -> None:
+    plotted: list[Path] = []
+    out = tmp_path / "r" / "x.json"
+    common.write_results(
+        {"rows": [1], "run": {"dtype": "float32"}}, out, lambda r, p: plotted.append(p)
+    )
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == [1]
+    assert saved["run"]["dtype"] == "float32" and "commit" in saved["run"]
+    assert plotted == [out.with_suffix(".png")]
+
+
+def test_common_args() -> None:
+    p = argparse.ArgumentParser()
+    common.add_common_args(p, "demo", dtype="bfloat16")
+    args = p.parse_args([])
+    assert args.model is None and args.dtype == "bfloat16"
+    assert args.out == common.RESULTS_DIR / "demo.json"
