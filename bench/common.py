@@ -8,15 +8,18 @@ A benchmark file keeps only its workload and its table: ``add_common_args`` for 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from baton.bench.plotting import save_results
+
+T = TypeVar("T")
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DTYPE_CHOICES = ("float32", "bfloat16")
@@ -89,10 +92,32 @@ def run_info(**extra: Any) -> dict[str, Any]:
 def write_results(
     result: dict[str, Any],
     out: Path,
-    plot: Callable[[dict, Path], None],
+    plot: Callable[[dict, Path], None] | None,
     **run_extra: Any,
 ) -> None:
     """Adds the run's provenance to ``result["run"]`` (keeping keys already there), then
-    writes ``result`` as JSON to ``out`` and its plot beside it (same name, .png)."""
+    writes ``result`` as JSON to ``out`` and its plot (if any) beside it (same name, .png)."""
     result["run"] = {**run_info(**run_extra), **result.get("run", {})}
-    save_results(result, out, plot)
+    save_results(result, out, plot or (lambda result, path: None))
+
+
+def config_from_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, cls: type[T], **overrides: Any
+) -> T:
+    """The benchmark's frozen config dataclass ``cls`` from the parsed ``args`` whose names are
+    its fields (lists become tuples), with ``overrides`` on top.
+
+    A ``ValueError`` from the config's own validation becomes the parser's usage error (one
+    line, exit status 2), like any other bad option.
+    """
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if hasattr(args, field.name):
+            value = getattr(args, field.name)
+            values[field.name] = tuple(value) if isinstance(value, list) else value
+    values.update(overrides)
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # parser.error exits; this line only satisfies type checkers

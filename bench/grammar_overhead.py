@@ -17,8 +17,8 @@ from pathlib import Path
 
 import xgrammar as xgr
 
-from baton.bench.forward import RESULTS
-from baton.bench.plotting import pyplot, save_results
+from baton.bench.common import add_common_args, write_results
+from baton.bench.plotting import pyplot
 from baton.engine.loader import load_tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=60, help="schemas to walk")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=16, help="rows per step in the batched case")
-    p.add_argument("--out", type=Path, default=RESULTS / "grammar_overhead.json")
+    add_common_args(p, "grammar_overhead", model=False, dtype=None)
     a = p.parse_args(argv)
     tokenizer = load_tokenizer()
     vocab = 49152
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['batch_raw_us_per_token']:.1f} µs/token, baton wrapper "
         f"{result['batch_wrapper_us_per_token']:.1f} µs/token, ratio {result['batch_ratio']:.3f}"
     )
-    save_results(result, a.out, _plot)
+    write_results(result, a.out, _plot)
     return 0
 
 

@@ -26,18 +26,16 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from baton.bench.common import add_common_args, write_results
 from baton.engine.models.attention import AttentionMetadata, paged_attention
 from baton.kernels import paged_attention as kpa
 
-RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 WARMUP = 3
 
@@ -151,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-n", type=int, default=64, help="keys per kernel tile")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--inner", type=int, default=10, help="calls per timed sample")
-    p.add_argument("--out", type=Path, default=RESULTS / "paged_attention.json")
+    add_common_args(p, "paged_attention", model=False, dtype=None)
     a = p.parse_args(argv)
     if not (torch.cuda.is_available() and kpa.HAS_TRITON):
         print("paged attention benchmark: needs a CUDA device and triton; nothing measured")
@@ -179,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "inner": a.inner,
         "rows": rows,
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.out}")
+    write_results(result, a.out, None, dtype=a.dtype)
     return 0
 
 

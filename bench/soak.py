@@ -45,12 +45,11 @@ from typing import Any
 import httpx
 import jsonschema
 
-from baton.bench.plotting import pyplot, save_results
+from baton.bench.common import add_common_args, config_from_args, write_results
+from baton.bench.plotting import pyplot
 from baton.bench.serve import free_port, parse_metrics, write_tiny_model_dir
 from baton.engine.loader import load_tokenizer
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_OUT = RESULTS / "soak.json"
 VALID_KINDS = ("text", "json", "regex", "choice")
 KINDS = (*VALID_KINDS, "invalid", "disconnect")
 CHAT = "/v1/chat/completions"
@@ -791,23 +790,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=d.concurrency)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument(
-        "--time-limit", type=float, default=d.time_limit_s, help="seconds before sending stops"
+        "--time-limit",
+        type=float,
+        dest="time_limit_s",
+        metavar="SECONDS",
+        default=d.time_limit_s,
+        help="seconds before sending stops",
     )
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)")
     p.add_argument("--tiny", action="store_true", help="serve a tiny random-weight model")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
     p.add_argument(
-        "--no-rss-check", action="store_true", help="report the RSS growth but do not judge it"
+        "--request-timeout",
+        type=float,
+        dest="request_timeout_s",
+        metavar="SECONDS",
+        default=d.request_timeout_s,
+    )
+    p.add_argument(
+        "--no-rss-check",
+        action="store_false",
+        dest="check_rss",
+        help="report the RSS growth but do not judge it",
     )
     p.add_argument(
         "--server-arg",
         action="append",
+        dest="server_args",
         default=[],
         metavar="ARG",
         help="extra baton serve option, repeatable (e.g. --server-arg=--max-num-seqs=32)",
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output (PNG beside it)")
+    add_common_args(p, "soak", dtype=None)
     p.add_argument("--log", type=Path, default=None, help="keep the server's output here")
     return p
 
@@ -816,24 +829,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the soak from the command line; returns 0 when every criterion is met, else 1."""
     parser = build_parser()
     a = parser.parse_args(argv)
-    try:
-        config = SoakConfig(
-            requests=a.requests,
-            concurrency=a.concurrency,
-            max_tokens=a.max_tokens,
-            time_limit_s=a.time_limit,
-            model=a.model,
-            tiny=a.tiny,
-            seed=a.seed,
-            request_timeout_s=a.request_timeout,
-            check_rss=not a.no_rss_check,
-            server_args=tuple(a.server_arg),
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
+    config = config_from_args(parser, a, SoakConfig)
     result = run_soak(config, a.log)
     print_report(result)
-    save_results(result, a.out, plot)
+    write_results(result, a.out, plot)
     return 0 if result["passed"] else 1
 
 

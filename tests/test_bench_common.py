@@ -40,3 +40,28 @@ def test_common_args() -> None:
     args = p.parse_args([])
     assert args.model is None and args.dtype == "bfloat16"
     assert args.out == common.RESULTS_DIR / "demo.json"
+
+
+def test_config_from_args_maps_fields_and_turns_validation_into_a_usage_error() -> None:
+    import dataclasses
+
+    import pytest
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        batches: tuple[int, ...] = (1,)
+        repeats: int = 1
+
+        def __post_init__(self) -> None:
+            if self.repeats < 1:
+                raise ValueError("repeats must be >= 1")
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", type=int, nargs="+", default=[1])
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--unrelated", default="x")
+    cfg = common.config_from_args(p, p.parse_args(["--batches", "2", "4"]), Cfg)
+    assert cfg == Cfg(batches=(2, 4), repeats=1)
+    with pytest.raises(SystemExit) as exc:
+        common.config_from_args(p, p.parse_args(["--repeats", "0"]), Cfg)
+    assert exc.value.code == 2
