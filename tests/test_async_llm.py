@@ -217,9 +217,11 @@ def test_worker_death_is_unhealthy_and_fails_requests(tiny_model_dir: Path) -> N
     llm = AsyncLLM.from_engine_args(str(tiny_model_dir), num_kv_blocks=32, executor="mp")
     try:
         assert llm.is_healthy()
-        proc = llm._engine.core.executor._proc  # type: ignore[union-attr,attr-defined]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(10)
+        pid = llm._engine.core.executor.worker_pid  # type: ignore[union-attr,attr-defined]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while llm.is_healthy() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not llm.is_healthy()
 
         async def run() -> RequestOutput | None:

@@ -4,6 +4,7 @@ on SIGTERM, and what clients see when the engine dies (errors and 503s, never a 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -172,9 +173,11 @@ def _crash_engine_thread(engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> N
 
 def _kill_worker(engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """The model worker process is killed (e.g. by the OOM killer)."""
-    proc = engine._engine.core.executor._proc
-    proc.kill()
-    proc.join(10)
+    executor = engine._engine.core.executor
+    os.kill(executor.worker_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while executor.failure() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @pytest.mark.slow

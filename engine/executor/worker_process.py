@@ -1,0 +1,102 @@
+"""Starting the model worker process so that it never runs the user's script.
+
+multiprocessing's spawn and forkserver children re-import the parent's ``__main__``: a script
+with ``llm = LLM(...)`` at top level (no ``if __name__ == "__main__"`` guard) would build a
+second engine inside the worker, which then dies while starting. So the worker is a fresh
+interpreter (``subprocess``) that runs a two-line bootstrap: put the engine's import path
+first, import ``baton.engine.worker.worker_main`` and serve. It talks to the engine over an
+inherited socket, and maps the shared buffers through inherited file descriptors. A failure
+before it is ready comes back as its traceback, or else as its exit code or signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+# Runs in the fresh interpreter. An import failure is sent to the engine as the reason.
+_BOOTSTRAP = """\
+import sys, json, traceback
+from multiprocessing.connection import Connection
+conn = Connection(int(sys.argv[1]))
+try:
+    sys.path[:0] = json.loads(sys.argv[2])
+    from baton.engine.worker.worker_main import serve
+except BaseException:
+    conn.send(("error", "cannot import the model worker:\\n" + traceback.format_exc()))
+    raise SystemExit(1)
+raise SystemExit(serve(conn))
+"""
+_STOP_S = 5.0
+
+
+class WorkerProcess:
+    """A started model worker: its pid, its connection, how it ended.
+
+    Args:
+        fds: descriptors the worker inherits under the same numbers (the shared buffers).
+        threads_env: environment overrides (e.g. thread counts) for the worker.
+
+    Raises:
+        OSError: the interpreter cannot be started (the message says why).
+    """
+
+    def __init__(self, fds: Sequence[int], env: dict[str, str] | None = None) -> None:
+        ours, theirs = socket.socketpair()
+        paths = json.dumps([p for p in sys.path if p])
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno()), paths],
+                pass_fds=(theirs.fileno(), *fds),
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                close_fds=True,
+            )
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def is_alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def exit_description(self) -> str | None:
+        """How the worker ended ("exit code 1", "killed by signal SIGKILL"), None while alive."""
+        code = self._proc.poll()
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = str(-code)
+            hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+            return f"killed by signal {name}{hint}"
+        return f"exit code {code}"
+
+    def stop(self) -> None:
+        """Asks the worker to stop, then ends it if it does not; idempotent."""
+        if self._proc.poll() is None:
+            with contextlib.suppress(OSError, EOFError, BrokenPipeError, ValueError):
+                self.conn.send(("shutdown",))
+            try:
+                self._proc.wait(_STOP_S)
+            except subprocess.TimeoutExpired:
+                self._proc.terminate()
+                try:
+                    self._proc.wait(_STOP_S)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+        if not self.conn.closed:
+            self.conn.close()

@@ -1,0 +1,153 @@
+"""The model worker process: builds the runner from what the engine sends, then runs its steps.
+
+It is started as a fresh interpreter that imports this module only (never the user's
+``__main__``, see ``executor/worker_process.py``). The engine sends one "init" message (the
+runner spec, where the weights, bitmasks and sampled tokens lie in the inherited shared
+buffers), then per step an "execute" message (the ``SchedulerOutput``) and a "sample" message.
+Each "sample" is answered with one ``Reply``, in order, from a sender thread, so neither side
+can block on a full socket while the other blocks on its own send. The worker ignores SIGINT
+(the engine process owns Ctrl-C) and exits when the connection closes, so it dies with the
+engine process however that ends.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from baton.engine.scheduler_output import GrammarOutput, Logprobs, SchedulerOutput
+from baton.engine.worker.build import RunnerSpec, build_runner
+from baton.engine.worker.model_runner import ForwardOutput, ModelRunner
+from baton.engine.worker.shared_memory import SharedBuffer, TensorLayout
+
+
+@dataclass(frozen=True)
+class WorkerInit:
+    """The "init" message: what the worker builds and where its shared tensors lie."""
+
+    spec: RunnerSpec
+    weights_fd: int
+    weights_nbytes: int
+    weights: dict[str, TensorLayout]
+    io_fd: int
+    io_nbytes: int
+    bitmasks: TensorLayout  # int32 [slots, rows, words]
+    sampled: TensorLayout  # int64 [slots, rows]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The worker's answer to one "sample" message."""
+
+    step_id: int
+    slot: int
+    request_ids: tuple[str, ...]
+    sample_request_ids: tuple[str, ...]
+    logprobs: dict[str, Logprobs]
+    error: str | None
+    device_seconds: float = 0.0  # the worker's forward + sampling time so far
+
+
+@dataclass(frozen=True)
+class _FailedStep:
+    request_ids: tuple[str, ...]
+    message: str
+
+
+def serve(conn: Connection) -> int:
+    """The worker's whole life: init, then steps until "shutdown" or the connection closes.
+    Returns the process exit code. A failure to start is sent as ("error", traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        init: WorkerInit = conn.recv()
+        if init.spec.num_threads is not None:
+            torch.set_num_threads(init.spec.num_threads)
+        weights_mem = SharedBuffer(init.weights_fd, init.weights_nbytes)
+        weights = {name: weights_mem.tensor(lay) for name, lay in init.weights.items()}
+        io = SharedBuffer(init.io_fd, init.io_nbytes)
+        bitmasks, sampled = io.tensor(init.bitmasks), io.tensor(init.sampled)
+        runner = build_runner(init.spec, weights)
+        weights_mem.close()
+        io.close()
+        del weights
+    except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
+        conn.send(("error", traceback.format_exc()))
+        return 1
+    conn.send(("ready", None))
+    _run_steps(conn, runner, bitmasks, sampled)
+    return 0
+
+
+def _run_steps(
+    conn: Connection, runner: ModelRunner, bitmasks: torch.Tensor, sampled: torch.Tensor
+) -> None:
+    outbox: queue.SimpleQueue[Reply | None] = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_replies, args=(conn, outbox), daemon=True)
+    sender.start()
+    pending: deque[ForwardOutput | _FailedStep] = deque()
+    busy = 0.0
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break  # the engine is gone
+        kind = message[0]
+        t0 = time.perf_counter()
+        if kind == "execute":
+            so: SchedulerOutput = message[1]
+            try:
+                pending.append(runner.execute_model(so))
+            except Exception:  # noqa: BLE001 - fails this step's requests, not the worker
+                text = f"model step failed:\n{traceback.format_exc()}"
+                pending.append(_FailedStep(tuple(so.num_scheduled_tokens), text))
+            busy += time.perf_counter() - t0
+        elif kind == "sample":
+            _, step_id, slot, grammar_ids = message
+            reply = _sample(runner, pending, step_id, slot, grammar_ids, bitmasks, sampled)
+            busy += time.perf_counter() - t0
+            outbox.put(replace(reply, device_seconds=busy))
+        elif kind == "shutdown":
+            break
+    outbox.put(None)
+    sender.join(timeout=5)
+
+
+def _send_replies(conn: Connection, outbox: queue.SimpleQueue[Reply | None]) -> None:
+    while (reply := outbox.get()) is not None:
+        try:
+            conn.send(reply)
+        except (OSError, EOFError, BrokenPipeError):
+            return
+
+
+def _sample(
+    runner: Any,
+    pending: deque[ForwardOutput | _FailedStep],
+    step_id: int,
+    slot: int,
+    grammar_ids: tuple[str, ...],
+    bitmasks: torch.Tensor,
+    sampled: torch.Tensor,
+) -> Reply:
+    fwd = pending.popleft() if pending else _FailedStep((), "sample_tokens without a forward")
+    if isinstance(fwd, _FailedStep):
+        return Reply(step_id, slot, fwd.request_ids, (), {}, fwd.message)
+    grammar = None
+    if grammar_ids:
+        grammar = GrammarOutput(grammar_ids, bitmasks[slot, : len(grammar_ids)])
+    try:
+        s = runner.sample(fwd, grammar)
+        sampled[slot, : s.token_ids.numel()].copy_(s.token_ids)
+    except Exception:  # noqa: BLE001 - fails this step's requests, not the worker
+        message = f"sampling failed:\n{traceback.format_exc()}"
+        return Reply(step_id, slot, fwd.request_ids, (), {}, message)
+    return Reply(step_id, slot, s.request_ids, s.sample_request_ids, s.logprobs, None)

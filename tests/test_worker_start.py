@@ -1,0 +1,95 @@
+"""Starting the model worker process: it never runs the user's script, and every start failure
+says why."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton.engine.executor import worker_process
+from baton.engine.executor.base import ExecutorError
+from baton.engine.executor.multiproc import MultiprocExecutor
+from baton.engine.loader import load_checkpoint
+from baton.engine.worker.build import RunnerSpec
+
+pytestmark = pytest.mark.slow
+
+
+def _spec(ckpt) -> RunnerSpec:
+    return RunnerSpec(
+        model_config=ckpt.config,
+        dtype=torch.float32,
+        num_kv_blocks=16,
+        block_size=16,
+        max_num_seqs=4,
+        max_model_len=128,
+        eos_token_ids=tuple(ckpt.config.eos_token_ids),
+        tokenizer_vocab_size=ckpt.tokenizer.vocab_size,
+        num_threads=1,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_an_unguarded_script_runs_once_with_the_worker(tiny_model_dir: Path, tmp_path: Path):
+    # The README's shape with async scheduling forced on, at top level without a __main__
+    # guard: a worker that re-imported __main__ would build a second LLM and die starting.
+    script = tmp_path / "user_script.py"
+    marker = tmp_path / "runs.txt"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from baton.engine import LLM, SamplingParams
+
+            with open({str(marker)!r}, "a") as f:
+                f.write("ran\\n")
+            llm = LLM({str(tiny_model_dir)!r}, async_scheduling=True, max_model_len=128)
+            outs = llm.generate(["hello there"], SamplingParams(max_tokens=5, temperature=0.0,
+                                ignore_eos=True), use_tqdm=False)
+            print("TOKENS", len(outs[0].outputs[0].token_ids), llm.config.executor)
+            llm.shutdown()
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TOKENS 5 mp" in done.stdout
+    assert marker.read_text() == "ran\n"
+
+
+def test_a_worker_that_cannot_build_says_why(tiny_model_dir: Path):
+    ckpt = load_checkpoint(str(tiny_model_dir))
+    weights = dict(ckpt.weights)
+    weights.pop("model.norm.weight")
+    with pytest.raises(ExecutorError, match=r"failed to start(.|\n)*model\.norm\.weight"):
+        MultiprocExecutor(_spec(ckpt), weights)
+
+
+def test_a_worker_that_cannot_import_says_why(tiny_model_dir: Path, monkeypatch):
+    ckpt = load_checkpoint(str(tiny_model_dir))
+    broken = worker_process._BOOTSTRAP.replace("worker.worker_main", "worker.no_such_module")
+    monkeypatch.setattr(worker_process, "_BOOTSTRAP", broken)
+    with pytest.raises(ExecutorError, match=r"cannot import the model worker(.|\n)*no_such_module"):
+        MultiprocExecutor(_spec(ckpt), ckpt.weights)
+
+
+def test_a_worker_killed_while_starting_says_how_it_ended(tiny_model_dir: Path, monkeypatch):
+    ckpt = load_checkpoint(str(tiny_model_dir))
+    monkeypatch.setattr(
+        worker_process, "_BOOTSTRAP", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    with pytest.raises(ExecutorError, match="killed by signal SIGKILL"):
+        MultiprocExecutor(_spec(ckpt), ckpt.weights)
