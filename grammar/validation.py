@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.structural_tag import json_schema_formats, normalise_structural_tag
 
 DEFAULT_MAX_SPEC_BYTES = 64 * 1024
 """Largest schema (canonical JSON bytes), regex, grammar or choice list accepted."""
@@ -76,20 +77,35 @@ def _check_schema(spec: StructuredOutputsParams, max_bytes: int, max_depth: int)
         schema = spec.schema
     except RecursionError:
         raise ValueError(f"json schema nests deeper than the limit of {max_depth}") from None
+    check_schema_value(schema, max_bytes=max_bytes, max_depth=max_depth)
+
+
+def check_schema_value(
+    schema: Any,
+    *,
+    what: str = "json schema",
+    max_bytes: int = DEFAULT_MAX_SPEC_BYTES,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+) -> None:
+    """Checks one JSON schema (a Python value) as ``validate_spec`` checks a ``json`` spec.
+
+    Raises:
+        ValueError: starting with ``what``: not an object or boolean, nested or sized over the
+            limits, not serialisable, ``false``, or invalid against its metaschema (naming
+            where).
+    """
     if not isinstance(schema, (dict, bool)):
-        raise ValueError(
-            f"json schema must be a JSON object or boolean, got {type(schema).__name__}"
-        )
+        raise ValueError(f"{what} must be a JSON object or boolean, got {type(schema).__name__}")
     depth = _depth(schema)
     if depth > max_depth:
-        raise ValueError(f"json schema nests {depth} levels deep, over the limit of {max_depth}")
+        raise ValueError(f"{what} nests {depth} levels deep, over the limit of {max_depth}")
     try:
         canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"json schema is not JSON-serialisable: {exc}") from None
-    _check_size("json schema (canonical JSON)", canonical, max_bytes)
+        raise ValueError(f"{what} is not JSON-serialisable: {exc}") from None
+    _check_size(f"{what} (canonical JSON)", canonical, max_bytes)
     if schema is False:
-        raise ValueError("json schema is false: no output can match it")
+        raise ValueError(f"{what} is false: no output can match it")
     from jsonschema.exceptions import SchemaError
     from jsonschema.validators import Draft202012Validator, validator_for
 
@@ -98,7 +114,7 @@ def _check_schema(spec: StructuredOutputsParams, max_bytes: int, max_depth: int)
         validator.check_schema(schema)
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-        raise ValueError(f"json schema is invalid at {where}: {exc.message}") from None
+        raise ValueError(f"{what} is invalid at {where}: {exc.message}") from None
 
 
 def _outlines_regex_error(regex: str) -> str | None:
@@ -160,22 +176,24 @@ def _check_grammar(text: str) -> None:
         raise ValueError(f"grammar is not valid EBNF: {_xgrammar_message(exc)}") from None
 
 
-def _check_structural_tag(spec: StructuredOutputsParams, max_bytes: int) -> None:
+def _check_structural_tag(spec: StructuredOutputsParams, max_bytes: int, max_depth: int) -> None:
     tag = spec.structural_tag
     text = tag if isinstance(tag, str) else json.dumps(tag)
     _check_size("structural_tag", text, max_bytes)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"structural_tag is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"structural_tag must be a JSON object, got {type(value).__name__}")
+    normalised = normalise_structural_tag(text)
+    for i, fmt in enumerate(json_schema_formats(normalised)):
+        check_schema_value(
+            fmt["json_schema"],
+            what=f"structural_tag JSON schema {i}",
+            max_bytes=max_bytes,
+            max_depth=max_depth,
+        )
     if "xgrammar" not in _allowed(spec):
         return  # only xgrammar reads structural tags; check_enforceable reports the backend
     import xgrammar
 
     try:
-        xgrammar.Grammar.from_structural_tag(text)
+        xgrammar.Grammar.from_structural_tag(json.dumps(normalised))
     except Exception as exc:
         raise ValueError(f"structural_tag is invalid: {_xgrammar_message(exc)}") from None
 
@@ -219,7 +237,7 @@ def validate_spec(
         _check_size("grammar", text, max_spec_bytes)
         _check_grammar(text)
     elif kind == "structural_tag":
-        _check_structural_tag(spec, max_spec_bytes)
+        _check_structural_tag(spec, max_spec_bytes, max_depth)
 
 
 def check_enforceable(spec: StructuredOutputsParams, reasons: Mapping[str, str | None]) -> None:

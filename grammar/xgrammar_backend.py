@@ -27,6 +27,11 @@ from baton.grammar.backend import (
     bitmask_width,
 )
 from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.structural_tag import (
+    json_schema_formats,
+    map_json_schema_formats,
+    normalise_structural_tag,
+)
 from baton.grammar.vocab import Vocab, VocabSource, build_vocab
 
 # ---------------------------------------------------------------------------- enforcement table
@@ -477,6 +482,11 @@ def close_object_schemas(schema: Any) -> Any:
 _BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
 _PLAIN_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
 
+# A structural tag's JSON-schema content with only these keys is compiled as a json spec.
+_PLAIN_JSON_FORMAT_KEYS = frozenset(
+    {"type", "json_schema", "style", "any_order", "excludes", "max_whitespace_cnt"}
+)
+
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -506,29 +516,6 @@ def ebnf_string_literal(text: str) -> str:
 def choice_ebnf(choices: Sequence[str]) -> str:
     """An EBNF grammar whose language is exactly ``choices``."""
     return "root ::= " + " | ".join(ebnf_string_literal(c) for c in dict.fromkeys(choices))
-
-
-def _structural_tag_text(value: dict[str, Any] | str) -> str:
-    """The structural tag as JSON text; the legacy OpenAI form (``structures`` +
-    ``triggers``) becomes xgrammar's ``triggered_tags`` format."""
-    tag = json.loads(value) if isinstance(value, str) else value
-    if isinstance(tag, dict) and "structures" in tag and "format" not in tag:
-        tags = []
-        for s in tag["structures"]:
-            schema = s.get("schema", s.get("parameters", {}))
-            tags.append(
-                {
-                    "type": "tag",
-                    "begin": s["begin"],
-                    "content": {"type": "json_schema", "json_schema": schema},
-                    "end": s["end"],
-                }
-            )
-        tag = {
-            "type": "structural_tag",
-            "format": {"type": "triggered_tags", "triggers": tag.get("triggers", []), "tags": tags},
-        }
-    return json.dumps(tag)
 
 
 # ---------------------------------------------------------------------------- matcher
@@ -741,19 +728,27 @@ class XGrammarBackend(GrammarBackend):
     # ------------------------------------------------------------------ specs
 
     def unsupported_reason(self, spec: StructuredOutputsParams) -> str | None:
-        """None for every spec kind, except a JSON schema with keywords xgrammar would not
-        enforce (unless ``spec.allow_unenforced``): then a message naming them."""
-        if spec.kind != "json" or spec.allow_unenforced:
+        """None for every spec kind, except a JSON schema (or a structural tag holding one)
+        with keywords xgrammar would not enforce (unless ``spec.allow_unenforced``): then a
+        message naming them."""
+        if spec.allow_unenforced or spec.kind not in ("json", "structural_tag"):
             return None
         try:
-            schema = spec.schema
+            if spec.kind == "json":
+                schemas = [spec.schema]
+            else:
+                st = normalise_structural_tag(spec.structural_tag or {})
+                schemas = [f["json_schema"] for f in json_schema_formats(st)]
         except ValueError:
-            return None  # compile() reports the bad schema text
-        unenforced = xgrammar_unenforced_keywords(schema)
+            return None  # compile() reports the bad spec text
+        unenforced: set[str] = set()
+        for schema in schemas:
+            unenforced |= xgrammar_unenforced_keywords(schema)
         if not unenforced:
             return None
+        where = "" if spec.kind == "json" else " (in the structural tag's JSON schemas)"
         return (
-            "xgrammar does not enforce these JSON-schema keywords: "
+            f"xgrammar does not enforce these JSON-schema keywords{where}: "
             + ", ".join(sorted(unenforced))
             + " (set allow_unenforced to accept the schema with them ignored)"
         )
@@ -777,24 +772,47 @@ class XGrammarBackend(GrammarBackend):
             return {"any_whitespace": True, "max_whitespace_cnt": spec.max_whitespace_cnt}
         return {"any_whitespace": False, "separators": (",", ":")}
 
-    def _compile_json(self, schema: str, **options: Any) -> xgr.CompiledGrammar:
-        """``compile_json_schema`` in strict mode, with xgrammar's length-bounded string
+    def _json_grammar(self, schema: Any, spec: StructuredOutputsParams) -> xgr.Grammar:
+        """The grammar of a JSON schema as baton compiles it: strict mode, the spec's
+        whitespace and additional-properties options, and xgrammar's length-bounded string
         characters closed to raw control characters (see ``_PLAIN_STRING_CHAR``)."""
-        grammar = xgr.Grammar.from_json_schema(schema, strict_mode=True, **options)
+        if spec.disable_additional_properties:
+            schema = close_object_schemas(schema)
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(schema), strict_mode=True, **self._json_options(spec)
+        )
         text = str(grammar)
         if _BOUNDED_STRING_CHAR not in text:
-            return self._compiler.compile_grammar(grammar)
+            return grammar
         fixed = text.replace(_BOUNDED_STRING_CHAR, _PLAIN_STRING_CHAR)
-        return self._compiler.compile_grammar(xgr.Grammar.from_ebnf(fixed, root_rule_name="root"))
+        return xgr.Grammar.from_ebnf(fixed, root_rule_name="root")
+
+    def _structural_tag_text(self, spec: StructuredOutputsParams) -> str:
+        """The spec's structural tag as xgrammar's JSON text, its plain JSON-schema contents
+        (style "json", no ``any_order`` or ``excludes``) replaced by the grammar baton compiles
+        for a ``json`` spec. xgrammar's own reading of such a content differs: unbounded free
+        whitespace and raw control characters in length-bounded strings."""
+        tag = normalise_structural_tag(spec.structural_tag or {})
+
+        def as_grammar(fmt: dict[str, Any]) -> dict[str, Any]:
+            own_options = (
+                fmt.get("style", "json") != "json"
+                or fmt.get("any_order")
+                or fmt.get("excludes")
+                or fmt.get("max_whitespace_cnt") is not None
+                or set(fmt) - _PLAIN_JSON_FORMAT_KEYS
+            )
+            if own_options:
+                return fmt
+            return {"type": "grammar", "grammar": str(self._json_grammar(fmt["json_schema"], spec))}
+
+        return json.dumps(map_json_schema_formats(tag, as_grammar))
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind = spec.kind
         c = self._compiler
         if kind == "json":
-            schema = spec.schema
-            if spec.disable_additional_properties:
-                schema = close_object_schemas(schema)
-            return self._compile_json(json.dumps(schema), **self._json_options(spec))
+            return c.compile_grammar(self._json_grammar(spec.schema, spec))
         if kind == "json_object":
             # Non-strict: an object schema without properties then admits any keys and values.
             return c.compile_json_schema(
@@ -807,10 +825,7 @@ class XGrammarBackend(GrammarBackend):
         if kind == "grammar":
             return c.compile_grammar(spec.grammar or "")
         if kind == "structural_tag":
-            st = spec.structural_tag
-            if st is None:
-                raise ValueError("structural_tag is missing")
-            return c.compile_structural_tag(_structural_tag_text(st))
+            return c.compile_structural_tag(self._structural_tag_text(spec))
         raise ValueError(f"unknown spec kind {kind!r}")
 
     # ------------------------------------------------------------------ masks

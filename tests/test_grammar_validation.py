@@ -44,6 +44,21 @@ def _nested(depth: int) -> dict:
         (StructuredOutputsParams(structural_tag="{"), ["structural_tag", "JSON"]),
         (StructuredOutputsParams(structural_tag="[1]"), ["structural_tag", "object"]),
         (StructuredOutputsParams(structural_tag={"type": 1}), ["structural_tag", "invalid"]),
+        (
+            StructuredOutputsParams(
+                structural_tag={
+                    "type": "structural_tag",
+                    "format": {"type": "json_schema", "json_schema": {"type": "wrong"}},
+                }
+            ),
+            ["structural_tag JSON schema 0", "invalid at type"],
+        ),
+        (
+            StructuredOutputsParams(
+                structural_tag={"structures": [{"begin": "<a>", "schema": {"minimum": "x"}}]}
+            ),
+            ["structures[0]", "begin and end"],
+        ),
     ],
     ids=lambda v: v.kind if isinstance(v, StructuredOutputsParams) else None,
 )

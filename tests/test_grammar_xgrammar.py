@@ -871,3 +871,60 @@ def test_length_bounded_strings_never_hold_control_characters(
     assert not walk(tokenizer, grammar, '{"name":""}')
     assert walk(tokenizer, grammar, '{"name":"Éçü€"}')
     assert not walk(tokenizer, grammar, '{"name":"Éçü€a"}')
+
+
+# ------------------------------------------------------------------------ structural tags
+
+
+def _call_tag(schema: Any, **content: Any) -> dict[str, Any]:
+    return {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["<call>"],
+            "tags": [
+                {
+                    "type": "tag",
+                    "begin": "<call>",
+                    "content": {"type": "json_schema", "json_schema": schema, **content},
+                    "end": "</call>",
+                }
+            ],
+        },
+    }
+
+
+def test_structural_tag_json_contents_compile_like_json_specs(
+    backend: XGrammarBackend, tokenizer: Tokenizer
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 4}},
+        "required": ["name"],
+    }
+    tag = _call_tag(schema)
+    grammar = compile_spec(backend, structural_tag=tag)
+    assert walk(tokenizer, grammar, 'hi <call>{"name":"Nik"}</call> bye')
+    # Compact by default, as a json spec: no free whitespace, no raw control characters in a
+    # bounded string, and strict mode (no extra keys).
+    assert not walk(tokenizer, grammar, '<call>{"name": "Nik"}</call>')
+    assert not walk(tokenizer, grammar, '<call>{"name":"N\x15"}</call>')
+    assert not walk(tokenizer, grammar, '<call>{"name":"N","x":1}</call>')
+    assert not walk(tokenizer, grammar, '<call>{"name":"Nikos"}</call>')
+    loose = compile_spec(backend, structural_tag=tag, whitespace="any", max_whitespace_cnt=2)
+    assert walk(tokenizer, loose, '<call>{ "name": "Nik" }</call>')
+    # A content with xgrammar's own options is left to xgrammar.
+    own = compile_spec(backend, structural_tag=_call_tag(schema, max_whitespace_cnt=3))
+    assert walk(tokenizer, own, '<call>{"name": "Nik"}</call>')
+
+
+def test_structural_tag_unsupported_reason(backend: XGrammarBackend) -> None:
+    spec = StructuredOutputsParams
+    assert backend.unsupported_reason(spec(structural_tag=_call_tag({"type": "integer"}))) is None
+    bad = _call_tag({"type": "array", "uniqueItems": True})
+    reason = backend.unsupported_reason(spec(structural_tag=bad))
+    assert reason is not None and "uniqueItems" in reason and "structural tag" in reason
+    assert backend.unsupported_reason(spec(structural_tag=bad, allow_unenforced=True)) is None
+    legacy = {"structures": [{"begin": "<a>", "schema": {"not": {}}, "end": "</a>"}]}
+    reason = backend.unsupported_reason(spec(structural_tag=legacy))
+    assert reason is not None and "not" in reason
