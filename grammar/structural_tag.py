@@ -18,6 +18,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from baton.grammar.spec import StructuredOutputsParams
+
 
 def normalise_structural_tag(value: dict[str, Any] | str) -> dict[str, Any]:
     """``value`` (a dict or JSON text) in xgrammar's form; the legacy ``structures`` +
@@ -98,3 +100,29 @@ def map_json_schema_formats(
             elif isinstance(child, (dict, list)):
                 stack.append(child)
     return root["tag"]
+
+
+def spec_format(spec: StructuredOutputsParams) -> dict[str, Any]:
+    """``spec``'s constraint as one structural-tag format, to place inside a larger tag (for
+    example, the answer a model gives when it calls no tool). Its options (whitespace,
+    backend) are the enclosing spec's business.
+
+    Raises:
+        ValueError: the spec's text is not valid (a schema or structural tag that is not JSON).
+    """
+    kind = spec.kind
+    if kind == "json":
+        return {"type": "json_schema", "json_schema": spec.schema}
+    if kind == "json_object":
+        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if kind == "regex":
+        return {"type": "regex", "pattern": spec.regex}
+    if kind == "grammar":
+        return {"type": "grammar", "grammar": spec.grammar}
+    if kind == "choice":
+        choices = list(dict.fromkeys(spec.choice or ()))
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in choices]}
+    tag = normalise_structural_tag(spec.structural_tag or {})
+    if "format" not in tag:
+        raise ValueError("structural_tag has no format")
+    return tag["format"]

@@ -383,3 +383,27 @@ def serve_in_thread(app: Any, log_level: str = "warning") -> Iterator[str]:
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+DEFAULT_SERVED_MODEL = "smol"
+
+
+@pytest.fixture(scope="session")
+def default_model_server(default_checkpoint: Checkpoint) -> Iterator[str]:
+    """``baton serve``'s app on the default model (no API key, served as "smol"), in a uvicorn
+    thread for the whole session; yields its base URL. Shared by the client tests so that the
+    model loads once."""
+    from baton.engine.entrypoints.async_llm import AsyncLLM
+    from baton.engine.server.app import build_app
+    from baton.engine.server.config import ServerConfig
+
+    engine = AsyncLLM.from_engine_args(
+        None, checkpoint=default_checkpoint, max_num_seqs=8, max_model_len=2048
+    )
+    try:
+        with serve_in_thread(
+            build_app(engine, ServerConfig(served_model_name=DEFAULT_SERVED_MODEL))
+        ) as base:
+            yield base
+    finally:
+        engine.shutdown()

@@ -209,9 +209,25 @@ COMPLETION_FIELDS = {
     "prompt": PROMPT,
     "logprobs": st.integers(0, 25),
 }
-# Real fields the server refuses (400) rather than silently ignore: rare, as mutations, so
-# that most bodies get as far as generation.
-REFUSED_FIELDS = ("logit_bias", "tools", "tool_choice", "echo", "suffix", "best_of")
+# Real fields the server refuses (400) rather than silently ignore, or checks closely (tools,
+# vLLM's guided_* spellings): rare, as mutations, so that most bodies get as far as generation.
+REFUSED_FIELDS = (
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "echo",
+    "suffix",
+    "best_of",
+    "functions",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "use_beam_search",
+)
 # Values of any type or range for a field: wrong types, negatives, huge, NaN.
 BAD_VALUES = st.one_of(
     JSON_VALUES, INTS, FLOATS, BAD_TOKEN_IDS, st.lists(JSON_VALUES, max_size=3), st.just([])

@@ -499,7 +499,8 @@ def test_params_from_request_bodies() -> None:
             "response_format": {"type": "json_schema", "json_schema": {"schema": PERSON_SCHEMA}},
         }
     )
-    p = chat_sampling_params(chat, config)
+    p, constraint = chat_sampling_params(chat, config)
+    assert constraint is not None and constraint.param == "response_format"
     assert p.max_tokens == 7 and p.stop == ("END",) and p.logprobs == 4
     assert p.structured_outputs is not None
     assert p.structured_outputs.schema == PERSON_SCHEMA
@@ -511,7 +512,7 @@ def test_params_from_request_bodies() -> None:
             ).structured_outputs
         }
     )
-    with pytest.raises(APIError, match="not both"):
+    with pytest.raises(APIError, match="ask for different constraints"):
         chat_sampling_params(both, config)
     with pytest.raises(APIError, match="top_logprobs needs logprobs"):
         chat_sampling_params(
@@ -520,7 +521,7 @@ def test_params_from_request_bodies() -> None:
     comp = CompletionRequest.model_validate(
         {"prompt": [1, 2], "structured_outputs": {"choice": ["a", "b"], "backend": "xgrammar"}}
     )
-    p = completion_sampling_params(comp, config)
+    p, _ = completion_sampling_params(comp, config)
     assert p.max_tokens == 16 and p.structured_outputs.choice == ("a", "b")
     assert p.structured_outputs.backend == "xgrammar"
     with pytest.raises(APIError) as info:

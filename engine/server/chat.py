@@ -1,4 +1,6 @@
-"""``POST /v1/chat/completions``: render the conversation, generate, answer or stream."""
+"""``POST /v1/chat/completions``: render the conversation, generate, answer or stream; with
+tools, the answer's tool calls are read out of the text (``baton.engine.server.tools``,
+``baton.engine.server.tool_output``)."""
 
 from __future__ import annotations
 
@@ -32,16 +34,22 @@ from baton.engine.server.logprobs import chat_logprobs
 from baton.engine.server.params import chat_sampling_params, check_model
 from baton.engine.server.protocol import ChatCompletionRequest
 from baton.engine.server.state import get_state
+from baton.engine.server.tool_output import ToolCallDeltas, finish_reason, tool_message
+from baton.engine.server.tools import ToolPlan, prepare_messages, tool_plan
 from baton.engine.tokenizer import Tokenizer
 
 router = APIRouter()
 
 
-def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The prompt token ids of the conversation, rendered with the model's chat template.
+def render_chat(
+    tokenizer: Tokenizer, body: ChatCompletionRequest, tools: ToolPlan | None = None
+) -> list[int]:
+    """The prompt token ids of the conversation, rendered with the model's chat template
+    (with the tools, earlier calls and tool results as ``prepare_messages`` lays them out).
 
     Raises:
-        APIError: 400 for non-text content parts or a conversation the template rejects.
+        APIError: 400 for non-text content parts, malformed tool calls, or a conversation the
+            template rejects.
     """
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(body.messages):
@@ -59,12 +67,13 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
         message = m.model_dump(exclude_none=True)
         message["content"] = content or ""
         messages.append(message)
+    messages, variables = prepare_messages(messages, tools, tokenizer.chat_template)
     try:
         ids = tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=body.add_generation_prompt,
             tokenize=True,
-            **(body.chat_template_kwargs or {}),
+            **{**variables, **(body.chat_template_kwargs or {})},
         )
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise bad_request(f"messages: the chat template failed: {exc}", "messages") from None
@@ -78,19 +87,29 @@ def _choice_logprobs(c: CompletionOutput, top_n: int, wanted: bool) -> dict[str,
 
 
 def _response(
-    out: RequestOutput, body: ChatCompletionRequest, request_id: str, created: int, model: str
+    out: RequestOutput,
+    body: ChatCompletionRequest,
+    request_id: str,
+    created: int,
+    model: str,
+    tools: ToolPlan | None,
 ) -> dict[str, Any]:
     top_n = body.top_logprobs or 0
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": _choice_logprobs(c, top_n, body.logprobs),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for c in out.outputs
-    ]
+    choices = []
+    for c in out.outputs:
+        if tools is not None and tools.mode != "none":
+            message, reason = tool_message(c.text, c.finish_reason, tools.fmt)
+        else:
+            message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": _choice_logprobs(c, top_n, body.logprobs),
+                "finish_reason": reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     return {
         "id": request_id,
@@ -108,6 +127,7 @@ async def _stream(
     request_id: str,
     created: int,
     model: str,
+    tools: ToolPlan | None,
 ) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     top_n = body.top_logprobs or 0
@@ -121,6 +141,11 @@ async def _stream(
         ]
     )
     trackers = [DeltaTracker() for _ in range(body.n)]
+    calls = (
+        [ToolCallDeltas(tools.fmt) for _ in range(body.n)]
+        if tools is not None and tools.mode != "none"
+        else None
+    )
     last: RequestOutput | None = None
     try:
         async for out in stream:
@@ -134,10 +159,18 @@ async def _stream(
                 text, ids, entries = trackers[c.index].delta(c)
                 if not text and not ids and not c.finished:
                     continue
+                delta: dict[str, Any] = {"content": text} if text else {}
+                reason = c.finish_reason
+                if calls is not None:
+                    deltas = calls[c.index]
+                    delta = deltas.delta(c.text, c.finished)
+                    reason = finish_reason(reason, deltas.has_calls)
+                    if not delta and not c.finished and not body.logprobs:
+                        continue
                 choice: dict[str, Any] = {
                     "index": c.index,
-                    "delta": {"content": text} if text else {},
-                    "finish_reason": c.finish_reason,
+                    "delta": delta,
+                    "finish_reason": reason,
                 }
                 if body.logprobs:
                     choice["logprobs"] = {"content": chat_logprobs(ids, entries, top_n)}
@@ -159,26 +192,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     """OpenAI's chat completions (see the module docs of ``baton.engine.server``)."""
     state = get_state(request)
     check_model(body.model, state.config)
-    params = chat_sampling_params(body, state.config)
-    prompt = render_chat(state.engine.get_tokenizer(), body)
+    tools = tool_plan(body)
+    params, constraint = chat_sampling_params(body, state.config, tools)
+    prompt = render_chat(state.engine.get_tokenizer(), body, tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or state.config.served_model_name
-    fmt = body.response_format
-    structured_param = (
-        "structured_outputs"
-        if body.structured_outputs is not None
-        else "response_format"
-        if fmt is not None and fmt.type != "text"
-        else None
-    )
-    streams = await start_requests(state, [prompt], params, request_id, structured_param)
+    param = constraint.param if constraint is not None else None
+    streams = await start_requests(state, [prompt], params, request_id, param)
     if body.stream:
         return SSEResponse(
-            _stream(streams[0], body, request_id, created, model), lambda: close_all(streams)
+            _stream(streams[0], body, request_id, created, model, tools),
+            lambda: close_all(streams),
         )
     try:
         (out,) = await collect_unary(request, streams)
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(_response(out, body, request_id, created, model))
+    return JSONResponse(_response(out, body, request_id, created, model, tools))

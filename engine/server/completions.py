@@ -145,13 +145,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     """OpenAI's (legacy) text completions."""
     state = get_state(request)
     check_model(body.model, state.config)
-    params = completion_sampling_params(body, state.config)
+    params, constraint = completion_sampling_params(body, state.config)
     prompts = prompts_of(body.prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or state.config.served_model_name
-    structured_param = "structured_outputs" if body.structured_outputs is not None else None
-    streams = await start_requests(state, prompts, params, request_id, structured_param)
+    param = constraint.param if constraint is not None else None
+    streams = await start_requests(state, prompts, params, request_id, param)
     if body.stream:
         return SSEResponse(
             _stream(streams, body, request_id, created, model), lambda: close_all(streams)

@@ -1,15 +1,15 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models.
 
-Unknown fields are ignored (clients send many optional ones), except a few whose silent
-dropping would change the answer (``tools``, ``logit_bias``, ``echo``, ``suffix``,
-``best_of``): the handlers reject those with a 400. Values are range-checked by
-``SamplingParams`` when the handlers build it, so the messages name the same limits
-everywhere.
+The top-level bodies keep the fields they do not declare (``model_extra``):
+``baton.engine.server.fields`` accepts those that change nothing and refuses the rest with a
+400 naming them, so that no field that would change the answer is dropped silently. Values
+are range-checked by ``SamplingParams`` when the handlers build it, so the messages name the
+same limits everywhere.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -26,13 +26,16 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
-    """One chat message; content is text or a list of text parts."""
+    """One chat message; content is text or a list of text parts. An assistant message may
+    carry the ``tool_calls`` it made, a ``tool`` message the ``tool_call_id`` it answers."""
 
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class JsonSchemaFormat(_Body):
@@ -45,15 +48,21 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    """OpenAI's ``response_format``."""
+    """OpenAI's ``response_format``; ``schema`` at the top level is the spelling several
+    hosted APIs (and instructor's older JSON_SCHEMA mode) send with ``json_object`` or
+    ``json_schema``. The type is checked by the handlers, so that an unknown one is a 400
+    naming it."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: str
     json_schema: JsonSchemaFormat | None = None
+    inline_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
 
 
 class StructuredOutputsField(_Body):
     """baton's ``structured_outputs`` body field: exactly one constraint plus options
-    (the fields of ``StructuredOutputsParams``)."""
+    (the fields of ``StructuredOutputsParams``); an unknown key is a 400."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     json_schema: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
     json_object: bool | None = None
@@ -77,6 +86,8 @@ class StreamOptions(_Body):
 class _GenerationRequest(_Body):
     """Fields shared by chat and text completions (OpenAI's plus vLLM-style extras)."""
 
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -89,8 +100,15 @@ class _GenerationRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # vLLM's older spellings of structured_outputs.
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     # Extras beyond OpenAI's API (vLLM's names).
     top_k: int | None = None
     min_p: float | None = None
@@ -109,9 +127,9 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -121,8 +139,6 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
     best_of: int | None = None
 
     @field_validator("prompt", mode="before")

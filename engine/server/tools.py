@@ -1,0 +1,286 @@
+"""Tool calling in chat completions, on the request side: the request's ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` checked into a ``ToolPlan``; the constraint that
+forces the calls; and the conversation (tools, earlier calls, tool results) prepared for the
+chat template.
+
+The model's tool-call syntax is Hermes' (``baton.grammar.tool_calls.HERMES``). A chat
+template that writes ``<tool_call>`` itself gets the tools as its ``tools`` variable and the
+messages as they are; any other template (the default model's has no tool support) gets the
+tools as a system message in Hermes' words, earlier calls written into the assistant turns,
+and tool results as ``<tool_response>`` blocks in a user turn, so that the prompt and the
+constraint speak the same syntax.
+
+``tool_choice``: "none" (no call; the tools are still shown), "auto" (text or calls; with a
+response format, calls or an answer in that format), "required" (calls only), a named
+function (one call of it), or ``allowed_tools`` (auto or required over a subset).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from baton.engine.server.constraints import Constraint
+from baton.engine.server.errors import bad_request
+from baton.engine.server.protocol import ChatCompletionRequest
+from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.structural_tag import spec_format
+from baton.grammar.tool_calls import HERMES, FunctionTool, ToolCallFormat, tool_call_tag
+from baton.grammar.validation import check_schema_value
+
+Mode = Literal["none", "auto", "required"]
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request allows in tool calls.
+
+    Attributes:
+        definitions: the request's function tools, as sent (shown to the model).
+        functions: every function, checked.
+        callable: the functions a call may name (all, or the named or allowed ones).
+        mode: "none", "auto" or "required".
+        parallel: several calls allowed in one answer.
+        fmt: the tool-call syntax.
+    """
+
+    definitions: tuple[dict[str, Any], ...]
+    functions: tuple[FunctionTool, ...]
+    callable: tuple[FunctionTool, ...]
+    mode: Mode
+    parallel: bool
+    fmt: ToolCallFormat = HERMES
+
+
+def _function(i: int, tool: Any) -> tuple[dict[str, Any], FunctionTool]:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise bad_request(f"{where}: only function tools are supported, got {kind!r}", "tools")
+    fn = tool.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"{where}.function needs a name", "tools")
+    params = fn.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    try:
+        check_schema_value(params, what=f"{where}.function.parameters")
+    except ValueError as exc:
+        raise bad_request(str(exc), "tools") from None
+    declared = params.get("type") if isinstance(params, dict) else None
+    if params is True or (declared is not None and declared != "object"):
+        raise bad_request(
+            f"{where}.function.parameters must describe an object (the call's arguments)",
+            "tools",
+        )
+    try:
+        function = FunctionTool(fn["name"], params)
+    except ValueError as exc:
+        raise bad_request(f"{where}.function: {exc}", "tools") from None
+    return {"type": "function", "function": fn}, function
+
+
+def _named(choice: Any, where: str) -> str:
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"{where} must name a function: {{'function': {{'name': ...}}}}", where)
+    return fn["name"]
+
+
+def _pick(
+    functions: Sequence[FunctionTool], names: Sequence[str], where: str
+) -> list[FunctionTool]:
+    by_name = {f.name: f for f in functions}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise bad_request(f"{where} names functions not in tools: {', '.join(missing)}", where)
+    return [by_name[n] for n in dict.fromkeys(names)]
+
+
+def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tool plan; None when it has no tools.
+
+    Raises:
+        APIError: 400 naming the field: a tool that is not a function, a bad name or
+            parameters schema, duplicate names, a tool_choice without tools, an unknown
+            tool_choice, or one naming a function not in tools.
+    """
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    pairs = [_function(i, t) for i, t in enumerate(body.tools)]
+    functions = [f for _, f in pairs]
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise bad_request(f"tools have duplicate function names: {names}", "tools")
+    parallel = body.parallel_tool_calls is not False
+    mode: Mode
+    allowed = functions
+    if choice is None or choice in ("none", "auto", "required"):
+        mode = choice or "auto"
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        mode, parallel = "required", False
+        allowed = _pick(functions, [_named(choice, "tool_choice")], "tool_choice")
+    elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        spec = choice.get("allowed_tools")
+        if not isinstance(spec, dict) or spec.get("mode") not in ("auto", "required"):
+            raise bad_request(
+                "tool_choice.allowed_tools needs mode 'auto' or 'required' and tools",
+                "tool_choice",
+            )
+        mode = spec["mode"]
+        listed = spec.get("tools")
+        if not isinstance(listed, list) or not listed:
+            raise bad_request("tool_choice.allowed_tools.tools must list functions", "tool_choice")
+        allowed = _pick(
+            functions, [_named(t, "tool_choice") for t in listed], "tool_choice.allowed_tools"
+        )
+    else:
+        raise bad_request(
+            f"tool_choice {choice!r} is not supported (use none, auto, required, "
+            "a named function or allowed_tools)",
+            "tool_choice",
+        )
+    return ToolPlan(
+        definitions=tuple(d for d, _ in pairs),
+        functions=tuple(functions),
+        callable=tuple(allowed),
+        mode=mode,
+        parallel=parallel,
+    )
+
+
+def tool_constraint(plan: ToolPlan, answer: Constraint | None, backend: str) -> Constraint | None:
+    """The constraint of a request with tools: ``answer`` (its own constraint, if any) for
+    tool_choice "none"; else a structural tag admitting the calls the plan allows (and, with
+    "auto", ``answer``'s format as the alternative to calling), compiled by xgrammar with
+    ``answer``'s whitespace options.
+
+    Raises:
+        APIError: 400 when the request asks for another backend than xgrammar (the only one
+            that reads structural tags), or its constraint cannot be placed in a tag.
+    """
+    if plan.mode == "none":
+        return answer
+    base = answer.spec if answer is not None else None
+    chosen = base.backend if base is not None else backend
+    if chosen not in ("auto", "xgrammar"):
+        raise bad_request(
+            f"tool calls need the xgrammar backend, but {chosen!r} was asked for", "tools"
+        )
+    answer_format = None
+    if plan.mode == "auto" and base is not None:
+        try:
+            answer_format = spec_format(base)
+        except ValueError as exc:
+            raise bad_request(f"{answer.param}: {exc}", answer.param) from None  # type: ignore[union-attr]
+    tag = tool_call_tag(
+        plan.callable, plan.mode, parallel=plan.parallel, fmt=plan.fmt, answer=answer_format
+    )
+    options: dict[str, Any] = {}
+    if base is not None:
+        options = {
+            "whitespace": base.whitespace,
+            "max_whitespace_cnt": base.max_whitespace_cnt,
+            "disable_additional_properties": base.disable_additional_properties,
+        }
+    return Constraint(
+        "tools", StructuredOutputsParams(structural_tag=tag, backend="xgrammar", **options)
+    )
+
+
+# ----------------------------------------------------------------------- the prompt
+
+_TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to answer the user.
+The functions are described with JSON schemas within <tools></tools> tags:
+<tools>
+{tools}
+</tools>
+
+To call a function, write a JSON object with its name and arguments
+within <tool_call></tool_call> tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <arguments-json-object>}}
+</tool_call>"""
+
+
+def template_writes_tool_calls(chat_template: str | None) -> bool:
+    """Whether the chat template renders tools and calls in the Hermes syntax itself."""
+    return chat_template is not None and "<tool_call>" in chat_template
+
+
+def _arguments_text(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    raise bad_request(f"{where}.function.arguments must be JSON text", "messages")
+
+
+def _calls_of(message: dict[str, Any], i: int) -> list[tuple[str, str]]:
+    calls = []
+    for j, call in enumerate(message.get("tool_calls") or []):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where} needs function.name", "messages")
+        calls.append((fn["name"], _arguments_text(fn.get("arguments", "{}"), where)))
+    return calls
+
+
+def prepare_messages(
+    messages: list[dict[str, Any]], plan: ToolPlan | None, chat_template: str | None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and extra template variables for the chat template (see the module docs).
+
+    Raises:
+        APIError: 400 for a malformed ``tool_calls`` entry.
+    """
+    if template_writes_tool_calls(chat_template):
+        out = []
+        for i, m in enumerate(messages):
+            if m.get("tool_calls"):
+                calls = []
+                for name, args in _calls_of(m, i):
+                    try:
+                        parsed: Any = json.loads(args)
+                    except json.JSONDecodeError:
+                        parsed = args
+                    calls.append(
+                        {"type": "function", "function": {"name": name, "arguments": parsed}}
+                    )
+                m = {**m, "tool_calls": calls}
+            out.append(m)
+        return out, ({"tools": list(plan.definitions)} if plan is not None else {})
+    fmt = plan.fmt if plan is not None else HERMES
+    out = []
+    after_tool = False  # consecutive tool results share one user turn
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            written = [fmt.render(name, args) for name, args in _calls_of(m, i)]
+            text = "\n".join(([m["content"]] if m.get("content") else []) + written)
+            out.append({"role": "assistant", "content": text})
+        elif role == "tool":
+            block = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
+            if after_tool:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+        else:
+            out.append({k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")})
+        after_tool = role == "tool"
+    if plan is not None:
+        listing = "\n".join(json.dumps(d, ensure_ascii=False) for d in plan.definitions)
+        prompt = _TOOLS_PROMPT.format(tools=listing)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0].get('content', '')}\n\n{prompt}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, {}

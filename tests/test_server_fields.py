@@ -1,0 +1,286 @@
+"""Every spelling of a constraint is enforced on both endpoints (OpenAI's response_format
+forms, baton's structured_outputs, vLLM's guided_* fields), and every field baton does not
+implement but that would change the answer is a 400 naming it, against ``baton serve`` on
+the default model. Outputs are validated with ``jsonschema`` (or matched in full); the
+constraints are ones the model would not meet by chance (a code pattern, an odd regex)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from conftest import DEFAULT_SERVED_MODEL as MODEL
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+FILM = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 16},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}[0-9]$"},
+    },
+    "required": ["title", "year", "code"],
+    "additionalProperties": False,
+}
+REGEX = r"[0-9]{4}-[a-z]{2,5}"
+CHOICES = ["alpha", "omega"]
+GRAMMAR = 'root ::= "<" ("x" | "yy")+ ">"'
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Name a film and its year, as JSON."}],
+    "max_tokens": 40,
+    "temperature": 0,
+}
+COMPLETION = {
+    "model": MODEL,
+    "prompt": 'Films as JSON:\n{"title": "Alien", "year": 1979}\n',
+    "max_tokens": 40,
+    "temperature": 0,
+}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def film(text: str) -> None:
+    jsonschema.validate(json.loads(text), FILM)
+
+
+def any_object(text: str) -> None:
+    assert isinstance(json.loads(text), dict)
+
+
+def regex(text: str) -> None:
+    assert re.fullmatch(REGEX, text), text
+
+
+def choice(text: str) -> None:
+    assert text in CHOICES
+
+
+def grammar(text: str) -> None:
+    assert re.fullmatch(r"<(x|yy)+>", text), text
+
+
+SPELLINGS: dict[str, tuple[dict[str, Any], Callable[[str], None]]] = {
+    "json_schema": (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "film", "schema": FILM, "strict": True},
+            }
+        },
+        film,
+    ),
+    "json_schema-inline-schema": (
+        {"response_format": {"type": "json_schema", "schema": FILM}},
+        film,
+    ),
+    "json_object-with-schema": ({"response_format": {"type": "json_object", "schema": FILM}}, film),
+    # Any object: the model decides when it ends, so it gets more room.
+    "json_object": ({"response_format": {"type": "json_object"}, "max_tokens": 128}, any_object),
+    "structured_outputs": ({"structured_outputs": {"json": FILM}}, film),
+    "guided_json": ({"guided_json": FILM}, film),
+    "guided_json-text": ({"guided_json": json.dumps(FILM)}, film),
+    "guided_regex": ({"guided_regex": REGEX}, regex),
+    "guided_regex-outlines": (
+        {"guided_regex": REGEX, "guided_decoding_backend": "outlines"},
+        regex,
+    ),
+    "guided_choice": ({"guided_choice": CHOICES}, choice),
+    "guided_grammar": ({"guided_grammar": GRAMMAR}, grammar),
+    "guided_json-whitespace-pattern": (
+        {"guided_json": FILM, "guided_whitespace_pattern": r"[ \n\t]*"},
+        film,
+    ),
+    "same-constraint-twice": (
+        {"guided_json": FILM, "response_format": {"type": "json_object", "schema": FILM}},
+        film,
+    ),
+}
+CASES = [(endpoint, name) for endpoint in PATHS for name in SPELLINGS]
+
+
+@pytest.fixture(scope="module")
+def answers(default_model_server: str) -> dict[tuple[str, str], httpx.Response]:
+    """Every spelling on both endpoints, sent at once so that the engine batches them."""
+
+    def send(case: tuple[str, str]) -> httpx.Response:
+        endpoint, name = case
+        base = CHAT if endpoint == "chat" else COMPLETION
+        body = base | SPELLINGS[name][0]
+        return httpx.post(f"{default_model_server}{PATHS[endpoint]}", json=body, timeout=550)
+
+    with ThreadPoolExecutor(8) as pool:
+        return dict(zip(CASES, pool.map(send, CASES), strict=True))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_every_spelling_is_enforced(
+    answers: dict[tuple[str, str], httpx.Response], case: tuple[str, str]
+) -> None:
+    r = answers[case]
+    assert r.status_code == 200, r.text
+    (out,) = r.json()["choices"]
+    text = out["message"]["content"] if case[0] == "chat" else out["text"]
+    assert out["finish_reason"] == "stop", (out["finish_reason"], text)
+    SPELLINGS[case[1]][1](text)
+
+
+# ------------------------------------------------------------------------------ 400s
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def tool_with(parameters: Any, name: str = "f") -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
+    # (endpoint, fields, the param the 400 names, a word of its message)
+    ("chat", {"logit_bias": {"50": 5}}, "logit_bias", "not supported"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions", "tools"),
+    ("chat", {"function_call": "auto"}, "function_call", "tool_choice"),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities", "text"),
+    ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "reasoning"),
+    ("chat", {"verbosity": "low"}, "verbosity", "not supported"),
+    ("chat", {"web_search_options": {}}, "web_search_options", "web search"),
+    ("chat", {"frobnicate": 1}, "frobnicate", "unknown field"),
+    ("chat", {"use_beam_search": True}, "use_beam_search", "beam"),
+    ("chat", {"response_format": {"type": "grammar"}}, "response_format.type", "grammar"),
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
+    (
+        "chat",
+        {"response_format": {"type": "text", "schema": FILM}},
+        "response_format",
+        "no schema",
+    ),
+    ("chat", {"structured_outputs": {"json": FILM, "x": 1}}, "structured_outputs.x", "permitted"),
+    ("chat", {"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+    ("chat", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+    (
+        "chat",
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+        "nope",
+    ),
+    ("chat", {"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools", "custom"),
+    ("chat", {"tools": [tool_with({}, name="has space")]}, "tools", "function name"),
+    (
+        "chat",
+        {"tools": [tool_with({"type": "object", "properties": {"a": {"type": "nope"}}})]},
+        "tools",
+        "tools[0].function.parameters is invalid",
+    ),
+    ("chat", {"tools": [tool_with({"type": "string"})]}, "tools", "object"),
+    (
+        "chat",
+        {
+            "tools": [tool_with({"type": "object", "properties": {"a": {"uniqueItems": True}}})],
+            "tool_choice": "required",
+        },
+        "tools",
+        "uniqueItems",
+    ),
+    (
+        "chat",
+        {"tools": [TOOL], "tool_choice": "required", "guided_decoding_backend": "outlines"},
+        "tools",
+        "xgrammar",
+    ),
+    ("chat", {"tools": [TOOL, TOOL]}, "tools", "duplicate"),
+    ("completions", {"echo": True}, "echo", "echo"),
+    ("completions", {"suffix": "x"}, "suffix", "suffix"),
+    ("completions", {"logit_bias": {"1": -100}}, "logit_bias", "logit_bias"),
+    ("completions", {"best_of": 3}, "best_of", "best_of"),
+    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs"),
+    ("completions", {"length_penalty": 0.5}, "length_penalty", "length_penalty"),
+    ("completions", {"bad_words": ["x"]}, "bad_words", "bad_words"),
+    ("completions", {"tools": [TOOL]}, "tools", "unknown field"),
+    ("completions", {"guided_decoding_backend": "guidance"}, "guided_decoding_backend", "guidance"),
+    (
+        "completions",
+        {"guided_regex": "a", "guided_decoding_backend": "xgrammar:frob"},
+        "guided_decoding_backend",
+        "frob",
+    ),
+    (
+        "completions",
+        {"guided_json": FILM, "guided_whitespace_pattern": "[ ]+"},
+        "guided_whitespace_pattern",
+        "empty string",
+    ),
+    (
+        "completions",
+        {"guided_json": FILM, "guided_whitespace_pattern": "("},
+        "guided_whitespace_pattern",
+        "regex",
+    ),
+    ("completions", {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "different"),
+    (
+        "completions",
+        {"response_format": {"type": "json_object"}, "guided_json": FILM},
+        "guided_json",
+        "different",
+    ),
+    ("completions", {"guided_choice": []}, "guided_choice", "at least one"),
+]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "param", "word"), REFUSED, ids=lambda v: str(v)[:40]
+)
+def test_refused_fields_are_a_400_naming_them(
+    default_model_server: str, endpoint: str, fields: dict[str, Any], param: str, word: str
+) -> None:
+    base = CHAT if endpoint == "chat" else COMPLETION
+    r = httpx.post(
+        f"{default_model_server}{PATHS[endpoint]}",
+        json={**base, "max_tokens": 1, **fields},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert word in error["message"], error
+
+
+@pytest.mark.parametrize("endpoint", PATHS)
+def test_fields_that_change_nothing_are_accepted(default_model_server: str, endpoint: str) -> None:
+    harmless = {
+        "user": "u-1",
+        "store": False,
+        "metadata": {"k": "v"},
+        "service_tier": "auto",
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+        # Refused fields at their neutral values ask for nothing.
+        "logit_bias": {},
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "echo": False,
+        "guided_json": None,
+    }
+    if endpoint == "chat":
+        harmless |= {"modalities": ["text"], "functions": None, "parallel_tool_calls": True}
+    else:
+        harmless |= {"suffix": None, "best_of": 1}
+    base = CHAT if endpoint == "chat" else COMPLETION
+    r = httpx.post(
+        f"{default_model_server}{PATHS[endpoint]}",
+        json={**base, "max_tokens": 1, **harmless},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
