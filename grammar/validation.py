@@ -18,6 +18,7 @@ import json
 import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import unquote
 
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.structural_tag import json_schema_formats, normalise_structural_tag
@@ -115,6 +116,48 @@ def check_schema_value(
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
         raise ValueError(f"{what} is invalid at {where}: {exc.message}") from None
+    if isinstance(schema, dict):
+        _check_local_refs(schema, what)
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _resolves(root: Any, pointer: str) -> bool:
+    """Whether the JSON pointer (the part of a local $ref after '#') names a value in root."""
+    node = root
+    for token in unquote(pointer).split("/")[1:] if pointer else []:
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return False
+    return True
+
+
+def _check_local_refs(schema: dict[str, Any], what: str) -> None:
+    """Every local ``$ref`` ("#" or "#/...") must name a value in the schema (no backend can
+    compile a reference to nothing). References below a nested ``$id`` have another base and
+    are left alone, as are other references (the backends say whether they take them)."""
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((child, f"{path}/{i}") for i, child in enumerate(node))
+            continue
+        if not isinstance(node, dict) or (path and "$id" in node):
+            continue
+        ref = node.get("$ref")
+        local = isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
+        if local and not _resolves(schema, ref[1:]):
+            where = path or "(root)"
+            raise ValueError(f"{what} has a $ref that resolves to nothing: {ref!r} at {where}")
+        for key, child in node.items():
+            if key not in _DATA_KEYWORDS:
+                stack.append((child, f"{path}/{key}"))
 
 
 def _outlines_regex_error(regex: str) -> str | None:

@@ -34,6 +34,17 @@ def _nested(depth: int) -> dict:
         ),
         (StructuredOutputsParams(json="[1, 2]"), ["object or boolean", "list"]),
         (StructuredOutputsParams(json=False), ["false"]),
+        (StructuredOutputsParams(json={"$ref": "#/nope"}), ["$ref", "'#/nope'", "nothing"]),
+        (
+            StructuredOutputsParams(
+                json={
+                    "type": "object",
+                    "properties": {"a": {"$ref": "#/$defs/b"}},
+                    "$defs": {"c": {"type": "integer"}},
+                }
+            ),
+            ["'#/$defs/b'", "at /properties/a"],
+        ),
         (StructuredOutputsParams(regex="("), ["regex", "parenthesis"]),
         (StructuredOutputsParams(regex="a{3,2}"), ["regex"]),
         (StructuredOutputsParams(regex=r"\p{L}+", backend="xgrammar"), ["regex", "xgrammar"]),
@@ -116,6 +127,19 @@ class _Model:
         StructuredOutputsParams(json=True),
         StructuredOutputsParams(json=_Model),
         StructuredOutputsParams(json={"$schema": "http://json-schema.org/draft-07/schema#"}),
+        StructuredOutputsParams(
+            json={
+                "$defs": {"a/b c": {"type": "integer"}, "t": {"prefixItems": [{"type": "null"}]}},
+                "properties": {
+                    "x": {"$ref": "#/$defs/a~1b%20c"},
+                    "y": {"$ref": "#/$defs/t/prefixItems/0"},
+                    "z": {"$ref": "#"},
+                    "$ref": {"type": "string"},  # a property named "$ref"
+                    "e": {"enum": [{"$ref": "#/not/a/reference"}]},
+                    "n": {"$id": "https://example.com/n", "$ref": "#/other/base"},
+                },
+            }
+        ),
         StructuredOutputsParams(json={"$schema": "https://example.com/unknown-metaschema"}),
         StructuredOutputsParams(json_object=True),
         StructuredOutputsParams(regex=r"[0-9]{3}-\d+"),
