@@ -17,6 +17,10 @@ import jsonschema
 import pytest
 from conftest import DEFAULT_SERVED_MODEL as MODEL
 
+from baton.engine.server.constraints import request_constraint
+from baton.engine.server.errors import APIError
+from baton.engine.server.protocol import CompletionRequest
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 FILM = {
@@ -85,6 +89,17 @@ SPELLINGS: dict[str, tuple[dict[str, Any], Callable[[str], None]]] = {
     # Any object: the model decides when it ends, so it gets more room.
     "json_object": ({"response_format": {"type": "json_object"}, "max_tokens": 128}, any_object),
     "structured_outputs": ({"structured_outputs": {"json": FILM}}, film),
+    "structured_outputs-vllm-options": (
+        {
+            "structured_outputs": {
+                "json": FILM,
+                "disable_any_whitespace": True,
+                "whitespace_pattern": r"\s*",
+                "disable_fallback": True,
+            }
+        },
+        film,
+    ),
     "guided_json": ({"guided_json": FILM}, film),
     "guided_json-text": ({"guided_json": json.dumps(FILM)}, film),
     "guided_regex": ({"guided_regex": REGEX}, regex),
@@ -292,3 +307,20 @@ def test_fields_that_change_nothing_are_accepted(default_model_server: str, endp
         timeout=120,
     )
     assert r.status_code == 200, r.text
+
+
+def test_vllm_structured_outputs_options() -> None:
+    def spec(**field: Any) -> Any:
+        body = CompletionRequest.model_validate({"prompt": "x", "structured_outputs": field})
+        constraint = request_constraint(body, "auto")
+        assert constraint is not None and constraint.param == "structured_outputs"
+        return constraint.spec
+
+    assert spec(regex="a", disable_any_whitespace=False).whitespace == "any"
+    assert spec(regex="a", disable_any_whitespace=True).whitespace == "compact"
+    assert spec(regex="a", disable_fallback=True).backend == "xgrammar"
+    assert spec(regex="a", disable_fallback=True, backend="outlines").backend == "outlines"
+    assert spec(regex="a", whitespace="any", whitespace_pattern="[ ]*").whitespace == "compact"
+    with pytest.raises(APIError, match="must admit the empty string") as info:
+        spec(regex="a", whitespace_pattern="[ ]+")
+    assert info.value.param == "structured_outputs.whitespace_pattern"

@@ -24,6 +24,8 @@ from baton.engine.server.protocol import (
 )
 from baton.grammar.spec import BACKENDS, StructuredOutputsParams
 
+# The backend "auto" tries first: what vLLM's disable_fallback keeps.
+AUTO_FIRST = "xgrammar"
 # vLLM's backend options ("xgrammar:disable-any-whitespace"); baton's JSON is compact anyway.
 _BACKEND_FLAGS: dict[str, dict[str, Any]] = {
     "disable-any-whitespace": {"whitespace": "compact"},
@@ -73,6 +75,15 @@ def from_field(field: StructuredOutputsField, options: dict[str, Any]) -> Struct
         value = getattr(field, name)
         if value is not None:
             kwargs[name] = value
+    # vLLM's spellings of the same options.
+    if field.disable_any_whitespace is not None and field.whitespace is None:
+        kwargs["whitespace"] = "compact" if field.disable_any_whitespace else "any"
+    if field.whitespace_pattern is not None:
+        kwargs["whitespace"] = _whitespace(
+            field.whitespace_pattern, "structured_outputs.whitespace_pattern"
+        )
+    if field.disable_fallback and kwargs.get("backend") == "auto":
+        kwargs["backend"] = AUTO_FIRST
     return _spec("structured_outputs", **kwargs)
 
 
@@ -113,6 +124,28 @@ def from_response_format(
     return _spec(param, json=schema, **options)
 
 
+def _whitespace(pattern: str, param: str) -> str:
+    """The whitespace option for a vLLM whitespace pattern: "compact", the one baton can
+    promise, whose output (no free whitespace) is in the language of any pattern that admits
+    the empty string.
+
+    Raises:
+        APIError: 400 for a pattern that is not a regex or demands whitespace.
+    """
+    try:
+        empty_ok = re.fullmatch(pattern, "") is not None
+    except re.error as exc:
+        message = f"{param}: the whitespace pattern is not a valid regex: {exc}"
+        raise bad_request(message, param) from None
+    if not empty_ok:
+        raise bad_request(
+            f"{param}: the whitespace pattern must admit the empty string (baton's JSON has "
+            "no free whitespace between tokens)",
+            param,
+        )
+    return "compact"
+
+
 def _options(req: ChatCompletionRequest | CompletionRequest, backend: str) -> dict[str, Any]:
     """Backend and whitespace options from vLLM's guided_decoding_backend and
     guided_whitespace_pattern."""
@@ -134,24 +167,10 @@ def _options(req: ChatCompletionRequest | CompletionRequest, backend: str) -> di
                     "guided_decoding_backend",
                 )
             options.update(_BACKEND_FLAGS[flag])
-    pattern = req.guided_whitespace_pattern
-    if pattern is not None:
-        try:
-            empty_ok = re.fullmatch(pattern, "") is not None
-        except re.error as exc:
-            raise bad_request(
-                f"guided_whitespace_pattern is not a valid regex: {exc}",
-                "guided_whitespace_pattern",
-            ) from None
-        if not empty_ok:
-            # Compact JSON (no free whitespace) is in the language of any pattern that admits
-            # the empty string; a pattern that demands whitespace cannot be enforced.
-            raise bad_request(
-                "guided_whitespace_pattern must admit the empty string (baton's JSON has no "
-                "free whitespace between tokens)",
-                "guided_whitespace_pattern",
-            )
-        options["whitespace"] = "compact"
+    if req.guided_whitespace_pattern is not None:
+        options["whitespace"] = _whitespace(
+            req.guided_whitespace_pattern, "guided_whitespace_pattern"
+        )
     return options
 
 

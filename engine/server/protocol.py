@@ -59,8 +59,9 @@ class ResponseFormat(_Body):
 
 
 class StructuredOutputsField(_Body):
-    """baton's ``structured_outputs`` body field: exactly one constraint plus options
-    (the fields of ``StructuredOutputsParams``); an unknown key is a 400."""
+    """baton's ``structured_outputs`` body field: exactly one constraint plus options (the
+    fields of ``StructuredOutputsParams``, and vLLM's ``disable_any_whitespace``,
+    ``whitespace_pattern`` and ``disable_fallback``); an unknown key is a 400."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -75,6 +76,9 @@ class StructuredOutputsField(_Body):
     max_whitespace_cnt: int | None = None
     disable_additional_properties: bool | None = None
     allow_unenforced: bool | None = None
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_fallback: bool | None = None
 
 
 class StreamOptions(_Body):
