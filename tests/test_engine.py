@@ -39,7 +39,7 @@ def reference_tokens(default_checkpoint, hf_default_model):
 
 @pytest.fixture(scope="module")
 def llm(default_checkpoint):
-    return LLM.from_checkpoint(default_checkpoint, max_model_len=512)
+    return LLM.from_checkpoint(default_checkpoint, dtype="float32", max_model_len=512)
 
 
 def _tokens(outs):
@@ -57,13 +57,17 @@ def test_greedy_equals_transformers(llm, reference_tokens):
 
 
 def test_greedy_with_tiny_budget_chunks_prefill(default_checkpoint, reference_tokens):
-    llm = LLM.from_checkpoint(default_checkpoint, max_model_len=512, max_num_batched_tokens=7)
+    llm = LLM.from_checkpoint(
+        default_checkpoint, dtype="float32", max_model_len=512, max_num_batched_tokens=7
+    )
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference_tokens
 
 
 def test_greedy_with_preemption(default_checkpoint, reference_tokens):
     # 12 usable blocks of 4 tokens cannot hold 8 growing sequences at once.
-    llm = LLM.from_checkpoint(default_checkpoint, max_model_len=512, block_size=4, num_kv_blocks=13)
+    llm = LLM.from_checkpoint(
+        default_checkpoint, dtype="float32", max_model_len=512, block_size=4, num_kv_blocks=13
+    )
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference_tokens
     sched = llm.engine.core.scheduler
     assert not sched.has_unfinished_requests()

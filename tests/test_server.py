@@ -134,6 +134,11 @@ def test_models_health_and_metrics_format(server: Server) -> None:
     ):
         assert f"# TYPE {name} " in r.text, name
     assert metric(r.text, "baton_kv_total_blocks") == 255
+    stats = server.engine.stats()
+    info = next(
+        line for line in r.text.splitlines() if line.startswith("baton_model_compute_info{")
+    )
+    assert f'dtype="{stats["dtype"]}"' in info and info.endswith(" 1")
 
 
 # ------------------------------------------------------- structured chat

@@ -12,26 +12,29 @@ from typing import Any
 
 import torch
 
-from baton.engine.config import EngineConfig
+from baton.engine.config import DTYPE_AUTO, EngineConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = (DTYPE_AUTO, *DTYPES)
 
 
 def engine_config(
-    model: str | None = None, *, dtype: str | torch.dtype = "float32", **engine_args: Any
+    model: str | None = None, *, dtype: str | torch.dtype = DTYPE_AUTO, **engine_args: Any
 ) -> EngineConfig:
-    """The ``EngineConfig`` for a model, a dtype (name or torch dtype) and any other
-    ``EngineConfig`` fields given as keywords.
+    """The ``EngineConfig`` for a model, a dtype (``"auto"``, a name or a torch dtype) and any
+    other ``EngineConfig`` fields given as keywords. ``"auto"`` picks bfloat16 where the device
+    computes in it natively, float32 elsewhere (``config.auto_dtype``; logged at INFO).
 
     Raises:
         ValueError: an unknown dtype name, an unknown engine argument, or a value
             ``EngineConfig`` refuses.
     """
-    if isinstance(dtype, str):
+    if isinstance(dtype, str) and dtype != DTYPE_AUTO:
         if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
         dtype = DTYPES[dtype]
-    unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__) - {"model", "dtype"}
+    fields = {n for n, f in EngineConfig.__dataclass_fields__.items() if f.init}
+    unknown = set(engine_args) - fields - {"model", "dtype"}
     if unknown:
         raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
     return EngineConfig(model=model, dtype=dtype, **engine_args)
@@ -45,7 +48,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
     parser.add_argument(
         "--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)"
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=DTYPE_AUTO,
+        help="auto (default): bfloat16 where the CPU has AMX or AVX512-BF16 (or on CUDA), "
+        "float32 elsewhere; float32 matches transformers",
+    )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     parser.add_argument(
         "--max-num-seqs", type=int, default=None, help="most requests running at once"

@@ -180,7 +180,7 @@ class AsyncLLM:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._engine: LLMEngine | None = None
-        self._snapshot: dict[str, float | int] = {}
+        self._snapshot: dict[str, float | int | str] = {}
         self._compiles = 0
         self._compile_s = 0.0
         self._compile_hits = 0
@@ -202,7 +202,7 @@ class AsyncLLM:
         cls,
         model: str | None = None,
         *,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         checkpoint: Checkpoint | None = None,
         **engine_args: Any,
     ) -> AsyncLLM:
@@ -270,7 +270,7 @@ class AsyncLLM:
         """The model's tokenizer (safe to use from any thread for encode/decode/templates)."""
         return self.tokenizer
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, float | int | str]:
         """The engine's state as of its last loop iteration.
 
         Keys: everything ``LLMEngine.stats()`` returns, plus ``num_running``,
@@ -430,7 +430,7 @@ class AsyncLLM:
                 del tracked[out.request_id]
 
     def _publish(self, engine: LLMEngine) -> None:
-        snap: dict[str, float | int] = dict(engine.stats())
+        snap: dict[str, float | int | str] = dict(engine.stats())
         snap.update(
             grammar_compiles=self._compiles,
             grammar_compile_s=self._compile_s,

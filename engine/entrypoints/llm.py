@@ -25,7 +25,9 @@ class LLM:
 
     Args:
         model: a GGUF file or Hugging Face folder; None = the default model.
-        dtype: "float32" (default; fastest on CPU), "float16", "bfloat16" or a torch dtype.
+        dtype: "auto" (default: bfloat16 where the CPU has AMX or AVX512-BF16 or on CUDA,
+            float32 elsewhere), "float32" (matches transformers), "float16", "bfloat16"
+            or a torch dtype. ``stats()`` says which one was picked and why.
         **engine_args: any other ``EngineConfig`` field (max_num_seqs,
             max_num_batched_tokens, max_model_len, num_kv_blocks,
             async_scheduling, executor, ...).
@@ -38,7 +40,7 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         checkpoint: Checkpoint | None = None,
         **engine_args: Any,
     ) -> None:
@@ -64,11 +66,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, float | int | str]:
         """Engine statistics since start: ``steps``, ``deferred_steps``,
         ``device_busy_fraction``, and seconds spent in ``schedule_s``,
         ``bitmask_s``, ``device_wait_s``, ``update_s`` (plus ``engine_s``,
-        ``device_s``)."""
+        ``device_s``); how the model computes: ``dtype``, ``dtype_reason``,
+        ``int8_small_batches`` (see ``LLMEngine.stats``)."""
         return self.engine.stats()
 
     def shutdown(self) -> None:

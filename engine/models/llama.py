@@ -9,6 +9,7 @@ from torch import nn
 from baton.engine.models.attention import AttentionMetadata, paged_attention
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from baton.engine.models.quant import Int8Weight, int8_linear, quantize_int8
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -30,6 +31,17 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.intermediate_size = c.intermediate_size
+        # int8 copies of the four projections (set by ``quantize_int8``), in the order
+        # qkv, o, gate_up, down.
+        self.int8: tuple[Int8Weight, ...] | None = None
+
+    def quantize_int8(self) -> None:
+        """Adds int8 weight-only copies of the projections (the dense weights stay)."""
+        dtype = self.qkv_proj.weight.dtype
+        self.int8 = tuple(
+            quantize_int8(lin.weight, dtype)
+            for lin in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        )
 
     def forward(
         self,
@@ -37,19 +49,30 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        use_int8: bool = False,
     ) -> torch.Tensor:
         t = x.shape[0]
+        int8 = self.int8 if use_int8 else None
         sizes = (self.q_size, self.kv_size, self.kv_size)
-        q, k, v = fused_linear(self.input_layernorm(x), self.qkv_proj, sizes)
+        h = self.input_layernorm(x)
+        if int8 is None:
+            q, k, v = fused_linear(h, self.qkv_proj, sizes)
+        else:
+            q, k, v = int8_linear(h, int8[0], self.qkv_proj.bias).split(sizes, dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, *rope)
-        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
-        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale).reshape(t, self.q_size)
+        x = x + (self.o_proj(attn) if int8 is None else int8_linear(attn, int8[1]))
+        h = self.post_attention_layernorm(x)
         sizes = (self.intermediate_size, self.intermediate_size)
-        gate, up = fused_linear(self.post_attention_layernorm(x), self.gate_up_proj, sizes)
-        return x + self.down_proj(F.silu(gate) * up)
+        if int8 is None:
+            gate, up = fused_linear(h, self.gate_up_proj, sizes)
+        else:
+            gate, up = int8_linear(h, int8[2]).split(sizes, dim=-1)
+        act = F.silu(gate) * up
+        return x + (self.down_proj(act) if int8 is None else int8_linear(act, int8[3]))
 
 
 # Below this many tokens, one GEMM per output part beat the fused GEMM on this
@@ -93,6 +116,28 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.requires_grad_(False)
+        # Steps with at most this many rows use the int8 copies (0: never); set by
+        # ``quantize_int8``.
+        self.int8_max_rows = 0
+        self.lm_head_int8: Int8Weight | None = None
+
+    def quantize_int8(self, max_rows: int) -> None:
+        """Adds int8 weight-only copies of every linear layer (LM head included) and uses
+        them for steps of at most ``max_rows`` rows; the dense weights stay for larger steps.
+        Call after the weights are loaded and the model has its final dtype and device (CPU).
+
+        Raises:
+            ValueError: ``max_rows`` < 1, or the model is not on the CPU.
+        """
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if self.embed_tokens.weight.device.type != "cpu":
+            raise ValueError("int8 weight-only kernels run on the CPU only")
+        for layer in self.layers:
+            layer.quantize_int8()
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head_int8 = quantize_int8(head, head.dtype)
+        self.int8_max_rows = max_rows
 
     def forward(
         self,
@@ -107,12 +152,16 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         rope = self.rope.cos_sin(positions, x.dtype)
+        # One kernel choice for the whole step: every projection sees the same rows.
+        use_int8 = x.shape[0] <= self.int8_max_rows
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv, meta)
+            x = layer(x, rope, kv, meta, use_int8)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the given hidden rows."""
+        if self.lm_head_int8 is not None and hidden.shape[0] <= self.int8_max_rows:
+            return int8_linear(hidden, self.lm_head_int8).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

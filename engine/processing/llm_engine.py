@@ -72,6 +72,7 @@ class LLMEngine:
             tokenizer_vocab_size=self.tokenizer.vocab_size,
             num_threads=_worker_threads(config) if config.executor == "mp" else None,
             device=config.device,
+            int8_small_batches=bool(config.int8_small_batches),
         )
         checker = SyncChecker.from_env()
         executor: Executor
@@ -99,10 +100,12 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         logger.info(
-            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d, "
+            "engine ready: %s on %s in %s%s, %d KV blocks of %d tokens, max_model_len %d, "
             "executor %s, async scheduling %s",
             ckpt.path,
             config.device,
+            _dtype_name(config.dtype),
+            " (int8 weight-only GEMMs for small steps)" if config.int8_small_batches else "",
             num_blocks,
             config.block_size,
             self.max_model_len,
@@ -233,13 +236,18 @@ class LLMEngine:
             self.core.abort_requests(to_abort)
         return results
 
-    def stats(self) -> dict[str, float | int]:
-        """Engine step statistics since start (see ``EngineStats``) and the current load:
+    def stats(self) -> dict[str, float | int | str]:
+        """Engine step statistics since start (see ``EngineStats``), the current load:
         ``num_running``, ``num_waiting``, ``kv_total_blocks``, ``kv_free_blocks``,
-        ``kv_usage``."""
+        ``kv_usage``; and how the model computes: ``dtype`` (e.g. "bfloat16"),
+        ``dtype_reason`` (why: "asked for", or what ``dtype="auto"`` saw), and
+        ``int8_small_batches`` (1 when small steps use int8 weight-only GEMMs, else 0)."""
         sched = self.core.scheduler
-        stats: dict[str, float | int] = dict(self.core.stats.as_dict())
+        stats: dict[str, float | int | str] = dict(self.core.stats.as_dict())
         stats.update(
+            dtype=_dtype_name(self.config.dtype),
+            dtype_reason=self.config.dtype_reason,
+            int8_small_batches=int(bool(self.config.int8_small_batches)),
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             kv_total_blocks=sched.kv.num_blocks - 1,  # block 0 is reserved
@@ -257,6 +265,10 @@ class LLMEngine:
         """Stops the model worker (if any) and the grammar compile threads; idempotent."""
         self.core.shutdown()
         self.structured.shutdown()
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _worker_threads(config: EngineConfig) -> int:

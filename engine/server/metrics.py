@@ -176,7 +176,7 @@ class ServerMetrics:
             if tpot is not None:
                 self.tpot.observe(tpot)
 
-    def render(self, engine_stats: Mapping[str, float | int], healthy: bool) -> str:
+    def render(self, engine_stats: Mapping[str, float | int | str], healthy: bool) -> str:
         """The whole exposition text (ends with a newline)."""
         with self._lock:
             lines: list[str] = []
@@ -206,6 +206,19 @@ class ServerMetrics:
         name = f"{PREFIX}grammar_cache_hits_total"
         lines += _header(name, "counter", "Grammar compiles served from the cache.")
         lines.append(f"{name} {_num(float(engine_stats.get('grammar_cache_hits', 0)))}")
+        name = f"{PREFIX}model_compute_info"
+        lines += _header(
+            name,
+            "gauge",
+            "How the model computes: dtype, why (dtype_reason), and whether small steps use "
+            "int8 weight-only GEMMs; always 1.",
+        )
+        info = {
+            "dtype": str(engine_stats.get("dtype", "unknown")),
+            "dtype_reason": str(engine_stats.get("dtype_reason", "")),
+            "int8_small_batches": str(bool(engine_stats.get("int8_small_batches", 0))).lower(),
+        }
+        lines.append(f"{name}{_labels(info)} 1")
         name = f"{PREFIX}healthy"
         lines += _header(name, "gauge", "1 while the engine can serve requests.")
         lines.append(f"{name} {1 if healthy else 0}")

@@ -9,6 +9,7 @@ import torch
 
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.models.quant import INT8_MAX_ROWS
 from baton.engine.worker.model_runner import ModelRunner
 
 
@@ -26,16 +27,21 @@ class RunnerSpec:
     tokenizer_vocab_size: int | None
     num_threads: int | None = None  # torch threads where the runner runs; None: unchanged
     device: str = "cpu"  # where the model, its KV cache and the request rows live
+    # int8 weight-only copies of the linears for steps of at most INT8_MAX_ROWS rows (CPU).
+    int8_small_batches: bool = False
 
 
 def build_runner(spec: RunnerSpec, weights: dict[str, torch.Tensor]) -> ModelRunner:
-    """Builds the model from ``weights`` on ``spec.device``, allocates its KV cache there and
-    wraps both in a runner."""
+    """Builds the model from ``weights`` on ``spec.device`` (with int8 copies of its linears
+    when ``spec.int8_small_batches``), allocates its KV cache there and wraps both in a
+    runner."""
     model = LlamaForCausalLM(spec.model_config).to(dtype=spec.dtype)
     model.load_weights(weights)
     model.eval()
     device = torch.device(spec.device)
     model.to(device)
+    if spec.int8_small_batches:
+        model.quantize_int8(INT8_MAX_ROWS)
     caches = allocate_kv_cache(
         spec.model_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
     )
