@@ -1,30 +1,40 @@
 """Forward-pass benchmark: baton's model vs transformers' on the same weights.
 
-Decode step time at several batch sizes and the prefill of 128 tokens, the two
-implementations interleaved trial by trial in one run. Prints a table with
-the ratio baton / transformers (lower is better; the goal is <= 1.0) and
-writes JSON and a PNG next to the README's results.
+Decode step time at several batch sizes and the prefill of 128 tokens, the
+implementations interleaved trial by trial in one run. Both compute logits for the last
+position only in prefill (transformers with ``logits_to_keep=1``) and for every row in
+decode. Prints a table with the ratio baton / transformers in the same dtype (lower is
+better; the goal is <= 1.0) and writes JSON and a PNG next to the README's results.
 
-    python -m baton.bench.forward [--model PATH] [--batches 1,8,32,64] [--trials 5]
+With ``--dtype bfloat16`` two more columns: baton as the engine runs it by default (int8
+weight-only GEMMs for steps of at most ``INT8_MAX_ROWS`` rows, bfloat16 above) and
+transformers in float32, the reference of the issue's batch-1 goal (engine step <= 0.6x
+transformers' float32 step).
+
+    baton bench forward [--model PATH] [--batches 1,8,32,64] [--trials 5]
         [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from baton.bench.plotting import pyplot, save_results
+from baton.bench.common import RESULTS_DIR, add_common_args, write_results
+from baton.bench.plotting import pyplot
 from baton.engine.loader import load_checkpoint
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.models.quant import INT8_MAX_ROWS
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = RESULTS_DIR
 BLOCK = 16
 
 
@@ -102,10 +112,15 @@ def hf_decode_time(model, ids: torch.Tensor, steps: int) -> float:
     return statistics.median(times)
 
 
-def timed(fn) -> float:
+def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def hf_prefill(model, ids: torch.Tensor) -> object:
+    """transformers' prefill with logits for the last position only, as baton computes."""
+    return model(ids, use_cache=True, logits_to_keep=1)
 
 
 @torch.inference_mode()
@@ -121,45 +136,77 @@ def run(
     baton = LlamaForCausalLM(ckpt.config)
     baton.load_weights(ckpt.weights)
     baton.to(dtype)
-    hf = build_transformers(ckpt.config, ckpt.weights).to(dtype)
+    batons = {"baton": baton}
+    hfs = {"transformers": build_transformers(ckpt.config, ckpt.weights).to(dtype)}
+    if dtype == torch.bfloat16:
+        engine = copy.deepcopy(baton)
+        engine.quantize_int8(INT8_MAX_ROWS)  # what the engine runs by default in bfloat16
+        batons["baton_engine"] = engine
+        hfs["transformers_float32"] = build_transformers(ckpt.config, ckpt.weights).float()
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in batches:
         ids = torch.randint(0, ckpt.config.vocab_size, (batch, context), generator=gen)
-        b_times, h_times = [], []
-        for _ in range(trials):  # interleaved, so drift hits both alike
-            b_times.append(BatonCase(baton, batch, context, steps).decode_time(ids))
-            h_times.append(hf_decode_time(hf, ids, steps))
-        rows.append(_row(f"decode b={batch}", b_times, h_times))
+        times: dict[str, list[float]] = {k: [] for k in (*batons, *hfs)}
+        for _ in range(trials):  # interleaved, so drift hits every model alike
+            for name, model in batons.items():
+                times[name].append(BatonCase(model, batch, context, steps).decode_time(ids))
+            for name, model in hfs.items():
+                times[name].append(hf_decode_time(model, ids, steps))
+        rows.append(_row(f"decode b={batch}", times))
     ids = torch.randint(0, ckpt.config.vocab_size, (1, 128), generator=gen)
-    b_times, h_times = [], []
+    times = {k: [] for k in (*batons, *hfs)}
     for _ in range(trials):
-        case = BatonCase(baton, 1, 128, 0)
-        b_times.append(timed(lambda case=case: case.prefill(ids)))
-        h_times.append(timed(lambda: hf(ids, use_cache=True)))
-    rows.append(_row("prefill 128", b_times, h_times))
+        for name, model in batons.items():
+            case = BatonCase(model, 1, 128, 0)
+            times[name].append(timed(lambda case=case: case.prefill(ids)))
+        for name, model in hfs.items():
+            times[name].append(timed(lambda model=model: hf_prefill(model, ids)))
+    rows.append(_row("prefill 128", times))
     return {
         "model": str(ckpt.path),
         "context_tokens": context,
         "dtype": str(dtype).removeprefix("torch."),
+        "int8_max_rows": INT8_MAX_ROWS if "baton_engine" in batons else None,
+        "prefill_logits": "last position only, both",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "rows": rows,
     }
 
 
-def _row(name: str, baton_s: list[float], hf_s: list[float]) -> dict:
-    b, h = statistics.median(baton_s), statistics.median(hf_s)
-    return {"case": name, "baton_ms": b * 1e3, "transformers_ms": h * 1e3, "ratio": b / h}
+def _row(name: str, times: dict[str, list[float]]) -> dict:
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    row = {
+        "case": name,
+        "baton_ms": ms["baton"],
+        "transformers_ms": ms["transformers"],
+        "ratio": ms["baton"] / ms["transformers"],
+    }
+    if "baton_engine" in ms:
+        row["baton_engine_ms"] = ms["baton_engine"]
+        row["transformers_float32_ms"] = ms["transformers_float32"]
+        row["engine_vs_transformers_float32"] = ms["baton_engine"] / ms["transformers_float32"]
+    return row
 
 
 def print_table(result: dict) -> None:
-    print(f"{'case':<14} {'baton ms':>10} {'transformers ms':>16} {'baton/hf':>9}")
+    extra = "baton_engine_ms" in result["rows"][0]
+    head = f"{'case':<14} {'baton ms':>10} {'transformers ms':>16} {'baton/hf':>9}"
+    if extra:
+        head += f" {'engine ms':>10} {'hf fp32 ms':>11} {'engine/hf fp32':>15}"
+    print(head)
     for r in result["rows"]:
-        print(
+        line = (
             f"{r['case']:<14} {r['baton_ms']:>10.2f} {r['transformers_ms']:>16.2f} "
             f"{r['ratio']:>9.2f}"
         )
+        if extra:
+            line += (
+                f" {r['baton_engine_ms']:>10.2f} {r['transformers_float32_ms']:>11.2f} "
+                f"{r['engine_vs_transformers_float32']:>15.2f}"
+            )
+        print(line)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -167,19 +214,23 @@ def plot(result: dict, path: Path) -> None:
     if plt is None:
         return
     names = [r["case"] for r in result["rows"]]
+    dtype = result["dtype"]
+    series = [("baton_ms", f"baton {dtype}"), ("transformers_ms", f"transformers {dtype}")]
+    if "baton_engine_ms" in result["rows"][0]:
+        series += [
+            ("baton_engine_ms", f"baton default ({dtype}, int8 <= {result['int8_max_rows']} rows)"),
+            ("transformers_float32_ms", "transformers float32"),
+        ]
     x = range(len(names))
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar([i - 0.2 for i in x], [r["baton_ms"] for r in result["rows"]], 0.4, label="baton")
-    ax.bar(
-        [i + 0.2 for i in x],
-        [r["transformers_ms"] for r in result["rows"]],
-        0.4,
-        label="transformers",
-    )
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for i, (key, label) in enumerate(series):
+        offset = (i - (len(series) - 1) / 2) * width
+        ax.bar([j + offset for j in x], [r[key] for r in result["rows"]], width, label=label)
     ax.set_xticks(list(x), names, rotation=20)
     ax.set_ylabel("ms per step")
     ax.set_yscale("log")
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.set_title(f"Forward pass ({result['dtype']}), same weights, same run")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -187,13 +238,12 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
+    add_common_args(p, "forward")
+    p.set_defaults(out=None)  # default: results/forward[_DTYPE].json
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--context", type=int, default=64, help="tokens cached before decoding")
     p.add_argument("--steps", type=int, default=8, help="decode steps timed per trial")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--out", type=Path, default=None, help="default: results/forward[_DTYPE].json")
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     suffix = "" if a.dtype == "float32" else f"_{a.dtype}"
@@ -201,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in a.batches.split(",")]
     result = run(a.model, batches, a.trials, a.context, a.steps, dtype)
     print_table(result)
-    save_results(result, out, plot)
+    write_results(result, out, plot, dtype=a.dtype)
     return 0
 
 

@@ -87,6 +87,7 @@ BENCHMARKS = {
     "engine": "async vs sync scheduling, free vs JSON requests",
     "grammar": "compile and mask times of the grammar backends on schema files (MaskBench)",
     "forward": "baton's forward pass vs transformers' on the same weights",
+    "linear_kernels": "the model's linear layers as float32, bfloat16 and int8 by rows",
     "throughput": "offline throughput, baton vs transformers batched generate",
     "structured": "structured vs free time per output token",
     "serve": "load test of baton serve: concurrent clients, TTFT and TPOT",
