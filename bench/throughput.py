@@ -3,12 +3,14 @@
 Same model weights, same prompts, greedy, every request generating exactly
 ``--output-len`` tokens (EOS ignored on both sides), measured in one run.
 Each dtype runs both engines in that dtype (transformers casts its whole model,
-baton keeps norms and softmax in float32). Prints tokens/s, the same-dtype
-ratio, and each baton run against transformers in float32 (stock
+baton keeps norms and softmax in float32; baton in bfloat16 runs as its engine does by
+default, with int8 weight-only GEMMs for steps of at most a few rows). Both are warmed
+up the same way, on prompts that are not measured, and baton runs with prefix caching off
+(transformers has none), so every measured prompt is prefilled in full by both. Prints
+tokens/s, the same-dtype ratio, and each baton run against transformers in float32 (stock
 ``from_pretrained``); writes JSON and a PNG.
 
-    python -m baton.bench.throughput [--num-prompts 64] [--output-len 128]
-        [--dtypes float32,bfloat16]
+    baton bench throughput [--num-prompts 64] [--output-len 128] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from baton.bench.forward import RESULTS, build_transformers
-from baton.bench.plotting import pyplot, save_results
+from baton.bench.common import add_common_args, write_results
+from baton.bench.forward import build_transformers
+from baton.bench.plotting import pyplot
 from baton.engine import LLM, SamplingParams
 from baton.engine.loader import load_checkpoint
 
@@ -82,36 +85,49 @@ def run_transformers(
     return time.perf_counter() - t0, total
 
 
+WARMUP_PROMPTS = 2
+WARMUP_TOKENS = 4
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
+    add_common_args(p, "throughput", dtype=None)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--hf-batch", type=int, default=64, help="transformers batch size")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--out", type=Path, default=RESULTS / "throughput.json")
     a = p.parse_args(argv)
 
     ckpt = load_checkpoint(a.model)
+    tok = ckpt.tokenizer
+    # The warm-up prompts come after the measured ones and are never measured.
+    convs = make_prompts(a.num_prompts + WARMUP_PROMPTS)
+    all_prompts = [tok.apply_chat_template(c, tokenize=True) for c in convs]
+    prompts, warmup = all_prompts[: a.num_prompts], all_prompts[a.num_prompts :]
     rows = []
-    prompts: list[list[int]] = []
     for name in a.dtypes.split(","):
         dtype = getattr(torch, name)
         llm = LLM.from_checkpoint(
-            ckpt, max_model_len=1024, max_num_seqs=a.max_num_seqs, dtype=dtype
+            ckpt,
+            max_model_len=1024,
+            max_num_seqs=a.max_num_seqs,
+            dtype=dtype,
+            enable_prefix_caching=False,
         )
-        tok = llm.get_tokenizer()
-        prompts = [tok.apply_chat_template(c, tokenize=True) for c in make_prompts(a.num_prompts)]
-        run_baton(llm, prompts[:2], 4)  # warm-up
+        int8 = int(llm.stats()["int8_small_batches"])
+        run_baton(llm, warmup, WARMUP_TOKENS)
         b_time, b_tokens = run_baton(llm, prompts, a.output_len)
+        llm.shutdown()
         del llm
         hf = build_transformers(ckpt.config, ckpt.weights).to(dtype)
+        run_transformers(hf, warmup, WARMUP_TOKENS, a.hf_batch)
         h_time, h_tokens = run_transformers(hf, prompts, a.output_len, a.hf_batch)
         del hf
         rows.append(
             {
                 "dtype": name,
+                "baton_int8_small_batches": bool(int8),
                 "baton": {"seconds": b_time, "tokens": b_tokens, "tok_per_s": b_tokens / b_time},
                 "transformers": {
                     "seconds": h_time,
@@ -132,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         "num_prompts": a.num_prompts,
         "output_len": a.output_len,
         "hf_batch": a.hf_batch,
+        "warmup": f"{WARMUP_PROMPTS} unmeasured prompts x {WARMUP_TOKENS} tokens, both engines",
+        "prefix_caching": False,
         "threads": torch.get_num_threads(),
         "rows": rows,
     }
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['dtype']:<9} {r['baton']['tok_per_s']:>12.1f} "
             f"{r['transformers']['tok_per_s']:>9.1f} {r['ratio']:>9.2f} {vs32:>14.2f}"
         )
-    save_results(result, a.out, _plot)
+    write_results(result, a.out, _plot, dtype=a.dtypes)
     return 0
 
 
