@@ -4,28 +4,31 @@ One run, one workload: the same chat prompts (as the same token ids), the same
 JSON schema, greedy decoding, the same ``--max-tokens``, at each
 ``--concurrency`` N (N prompts submitted at once), on the same weights, through
 
-* baton (``LLM.generate``; one row per ``--baton-dtypes`` entry),
+* baton (``LLM.generate``, as its engine runs by default in that dtype: in bfloat16 with
+  int8 weight-only GEMMs for steps of at most a few rows),
 * transformers batched ``generate`` (left padding) with xgrammar's Hugging Face
   logits processor,
 * Outlines 1.x over the same transformers model (skipped with a note when
   ``outlines`` is not installed),
-* llama-cpp-python with a JSON-schema grammar on the GGUF file (skipped with a
-  note when ``llama_cpp`` is not installed or the model is not a GGUF file).
-  Its Python API decodes one sequence at a time, so concurrency N runs the N
-  prompts one after another, and it computes on the GGUF's quantized weights
-  as stored where the others use the same weights dequantized to float32.
+* llama-cpp-python with a JSON-schema grammar on the GGUF file, threads = CPU cores
+  (skipped with a note when ``llama_cpp`` is not installed or the model is not a GGUF
+  file). Its Python API decodes one sequence at a time, so concurrency N runs the N
+  prompts one after another, and it computes on the GGUF's quantized weights as stored.
 
-Each engine is built, warmed up on prompts of its own, measured at every
-concurrency, and closed before the next one starts. No engine reuses a
-cached prompt prefix (baton runs with prefix caching off, llama-cpp-python's
-state is reset before each prompt), so every prompt is prefilled in full.
-Reports per engine and concurrency: output tokens/s, TPOT (ms) and the share of
-outputs that parse as JSON and validate against the schema; the ratios
-baton / each peer; and whether each goal of the issue is met (nothing is
-asserted). Writes JSON and a PNG.
+baton and its Python peers run in the same dtype, once per ``--dtypes`` entry ("auto":
+what baton's ``dtype="auto"`` picks on this machine); every baton row is set against the
+Python peers of its own dtype and against llama-cpp-python. Each engine is built, warmed
+up on prompts of its own, measured at every concurrency, and closed before the next one
+starts; with ``--repeats`` R the engines run R times, in the opposite order every other
+time, and each figure is the median over the repeats (with its spread). No engine reuses
+a cached prompt prefix (baton runs with prefix caching off, llama-cpp-python's state is
+reset before each prompt), so every prompt is prefilled in full. Reports per engine and
+concurrency: output tokens/s, TPOT (ms) and the share of outputs that parse as JSON and
+validate against the schema; the ratios baton / each peer; and whether each goal of the
+issue is met (nothing is asserted). Writes JSON and a PNG.
 
-    python -m baton.bench.peers [--model PATH | --tiny] [--concurrency 1,16]
-        [--max-tokens 96] [--baton-dtypes float32] [--engines ...] [--repeats 1]
+    baton bench peers [--model PATH | --tiny] [--concurrency 1,16] [--max-tokens 96]
+        [--dtypes auto] [--engines ...] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ from typing import Any, Protocol
 import jsonschema
 import torch
 
-from baton.bench.forward import RESULTS, build_transformers
-from baton.bench.plotting import pyplot, save_results
+from baton.bench.common import add_common_args, write_results
+from baton.bench.forward import build_transformers
+from baton.bench.plotting import pyplot
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.engine.config import auto_dtype, num_cpu_cores
 from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
 from baton.engine.tokenizer import Tokenizer
 
@@ -86,6 +91,8 @@ ENGINES: dict[str, str] = {
     "llama-cpp": "llama-cpp-python",
 }
 DTYPES = ("float32", "bfloat16")
+# llama-cpp-python computes on the GGUF's own quantized weights, whatever --dtypes says.
+GGUF_DTYPE = "gguf"
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 8
 
@@ -93,10 +100,22 @@ WARMUP_TOKENS = 8
 # baton/peer output tokens/s). Targets, not measurements.
 GOALS: tuple[tuple[str, str, float], ...] = (
     ("outlines", "high", 3.0),
-    ("transformers", "high", 3.0),
+    ("transformers", "high", 2.0),
     ("llama-cpp", "high", 2.0),
     ("transformers", "1", 1.2),
+    ("llama-cpp", "1", 1.0),
 )
+
+
+def resolve_dtypes(names: Sequence[str]) -> tuple[str, ...]:
+    """``names`` with "auto" replaced by what baton's ``dtype="auto"`` picks on this CPU."""
+    out = []
+    for name in names:
+        if name == "auto":
+            name = str(auto_dtype("cpu")[0]).removeprefix("torch.")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
 
 
 # ------------------------------------------------------------------ config
@@ -107,9 +126,11 @@ class PeersConfig:
     Attributes:
         concurrency: prompts submitted at once, one measured case each.
         max_tokens: most output tokens per request (EOS counts as one).
-        baton_dtypes: one baton row per dtype; the peers run in float32.
-        engines: keys of ``ENGINES`` to run, in order.
-        repeats: runs per (engine, concurrency); figures pool them.
+        dtypes: dtypes of baton and its Python peers (one row each per dtype); the first
+            one is the one the goals are judged on.
+        engines: keys of ``ENGINES`` to run, in this order on the first repeat.
+        repeats: runs of every engine; the order is reversed on every other run and
+            figures are medians over the runs.
         model: GGUF file or Hugging Face folder (None: the default model);
             with ``tiny``, only its tokenizer is used.
         tiny: a random-weight 2-layer model over the model's vocabulary (smoke runs).
@@ -117,7 +138,7 @@ class PeersConfig:
 
     concurrency: tuple[int, ...] = (1, 16)
     max_tokens: int = 96
-    baton_dtypes: tuple[str, ...] = ("float32",)
+    dtypes: tuple[str, ...] = ("float32",)
     engines: tuple[str, ...] = tuple(ENGINES)
     repeats: int = 1
     model: str | None = None
@@ -130,16 +151,15 @@ class PeersConfig:
             raise ValueError(
                 f"max_tokens must be >= 2 (TPOT needs two tokens), got {self.max_tokens}"
             )
-        if not self.baton_dtypes or any(d not in DTYPES for d in self.baton_dtypes):
+        if not self.dtypes or any(d not in DTYPES for d in self.dtypes):
             raise ValueError(
-                f"baton dtypes must be a non-empty subset of {list(DTYPES)}, "
-                f"got {list(self.baton_dtypes)}"
+                f"dtypes must be a non-empty subset of {list(DTYPES)}, got {list(self.dtypes)}"
             )
         if not self.engines or any(e not in ENGINES for e in self.engines):
             raise ValueError(
                 f"engines must be a non-empty subset of {list(ENGINES)}, got {list(self.engines)}"
             )
-        for name in ("concurrency", "baton_dtypes", "engines"):
+        for name in ("concurrency", "dtypes", "engines"):
             values = getattr(self, name)
             if len(set(values)) != len(values):
                 raise ValueError(f"{name} must not repeat a value, got {list(values)}")
@@ -227,9 +247,10 @@ def check_same_ids(hf_tok: Any, workload: Workload) -> None:
             raise ValueError(f"transformers' tokenizer encodes prompt {text!r} differently")
 
 
-def build_hf_model(ckpt: Checkpoint) -> Any:
-    """transformers' Llama over the checkpoint's float32 weights (eval mode). Raises
-    ``ValueError`` when a weight does not land in the model (names or shapes differ)."""
+def build_hf_model(ckpt: Checkpoint, dtype: str = "float32") -> Any:
+    """transformers' Llama over the checkpoint's weights (eval mode), cast to ``dtype`` once
+    they are checked. Raises ``ValueError`` when a weight does not land in the model (names or
+    shapes differ)."""
     weights = {k: v.float() for k, v in ckpt.weights.items()}
     model = build_transformers(ckpt.config, weights).float()
     state = model.state_dict()
@@ -243,7 +264,7 @@ def build_hf_model(ckpt: Checkpoint) -> Any:
         )
     if any(not torch.equal(state[k], w) for k, w in weights.items()):
         raise ValueError("transformers' Llama did not take the checkpoint's weights as they are")
-    return model
+    return model.to(getattr(torch, dtype))
 
 
 # ---------------------------------------------------------------- measuring
@@ -319,32 +340,48 @@ def is_valid(text: str, schema: dict[str, Any]) -> bool:
 
 @dataclass
 class CaseMeasure:
-    """The repetitions of one (engine, concurrency) case."""
+    """The repetitions of one (engine, concurrency) case: per run, its seconds and its
+    completions."""
 
     seconds: list[float] = field(default_factory=list)
-    completions: list[Completion] = field(default_factory=list)
+    runs: list[list[Completion]] = field(default_factory=list)
+
+    def add(self, seconds: float, completions: list[Completion]) -> None:
+        self.seconds.append(seconds)
+        self.runs.append(completions)
 
 
 def summarize(
-    runner: Runner, engine: str, dtype: str, concurrency: int, case: CaseMeasure, schema: dict
+    label: str, engine: str, dtype: str, concurrency: int, case: CaseMeasure, schema: dict
 ) -> dict[str, Any]:
-    """One table row."""
-    seconds = sum(case.seconds)
-    tokens = sum(c.tokens for c in case.completions)
-    tpots = [c.tpot_s for c in case.completions if c.tpot_s is not None]
-    valid = sum(is_valid(c.text, schema) for c in case.completions)
-    n = len(case.completions)
+    """One table row: medians over the runs (output tok/s, per-run mean TPOT), their spread,
+    and validity pooled over every completion."""
+    completions = [c for run in case.runs for c in run]
+    per_run_tps = [
+        sum(c.tokens for c in run) / s for s, run in zip(case.seconds, case.runs, strict=True)
+    ]
+    per_run_tpot = [
+        statistics.fmean(t) * 1e3
+        for t in ([c.tpot_s for c in run if c.tpot_s is not None] for run in case.runs)
+        if t
+    ]
+    tokens = sum(c.tokens for c in completions)
+    valid = sum(is_valid(c.text, schema) for c in completions)
+    n = len(completions)
     return {
         "engine": engine,
-        "label": runner.label,
+        "label": label,
         "dtype": dtype,
         "concurrency": concurrency,
         "runs": len(case.seconds),
         "requests": n,
-        "seconds": seconds,
+        "seconds": sum(case.seconds),
         "output_tokens": tokens,
-        "tok_per_s": tokens / seconds if seconds > 0 else None,
-        "tpot_ms": statistics.fmean(tpots) * 1e3 if tpots else None,
+        "tok_per_s": statistics.median(per_run_tps) if per_run_tps else None,
+        "tok_per_s_runs": per_run_tps,
+        "tok_per_s_min": min(per_run_tps, default=None),
+        "tok_per_s_max": max(per_run_tps, default=None),
+        "tpot_ms": statistics.median(per_run_tpot) if per_run_tpot else None,
         "valid": valid,
         "valid_share": valid / n if n else None,
         "mean_output_tokens": tokens / n if n else None,
@@ -352,11 +389,14 @@ def summarize(
 
 
 # ------------------------------------------------------------------ engines
+def baton_label(dtype: str) -> str:
+    return f"baton {dtype}"
+
+
 class BatonRunner:
     """baton's offline ``LLM`` over the checkpoint, in ``dtype``."""
 
     def __init__(self, ckpt: Checkpoint, dtype: str, workload: Workload, max_batch: int) -> None:
-        self.label = f"baton {dtype}"
         self.workload = workload
         self.llm = LLM.from_checkpoint(
             ckpt,
@@ -366,6 +406,7 @@ class BatonRunner:
             # Like for like: no peer reuses a prefix across requests in this benchmark.
             enable_prefix_caching=False,
         )
+        self.label = baton_label(dtype)
         self.params = SamplingParams(
             max_tokens=workload.max_tokens,
             temperature=0.0,
@@ -396,11 +437,10 @@ class TransformersXgrammarRunner:
     """transformers batched ``generate`` (left padding, greedy) with xgrammar's logits
     processor, the grammar compiled once the way xgrammar's docs show it."""
 
-    label = "transformers+xgrammar"
-
-    def __init__(self, model: Any, hf_tok: Any, workload: Workload) -> None:
+    def __init__(self, model: Any, hf_tok: Any, workload: Workload, dtype: str) -> None:
         import xgrammar as xgr
 
+        self.label = f"transformers+xgrammar {dtype}"
         self.model, self.hf_tok, self.workload = model, hf_tok, workload
         info = xgr.TokenizerInfo.from_huggingface(
             hf_tok,
@@ -456,12 +496,11 @@ class OutlinesRunner:
     """Outlines' ``Generator`` over the transformers model with a JSON-schema output type
     (its default backend, outlines-core), batched with ``Generator.batch``."""
 
-    label = "outlines"
-
-    def __init__(self, model: Any, hf_tok: Any, workload: Workload) -> None:
+    def __init__(self, model: Any, hf_tok: Any, workload: Workload, dtype: str) -> None:
         import outlines
         from outlines.types import JsonSchema
 
+        self.label = f"outlines {dtype}"
         self.workload = workload
         self.model = outlines.from_transformers(model, hf_tok)
         # Compact JSON, as baton's default: no whitespace between JSON tokens.
@@ -505,7 +544,7 @@ class LlamaCppRunner:
         from llama_cpp import Llama, LlamaGrammar
 
         self.workload = workload
-        threads = torch.get_num_threads()
+        threads = num_cpu_cores()
         self.llm = Llama(
             model_path=str(gguf_path),
             n_ctx=workload.max_model_len,
@@ -557,25 +596,41 @@ def _unavailable(module: str) -> str | None:
     return None
 
 
-def measure_engine(
-    runner: Runner, engine: str, dtype: str, cfg: PeersConfig, workload: Workload
-) -> list[dict[str, Any]]:
-    """Every concurrency of ``cfg`` on one engine, ``cfg.repeats`` times each."""
-    rows = []
+@dataclass(frozen=True)
+class Unit:
+    """One engine in one dtype: what is built, measured and closed as a whole."""
+
+    engine: str
+    dtype: str
+
+
+def plan_units(cfg: PeersConfig) -> list[Unit]:
+    """Every engine of ``cfg`` in every dtype (llama-cpp-python once, in the GGUF's own
+    weights), in ``cfg.engines`` order."""
+    units = []
+    for engine in cfg.engines:
+        if engine == "llama-cpp":
+            units.append(Unit(engine, GGUF_DTYPE))
+        else:
+            units += [Unit(engine, d) for d in cfg.dtypes]
+    return units
+
+
+def run_order(units: list[Unit], repeat: int) -> list[Unit]:
+    """The order of the ``repeat``-th run (0-based): as given, reversed every other run, so
+    no engine always runs first (warm caches, a machine still busy, thermal drift)."""
+    return list(units) if repeat % 2 == 0 else list(reversed(units))
+
+
+def measure_once(runner: Runner, cfg: PeersConfig, cases: dict[int, CaseMeasure]) -> None:
+    """Every concurrency of ``cfg`` once on one engine, added to ``cases``."""
     for c in cfg.concurrency:
-        case = CaseMeasure()
-        for _ in range(cfg.repeats):
-            t0 = time.perf_counter()
-            completions = runner.run(range(c))
-            case.seconds.append(time.perf_counter() - t0)
-            case.completions += completions
-        rows.append(summarize(runner, engine, dtype, c, case, workload.schema))
-        print(
-            f"  {runner.label} c={c}: {rows[-1]['tok_per_s']:.1f} tok/s, "
-            f"{rows[-1]['valid']}/{rows[-1]['requests']} valid",
-            flush=True,
-        )
-    return rows
+        t0 = time.perf_counter()
+        completions = runner.run(range(c))
+        seconds = time.perf_counter() - t0
+        cases.setdefault(c, CaseMeasure()).add(seconds, completions)
+        tps = sum(x.tokens for x in completions) / seconds
+        print(f"  {runner.label} c={c}: {tps:.1f} tok/s", flush=True)
 
 
 def run(cfg: PeersConfig) -> dict[str, Any]:
@@ -588,36 +643,26 @@ def run(cfg: PeersConfig) -> dict[str, Any]:
     else:
         ckpt = load_checkpoint(cfg.model)
     workload = build_workload(tokenizer, max(cfg.concurrency), cfg.max_tokens)
-    rows: list[dict[str, Any]] = []
     engines: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
-    hf_model: Any = None
+    hf_models: dict[str, Any] = {}
     hf_tok: Any = None
 
-    def hf_parts() -> tuple[Any, Any]:
-        nonlocal hf_model, hf_tok
-        if hf_model is None:
+    def hf_parts(dtype: str) -> tuple[Any, Any]:
+        nonlocal hf_tok
+        if hf_tok is None:
             hf_tok = hf_tokenizer(tokenizer)
             check_same_ids(hf_tok, workload)
-            hf_model = build_hf_model(ckpt)
-        return hf_model, hf_tok
-
-    def attempt(engine: str, dtype: str, build: Callable[[], Runner]) -> None:
-        t0 = time.perf_counter()
-        runner = build()
-        setup_s = time.perf_counter() - t0
-        engines.append({"engine": engine, "label": runner.label, "setup_s": setup_s})
-        print(f"{runner.label}: set up and warmed up in {setup_s:.1f} s", flush=True)
-        try:
-            rows.extend(measure_engine(runner, engine, dtype, cfg, workload))
-        finally:
-            runner.close()
+        if dtype not in hf_models:
+            hf_models[dtype] = build_hf_model(ckpt, dtype)
+        return hf_models[dtype], hf_tok
 
     max_batch = max(cfg.concurrency)
-    for engine in cfg.engines:
+    builders: dict[Unit, Callable[[], Runner]] = {}
+    for unit in plan_units(cfg):
+        engine, dtype = unit.engine, unit.dtype
         if engine == "baton":
-            for dtype in cfg.baton_dtypes:
-                attempt(engine, dtype, lambda d=dtype: BatonRunner(ckpt, d, workload, max_batch))
+            builders[unit] = lambda d=dtype: BatonRunner(ckpt, d, workload, max_batch)
             continue
         module = {
             "transformers": "xgrammar.contrib.hf",
@@ -628,15 +673,43 @@ def run(cfg: PeersConfig) -> dict[str, Any]:
         if reason is None and engine == "llama-cpp" and ckpt.path.suffix != ".gguf":
             reason = f"llama-cpp-python needs a GGUF file; the model is {ckpt.path}"
         if reason is not None:
-            skipped.append({"engine": engine, "label": ENGINES[engine], "reason": reason})
-            print(f"{ENGINES[engine]}: skipped: {reason}", flush=True)
+            if all(s["engine"] != engine for s in skipped):
+                skipped.append({"engine": engine, "label": ENGINES[engine], "reason": reason})
+                print(f"{ENGINES[engine]}: skipped: {reason}", flush=True)
             continue
         if engine == "transformers":
-            attempt(engine, "float32", lambda: TransformersXgrammarRunner(*hf_parts(), workload))
+            builders[unit] = lambda d=dtype: TransformersXgrammarRunner(*hf_parts(d), workload, d)
         elif engine == "outlines":
-            attempt(engine, "float32", lambda: OutlinesRunner(*hf_parts(), workload))
+            builders[unit] = lambda d=dtype: OutlinesRunner(*hf_parts(d), workload, d)
         else:
-            attempt(engine, "float32", lambda: LlamaCppRunner(ckpt.path, workload))
+            builders[unit] = lambda: LlamaCppRunner(ckpt.path, workload)
+
+    cases: dict[Unit, dict[int, CaseMeasure]] = {u: {} for u in builders}
+    labels: dict[Unit, str] = {}
+    for repeat in range(cfg.repeats):
+        order = run_order(list(builders), repeat)
+        print(
+            f"run {repeat + 1}/{cfg.repeats}: " + ", ".join(f"{u.engine} {u.dtype}" for u in order),
+            flush=True,
+        )
+        for unit in order:
+            t0 = time.perf_counter()
+            runner = builders[unit]()
+            setup_s = time.perf_counter() - t0
+            labels[unit] = runner.label
+            engines.append(
+                {"engine": unit.engine, "label": runner.label, "run": repeat, "setup_s": setup_s}
+            )
+            print(f"{runner.label}: set up and warmed up in {setup_s:.1f} s", flush=True)
+            try:
+                measure_once(runner, cfg, cases[unit])
+            finally:
+                runner.close()
+    rows = [
+        summarize(labels[u], u.engine, u.dtype, c, case, workload.schema)
+        for u in builders
+        for c, case in sorted(cases[u].items())
+    ]
     ratios = compute_ratios(rows)
     return {
         "model": str(ckpt.path),
@@ -644,11 +717,13 @@ def run(cfg: PeersConfig) -> dict[str, Any]:
         "concurrency": list(cfg.concurrency),
         "max_tokens": cfg.max_tokens,
         "repeats": cfg.repeats,
-        "baton_dtypes": list(cfg.baton_dtypes),
-        "peer_dtype": "float32",
+        "dtypes": list(cfg.dtypes),
+        "order": "engines in --engines order, reversed on every other repeat",
+        "figures": "median over the repeats; tok_per_s_min/max give the spread",
         "prefix_caching": False,
         "whitespace": "compact JSON for baton, xgrammar and Outlines; llama.cpp's own grammar",
         "threads": torch.get_num_threads(),
+        "llama_cpp_threads": num_cpu_cores(),
         "versions": {
             p: _version(p)
             for p in (
@@ -676,16 +751,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def compute_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """baton / peer output tokens/s (and peer / baton TPOT) for every baton row, peer row and
-    concurrency measured: above 1 means baton is faster."""
+    """baton / peer output tokens/s (and peer / baton TPOT) for every baton row against every
+    peer row of the same concurrency and the same dtype (llama-cpp-python, which computes on
+    the GGUF's own weights, against every baton row): above 1 means baton is faster."""
     out = []
     for b in (r for r in rows if r["engine"] == "baton"):
         for p in (
-            r for r in rows if r["engine"] != "baton" and r["concurrency"] == b["concurrency"]
+            r
+            for r in rows
+            if r["engine"] != "baton"
+            and r["concurrency"] == b["concurrency"]
+            and r["dtype"] in (b["dtype"], GGUF_DTYPE)
         ):
             out.append(
                 {
                     "baton": b["label"],
+                    "dtype": b["dtype"],
                     "peer": p["engine"],
                     "peer_label": p["label"],
                     "concurrency": b["concurrency"],
@@ -699,9 +780,9 @@ def compute_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def evaluate_goals(
     rows: list[dict[str, Any]], ratios: list[dict[str, Any]], cfg: PeersConfig
 ) -> list[dict[str, Any]]:
-    """The issue's goals, judged on the float32 baton row (the peers' dtype; else the first
-    baton dtype); the other baton rows' ratios are listed beside. Nothing is asserted."""
-    ref = f"baton {'float32' if 'float32' in cfg.baton_dtypes else cfg.baton_dtypes[0]}"
+    """The issue's goals, judged on the baton row of the first dtype against its peers in the
+    same dtype; the other dtypes' ratios are listed beside. Nothing is asserted."""
+    ref = baton_label(cfg.dtypes[0])
     high = max(cfg.concurrency)
     goals = []
     for peer, at, target in GOALS:
@@ -729,11 +810,15 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def print_report(result: dict[str, Any]) -> None:
     """The table, the ratios, the goals and the skipped peers, as text."""
-    print(f"\n{'engine':<24} {'conc':>4} {'tok/s':>8} {'TPOT ms':>8} {'valid':>7} {'tok/req':>7}")
+    print(
+        f"\n{'engine':<32} {'conc':>4} {'tok/s':>8} {'spread':>13} {'TPOT ms':>8} "
+        f"{'valid':>7} {'tok/req':>7}"
+    )
     for r in result["rows"]:
+        spread = f"{_fmt(r['tok_per_s_min'], '.1f')}-{_fmt(r['tok_per_s_max'], '.1f')}"
         print(
-            f"{r['label']:<24} {r['concurrency']:>4} {_fmt(r['tok_per_s'], '.1f'):>8} "
-            f"{_fmt(r['tpot_ms'], '.1f'):>8} {_fmt(r['valid_share'], '.0%'):>7} "
+            f"{r['label']:<32} {r['concurrency']:>4} {_fmt(r['tok_per_s'], '.1f'):>8} "
+            f"{spread:>13} {_fmt(r['tpot_ms'], '.1f'):>8} {_fmt(r['valid_share'], '.0%'):>7} "
             f"{_fmt(r['mean_output_tokens'], '.1f'):>7}"
         )
     if result["ratios"]:
@@ -823,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
     through argparse (SystemExit 2) on a bad argument.
     """
     p = argparse.ArgumentParser(prog="baton bench peers", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)")
+    add_common_args(p, "peers", dtype=None)
     p.add_argument(
         "--tiny",
         action="store_true",
@@ -832,7 +917,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=_ints, default=(1, 16), help="default: 1,16")
     p.add_argument("--max-tokens", type=int, default=96, help="max output tokens (default: 96)")
     p.add_argument(
-        "--baton-dtypes", type=_strs, default=("float32",), help="float32 and/or bfloat16"
+        "--dtypes",
+        type=_strs,
+        default=("auto",),
+        help="dtypes of baton and its Python peers: auto (baton's pick on this CPU), float32, "
+        "bfloat16; the first one is judged against the goals (default: auto)",
     )
     p.add_argument(
         "--engines",
@@ -840,14 +929,18 @@ def main(argv: list[str] | None = None) -> int:
         default=tuple(ENGINES),
         help=f"subset of {','.join(ENGINES)} (default: all)",
     )
-    p.add_argument("--repeats", type=int, default=1, help="runs per engine and concurrency")
-    p.add_argument("--out", type=Path, default=RESULTS / "peers.json", help="JSON path; PNG beside")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of every engine, the order reversed every other run (default: 3)",
+    )
     a = p.parse_args(argv)
     try:
         cfg = PeersConfig(
             concurrency=a.concurrency,
             max_tokens=a.max_tokens,
-            baton_dtypes=a.baton_dtypes,
+            dtypes=resolve_dtypes(a.dtypes),
             engines=a.engines,
             repeats=a.repeats,
             model=a.model,
@@ -857,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     result = run(cfg)
     print_report(result)
-    save_results(result, a.out, _plot)
+    write_results(result, a.out, _plot, dtype=",".join(cfg.dtypes))
     return 0
 
 

@@ -14,9 +14,13 @@ from baton.bench.peers import (
     SCHEMA,
     PeersConfig,
     StepRecorder,
+    Unit,
     compute_ratios,
     evaluate_goals,
     is_valid,
+    plan_units,
+    resolve_dtypes,
+    run_order,
     sequences_from_steps,
 )
 from baton.engine.entrypoints.cli import main as cli_main
@@ -43,7 +47,7 @@ ROW_KEYS = {
         ({"concurrency": (1, 0)}, "concurrency"),
         ({"concurrency": (2, 2)}, "must not repeat"),
         ({"max_tokens": 1}, "max_tokens"),
-        ({"baton_dtypes": ("float16",)}, "baton dtypes"),
+        ({"dtypes": ("float16",)}, "dtypes"),
         ({"engines": ("vllm",)}, "engines"),
         ({"repeats": 0}, "repeats"),
     ],
@@ -72,39 +76,69 @@ def test_sequences_stop_at_first_eos_and_time_from_the_first_token() -> None:
     assert b == [20, 21, 22] and tpot_b == pytest.approx(0.75)
 
 
-def _row(engine: str, label: str, c: int, tok_per_s: float) -> dict[str, Any]:
+def _row(engine: str, label: str, c: int, tok_per_s: float, dtype: str) -> dict[str, Any]:
     return {
         "engine": engine,
         "label": label,
+        "dtype": dtype,
         "concurrency": c,
         "tok_per_s": tok_per_s,
         "tpot_ms": 1000.0 / tok_per_s,
     }
 
 
-def test_goals_judge_the_float32_row_at_the_highest_concurrency() -> None:
+def test_peers_are_compared_in_the_baton_rows_dtype_and_goals_judge_the_first() -> None:
     rows = [
-        _row("baton", "baton float32", 1, 30.0),
-        _row("baton", "baton float32", 16, 300.0),
-        _row("baton", "baton bfloat16", 16, 600.0),
-        _row("transformers", "transformers+xgrammar", 1, 20.0),
-        _row("transformers", "transformers+xgrammar", 16, 150.0),
-        _row("outlines", "outlines", 16, 50.0),
+        _row("baton", "baton bfloat16", 1, 30.0, "bfloat16"),
+        _row("baton", "baton bfloat16", 16, 600.0, "bfloat16"),
+        _row("baton", "baton float32", 16, 300.0, "float32"),
+        _row("transformers", "transformers+xgrammar bfloat16", 1, 20.0, "bfloat16"),
+        _row("transformers", "transformers+xgrammar bfloat16", 16, 200.0, "bfloat16"),
+        _row("transformers", "transformers+xgrammar float32", 16, 150.0, "float32"),
+        _row("outlines", "outlines float32", 16, 50.0, "float32"),
+        _row("llama-cpp", "llama-cpp-python", 16, 100.0, "gguf"),
     ]
     ratios = compute_ratios(rows)
-    assert len(ratios) == 1 + 2 * 2  # c=1: one pair; c=16: two baton rows x two peers
-    cfg = PeersConfig(concurrency=(1, 16), baton_dtypes=("float32", "bfloat16"))
+    pairs = {(q["baton"], q["peer_label"], q["concurrency"]) for q in ratios}
+    assert pairs == {
+        ("baton bfloat16", "transformers+xgrammar bfloat16", 1),
+        ("baton bfloat16", "transformers+xgrammar bfloat16", 16),
+        ("baton bfloat16", "llama-cpp-python", 16),
+        ("baton float32", "transformers+xgrammar float32", 16),
+        ("baton float32", "outlines float32", 16),
+        ("baton float32", "llama-cpp-python", 16),
+    }
+    cfg = PeersConfig(concurrency=(1, 16), dtypes=("bfloat16", "float32"))
     goals = {
-        (g["goal"].split(" / ")[1].split(" ")[0], g["threshold"]): g
+        (g["goal"].split(" / ")[1].split(" ")[0], g["threshold"], g["goal"][-2:]): g
         for g in evaluate_goals(rows, ratios, cfg)
     }
-    outlines = goals[("outlines", 3.0)]
-    assert outlines["value"] == pytest.approx(6.0) and outlines["met"] is True
-    assert outlines["values"]["baton bfloat16"] == pytest.approx(12.0)
-    hf16 = goals[("transformers+xgrammar", 3.0)]
-    assert hf16["value"] == pytest.approx(2.0) and hf16["met"] is False
-    assert goals[("transformers+xgrammar", 1.2)]["value"] == pytest.approx(1.5)
-    assert goals[("llama-cpp-python", 2.0)]["met"] is None  # not measured, not failed
+    assert len(goals) == 5
+    hf16 = goals[("transformers+xgrammar", 2.0, "16")]
+    assert hf16["value"] == pytest.approx(3.0) and hf16["met"] is True
+    assert hf16["values"]["baton float32"] == pytest.approx(2.0)
+    assert goals[("transformers+xgrammar", 1.2, " 1")]["value"] == pytest.approx(1.5)
+    outlines = goals[("outlines", 3.0, "16")]  # no bfloat16 outlines row: not measured
+    assert outlines["met"] is None and outlines["values"]["baton float32"] == pytest.approx(6.0)
+    llama = goals[("llama-cpp-python", 2.0, "16")]
+    assert llama["value"] == pytest.approx(6.0) and llama["met"] is True
+    assert goals[("llama-cpp-python", 1.0, " 1")]["met"] is None  # not measured, not failed
+
+
+def test_units_and_alternating_order() -> None:
+    cfg = PeersConfig(dtypes=("bfloat16", "float32"), engines=("baton", "llama-cpp", "outlines"))
+    units = plan_units(cfg)
+    assert units == [
+        Unit("baton", "bfloat16"),
+        Unit("baton", "float32"),
+        Unit("llama-cpp", "gguf"),
+        Unit("outlines", "bfloat16"),
+        Unit("outlines", "float32"),
+    ]
+    assert run_order(units, 0) == units and run_order(units, 1) == units[::-1]
+    assert run_order(units, 2) == units
+    assert resolve_dtypes(("float32", "float32")) == ("float32",)
+    assert set(resolve_dtypes(("auto",))) <= {"float32", "bfloat16"}
 
 
 @pytest.mark.slow
@@ -116,24 +150,34 @@ def test_tiny_run_has_every_row_and_notes_the_missing_peer(
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed: import fails
     out = tmp_path / "peers.json"
-    argv = ["--tiny", "--concurrency", "1,2", "--max-tokens", "8"]
+    argv = ["--tiny", "--concurrency", "1,2", "--max-tokens", "8", "--repeats", "2"]
+    argv += ["--dtypes", "float32"]
     assert main([*argv, "--engines", "baton,transformers,llama-cpp", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {(r["engine"], r["concurrency"]): r for r in result["rows"]}
     assert set(rows) == {(e, c) for e in ("baton", "transformers") for c in (1, 2)}
+    # Two runs, the second in the opposite order.
+    assert [e["engine"] for e in result["engines"]] == [
+        "baton",
+        "transformers",
+        "transformers",
+        "baton",
+    ]
+    assert result["run"]["commit"] and result["run"]["dtype"] == "float32"
     for (_, c), row in rows.items():
         assert set(row) >= ROW_KEYS
-        assert row["requests"] == c
-        assert 0 < row["output_tokens"] <= 8 * c
+        assert row["runs"] == 2 and row["requests"] == 2 * c
+        assert row["tok_per_s_min"] <= row["tok_per_s"] <= row["tok_per_s_max"]
+        assert 0 < row["output_tokens"] <= 2 * 8 * c
         assert row["tok_per_s"] > 0 and row["tpot_ms"] > 0
-        assert 0 <= row["valid"] <= c and 0.0 <= row["valid_share"] <= 1.0
+        assert 0 <= row["valid"] <= 2 * c and 0.0 <= row["valid_share"] <= 1.0
     assert {(q["peer"], q["concurrency"]) for q in result["ratios"]} == {
         ("transformers", 1),
         ("transformers", 2),
     }
     assert [s["engine"] for s in result["skipped"]] == ["llama-cpp"]
     assert "llama_cpp" in result["skipped"][0]["reason"]
-    assert len(result["goals"]) == 4
+    assert len(result["goals"]) == 5
     measured = [g for g in result["goals"] if "transformers" in g["goal"]]
     assert all(g["value"] is not None and g["met"] in (True, False) for g in measured)
 
