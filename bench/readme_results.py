@@ -29,11 +29,30 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _forward(d: dict[str, Any]) -> str:
-    rows = [
-        [r["case"], f"{r['baton_ms']:.1f}", f"{r['transformers_ms']:.1f}", f"{r['ratio']:.2f}"]
-        for r in d["rows"]
-    ]
-    return _table(["case", "baton ms", "transformers ms", "baton / transformers"], rows)
+    engine = "baton_engine_ms" in d["rows"][0]
+    header = ["case", "baton ms", "transformers ms", "baton / transformers"]
+    if engine:
+        header += [
+            f"baton default (int8 <= {d['int8_max_rows']} rows) ms",
+            "transformers float32 ms",
+            "default / transformers float32",
+        ]
+    rows = []
+    for r in d["rows"]:
+        row = [
+            r["case"],
+            f"{r['baton_ms']:.1f}",
+            f"{r['transformers_ms']:.1f}",
+            f"{r['ratio']:.2f}",
+        ]
+        if engine:
+            row += [
+                f"{r['baton_engine_ms']:.1f}",
+                f"{r['transformers_float32_ms']:.1f}",
+                f"{r['engine_vs_transformers_float32']:.2f}",
+            ]
+        rows.append(row)
+    return _table(header, rows)
 
 
 def _throughput(d: dict[str, Any]) -> str:
@@ -165,22 +184,38 @@ def _goal_lines(goals: list[Any], digits: int = 2) -> list[str]:
     return lines
 
 
+def _spread(r: dict[str, Any]) -> str:
+    if r.get("tok_per_s_min") is None or r.get("runs", 1) < 2:
+        return "-"
+    return f"{r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f}"
+
+
 def _peers(d: dict[str, Any]) -> str:
     rows = [
         [
             r["label"],
             str(r["concurrency"]),
             _num(r["tok_per_s"], ".1f"),
+            _spread(r),
             _num(r["tpot_ms"], ".1f"),
             _pct(r["valid_share"]),
         ]
         for r in d["rows"]
     ]
-    table = _table(["engine", "concurrency", "output tok/s", "TPOT ms", "valid JSON"], rows)
+    header = ["engine", "concurrency", "output tok/s", "spread", "TPOT ms", "valid JSON"]
+    table = _table(header, rows)
     skipped = [f"- skipped {s['label']}: {s['reason']}" for s in d.get("skipped", [])]
+    repeats = d.get("repeats", 1)
+    runs = (
+        f" {repeats} runs, the engines' order reversed every other run; medians, with the "
+        "spread of output tok/s over the runs."
+        if repeats > 1
+        else ""
+    )
     caption = (
         f"The same JSON-schema workload (same token ids, greedy, at most {d['max_tokens']} "
-        f"tokens) on every engine, measured in one run.\n\n"
+        f"tokens) on every engine, measured in one run; baton and its Python peers in the same "
+        f"dtype, llama-cpp-python on the GGUF's own quantized weights.{runs}\n\n"
     )
     notes = _goal_lines(d.get("goals") or []) + skipped
     return caption + table + ("\n\n" + "\n".join(notes) if notes else "")
@@ -194,7 +229,8 @@ def _serve(d: dict[str, Any]) -> str:
             _num(r["tok_per_s"], ".0f"),
             f"{_num(r['ttft_p50_ms'], '.0f')} / {_num(r['ttft_p99_ms'], '.0f')}",
             f"{_num(r['tpot_p50_ms'], '.1f')} / {_num(r['tpot_p99_ms'], '.1f')}",
-            _pct(r["json_valid_share"]),
+            f"{r['json_valid']}/{r['json_checked']}",
+            str(r.get("json_length_cut", "-")),
         ]
         for r in d["rows"]
     ]
@@ -204,7 +240,8 @@ def _serve(d: dict[str, Any]) -> str:
         "output tok/s",
         "TTFT p50 / p99 ms",
         "TPOT p50 / p99 ms",
-        "valid JSON",
+        "valid JSON / stopped",
+        "JSON cut by length",
     ]
     caption = (
         f"Streaming clients against `baton serve` over loopback: model {d['model']} "
@@ -267,8 +304,9 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
 def render(results: Path = RESULTS) -> str:
     """The results section's body from the result files present in ``results``."""
     parts = [
-        "Measured on the development machine: x86_64, 2 CPU cores with AVX-512 and AMX, "
-        "24 GiB, no GPU (torch threads per run are in each JSON file). "
+        "Measured on the development machine: x86_64 (AMD EPYC), 2 CPU cores with AVX-512 "
+        "and AVX512-BF16 (no AMX), 24 GiB, no GPU (the commit, date, dtype and threads of "
+        "each run are in its JSON file). "
         "`python -m baton.bench.readme_results` rewrites this section from "
         "`bench/results/*.json`.",
     ]

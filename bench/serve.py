@@ -8,11 +8,12 @@ of free requests, which ignore EOS, and JSON-schema ones) until the level's requ
 or time limit is reached. Per request it records, client-side: TTFT (first content chunk),
 TPOT ((last token - first token) / (tokens - 1), tokens from the usage chunk), latency,
 output tokens, HTTP or stream errors, and for JSON requests that stopped by themselves
-whether the text validates against the schema. Per level it reports throughput and
+whether the text validates against the schema (a JSON request cut by ``--max-tokens``
+cannot be judged: those are counted apart, as length-cut). Per level it reports throughput and
 TTFT/TPOT percentiles, plus the engine counters scraped from ``/metrics``. The server is
 stopped at the end, also on errors and Ctrl-C. Prints a table and writes JSON and a PNG.
 
-    python -m baton.bench.serve [--concurrency 1,8,32] [--requests N] [--time-limit S]
+    baton bench serve [--concurrency 1,8,32] [--requests N] [--time-limit S] [--dtype auto]
         [--json-fraction 0.5] [--max-tokens 64] [--tiny] [--server-arg=--no-async-scheduling]
 """
 
@@ -24,6 +25,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,9 +41,9 @@ from typing import Any
 import httpx
 import jsonschema
 
+from baton.bench.common import add_common_args, write_results
 from baton.bench.engine import SCHEMA, TinyModelShape, conversations, tiny_checkpoint
-from baton.bench.forward import RESULTS
-from baton.bench.plotting import pyplot, save_results
+from baton.bench.plotting import pyplot
 from baton.engine.tokenizer import Tokenizer
 
 API_KEY_ENV = "BATON_API_KEY"  # the server reads it too (see baton.engine.server.serve)
@@ -503,6 +505,7 @@ def summarize_level(
     latencies = [r.latency_s for r in ok]
     checked = [r for r in ok if r.json_valid is not None]
     valid = sum(1 for r in checked if r.json_valid)
+    length_cut = sum(1 for r in ok if r.structured and r.finish_reason == "length")
     row: dict[str, Any] = {
         "concurrency": run.concurrency,
         "planned": run.planned,
@@ -521,9 +524,10 @@ def summarize_level(
         "latency_p50_ms": _ms(percentile(latencies, 50)),
         "latency_p99_ms": _ms(percentile(latencies, 99)),
         "json_requests": sum(1 for r in run.records if r.structured),
-        "json_checked": len(checked),
+        "json_checked": len(checked),  # JSON requests that stopped by themselves
         "json_valid": valid,
         "json_valid_share": valid / len(checked) if checked else None,
+        "json_length_cut": length_cut,
     }
     for name in ENGINE_COUNTERS:
         key = name.removeprefix("baton_").removesuffix("_total")
@@ -542,7 +546,22 @@ def engine_metrics(samples: dict[str, float]) -> dict[str, float]:
     keep = (*ENGINE_GAUGES, *ENGINE_COUNTERS, "baton_generation_tokens_total")
     out = {name: samples[name] for name in keep if name in samples}
     out.update({k: v for k, v in samples.items() if k.startswith("baton_requests_total{")})
+    out.update({k: v for k, v in samples.items() if k.startswith(f"{COMPUTE_INFO}{{")})
     return out
+
+
+COMPUTE_INFO = "baton_model_compute_info"
+
+
+def served_dtype(samples: dict[str, float]) -> str | None:
+    """The dtype the server reports computing in (its ``baton_model_compute_info`` labels),
+    or None when it reports none."""
+    for key in samples:
+        if key.startswith(f"{COMPUTE_INFO}{{"):
+            match = re.search(r'dtype="([^"]*)"', key)
+            if match:
+                return match.group(1)
+    return None
 
 
 # ------------------------------------------------------------------ running
@@ -611,7 +630,9 @@ def run(
         "model": "tiny-random-llama" if tiny else (model or "default (SmolLM2-135M)"),
         "tiny_model": asdict(tiny_shape) if tiny_shape is not None else None,
         "tokenizer_from": model or "default (SmolLM2-135M)",
-        "dtype": dtype,
+        # What the server computed in (--dtype auto resolves there), else what was asked.
+        "dtype": served_dtype(result["metrics"]) or dtype,
+        "dtype_asked": dtype,
         "server": {"command": server.command[1:], "pid": server.pid},
         "concurrency": list(cfg.concurrency),
         "requests_per_level": cfg.requests,
@@ -637,7 +658,7 @@ def print_report(result: dict[str, Any]) -> None:
     )
     head = (
         f"{'conc':>4} {'done':>5} {'fail':>4} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'TPOT p50':>9} {'TPOT p99':>9} {'JSON ok':>8} {'steps':>6} {'defer':>5}"
+        f"{'TPOT p50':>9} {'TPOT p99':>9} {'JSON ok':>8} {'cut':>4} {'steps':>6} {'defer':>5}"
     )
     print(head)
     for r in result["rows"]:
@@ -646,10 +667,13 @@ def print_report(result: dict[str, Any]) -> None:
             f"{r['concurrency']:>4} {r['done']:>5} {r['failed']:>4} "
             f"{_fmt(r['tok_per_s'], '.1f'):>8} {_fmt(r['ttft_p50_ms'], '.1f'):>9} "
             f"{_fmt(r['ttft_p99_ms'], '.1f'):>9} {_fmt(r['tpot_p50_ms'], '.2f'):>9} "
-            f"{_fmt(r['tpot_p99_ms'], '.2f'):>9} {json_ok:>8} {r['engine_steps']:>6} "
-            f"{r['deferred_steps']:>5}"
+            f"{_fmt(r['tpot_p99_ms'], '.2f'):>9} {json_ok:>8} {r['json_length_cut']:>4} "
+            f"{r['engine_steps']:>6} {r['deferred_steps']:>5}"
         )
-    print("(times in ms, client-side; JSON ok = valid / JSON requests that stopped by themselves)")
+    print(
+        "(times in ms, client-side; JSON ok = valid / JSON requests that stopped by themselves;"
+        " cut = JSON requests cut by max_tokens, not judged)"
+    )
     errors: dict[str, int] = {}
     for r in result["rows"]:
         for kind, n in r["errors"].items():
@@ -735,18 +759,19 @@ def main(argv: list[str] | None = None) -> int:
     start or cannot serve the warm-up.
     """
     p = argparse.ArgumentParser(prog="baton bench serve", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file or HF folder to serve; with --tiny, only its tokenizer "
-        "(default: SmolLM2-135M)",
-    )
+    # --model: the GGUF file or HF folder to serve; with --tiny, only its tokenizer.
+    add_common_args(p, "serve", dtype=None)
     p.add_argument(
         "--tiny",
         action="store_true",
         help="serve a tiny random-weight model with the real vocabulary (a quick run)",
     )
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the server's --dtype (default: auto, the engine's own pick)",
+    )
     p.add_argument(
         "--concurrency", type=_ints, default=(1, 8, 32), help="client counts (default: 1,8,32)"
     )
@@ -774,9 +799,6 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ARG",
         help="passed to baton serve, repeatable (e.g. --server-arg=--no-async-scheduling)",
     )
-    p.add_argument(
-        "--out", type=Path, default=RESULTS / "serve.json", help="JSON path; the PNG goes beside"
-    )
     a = p.parse_args(argv)
     try:
         cfg = ServeBenchConfig(
@@ -792,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
     with _sigterm_as_exit():
         result = run(cfg, a.model, a.tiny, a.dtype, a.server_arg)
     print_report(result)
-    save_results(result, a.out, _plot)
+    write_results(result, a.out, _plot, dtype=result["dtype"])
     return 0
 
 

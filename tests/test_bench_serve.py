@@ -15,6 +15,7 @@ from baton.bench.serve import (
     main,
     parse_metrics,
     percentile,
+    served_dtype,
 )
 
 ROW_KEYS = {
@@ -32,6 +33,7 @@ ROW_KEYS = {
     "json_requests",
     "json_checked",
     "json_valid_share",
+    "json_length_cut",
     "engine_steps",
     "deferred_steps",
 }
@@ -66,6 +68,8 @@ def test_tiny_load_test_writes_rows_and_stops_the_server(tmp_path: Path) -> None
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         assert 0 < row["tpot_p50_ms"] <= row["tpot_p99_ms"]
         assert row["json_requests"] == 2  # json fraction 0.5 of 4
+        # Each JSON request either stopped (and was judged) or was cut by max_tokens.
+        assert row["json_checked"] + row["json_length_cut"] == 2
         assert row["engine_steps"] > 0
     requests = result["requests"]
     assert len(requests) == 8
@@ -73,6 +77,9 @@ def test_tiny_load_test_writes_rows_and_stops_the_server(tmp_path: Path) -> None
     assert {r["finish_reason"] for r in requests} <= {"stop", "length"}
     assert 0.0 < result["metrics"]["baton_device_busy_fraction"] <= 1.0
     assert result["metrics"]['baton_requests_total{status="error"}'] == 0
+    # The dtype the server computed in (--dtype auto resolved there), and the run's provenance.
+    assert result["dtype"] in ("float32", "bfloat16") and result["dtype_asked"] == "auto"
+    assert result["run"]["dtype"] == result["dtype"] and result["run"]["commit"]
 
     pid = result["server"]["pid"]
     assert isinstance(pid, int) and process_group_gone(pid)
@@ -99,6 +106,12 @@ def test_percentile_interpolates() -> None:
     assert percentile([3.0], 99) == 3.0
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
     assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+
+
+def test_served_dtype_comes_from_the_compute_info_labels() -> None:
+    text = 'baton_model_compute_info{dtype="bfloat16",dtype_reason="auto: x y"} 1\n'
+    assert served_dtype(parse_metrics(text)) == "bfloat16"
+    assert served_dtype(parse_metrics("baton_x 1\n")) is None
 
 
 def test_parse_metrics_keeps_labels_and_skips_comments() -> None:
