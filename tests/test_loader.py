@@ -553,3 +553,60 @@ def test_load_tokenizer_reads_gguf_metadata_only(tiny_gguf_path: Path) -> None:
 
 def test_model_load_error_is_value_error() -> None:
     assert issubclass(ModelLoadError, ValueError)
+
+
+def test_gguf_sampling_metadata_becomes_the_sampling_defaults(tmp_path: Path) -> None:
+    plain = write_gguf(
+        tmp_path / "plain.gguf", "llama", _tiny_metadata("llama"), _tiny_tensors(MINI_VOCAB)
+    )
+    assert load_checkpoint(plain).sampling_defaults == {}
+    metadata = {
+        **_tiny_metadata("llama"),
+        "general.sampling.temp": 0.6,
+        "general.sampling.top_p": 0.9,
+        "general.sampling.top_k": 20,
+    }
+    path = write_gguf(tmp_path / "s.gguf", "llama", metadata, _tiny_tensors(MINI_VOCAB))
+    defaults = load_checkpoint(path).sampling_defaults
+    assert defaults == {
+        "temperature": pytest.approx(0.6),
+        "top_p": pytest.approx(0.9),
+        "top_k": 20,
+    }
+    assert isinstance(defaults["top_k"], int)
+    metadata["general.sampling.top_p"] = 1.5
+    bad = write_gguf(tmp_path / "bad.gguf", "llama", metadata, _tiny_tensors(MINI_VOCAB))
+    with pytest.raises(ModelLoadError, match=r"bad\.gguf.*top_p"):
+        load_checkpoint(bad)
+
+
+def test_hf_generation_config_becomes_the_sampling_defaults(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from baton.engine import LLM, SamplingParams
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = {"do_sample": True, "temperature": 0.3, "top_p": 0.8, "max_length": 50}
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    assert load_checkpoint(folder).sampling_defaults == {
+        "temperature": pytest.approx(0.3),
+        "top_p": pytest.approx(0.8),
+    }
+    llm = LLM(str(folder), dtype="float32", max_model_len=64, num_kv_blocks=16)
+    try:
+        default = llm.get_default_sampling_params()
+        assert default.temperature == pytest.approx(0.3) and default.top_p == pytest.approx(0.8)
+        # A request's own value wins over the model's.
+        own = llm.engine.default_sampling_params(temperature=0.0)
+        assert own.temperature == 0.0 and own.top_p == pytest.approx(0.8)
+        out = llm.generate("hello", None, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == SamplingParams().max_tokens or out.finish_reason == "stop"
+    finally:
+        llm.shutdown()
+    (folder / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(ModelLoadError, match="generation_config.json.*temperature"):
+        load_checkpoint(folder)
+    (folder / "generation_config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="generation_config.json.*not valid JSON"):
+        load_checkpoint(folder)

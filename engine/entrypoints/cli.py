@@ -14,16 +14,18 @@ from baton.engine.server.serve import add_serve_parser
 
 def _generate(args: argparse.Namespace) -> int:
     from baton.engine.entrypoints.llm import LLM
-    from baton.engine.sampling_params import SamplingParams
 
     structured = _structured_outputs(args)
     llm = LLM.from_config(config_from_args(args))
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            structured_outputs=structured,
+        # Options left out come from the model's generation config; temperature falls back
+        # to greedy when the model ships none.
+        given = {name: getattr(args, name) for name in SAMPLING_OPTIONS}
+        fields = {k: v for k, v in given.items() if v is not None}
+        if "temperature" not in llm.engine.sampling_defaults:
+            fields.setdefault("temperature", 0.0)
+        params = llm.engine.default_sampling_params(
+            max_tokens=args.max_tokens, structured_outputs=structured, **fields
         )
         prompt: str | list[int] = args.prompt
         if not args.raw:
@@ -36,6 +38,9 @@ def _generate(args: argparse.Namespace) -> int:
     finally:
         llm.shutdown()
     return 0
+
+
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 
 
 def _stream(llm: object, prompt: str | list[int], params: object) -> None:
@@ -112,7 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="answer one prompt with the model and print the text")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="default: the model's generation config, else 0 (greedy)",
+    )
+    gen.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1")
+    gen.add_argument("--top-k", type=int, default=None, help="default: the model's, else off")
+    gen.add_argument("--min-p", type=float, default=None, help="default: the model's, else off")
+    gen.add_argument(
+        "--repetition-penalty", type=float, default=None, help="default: the model's, else 1"
+    )
     gen.add_argument("--seed", type=int, default=None)
     add_engine_args(gen, max_model_len=2048)
     gen.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")

@@ -66,6 +66,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of ``generate(..., sampling_params=None)``: baton's defaults
+        with the model's own (its ``generation_config.json``, or a GGUF's
+        ``general.sampling.*`` keys) on top."""
+        return self.engine.default_sampling_params()
+
     def stats(self) -> dict[str, float | int | str]:
         """Engine statistics since start: ``steps``, ``deferred_steps``,
         ``device_busy_fraction``, and seconds spent in ``schedule_s``,
@@ -86,10 +92,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Completes every prompt; returns one finished RequestOutput per prompt, in order.
 
-        Prompts are strings or lists of token ids. All prompts are validated
-        before any is queued, so a bad one raises ``ValueError`` and nothing runs.
+        Prompts are strings or lists of token ids. ``sampling_params=None`` means
+        ``get_default_sampling_params()`` (the model's generation config). All prompts are
+        validated before any is queued, so a bad one raises ``ValueError`` and nothing runs.
         """
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = as_params_list(sampling_params, len(prompt_list))
         for p, sp in zip(prompt_list, params, strict=True):  # validate all before queuing any
             self.engine.tokenize_prompt(p)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -69,14 +69,16 @@ class Checkpoint:
     """A model ready to build: where it came from, its config, its weights and its tokenizer.
 
     ``weights`` maps Hugging Face Llama names (see ``expected_weight_shapes``) to contiguous CPU
-    tensors, all of one floating dtype. Construction checks names and shapes and raises
-    ``ModelLoadError`` when they do not fit ``config``.
+    tensors, all of one floating dtype. ``sampling_defaults`` are the ``SamplingParams`` fields
+    the model ships defaults for (its generation config; see ``generation_config``). Construction
+    checks names and shapes and raises ``ModelLoadError`` when they do not fit ``config``.
     """
 
     path: Path
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_weights(self.path, self.config, self.weights)

@@ -12,6 +12,7 @@ import torch
 
 from baton.engine.loader.checkpoint import Checkpoint
 from baton.engine.loader.errors import ModelLoadError
+from baton.engine.loader.generation_config import gguf_sampling_defaults
 from baton.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from baton.engine.tokenizer import Tokenizer
 
@@ -319,4 +320,10 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
                 )
             value = unpermute_qk(value, heads)
         weights[hf_name] = value.to(dtype).contiguous()
-    return Checkpoint(path=path, config=config, weights=weights, tokenizer=tokenizer)
+    return Checkpoint(
+        path=path,
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        sampling_defaults=gguf_sampling_defaults(path, metadata),
+    )

@@ -10,6 +10,7 @@ import torch
 
 from baton.engine.loader.checkpoint import Checkpoint, expected_weight_shapes
 from baton.engine.loader.errors import ModelLoadError
+from baton.engine.loader.generation_config import hf_sampling_defaults
 from baton.engine.models.config import ModelConfig
 from baton.engine.tokenizer import Tokenizer
 
@@ -160,4 +161,10 @@ def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
         raise ModelLoadError(f"{path}: cannot build the tokenizer: {exc}") from exc
     config = config_from_hf(path, data, tokenizer)
     weights = _read_safetensors(path, set(expected_weight_shapes(config)), dtype)
-    return Checkpoint(path=path, config=config, weights=weights, tokenizer=tokenizer)
+    return Checkpoint(
+        path=path,
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        sampling_defaults=hf_sampling_defaults(path),
+    )

@@ -99,6 +99,9 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
+        self.sampling_defaults: dict[str, float | int] = dict(ckpt.sampling_defaults)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the model: %s", self.sampling_defaults)
         logger.info(
             "engine ready: %s on %s in %s%s, %d KV blocks of %d tokens, max_model_len %d, "
             "executor %s, async scheduling %s",
@@ -124,6 +127,12 @@ class LLMEngine:
             * torch.tensor([], dtype=self.config.dtype).element_size()
         )
         return max(2, self.config.kv_cache_memory_bytes // per_block)
+
+    def default_sampling_params(self, **fields: object) -> SamplingParams:
+        """``SamplingParams`` with the model's sampling defaults (its generation config), then
+        ``fields`` on top: a field given here always wins. Raises ``ValueError`` for a bad
+        field."""
+        return SamplingParams(**{**self.sampling_defaults, **fields})  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- input
     def add_request(
