@@ -22,10 +22,32 @@ import numpy as np
 import pytest
 import torch
 
+import baton.engine.config as engine_config_module
 from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
 from baton.engine.loader import default_model_path as _default_model_path
 from baton.engine.loader.gguf import gguf_metadata, read_gguf
 from baton.engine.tokenizer import Tokenizer
+
+# The real resolver of dtype="auto", for the tests that check it (see float32_by_default).
+REAL_AUTO_DTYPE = engine_config_module.auto_dtype
+
+
+def _float32_for_tests(device: str) -> tuple[torch.dtype, str]:
+    return torch.float32, "tests: dtype='auto' resolves to float32 (see tests/conftest.py)"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def float32_by_default() -> Iterator[None]:
+    """In the suite, ``dtype="auto"`` means float32. Most tests compare tokens with
+    transformers or across batch shapes, which only float32 makes exact; and on a loaded 2-core
+    machine bfloat16 GEMMs, which oneDNN splits over both threads even for a tiny model, stall
+    ~20 ms each whenever one thread is descheduled (measured: 20 ms vs 0.3 ms for a 960x576
+    GEMV), which would slow the suite many times over. Tests of the bfloat16 and int8 paths ask
+    for them explicitly; tests of ``auto`` itself use ``REAL_AUTO_DTYPE``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_config_module, "auto_dtype", _float32_for_tests)
+        yield
+
 
 TINY_SEED = 1234
 # Shared by the tiny models: small enough to build in well under a second, big enough that GQA
