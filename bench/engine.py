@@ -6,7 +6,9 @@ whose forward takes a few ms, so the engine's CPU work (scheduling, grammar
 bitmasks, detokenization) weighs more, as it does next to a GPU. For each
 regime, one engine with async scheduling and one without are built once, warmed
 up, and measured interleaved over the batch sizes, free (EOS ignored) and
-JSON-schema requests, all greedy. Every JSON output that stopped by itself is
+JSON-schema requests, all greedy. On a CPU both modes run the model in the worker
+process (``executor="mp"``), so the difference is the scheduling alone, not the
+executor. Every JSON output that stopped by itself is
 validated against the schema. Prints a table, the ratios the goals need and
 whether each goal was met (it asserts nothing); writes JSON and a PNG.
 
@@ -331,6 +333,10 @@ def build_llm(
         ckpt,
         async_scheduling=async_on,
         device=device,
+        # Like with like: on a CPU both modes run the model in the worker process (the
+        # in-process executor would also change the engine's mask-fill threads, 2 vs 1), so
+        # the difference is the scheduling alone.
+        executor="mp" if device == "cpu" else None,
         max_num_seqs=max_batch,
         max_model_len=max_len,
         block_size=BLOCK_SIZE,
