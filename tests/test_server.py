@@ -534,6 +534,19 @@ def test_params_from_request_bodies() -> None:
             CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {}}), config
         )
     assert info.value.status == 400 and "exactly one" in info.value.message
+    # The model's sampling defaults fill what a request leaves out; the request's own win.
+    defaults = {"temperature": 0.3, "top_p": 0.8}
+    p, _ = completion_sampling_params(comp, config, defaults=defaults)
+    assert p.temperature == pytest.approx(0.3) and p.top_p == pytest.approx(0.8)
+    own = CompletionRequest.model_validate({"prompt": "x", "temperature": 0.0})
+    p, _ = completion_sampling_params(own, config, defaults=defaults)
+    assert p.temperature == 0.0 and p.top_p == pytest.approx(0.8)
+    p, _ = chat_sampling_params(
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, "top_p": 0.5}),
+        config,
+        defaults=defaults,
+    )
+    assert p.temperature == pytest.approx(0.3) and p.top_p == pytest.approx(0.5)
 
 
 def test_metrics_render() -> None:

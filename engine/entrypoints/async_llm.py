@@ -195,6 +195,7 @@ class AsyncLLM:
             raise self._startup_error
         assert self._engine is not None
         self.tokenizer: Tokenizer = self._engine.tokenizer
+        self._sampling_defaults = dict(self._engine.sampling_defaults)
         self.max_model_len: int = self._engine.max_model_len
 
     @classmethod
@@ -269,6 +270,11 @@ class AsyncLLM:
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (safe to use from any thread for encode/decode/templates)."""
         return self.tokenizer
+
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The ``SamplingParams`` fields the model ships defaults for (its generation config),
+        for front ends to apply to requests that leave them out. A copy; any thread."""
+        return dict(self._sampling_defaults)
 
     def stats(self) -> dict[str, float | int | str]:
         """The engine's state as of its last loop iteration.

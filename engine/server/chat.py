@@ -193,7 +193,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = get_state(request)
     check_model(body.model, state.config)
     tools = tool_plan(body)
-    params, constraint = chat_sampling_params(body, state.config, tools)
+    params, constraint = chat_sampling_params(
+        body, state.config, tools, defaults=state.engine.sampling_defaults()
+    )
     prompt = render_chat(state.engine.get_tokenizer(), body, tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

@@ -145,7 +145,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     """OpenAI's (legacy) text completions."""
     state = get_state(request)
     check_model(body.model, state.config)
-    params, constraint = completion_sampling_params(body, state.config)
+    params, constraint = completion_sampling_params(
+        body, state.config, defaults=state.engine.sampling_defaults()
+    )
     prompts = prompts_of(body.prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())

@@ -7,6 +7,8 @@ so does every field that baton does not implement but that would change the answ
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from baton.engine.sampling_params import SamplingParams
@@ -20,13 +22,20 @@ from baton.engine.server.tools import ToolPlan, tool_constraint
 _MAX_TOP_LOGPROBS = 20
 
 
+_NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})
+
+
 def _common_kwargs(
-    req: ChatCompletionRequest | CompletionRequest, config: ServerConfig
+    req: ChatCompletionRequest | CompletionRequest,
+    config: ServerConfig,
+    defaults: Mapping[str, float | int],
 ) -> dict[str, Any]:
     check_extra_fields(req)
     if req.n > config.max_n:
         raise bad_request(f"n must be at most {config.max_n}, got {req.n}", "n")
+    # The model's sampling defaults first (its generation config); the request's fields win.
     kwargs: dict[str, Any] = {
+        **defaults,
         "n": req.n,
         "seed": req.seed,
         "stop": [req.stop] if isinstance(req.stop, str) else (req.stop or []),
@@ -61,15 +70,21 @@ def _build(kwargs: dict[str, Any]) -> SamplingParams:
 
 
 def chat_sampling_params(
-    req: ChatCompletionRequest, config: ServerConfig, tools: ToolPlan | None = None
+    req: ChatCompletionRequest,
+    config: ServerConfig,
+    tools: ToolPlan | None = None,
+    *,
+    defaults: Mapping[str, float | int] = _NO_DEFAULTS,
 ) -> tuple[SamplingParams, Constraint | None]:
     """Sampling parameters of a chat completion request, and the constraint in them (with
     the body field that carried it), tool calls included when ``tools`` is given.
+    ``defaults`` (the model's sampling defaults) fill the sampling fields the request leaves
+    out.
 
     Raises:
         APIError: 400 naming the bad parameter.
     """
-    kwargs = _common_kwargs(req, config)
+    kwargs = _common_kwargs(req, config, defaults)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else None
     kwargs["max_tokens"] = max_tokens if max_tokens is not None else req.max_tokens
     if req.top_logprobs is not None:
@@ -91,17 +106,21 @@ def chat_sampling_params(
 
 
 def completion_sampling_params(
-    req: CompletionRequest, config: ServerConfig
+    req: CompletionRequest,
+    config: ServerConfig,
+    *,
+    defaults: Mapping[str, float | int] = _NO_DEFAULTS,
 ) -> tuple[SamplingParams, Constraint | None]:
     """Sampling parameters of a text completion request (default max_tokens 16, as OpenAI),
-    and the constraint in them with the body field that carried it.
+    and the constraint in them with the body field that carried it. ``defaults`` (the model's
+    sampling defaults) fill the sampling fields the request leaves out.
 
     Raises:
         APIError: 400 naming the bad parameter.
     """
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (it must equal n)", "best_of")
-    kwargs = _common_kwargs(req, config)
+    kwargs = _common_kwargs(req, config, defaults)
     kwargs["max_tokens"] = 16 if req.max_tokens is None else req.max_tokens
     if req.logprobs is not None:
         kwargs["logprobs"] = req.logprobs
