@@ -57,8 +57,18 @@ def test_explicit_dtypes_and_bad_ones() -> None:
         engine_config(dtype_reason="mine")  # set by the config, not an argument
 
 
-def test_bfloat16_engine_reports_its_kernels_and_generates(tiny_model_dir: Path) -> None:
-    llm = LLM(str(tiny_model_dir), dtype="bfloat16", max_model_len=64, num_kv_blocks=16)
+@pytest.mark.parametrize("executor", ["uni", "mp"])
+def test_bfloat16_engine_reports_its_kernels_and_generates(
+    tiny_model_dir: Path, executor: str
+) -> None:
+    llm = LLM(
+        str(tiny_model_dir),
+        dtype="bfloat16",
+        executor=executor,
+        async_scheduling=executor == "mp",
+        max_model_len=64,
+        num_kv_blocks=16,
+    )
     try:
         stats = llm.stats()
         assert stats["dtype"] == "bfloat16" and stats["dtype_reason"] == "asked for"
