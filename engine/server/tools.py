@@ -173,11 +173,11 @@ def tool_constraint(plan: ToolPlan, answer: Constraint | None, backend: str) -> 
             f"tool calls need the xgrammar backend, but {chosen!r} was asked for", "tools"
         )
     answer_format = None
-    if plan.mode == "auto" and base is not None:
+    if plan.mode == "auto" and answer is not None:
         try:
-            answer_format = spec_format(base)
+            answer_format = spec_format(answer.spec)
         except ValueError as exc:
-            raise bad_request(f"{answer.param}: {exc}", answer.param) from None  # type: ignore[union-attr]
+            raise bad_request(f"{answer.param}: {exc}", answer.param) from None
     tag = tool_call_tag(
         plan.callable, plan.mode, parallel=plan.parallel, fmt=plan.fmt, answer=answer_format
     )
