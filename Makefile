@@ -5,8 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.baton-installed
-PROMPT ?= Invent a fictional person: name, age, city and three hobbies.
-SCHEMA ?= {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120},"city":{"type":"string","maxLength":40},"hobbies":{"type":"array","items":{"type":"string","maxLength":30},"minItems":1,"maxItems":3}},"required":["name","age","city","hobbies"],"additionalProperties":false}
+# Extraction from a given text: what a 135M model does well, greedily. (Asked to invent a
+# person, it repeats itself: "hobbies":["Fashion","Fashion",...].)
+PROMPT ?= Extract name, age, job, city and hobbies as JSON: Maria Lopez is 34 years old. She is a nurse in Madrid and her hobbies are hiking, chess and baking.
+SCHEMA ?= {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120},"job":{"type":"string","maxLength":40},"city":{"type":"string","maxLength":40},"hobbies":{"type":"array","items":{"type":"string","maxLength":30},"minItems":1,"maxItems":3}},"required":["name","age","job","city","hobbies"],"additionalProperties":false}
 
 .PHONY: demo test lint setup
 
@@ -23,7 +25,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/baton generate --json-schema '$(SCHEMA)' --max-tokens 200 "$(PROMPT)"
+	@echo "prompt: $(PROMPT)"
+	@echo 'schema: $(SCHEMA)'
+	@echo "answer (greedy, constrained to the schema):"
+	@$(VENV)/bin/baton generate --json-schema '$(SCHEMA)' --temperature 0 --max-tokens 200 "$(PROMPT)"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
