@@ -10,7 +10,7 @@ from transformers import LlamaConfig, Qwen2Config
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import Qwen2ForCausalLM as HFQwen2
 
-from baton.engine.models.attention import AttentionMetadata
+from baton.engine.models.attention import AttentionMetadata, paged_attention
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
 from baton.engine.models.quant import int8_linear, quantize_int8
@@ -288,3 +288,29 @@ def test_int8_linear_equals_its_dequantized_reference(dtype):
     parts = w.split((16, 32))
     assert [p.qweight.shape[0] for p in parts] == [16, 32]
     assert (int8_linear(x, parts[1]).float() - ref[:, 16:] + bias[16:].float()).abs().max() <= tol
+
+
+def test_bfloat16_decode_attention_computes_in_float32():
+    gen = torch.Generator().manual_seed(5)
+    kv = allocate_kv_cache(_tiny_pair()[1].config, 8, BLOCK, torch.bfloat16)[0]
+    kv[0].copy_(torch.randn(kv[0].shape, generator=gen))
+    kv[1].copy_(torch.randn(kv[1].shape, generator=gen))
+    seq_lens = torch.tensor([7, 3])
+    meta = AttentionMetadata.build(
+        torch.tensor([1, 1]), seq_lens, torch.tensor([[1, 2], [3, 4]]), BLOCK
+    )
+    q = torch.randn(2, 4, 16, generator=gen).bfloat16()
+    k = torch.randn(2, 2, 16, generator=gen).bfloat16()
+    v = torch.randn(2, 2, 16, generator=gen).bfloat16()
+    out = paged_attention(q, k, v, kv[0], kv[1], meta, 0.25)
+    assert out.dtype == torch.bfloat16
+    # The same attention done by hand in float32 on the bfloat16 values, rounded once.
+    flat_k, flat_v = kv[0].view(-1, 2, 16).float(), kv[1].view(-1, 2, 16).float()
+    for i, n in enumerate(seq_lens.tolist()):
+        slots = meta.kv_index[i, :n]
+        keys = flat_k[slots].repeat_interleave(2, dim=1)  # [n, 4, 16]
+        values = flat_v[slots].repeat_interleave(2, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), keys) * 0.25, dim=-1)
+        ref = torch.einsum("hn,nhd->hd", weights, values)
+        # Within one bfloat16 rounding of the float32 result.
+        assert ((out[i].float() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
