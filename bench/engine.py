@@ -235,7 +235,12 @@ def measure(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) ->
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     after = llm.stats()
-    delta = {k: after[k] - before[k] for k in after if k != "device_busy_fraction"}
+    # Counters and times only (stats() also names the dtype and its reason).
+    delta = {
+        k: after[k] - before[k]
+        for k, v in after.items()
+        if k != "device_busy_fraction" and isinstance(v, (int, float))
+    }
     tpots = [o.metrics.time_per_output_token for o in outs]
     checked, invalid = invalid_json(outs, params)
     return RunMeasure(
