@@ -121,3 +121,30 @@ def config_from_args(
     except ValueError as exc:
         parser.error(str(exc))
         raise  # parser.error exits; this line only satisfies type checkers
+
+
+def csv_of(kind: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
+    """An argparse ``type`` for a comma-separated list of ``kind`` (``csv_of(int)`` reads
+    ``"1,8,32"`` as ``(1, 8, 32)``); a bad item is argparse's usage error naming the text."""
+
+    def parse(text: str) -> tuple[T, ...]:
+        try:
+            return tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+        except ValueError:
+            name = getattr(kind, "__name__", "value")
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {name}s, got {text!r}"
+            ) from None
+
+    parse.__name__ = f"csv_of_{getattr(kind, '__name__', 'value')}"
+    return parse
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted with ``spec`` for a table cell, ``-`` when it is None."""
+    return "-" if value is None else format(value, spec)
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """``num / den``, None when either is missing or ``den`` is 0."""
+    return num / den if num is not None and den else None

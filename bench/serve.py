@@ -21,19 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,10 +35,15 @@ from typing import Any
 import httpx
 import jsonschema
 
-from baton.bench.common import add_common_args, write_results
-from baton.bench.engine import SCHEMA, TinyModelShape, conversations, tiny_checkpoint
+from baton.bench.common import add_common_args, config_from_args, csv_of, fmt, write_results
+from baton.bench.engine import SCHEMA, TinyModelShape, conversations
 from baton.bench.plotting import pyplot
-from baton.engine.tokenizer import Tokenizer
+from baton.bench.server_process import (
+    ServerProcess,
+    parse_metrics,
+    sigterm_as_exit,
+    write_tiny_model_dir,
+)
 
 API_KEY_ENV = "BATON_API_KEY"  # the server reads it too (see baton.engine.server.serve)
 WARMUP_TOKENS = 16
@@ -109,169 +108,6 @@ class RequestRecord:
     finish_reason: str | None
     json_valid: bool | None
     error: str | None
-
-
-# ------------------------------------------------------------------ the model
-def write_tiny_model_dir(
-    directory: Path, tokenizer: Tokenizer, shape: TinyModelShape | None = None
-) -> Path:
-    """Writes ``tiny_checkpoint(tokenizer, shape)`` as a Hugging Face Llama folder (config.json,
-    model.safetensors, tokenizer files) that ``baton serve --model`` loads; returns the folder.
-
-    Creates ``directory`` if needed and overwrites those files in it.
-    """
-    from safetensors.torch import save_file
-
-    ckpt = tiny_checkpoint(tokenizer, shape)
-    cfg = ckpt.config
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_ids),
-        "torch_dtype": "float32",
-    }
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(ckpt.weights, str(directory / "model.safetensors"))
-    tokenizer.backend.save(str(directory / "tokenizer.json"))
-    tokenizer_config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "clean_up_tokenization_spaces": False,
-        **tokenizer.special_tokens_map(),
-    }
-    if tokenizer.chat_template is not None:
-        tokenizer_config["chat_template"] = tokenizer.chat_template
-    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    # Every end-of-sequence id, not only the one tokenizer_config.json can name.
-    generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}
-    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    return directory
-
-
-# ------------------------------------------------------------------ the server
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the server binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class ServerProcess:
-    """``baton serve`` in a subprocess of its own session (so that its model worker can be
-    stopped with it); a context manager that stops it on exit, errors and Ctrl-C included.
-
-    Its output goes to a temporary log file whose tail is shown when it fails to start.
-    """
-
-    def __init__(
-        self,
-        model: str | None,
-        dtype: str,
-        server_args: Sequence[str],
-        port: int | None = None,
-    ) -> None:
-        self.port = port if port is not None else free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "baton.engine.entrypoints.cli", "serve"]
-        self.command += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype]
-        self.command += ["--log-level", "warning"]
-        if model is not None:
-            self.command += ["--model", model]
-        # Last, so that they override the options above.
-        self.command += list(server_args)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: Any = None
-
-    def __enter__(self) -> ServerProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def start(self) -> None:
-        """Launches the server (does not wait for it)."""
-        # Closed in stop(): it lives as long as the server, not one block.
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            self.command,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def log_tail(self, chars: int = 3000) -> str:
-        """The end of the server's output so far."""
-        if self._log is None:
-            return ""
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read().decode("utf-8", "replace")[-chars:]
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        """Polls ``/health`` until it answers 200.
-
-        Raises:
-            RuntimeError: the server exited, or was not healthy within ``timeout_s``; the
-                message holds the tail of its log.
-        """
-        assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise RuntimeError(
-                    f"baton serve exited with status {code} before it was healthy "
-                    f"(command: {' '.join(self.command)}); its log ends with:\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"baton serve was not healthy within {timeout_s:g} s "
-                    f"(command: {' '.join(self.command)}); its log ends with:\n{self.log_tail()}"
-                )
-            time.sleep(0.1)
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM to the server (uvicorn then shuts the engine down), SIGKILL to its whole
-        process group after ``grace_s``; idempotent."""
-        proc = self.proc
-        if proc is None:
-            return
-        try:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(grace_s)
-            # The group is the server's own session: its model worker, whatever the server did.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(grace_s)
-        finally:
-            if self._log is not None:
-                self._log.close()
-                self._log = None
 
 
 # ---------------------------------------------------------------- the clients
@@ -450,21 +286,6 @@ async def warm_up(client: httpx.AsyncClient, model: str, first_prompt: int, max_
 
 
 # ---------------------------------------------------------------- /metrics
-def parse_metrics(text: str) -> dict[str, float]:
-    """Samples of a Prometheus text exposition, keyed by name with its labels as written
-    (e.g. ``baton_requests_total{status="finished"}``)."""
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            samples[key] = float(value)
-        except ValueError:
-            continue
-    return samples
-
-
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
     """The server's ``/metrics`` now. Raises ``httpx.HTTPError`` when it does not answer."""
     response = await client.get("/metrics")
@@ -622,7 +443,7 @@ def run(
             served = str(
                 write_tiny_model_dir(Path(tmp) / "tiny", load_tokenizer(model), tiny_shape)
             )
-        server = ServerProcess(served, dtype, server_args)
+        server = ServerProcess(served, dtype=dtype, server_args=server_args)
         with server:
             server.wait_healthy(cfg.startup_timeout_s)
             result = asyncio.run(run_benchmark(server.base, cfg))
@@ -646,8 +467,6 @@ def run(
 
 
 # ------------------------------------------------------------------ output
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -665,9 +484,9 @@ def print_report(result: dict[str, Any]) -> None:
         json_ok = f"{r['json_valid']}/{r['json_checked']}"
         print(
             f"{r['concurrency']:>4} {r['done']:>5} {r['failed']:>4} "
-            f"{_fmt(r['tok_per_s'], '.1f'):>8} {_fmt(r['ttft_p50_ms'], '.1f'):>9} "
-            f"{_fmt(r['ttft_p99_ms'], '.1f'):>9} {_fmt(r['tpot_p50_ms'], '.2f'):>9} "
-            f"{_fmt(r['tpot_p99_ms'], '.2f'):>9} {json_ok:>8} {r['json_length_cut']:>4} "
+            f"{fmt(r['tok_per_s'], '.1f'):>8} {fmt(r['ttft_p50_ms'], '.1f'):>9} "
+            f"{fmt(r['ttft_p99_ms'], '.1f'):>9} {fmt(r['tpot_p50_ms'], '.2f'):>9} "
+            f"{fmt(r['tpot_p99_ms'], '.2f'):>9} {json_ok:>8} {r['json_length_cut']:>4} "
             f"{r['engine_steps']:>6} {r['deferred_steps']:>5}"
         )
     print(
@@ -683,7 +502,7 @@ def print_report(result: dict[str, Any]) -> None:
     m = result["metrics"]
     busy = m.get("baton_device_busy_fraction")
     print(
-        f"server /metrics at the end: device busy {_fmt(busy, '.1%')}, "
+        f"server /metrics at the end: device busy {fmt(busy, '.1%')}, "
         f"steps {int(m.get('baton_engine_steps_total', 0))}, "
         f"deferred steps {int(m.get('baton_deferred_steps_total', 0))}"
     )
@@ -723,34 +542,6 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of ints, got {text!r}"
-        ) from None
-
-
-@contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM raises SystemExit meanwhile, so that a killed benchmark still stops its server
-    (by default SIGTERM ends Python without running any ``finally``). Only the main thread
-    can install signal handlers; elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _exit(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, _exit)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the load test, prints the report and writes ``--out`` (JSON) and its PNG.
 
@@ -773,7 +564,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the server's --dtype (default: auto, the engine's own pick)",
     )
     p.add_argument(
-        "--concurrency", type=_ints, default=(1, 8, 32), help="client counts (default: 1,8,32)"
+        "--concurrency",
+        type=csv_of(int),
+        default=(1, 8, 32),
+        help="client counts (default: 1,8,32)",
     )
     p.add_argument(
         "--requests",
@@ -784,13 +578,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--time-limit",
         type=float,
+        dest="time_limit_s",
         default=120.0,
         help="seconds per level after which no request is issued (default: 120)",
     )
     p.add_argument("--json-fraction", type=float, default=0.5, help="share of JSON-schema requests")
     p.add_argument("--max-tokens", type=int, default=64, help="max tokens per request")
     p.add_argument(
-        "--startup-timeout", type=float, default=300.0, help="seconds to wait for /health"
+        "--startup-timeout",
+        type=float,
+        dest="startup_timeout_s",
+        default=300.0,
+        help="seconds to wait for /health",
     )
     p.add_argument(
         "--server-arg",
@@ -800,18 +599,8 @@ def main(argv: list[str] | None = None) -> int:
         help="passed to baton serve, repeatable (e.g. --server-arg=--no-async-scheduling)",
     )
     a = p.parse_args(argv)
-    try:
-        cfg = ServeBenchConfig(
-            concurrency=a.concurrency,
-            requests=a.requests,
-            time_limit_s=a.time_limit,
-            json_fraction=a.json_fraction,
-            max_tokens=a.max_tokens,
-            startup_timeout_s=a.startup_timeout,
-        )
-    except ValueError as exc:
-        p.error(str(exc))
-    with _sigterm_as_exit():
+    cfg = config_from_args(p, a, ServeBenchConfig)
+    with sigterm_as_exit():
         result = run(cfg, a.model, a.tiny, a.dtype, a.server_arg)
     print_report(result)
     write_results(result, a.out, _plot, dtype=result["dtype"])

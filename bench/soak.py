@@ -25,13 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import random
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,49 +37,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import jsonschema
 
 from baton.bench.common import add_common_args, config_from_args, write_results
 from baton.bench.plotting import pyplot
-from baton.bench.serve import free_port, parse_metrics, write_tiny_model_dir
-from baton.engine.loader import load_tokenizer
-
-VALID_KINDS = ("text", "json", "regex", "choice")
-KINDS = (*VALID_KINDS, "invalid", "disconnect")
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-# Disconnecting clients ask for this many times --max-tokens, so that they really hang up
-# mid-stream rather than after the end.
-DISCONNECT_TOKEN_FACTOR = 8
-_LOG_TAIL_CHARS = 4000
-
-# Constraints that the server must refuse with a 400 (one per kind of mistake).
-INVALID_SPECS: tuple[tuple[str, dict[str, Any]], ...] = (
-    (
-        CHAT,
-        {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {
-                    "name": "bad",
-                    "schema": {"type": "object", "properties": {"age": {"type": "nonsense"}}},
-                },
-            }
-        },
-    ),
-    (COMPLETIONS, {"structured_outputs": {"json": {"type": "integer", "minimum": "zero"}}}),
-    (COMPLETIONS, {"structured_outputs": {"regex": "([a-z"}}),
-    (CHAT, {"structured_outputs": {"choice": []}}),
-    (
-        CHAT,
-        {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "bad", "schema": {"type": "object", "required": "name"}},
-            }
-        },
-    ),
+from baton.bench.server_process import ServerProcess, parse_metrics, write_tiny_model_dir
+from baton.bench.soak_requests import (
+    VALID_KINDS,
+    Outcome,
+    SoakRequest,
+    plan_requests,
+    send,
 )
+from baton.engine.loader import load_tokenizer
 
 
 # ------------------------------------------------------------------ config
@@ -160,350 +123,7 @@ class SoakConfig:
             raise ValueError("give either model or tiny, not both")
 
 
-# ---------------------------------------------------------------- requests
-@dataclass(frozen=True)
-class SoakRequest:
-    """One planned request: where it goes, its body and what its answer must satisfy.
-
-    ``check`` holds the constraint to verify on a stopped output ("schema", "regex" or
-    "choices"); ``disconnect_after`` is the number of SSE events a disconnecting client
-    reads before hanging up (0 for the others).
-    """
-
-    index: int
-    kind: str
-    path: str
-    body: dict[str, Any]
-    check: dict[str, Any]
-    disconnect_after: int = 0
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-
-def person_schema(variant: int) -> dict[str, Any]:
-    """A small bounded object schema; ``variant`` changes one bound (a different grammar)."""
-    return {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 1 + variant % 8},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "ok": {"type": "boolean"},
-            "color": {"enum": ["red", "green", "blue"]},
-        },
-        "required": ["name", "age", "ok", "color"],
-        "additionalProperties": False,
-    }
-
-
-def code_regex(variant: int) -> str:
-    """A short anchored pattern; ``variant`` changes its repeat count."""
-    return rf"[0-9]{{{1 + variant % 4}}}-[a-z]{{2}}"
-
-
-def color_choices(variant: int) -> list[str]:
-    """A few choices, one of them depending on ``variant``."""
-    return ["red", "green", "blue", f"shade{variant}"]
-
-
-def plan_requests(config: SoakConfig) -> list[SoakRequest]:
-    """The whole request mix, shuffled; deterministic for a given config.
-
-    Exactly ``round(requests * fraction)`` invalid and disconnecting requests; the rest split
-    evenly over free text, JSON schema, regex and choice.
-    """
-    rng = random.Random(config.seed)
-    n = config.requests
-    n_invalid = round(n * config.invalid_fraction)
-    n_disconnect = round(n * config.disconnect_fraction)
-    rest = n - n_invalid - n_disconnect
-    kinds = (
-        ["invalid"] * n_invalid
-        + ["disconnect"] * n_disconnect
-        + [VALID_KINDS[i % len(VALID_KINDS)] for i in range(rest)]
-    )
-    rng.shuffle(kinds)
-    seen: Counter[str] = Counter()
-    plan = []
-    for i, kind in enumerate(kinds):
-        plan.append(_make_request(i, kind, seen[kind], rng, config))
-        seen[kind] += 1
-    return plan
-
-
-def _make_request(
-    index: int, kind: str, ordinal: int, rng: random.Random, config: SoakConfig
-) -> SoakRequest:
-    """Request ``index`` of ``kind``, the ``ordinal``-th of its kind."""
-    variant = rng.randrange(16)
-    chat = rng.random() < 0.5
-    path = CHAT if chat else COMPLETIONS
-    body: dict[str, Any] = {
-        "max_tokens": config.max_tokens,
-        "temperature": 1.0,
-        "seed": index,
-        "stream": rng.random() < config.stream_fraction,
-    }
-    check: dict[str, Any] = {}
-    disconnect_after = 0
-    if kind == "json":
-        schema = person_schema(variant)
-        check = {"schema": schema}
-        if chat:
-            body["response_format"] = {
-                "type": "json_schema",
-                "json_schema": {"name": "person", "schema": schema},
-            }
-        else:
-            body["structured_outputs"] = {"json": schema}
-    elif kind == "regex":
-        pattern = code_regex(variant)
-        check = {"regex": pattern}
-        body["structured_outputs"] = {"regex": pattern}
-    elif kind == "choice":
-        choices = color_choices(variant)
-        check = {"choices": choices}
-        body["structured_outputs"] = {"choice": choices}
-    elif kind == "invalid":
-        path, extra = INVALID_SPECS[ordinal % len(INVALID_SPECS)]
-        chat = path == CHAT
-        body.update(extra)
-    elif kind == "disconnect":
-        body.update(
-            stream=True,
-            ignore_eos=True,
-            max_tokens=config.max_tokens * DISCONNECT_TOKEN_FACTOR,
-        )
-        disconnect_after = rng.randint(1, 4)
-    elif kind != "text":
-        raise ValueError(f"unknown request kind {kind!r}; expected one of {KINDS}")
-    if chat:
-        body["messages"] = [{"role": "user", "content": f"Request {index}: describe a person."}]
-    else:
-        body["prompt"] = f"Request {index}: a person is"
-    return SoakRequest(index, kind, path, body, check, disconnect_after)
-
-
-# ----------------------------------------------------------------- outcomes
-@dataclass
-class Outcome:
-    """What one request got. ``ok`` says whether it met its kind's criterion."""
-
-    index: int
-    kind: str
-    stream: bool
-    status: int  # 0: no HTTP answer (transport error or timeout)
-    ok: bool
-    finish_reason: str | None = None
-    checked: bool = False  # a stopped structured output was verified
-    problem: str | None = None
-    latency_s: float = 0.0
-
-
-def verify_output(req: SoakRequest, text: str) -> str | None:
-    """Why ``text`` (an output that stopped by itself) breaks ``req``'s constraint, or None."""
-    if "schema" in req.check:
-        try:
-            jsonschema.validate(json.loads(text), req.check["schema"])
-        except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
-            return f"output is not schema-valid JSON ({type(exc).__name__}): {text[:120]!r}"
-    elif "regex" in req.check:
-        if re.fullmatch(req.check["regex"], text) is None:
-            return f"output {text[:120]!r} does not match {req.check['regex']!r}"
-    elif "choices" in req.check and text not in req.check["choices"]:
-        return f"output {text[:120]!r} is not one of {req.check['choices']}"
-    return None
-
-
-def _judge(req: SoakRequest, out: Outcome, text: str | None) -> Outcome:
-    """Fills ``ok``/``problem`` of a valid request that got a 200."""
-    if out.finish_reason not in ("stop", "length"):
-        out.problem = f"finish_reason {out.finish_reason!r}"
-        return out
-    if out.finish_reason == "stop" and req.check and text is not None:
-        out.checked = True
-        out.problem = verify_output(req, text)
-        if out.problem is not None:
-            return out
-    out.ok = True
-    return out
-
-
-async def send(client: httpx.AsyncClient, req: SoakRequest, timeout_s: float) -> Outcome:
-    """Sends one request and judges its answer; never raises for a failed request."""
-    t0 = time.perf_counter()
-    out = Outcome(req.index, req.kind, req.stream, 0, False)
-    try:
-        if req.stream:
-            await asyncio.wait_for(_send_stream(client, req, out), timeout_s)
-        else:
-            await asyncio.wait_for(_send_plain(client, req, out), timeout_s)
-    except Exception as exc:  # noqa: BLE001 - whatever went wrong is this request's outcome
-        out.ok = False
-        out.problem = f"{type(exc).__name__}: {exc}"
-    out.latency_s = time.perf_counter() - t0
-    return out
-
-
-def _expect_error_status(req: SoakRequest, out: Outcome, body: str) -> None:
-    if req.kind == "invalid":
-        out.ok = out.status == 400
-        if not out.ok:
-            out.problem = f"invalid request got HTTP {out.status}, expected 400: {body[:200]}"
-    else:
-        out.problem = f"HTTP {out.status}: {body[:200]}"
-
-
-async def _send_plain(client: httpx.AsyncClient, req: SoakRequest, out: Outcome) -> None:
-    r = await client.post(req.path, json=req.body)
-    out.status = r.status_code
-    if r.status_code != 200:
-        _expect_error_status(req, out, r.text)
-        return
-    if req.kind == "invalid":
-        out.problem = "invalid request got HTTP 200, expected 400"
-        return
-    choice = r.json()["choices"][0]
-    out.finish_reason = choice.get("finish_reason")
-    text = choice["message"]["content"] if req.path == CHAT else choice["text"]
-    _judge(req, out, text)
-
-
-async def _send_stream(client: httpx.AsyncClient, req: SoakRequest, out: Outcome) -> None:
-    async with client.stream("POST", req.path, json=req.body) as r:
-        out.status = r.status_code
-        if r.status_code != 200:
-            _expect_error_status(req, out, (await r.aread()).decode(errors="replace"))
-            return
-        if req.kind == "invalid":
-            out.problem = "invalid request got HTTP 200, expected 400"
-            return
-        parts: list[str] = []
-        events = 0
-        done = False
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: ") :]
-            events += 1
-            if data == "[DONE]":
-                done = True
-                break
-            event = json.loads(data)
-            if "error" in event:
-                out.problem = f"error event: {event['error'].get('message')}"
-                return
-            for choice in event.get("choices", []):
-                if req.path == CHAT:
-                    parts.append(choice.get("delta", {}).get("content") or "")
-                else:
-                    parts.append(choice.get("text") or "")
-                if choice.get("finish_reason") is not None:
-                    out.finish_reason = choice["finish_reason"]
-            if req.disconnect_after and events >= req.disconnect_after:
-                # Leaving the block closes the connection mid-stream: that is the test.
-                out.ok = True
-                return
-    if req.kind == "disconnect":
-        # It finished before the client could hang up: still a clean answer.
-        out.ok = done and out.finish_reason in ("stop", "length")
-        if not out.ok:
-            out.problem = f"stream ended early (done={done}, finish={out.finish_reason!r})"
-        return
-    if not done:
-        out.problem = "stream ended without [DONE]"
-        return
-    _judge(req, out, "".join(parts))
-
-
 # ------------------------------------------------------------------ server
-def serve_command(model: str | None, port: int, extra: Sequence[str] = ()) -> list[str]:
-    """The command line of a ``baton serve`` on loopback ``port``."""
-    cmd = [sys.executable, "-m", "baton.engine.entrypoints.cli", "serve", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--log-level", "warning"]
-    if model is not None:
-        cmd += ["--model", model]
-    return cmd + list(extra)
-
-
-class ServerProcess:
-    """A ``baton serve`` subprocess on a free loopback port, its output going to ``log_path``.
-
-    Use as a context manager: leaving it stops the server (SIGTERM, then SIGKILL after
-    ``kill_after_s``) if it still runs.
-
-    Raises:
-        RuntimeError: (from ``wait_ready``) the server exited or stayed unhealthy.
-    """
-
-    def __init__(self, model: str | None, log_path: Path, extra: Sequence[str] = ()) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            serve_command(model, self.port, extra),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log_tail(self) -> str:
-        """The end of the server's output."""
-        self._log.flush()
-        text = self.log_path.read_text(errors="replace")
-        return text[-_LOG_TAIL_CHARS:]
-
-    def wait_ready(self, timeout_s: float) -> float:
-        """Waits for /health to answer 200; returns the seconds it took."""
-        t0 = time.monotonic()
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise RuntimeError(f"baton serve exited with {code}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                raise RuntimeError(
-                    f"baton serve not healthy after {timeout_s:.0f} s:\n{self.log_tail()}"
-                )
-            time.sleep(0.1)
-
-    def terminate(self, timeout_s: float) -> tuple[int | None, float]:
-        """Sends SIGTERM and waits; returns (exit status or None if it had to be killed,
-        seconds until it exited)."""
-        t0 = time.monotonic()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code: int | None = self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            code = None
-        return code, time.monotonic() - t0
-
-    def stop(self, kill_after_s: float = 10.0) -> None:
-        """Stops the server if it still runs; idempotent."""
-        if self.proc.poll() is None:
-            self.terminate(kill_after_s)
-        self._log.close()
-
-    def __enter__(self) -> ServerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
 def read_rss_kb(pid: int) -> int | None:
     """The resident set size of process ``pid`` in kB (VmRSS), or None once it is gone."""
     try:
@@ -701,14 +321,6 @@ def summarize(
 
 
 # --------------------------------------------------------------------- run
-def _health_status(base: str) -> int:
-    """The status of GET /health, 0 when the server does not answer."""
-    try:
-        return httpx.get(f"{base}/health", timeout=10).status_code
-    except httpx.HTTPError:
-        return 0
-
-
 @contextmanager
 def _model_path(config: SoakConfig) -> Iterator[str | None]:
     if not config.tiny:
@@ -728,11 +340,11 @@ def run_soak(config: SoakConfig, log_path: Path | None = None) -> dict[str, Any]
     requests = plan_requests(config)
     with _model_path(config) as model, tempfile.TemporaryDirectory(prefix="baton-soak-") as tmp:
         log = log_path or Path(tmp) / "serve.log"
-        with ServerProcess(model, log, config.server_args) as server:
-            startup_s = server.wait_ready(config.startup_timeout_s)
+        with ServerProcess(model, server_args=config.server_args, log_path=log) as server:
+            startup_s = server.wait_healthy(config.startup_timeout_s)
             load = asyncio.run(run_load(server.base, server.pid, requests, config))
             metrics = wait_idle(server.base)
-            health = _health_status(server.base)
+            health = server.health_status()
             exit_code, exit_s = server.terminate(timeout_s=60.0)
             tail = server.log_tail()
         result = summarize(config, len(requests), load, metrics, health, exit_code, exit_s)

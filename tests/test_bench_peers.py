@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from baton.bench.peer_runners import StepRecorder, sequences_from_steps
 from baton.bench.peers import (
     SCHEMA,
     PeersConfig,
-    StepRecorder,
     Unit,
     compute_ratios,
     evaluate_goals,
@@ -21,7 +21,6 @@ from baton.bench.peers import (
     plan_units,
     resolve_dtypes,
     run_order,
-    sequences_from_steps,
 )
 from baton.engine.entrypoints.cli import main as cli_main
 

@@ -17,15 +17,9 @@ import httpx
 import pytest
 from conftest import serve_in_thread
 
-from baton.bench.soak import (
-    INVALID_SPECS,
-    ServerProcess,
-    SoakConfig,
-    parse_metrics,
-    plan_requests,
-    run_soak,
-    verify_output,
-)
+from baton.bench.server_process import ServerProcess, parse_metrics
+from baton.bench.soak import SoakConfig, run_soak
+from baton.bench.soak_requests import INVALID_SPECS, plan_requests, verify_output
 from baton.engine.entrypoints.async_llm import AsyncLLM
 from baton.engine.executor.base import ExecutorError
 from baton.engine.server.app import build_app
@@ -114,8 +108,10 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_0(
     streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
     log = tmp_path / "serve.log"
     plain: dict[str, httpx.Response] = {}
-    with ServerProcess(str(tiny_model_dir), log, ["--shutdown-timeout", "60"]) as server:
-        server.wait_ready(60)
+    with ServerProcess(
+        str(tiny_model_dir), server_args=["--shutdown-timeout", "60"], log_path=log
+    ) as server:
+        server.wait_healthy(60)
         url = f"{server.base}/v1/completions"
         sender = threading.Thread(
             target=lambda: plain.update(r=httpx.post(url, json=body, timeout=60))
