@@ -1,0 +1,354 @@
+"""The ``guidance`` backend: llguidance (the Rust engine behind Guidance, vLLM's ``guidance``
+backend) for JSON schemas, regexes, choices and EBNF grammars.
+
+llguidance builds no token-mask tables ahead of time: its Earley parser walks the tokenizer's
+token trie at each step under fixed work limits, so a compile is only the translation of the
+spec into its grammar text (milliseconds) and any schema gets masks in bounded time. It refuses
+JSON-schema keywords it does not implement (``uniqueItems``, ``not``, ``if``/``then``, overlapping
+``oneOf``, ...) with its own message naming them, so it never ignores a constraint silently; with
+``allow_unenforced`` it is asked to be lenient, as the other backends then are.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.torch as llg_torch
+import torch
+from llguidance.gbnf_to_lark import any_to_lark
+
+from baton.grammar.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    GrammarMatcher,
+    bitmask_width,
+)
+from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.vocab import Vocab, VocabSource
+from baton.grammar.xgrammar_backend import close_object_schemas
+
+# Kinds llguidance takes. Structural tags stay with xgrammar (its own format).
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _lark_string(text: str) -> str:
+    """``text`` as a Lark string literal (llguidance reads JSON string escapes)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _one_line(messages: Sequence[str], limit: int = 400) -> str:
+    """llguidance's messages on one line (they quote the source with carets over lines)."""
+    text = " ".join(" ".join(messages).split())
+    return (text[: limit - 3] + "...") if len(text) > limit else (text or "rejected the grammar")
+
+
+class GuidanceCompiledGrammar(CompiledGrammar):
+    """llguidance's grammar text for one spec; matchers parse it lazily."""
+
+    backend_name = "guidance"
+
+    def __init__(self, grammar: str, backend: GuidanceBackend, kind: str) -> None:
+        self.grammar = grammar
+        self.backend = backend
+        self.kind = kind
+
+    def memory_size_bytes(self) -> int:
+        return len(self.grammar)
+
+    def new_matcher(self) -> GuidanceMatcher:
+        return GuidanceMatcher(self.backend.new_llmatcher(self.grammar), self.backend)
+
+
+class GuidanceMatcher(GrammarMatcher):
+    """One request's llguidance matcher. llguidance stops by itself once nothing may follow;
+    baton's matcher terminates only when an EOS token is accepted there (``is_terminated``),
+    so that rollback and EOS handling match the other backends.
+
+    Where the grammar forces bytes, llguidance's mask allows only the canonical tokens of the
+    forced text (e.g. ``))`` but not ``)`` then ``)``): a subset of what ``accept_tokens``
+    takes, so every sampled token is still accepted and the output is the same text.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, backend: GuidanceBackend) -> None:
+        self.ll = matcher
+        self._backend = backend
+        self._terminated = False
+        # llguidance keeps an EOS in its history (for rollback) only when it had not already
+        # stopped by itself before it.
+        self._eos_in_history = False
+
+    def _accept(self, token: int) -> bool:
+        if self._terminated or self._backend.never_allowed(token):
+            return False
+        if token in self._backend.eos_token_ids:
+            if not self.ll.is_accepting():
+                return False
+            if self.ll.is_stopped():
+                self._eos_in_history = False
+            else:
+                self._eos_in_history = bool(self.ll.consume_token(token))
+                if not self._eos_in_history:
+                    return False
+            self._terminated = True
+            return True
+        # try_consume_tokens stops before a token the grammar refuses, leaving the state as
+        # it was (consume_token would put the matcher in its error state for good).
+        return self.ll.try_consume_tokens([token]) == 1
+
+    def accept_tokens(self, tokens: Sequence[int]) -> bool:
+        return all(self._accept(int(token)) for token in tokens)
+
+    def validate_tokens(self, tokens: Sequence[int]) -> int:
+        count = 0
+        for token in tokens:
+            if not self._accept(int(token)):
+                break
+            count += 1
+        self.rollback(count)
+        return count
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        if self._terminated:
+            self._terminated = False
+            if not self._eos_in_history:
+                num_tokens -= 1
+        if num_tokens > 0:
+            self.ll.rollback(num_tokens)
+        if self.ll.is_error():
+            raise GrammarError(f"llguidance rollback failed: {self.ll.get_error()}")
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._terminated:
+            bitmask[row].copy_(self._backend.eos_row)
+            return
+        llg_torch.fill_next_token_bitmask(self.ll, bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def reset(self) -> None:
+        self.ll.reset()
+        self._terminated = False
+        self._eos_in_history = False
+
+    def jump_forward_string(self) -> str:
+        if self._terminated:
+            return ""
+        return self.ll.compute_ff_bytes().decode("utf-8", "ignore")
+
+
+class GuidanceBackend(GrammarBackend):
+    """Compiles JSON schemas, regexes, choices and EBNF grammars with llguidance.
+
+    Args:
+        tokenizer: baton's ``Tokenizer``, or a ``Vocab`` read from one (compile workers get a
+            ``Vocab``; they only translate specs, so they need no llguidance tokenizer).
+        vocab_size: the model's vocabulary size (the bitmask width is ceil(vocab_size / 32)).
+        fill_threads: threads of llguidance's batched mask fill (it releases the GIL).
+        parallel_fill_min_rows: batches with fewer rows are filled row by row on this thread.
+
+    Raises:
+        ValueError: vocab_size, fill_threads or parallel_fill_min_rows < 1.
+    """
+
+    name = "guidance"
+
+    def __init__(
+        self,
+        tokenizer: VocabSource | Vocab,
+        vocab_size: int,
+        *,
+        fill_threads: int = 2,
+        parallel_fill_min_rows: int = 32,
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        if fill_threads < 1:
+            raise ValueError(f"fill_threads must be >= 1, got {fill_threads}")
+        if parallel_fill_min_rows < 1:
+            raise ValueError(f"parallel_fill_min_rows must be >= 1, got {parallel_fill_min_rows}")
+        self.vocab_size = vocab_size
+        self._tokenizer = None if isinstance(tokenizer, Vocab) else tokenizer
+        eos = tokenizer.eos_token_ids
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        special = (
+            tokenizer.special_ids if isinstance(tokenizer, Vocab) else tokenizer.all_special_ids
+        )
+        self._never = frozenset(special) - self.eos_token_ids
+        self._fill_threads = fill_threads
+        self._parallel_min_rows = parallel_fill_min_rows
+        self._lock = threading.Lock()
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        words = [0] * bitmask_width(vocab_size)
+        for e in self.eos_token_ids:
+            words[e // 32] |= 1 << (e % 32)
+        # What a terminated matcher allows, like the other backends: EOS only.
+        self.eos_row = torch.tensor(
+            [w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32
+        )
+
+    # ------------------------------------------------------------- tokenizer
+    def _llt(self) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer, built on first use (about 1 s for a 49k vocabulary)."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                if self._tokenizer is None:
+                    raise GrammarError("this guidance backend has no tokenizer (a compile worker)")
+                backend = self._tokenizer.backend
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    backend.to_str(),  # type: ignore[attr-defined]
+                    n_vocab=self.vocab_size,
+                    eos_token=sorted(self.eos_token_ids),
+                )
+            return self._ll_tokenizer
+
+    def new_llmatcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A matcher at the start of ``grammar``.
+
+        Raises:
+            GrammarError: llguidance cannot build a parser for it.
+        """
+        matcher = llguidance.LLMatcher(self._llt(), grammar)
+        if matcher.is_error():
+            raise GrammarError(f"llguidance cannot use the grammar: {matcher.get_error()}")
+        return matcher
+
+    def never_allowed(self, token: int) -> bool:
+        """True for ids no grammar may produce: out of range and control tokens."""
+        return not 0 <= token < self.vocab_size or token in self._never
+
+    # --------------------------------------------------------------- compile
+    def _json_defaults(self, spec: StructuredOutputsParams) -> dict[str, Any]:
+        options: dict[str, Any] = {"lenient": spec.allow_unenforced}
+        if spec.whitespace == "any":
+            options["whitespace_flexible"] = False
+            options["whitespace_pattern"] = rf"[ \t\n\r]{{0,{spec.max_whitespace_cnt}}}"
+            options["item_separator"] = ","
+            options["key_separator"] = ":"
+        else:
+            options["whitespace_flexible"] = False
+            options["item_separator"] = ","
+            options["key_separator"] = ":"
+        return options
+
+    def grammar_text(self, spec: StructuredOutputsParams) -> str:
+        """llguidance's grammar text for ``spec`` (not yet checked).
+
+        Raises:
+            GrammarError: a kind llguidance does not take, or an EBNF grammar that cannot be
+                read as Lark.
+            ValueError: the schema text is not JSON.
+        """
+        kind = spec.kind
+        matcher = llguidance.LLMatcher
+        if kind == "json":
+            schema = spec.schema
+            if spec.disable_additional_properties:
+                schema = close_object_schemas(schema)
+            return matcher.grammar_from_json_schema(schema, defaults=self._json_defaults(spec))
+        if kind == "json_object":
+            return matcher.grammar_from_json_schema(
+                {"type": "object"}, defaults=self._json_defaults(spec)
+            )
+        if kind == "regex":
+            return matcher.grammar_from_regex(spec.regex or "")
+        if kind == "choice":
+            alternatives = " | ".join(_lark_string(c) for c in spec.choice or ())
+            return matcher.grammar_from_lark(f"start: {alternatives}")
+        if kind == "grammar":
+            try:
+                lark = any_to_lark(spec.grammar or "")
+            except Exception as exc:  # noqa: BLE001 - the converter raises several types
+                raise GrammarError(f"llguidance cannot read the EBNF grammar: {exc}") from None
+            return matcher.grammar_from_lark(lark)
+        raise GrammarError(f"the guidance backend does not take {kind} specs")
+
+    def _check(self, grammar: str) -> None:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+        if failed:
+            raise GrammarError(f"llguidance: {_one_line(messages)}")
+
+    def unsupported_reason(self, spec: StructuredOutputsParams) -> str | None:
+        """None when llguidance takes ``spec`` whole; otherwise its reason (a kind it does not
+        take, keywords it does not implement, a regex feature the Rust engine lacks)."""
+        if spec.kind not in _KINDS:
+            return f"the guidance backend does not take {spec.kind} specs"
+        try:
+            self._check(self.grammar_text(spec))
+        except GrammarError as exc:
+            return str(exc)
+        except (ValueError, TypeError) as exc:
+            return f"llguidance: {exc}"
+        return None
+
+    def compile(self, spec: StructuredOutputsParams) -> GuidanceCompiledGrammar:
+        """Translates and checks ``spec``; thread-safe and fast (no token tables).
+
+        Raises:
+            GrammarError: llguidance rejects the spec; the message holds its reason.
+        """
+        try:
+            grammar = self.grammar_text(spec)
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(f"llguidance cannot compile the {spec.kind} spec: {exc}") from None
+        self._check(grammar)
+        return GuidanceCompiledGrammar(grammar, self, spec.kind)
+
+    def export_compiled(self, compiled: CompiledGrammar) -> bytes:
+        """The grammar text (what a matcher is built from).
+
+        Raises:
+            TypeError: ``compiled`` is not a ``GuidanceCompiledGrammar``.
+        """
+        if not isinstance(compiled, GuidanceCompiledGrammar):
+            raise TypeError(f"expected a GuidanceCompiledGrammar, got {type(compiled).__name__}")
+        return compiled.grammar.encode("utf-8")
+
+    def import_compiled(
+        self, spec: StructuredOutputsParams, data: bytes
+    ) -> GuidanceCompiledGrammar:
+        """The grammar ``export_compiled`` wrote, ready for matchers here.
+
+        Raises:
+            GrammarError: the text is not UTF-8.
+        """
+        try:
+            grammar = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise GrammarError(f"guidance grammar text is not UTF-8: {exc}") from None
+        return GuidanceCompiledGrammar(grammar, self, spec.kind)
+
+    # ------------------------------------------------------------------ masks
+    def fill_bitmasks(
+        self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]
+    ) -> None:
+        """Fills ``bitmask[rows[i]]`` for ``matchers[i]``; many rows at once go through
+        llguidance's executor, which fills them in parallel without the GIL."""
+        if bitmask.dim() != 2 or bitmask.shape[1] != bitmask_width(self.vocab_size):
+            raise ValueError(
+                f"bitmask must be [rows, {bitmask_width(self.vocab_size)}], "
+                f"got {list(bitmask.shape)}"
+            )
+        live: list[tuple[llguidance.LLMatcher, int]] = []
+        for matcher, row in zip(matchers, rows, strict=True):
+            if not isinstance(matcher, GuidanceMatcher) or matcher.is_terminated():
+                matcher.fill_bitmask(bitmask, row)
+            else:
+                live.append((matcher.ll, row))
+        if len(live) < self._parallel_min_rows or self._fill_threads == 1:
+            for ll, row in live:
+                llg_torch.fill_next_token_bitmask(ll, bitmask, row)
+            return
+        with self._lock:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(num_threads=self._fill_threads)
+            executor = self._executor
+        llg_torch.fill_next_token_bitmask_par(executor, live, bitmask)
