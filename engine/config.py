@@ -119,9 +119,14 @@ class EngineConfig:
             the weights, which int8 halves against bfloat16. None: on for bfloat16 on a CPU,
             off otherwise (float32 keeps matching transformers). Resolved to a bool at
             construction.
-        worker_threads: torch threads of the model worker process ("mp"); None
-            leaves one core to the engine thread when there are more than two,
-            and uses every core otherwise.
+        worker_threads: torch threads of the model worker process ("mp"; of each rank's
+            under tensor parallelism); None leaves one core to the engine thread when there
+            are more than two, and uses every core otherwise (shared out among the ranks).
+        tensor_parallel_size: worker processes the model is cut over, one shard of every
+            layer each (heads, MLP and vocabulary split; all-reduces through
+            ``torch.distributed``, gloo on the CPU). Needs the "mp" executor (None picks it)
+            and, so far, device "cpu"; the model's heads, key/value heads and MLP width must
+            be divisible by it (checked when the model is loaded).
     """
 
     model: str | None = None
@@ -142,6 +147,7 @@ class EngineConfig:
     max_concurrent_batches: int = 2
     worker_threads: int | None = None
     int8_small_batches: bool | None = None
+    tensor_parallel_size: int = 1
     # Why ``dtype`` is what it is; set at construction.
     dtype_reason: str = field(default="", init=False, compare=False)
 
@@ -152,6 +158,7 @@ class EngineConfig:
             "block_size",
             "kv_cache_memory_bytes",
             "max_concurrent_batches",
+            "tensor_parallel_size",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -204,6 +211,17 @@ class EngineConfig:
                 f"drive device {self.device!r}; use executor='uni' (or None), which overlaps "
                 "on CUDA"
             )
+        if self.tensor_parallel_size > 1:
+            if self.executor == "uni":
+                raise ValueError(
+                    f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size} runs one "
+                    "worker process per rank and needs executor='mp' (or None), not 'uni'"
+                )
+            if self.device != "cpu":
+                raise ValueError(
+                    f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size} runs on the "
+                    f"CPU (gloo) so far; device {self.device!r} is not supported with it yet"
+                )
         if self.max_concurrent_batches > 2:
             raise ValueError(
                 "EngineConfig.max_concurrent_batches must be 1 or 2 "
@@ -213,7 +231,8 @@ class EngineConfig:
         object.__setattr__(self, "async_scheduling", enabled)
         if self.executor is None:
             on_cpu_worker = enabled and self.device == "cpu"
-            object.__setattr__(self, "executor", "mp" if on_cpu_worker else "uni")
+            parallel = self.tensor_parallel_size > 1
+            object.__setattr__(self, "executor", "mp" if on_cpu_worker or parallel else "uni")
 
     def _resolve_dtype(self) -> None:
         if self.dtype == DTYPE_AUTO:

@@ -63,6 +63,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         "--max-model-len", type=int, default=max_model_len, help="longest prompt + output"
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="cut the model over N worker processes (one shard of every layer each; CPU, gloo)",
+    )
+    parser.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="run each step to completion instead of planning the next one while the model runs",
@@ -81,6 +88,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         engine_args["max_num_seqs"] = args.max_num_seqs
     if args.max_model_len is not None:
         engine_args["max_model_len"] = args.max_model_len
+    if args.tensor_parallel_size is not None:
+        engine_args["tensor_parallel_size"] = args.tensor_parallel_size
     if args.no_async_scheduling:
         engine_args["async_scheduling"] = False
     return engine_config(args.model, dtype=args.dtype, **engine_args)

@@ -9,24 +9,36 @@ tensors, then a "sample" message); weights, bitmasks and sampled tokens lie in s
 that the worker maps through inherited descriptors, the bitmasks and tokens double-buffered
 because two steps can be in flight. The worker answers each "sample" with one message, in
 order, and the engine reads it in ``get_output()`` only.
+
+With ``spec.tensor_parallel_size`` N > 1 there are N workers, one per rank, each given only
+its shard of the weights (``models/sharding.py``) in its own shared buffer, joining one
+``torch.distributed`` group through a TCP store this process hosts on loopback. Each "execute"
+is written once into a shared ring that every rank reads (``worker/step_broadcast.py``); every
+rank gets "sample", but only rank 0 reads the bitmask, samples and answers. A rank that dies
+ends the executor, as the single worker does.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 import weakref
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
 from baton.engine.executor.worker_process import WorkerProcess
+from baton.engine.models.sharding import check_tensor_parallel, shard_weights
 from baton.engine.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from baton.engine.sync_check import SyncChecker
 from baton.engine.worker.build import RunnerSpec
 from baton.engine.worker.model_runner import runner_output
 from baton.engine.worker.shared_memory import SharedBuffer, pack_layouts
+from baton.engine.worker.step_broadcast import StepBroadcaster
 from baton.engine.worker.worker_main import Reply, WorkerInit
 from baton.grammar.backend import bitmask_width
 
@@ -61,11 +73,13 @@ def _share_weights(weights: dict[str, torch.Tensor]) -> tuple[SharedBuffer, dict
 
 
 class MultiprocExecutor(Executor):
-    """Runs the model runner in a worker process; every call returns at once.
+    """Runs the model runner in a worker process (one per tensor-parallel rank); every call
+    returns at once.
 
     Raises:
-        ExecutorError: the worker failed to start; the message says why (its traceback, or
+        ExecutorError: a worker failed to start; the message says why (its traceback, or
             how it ended).
+        ValueError: the model cannot be cut into ``spec.tensor_parallel_size`` shards.
     """
 
     def __init__(
@@ -75,6 +89,8 @@ class MultiprocExecutor(Executor):
         checker: SyncChecker | None = None,
     ) -> None:
         self._checker = checker or SyncChecker("off")
+        size = spec.tensor_parallel_size
+        check_tensor_parallel(spec.model_config, size)
         vocab = spec.model_config.vocab_size
         rows = spec.max_num_seqs
         words = bitmask_width(vocab)
@@ -86,62 +102,104 @@ class MultiprocExecutor(Executor):
         )
         self._slot = 0
         self._device_s = 0.0
+        self._collective_s = 0.0
         self._replies: dict[int, Reply] = {}
         self._dead: str | None = None
+        self._workers: list[WorkerProcess] = []
+        self._store: dist.TCPStore | None = None
+        self._ring: StepBroadcaster | None = None
+        shared: list[SharedBuffer] = []
         try:
             io = SharedBuffer.create(io_total, "baton-step-io")
-            shared_weights, weight_layouts = _share_weights(weights)
-        except OSError as exc:
-            raise ExecutorError(
-                f"cannot allocate shared memory for the model worker: {exc}"
-            ) from exc
+            shared.append(io)
+            if size > 1:
+                self._ring = StepBroadcaster(size)
+                # Hosted here, so the ranks meet without racing for a free port.
+                self._store = dist.TCPStore(
+                    "127.0.0.1",
+                    0,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
+                )
+            rank_weights = []
+            for rank in range(size):
+                buf, layouts = _share_weights(shard_weights(weights, spec.model_config, rank, size))
+                shared.append(buf)
+                rank_weights.append((buf, layouts))
+        except (OSError, RuntimeError) as exc:
+            for buf in shared:
+                buf.close()
+            raise ExecutorError(f"cannot set up the model workers' shared memory: {exc}") from exc
         self._bitmasks = io.tensor(io_layouts["bitmasks"])
         self._bitmasks.fill_(-1)
         self._sampled = io.tensor(io_layouts["sampled"])
-        init = WorkerInit(
-            spec=spec,
-            weights_fd=shared_weights.fd,
-            weights_nbytes=shared_weights.nbytes,
-            weights=weight_layouts,
-            io_fd=io.fd,
-            io_nbytes=io.nbytes,
-            bitmasks=io_layouts["bitmasks"],
-            sampled=io_layouts["sampled"],
-        )
+        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
         try:
-            self._worker = WorkerProcess((shared_weights.fd, io.fd))
-        except OSError as exc:
-            raise ExecutorError(f"cannot start the model worker process: {exc}") from exc
+            for rank, (buf, layouts) in enumerate(rank_weights):
+                init = WorkerInit(
+                    spec=spec,
+                    weights_fd=buf.fd,
+                    weights_nbytes=buf.nbytes,
+                    weights=layouts,
+                    io_fd=io.fd,
+                    io_nbytes=io.nbytes,
+                    bitmasks=io_layouts["bitmasks"],
+                    sampled=io_layouts["sampled"],
+                    rank=rank,
+                    store_port=0 if self._store is None else self._store.port,
+                    broadcast=None if self._ring is None else self._ring.layout,
+                )
+                fds = [buf.fd, io.fd] + ([] if self._ring is None else [self._ring.layout.fd])
+                try:
+                    worker = WorkerProcess(fds)
+                except OSError as exc:
+                    self.shutdown()
+                    raise ExecutorError(f"cannot start the model worker process: {exc}") from exc
+                self._workers.append(worker)
+                # The worker holds its own copy of the descriptor now; its weights' pages live
+                # on in its mapping only.
+                buf.close()
+                try:
+                    worker.conn.send(init)
+                except (OSError, EOFError, BrokenPipeError) as exc:
+                    self._start_failed(f"cannot reach it: {exc}")
         finally:
-            # The worker holds its own copies of the descriptors now; the weights' pages live
-            # on in its mapping only.
-            shared_weights.close()
-            io.close()
-            del shared_weights
-        self._conn = self._worker.conn
-        self._finalizer = weakref.finalize(self, self._worker.stop)
-        try:
-            self._conn.send(init)
-        except (OSError, EOFError, BrokenPipeError) as exc:
-            self._start_failed(f"cannot reach it: {exc}")
-        self._wait_ready()
+            for buf in shared:
+                buf.close()
+            if self._ring is not None:
+                self._ring.close()
+            # Unmaps the weights here: their pages live on in the workers' mappings only.
+            shared.clear()
+            rank_weights.clear()
+        self._conn = self._workers[0].conn
+        for rank, worker in enumerate(self._workers):
+            self._wait_ready(worker, rank)
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, worker: WorkerProcess, rank: int) -> None:
+        conn = worker.conn
         deadline = time.monotonic() + _START_TIMEOUT_S
-        while not self._conn.poll(_POLL_S):
-            if not self._worker.is_alive():
+        while not conn.poll(_POLL_S):
+            if not worker.is_alive():
                 break  # its last message, if any, is still readable
             if time.monotonic() > deadline:
-                self._start_failed(f"not ready after {_START_TIMEOUT_S:.0f} s")
+                self._start_failed(
+                    f"{self._rank_name(rank)}not ready after {_START_TIMEOUT_S:.0f} s"
+                )
         try:
-            kind, detail = self._conn.recv()
+            kind, detail = conn.recv()
         except (EOFError, OSError) as exc:
-            self._worker.stop()
-            ended = self._worker.exit_description() or "still running"
+            worker.stop()
+            ended = worker.exit_description() or "still running"
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            self._start_failed(f"it ended without a reason ({ended}; {reason})")
+            self._start_failed(
+                f"{self._rank_name(rank)}it ended without a reason ({ended}; {reason})"
+            )
         if kind != "ready":
-            self._start_failed(f"\n{detail}")
+            self._start_failed(f"{self._rank_name(rank)}\n{detail}")
+
+    def _rank_name(self, rank: int) -> str:
+        return f"rank {rank}: " if len(self._workers) > 1 else ""
 
     def _start_failed(self, reason: str) -> None:
         self.shutdown()
@@ -149,12 +207,31 @@ class MultiprocExecutor(Executor):
 
     @property
     def worker_pid(self) -> int:
-        """The model worker's process id (for tests and monitoring)."""
-        return self._worker.pid
+        """The model worker's process id (rank 0's under tensor parallelism; for tests and
+        monitoring)."""
+        return self._workers[0].pid
+
+    @property
+    def worker_pids(self) -> tuple[int, ...]:
+        """Every model worker's process id, by tensor-parallel rank."""
+        return tuple(w.pid for w in self._workers)
+
+    @property
+    def collective_seconds(self) -> float:
+        """Of ``device_seconds``, the time rank 0 spent in tensor-parallel collectives
+        (all-reduces, the logits gather, the token broadcast; waiting for the other ranks
+        included), for steps already returned; 0 without tensor parallelism."""
+        return self._collective_s
 
     # ----------------------------------------------------------------- steps
     def execute_model(self, so: SchedulerOutput) -> None:
-        self._send(("execute", so))
+        message = ("execute", so)
+        if self._ring is None:
+            self._send(self._conn, message)
+            return
+        seq = self._ring.publish(message)
+        for worker in self._workers:
+            self._send(worker.conn, message if seq is None else ("bcast", seq))
 
     def sample_tokens(self, step_id: int, grammar: GrammarOutput | None) -> AsyncOutput:
         slot = self._slot
@@ -166,17 +243,19 @@ class MultiprocExecutor(Executor):
             if grammar.bitmask.data_ptr() != target.data_ptr():  # not filled in place
                 target.copy_(grammar.bitmask[:n])
             request_ids = grammar.request_ids
-        self._send(("sample", step_id, slot, request_ids))
+        self._send(self._conn, ("sample", step_id, slot, request_ids))
+        for worker in self._workers[1:]:  # the bitmask is rank 0's only
+            self._send(worker.conn, ("sample", step_id, slot, ()))
         return _MpOutput(self, step_id)
 
     def bitmask_buffer(self) -> torch.Tensor:
         return self._bitmasks[self._slot]
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, conn: Connection, message: tuple[Any, ...]) -> None:
         if self._dead is not None:
             raise ExecutorError(self._dead)
         try:
-            self._conn.send(message)
+            conn.send(message)
         except (OSError, EOFError, BrokenPipeError) as exc:
             self._died(f"cannot reach the model worker process: {exc}")
 
@@ -187,15 +266,18 @@ class MultiprocExecutor(Executor):
                     raise ExecutorError(self._dead)
                 try:
                     if not self._conn.poll(_POLL_S):
-                        if not self._worker.is_alive():
+                        if any(not w.is_alive() for w in self._workers):
                             self._died("the model worker process died")
                         continue
-                    reply: Reply = self._conn.recv()
+                    reply: Reply | tuple[str, str] = self._conn.recv()
                 except (EOFError, OSError) as exc:
                     self._died(f"the model worker process died: {type(exc).__name__} {exc}")
+                if not isinstance(reply, Reply):  # a tensor-parallel step failed: fatal
+                    self._died(f"the model worker process failed:\n{reply[1]}")
                 self._replies[reply.step_id] = reply
             reply = self._replies.pop(step_id)
             self._device_s = reply.device_seconds
+            self._collective_s = reply.collective_seconds
             if reply.error is not None:  # this step's requests fail; the others go on
                 return ModelRunnerOutput(
                     request_ids=list(reply.request_ids),
@@ -207,14 +289,22 @@ class MultiprocExecutor(Executor):
         return runner_output(reply.request_ids, reply.sample_request_ids, tokens, reply.logprobs)
 
     def _died(self, message: str) -> None:
-        ended = self._worker.exit_description()
+        ended = self._ended()
         self._dead = f"{message} ({ended})" if ended is not None else message
         raise ExecutorError(self._dead)
+
+    def _ended(self) -> str | None:
+        """How the first ended worker ended (naming its rank under tensor parallelism)."""
+        for rank, worker in enumerate(self._workers):
+            ended = worker.exit_description()
+            if ended is not None:
+                return f"{self._rank_name(rank)}{ended}"
+        return None
 
     def failure(self) -> str | None:
         if self._dead is not None:
             return self._dead
-        ended = self._worker.exit_description()
+        ended = self._ended()
         if ended is not None:
             return f"the model worker exited ({ended})"
         return None
@@ -228,3 +318,11 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+        self._store = None
+
+
+def _stop_all(workers: list[WorkerProcess]) -> None:
+    """Stops every worker: rank 0 last, so that no rank is left waiting for it in a
+    collective while the others are asked to stop."""
+    for worker in reversed(workers):
+        worker.stop()

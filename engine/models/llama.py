@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,17 +11,26 @@ from torch import nn
 from baton.engine.models.attention import AttentionMetadata, paged_attention
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from baton.engine.models.parallel import TensorParallel, VocabParallelEmbedding
 from baton.engine.models.quant import Int8Weight, int8_linear, quantize_int8
+from baton.engine.models.sharding import shard_config
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block: attention with fused QKV, then a SwiGLU MLP with fused gate/up."""
+    """One pre-norm block: attention with fused QKV, then a SwiGLU MLP with fused gate/up.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Under tensor parallelism ``config`` is the rank's shard shape and ``reduce`` sums the
+    row-parallel projections' partial outputs over the ranks.
+    """
+
+    def __init__(
+        self, config: ModelConfig, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
         super().__init__()
         c = config
+        self.reduce = reduce
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
@@ -64,7 +75,8 @@ class DecoderLayer(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, *rope)
         attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale).reshape(t, self.q_size)
-        x = x + (self.o_proj(attn) if int8 is None else int8_linear(attn, int8[1]))
+        out = self.o_proj(attn) if int8 is None else int8_linear(attn, int8[1])
+        x = x + (out if self.reduce is None else self.reduce(out))
         h = self.post_attention_layernorm(x)
         sizes = (self.intermediate_size, self.intermediate_size)
         if int8 is None:
@@ -72,7 +84,8 @@ class DecoderLayer(nn.Module):
         else:
             gate, up = int8_linear(h, int8[2]).split(sizes, dim=-1)
         act = F.silu(gate) * up
-        return x + (self.down_proj(act) if int8 is None else int8_linear(act, int8[3]))
+        out = self.down_proj(act) if int8 is None else int8_linear(act, int8[3])
+        return x + (out if self.reduce is None else self.reduce(out))
 
 
 # Below this many tokens, one GEMM per output part beat the fused GEMM on this
@@ -96,13 +109,25 @@ class LlamaForCausalLM(nn.Module):
     ``forward`` takes a flat batch (prefill chunks and decode tokens mixed) and
     returns hidden states; ``compute_logits`` turns only the rows that sample
     into logits.
+
+    With ``tp`` (tensor parallelism) the model holds this rank's shard (``local_config``, cut
+    as ``sharding.py`` says, weights from ``sharding.shard_weights``) and meets the other
+    ranks in ``tp``'s collectives; ``config`` stays the whole model's.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.tp = tp
+        local = config if tp is None else shard_config(config, tp.size)
+        self.local_config = local
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if tp is None
+            else VocabParallelEmbedding(local.vocab_size, config.hidden_size, tp)
+        )
+        reduce = None if tp is None else tp.all_reduce
+        self.layers = nn.ModuleList(DecoderLayer(local, reduce) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(
             config.head_dim,
@@ -113,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, local.vocab_size, bias=False)
         )
         self.requires_grad_(False)
         # Steps with at most this many rows use the int8 copies (0: never); set by
@@ -159,11 +184,16 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, vocab]`` in float32 for the given hidden rows."""
+        """Logits ``[N, vocab]`` in float32 for the given hidden rows. Under tensor parallelism
+        only rank 0 gets them; the other ranks send their vocabulary slice and get it back."""
         if self.lm_head_int8 is not None and hidden.shape[0] <= self.int8_max_rows:
-            return int8_linear(hidden, self.lm_head_int8).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            logits = int8_linear(hidden, self.lm_head_int8).float()
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_logits(logits, self.config.vocab_size)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copies Hugging Face-named weights in, fusing QKV and gate/up.

@@ -73,6 +73,7 @@ class LLMEngine:
             num_threads=_worker_threads(config) if config.executor == "mp" else None,
             device=config.device,
             int8_small_batches=bool(config.int8_small_batches),
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         checker = SyncChecker.from_env()
         executor: Executor
@@ -80,6 +81,7 @@ class LLMEngine:
             executor = MultiprocExecutor(spec, ckpt.weights, checker)
         else:
             executor = UniExecutor(build_runner(spec, ckpt.weights), checker)
+        self._executor = executor
         self.structured = StructuredOutputManager(
             self.tokenizer,
             ckpt.config.vocab_size,
@@ -104,7 +106,7 @@ class LLMEngine:
             logger.info("sampling defaults from the model: %s", self.sampling_defaults)
         logger.info(
             "engine ready: %s on %s in %s%s, %d KV blocks of %d tokens, max_model_len %d, "
-            "executor %s, async scheduling %s",
+            "executor %s%s, async scheduling %s",
             ckpt.path,
             config.device,
             _dtype_name(config.dtype),
@@ -113,6 +115,7 @@ class LLMEngine:
             config.block_size,
             self.max_model_len,
             config.executor,
+            f" x{config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else "",
             "on" if config.async_scheduling else "off",
         )
 
@@ -250,7 +253,9 @@ class LLMEngine:
         ``num_running``, ``num_waiting``, ``kv_total_blocks``, ``kv_free_blocks``,
         ``kv_usage``; and how the model computes: ``dtype`` (e.g. "bfloat16"),
         ``dtype_reason`` (why: "asked for", or what ``dtype="auto"`` saw), and
-        ``int8_small_batches`` (1 when small steps use int8 weight-only GEMMs, else 0)."""
+        ``int8_small_batches`` (1 when small steps use int8 weight-only GEMMs, else 0);
+        ``tensor_parallel_size``, and with it above 1 ``tp_collective_s``: of ``device_s``,
+        rank 0's seconds inside collectives (all-reduces, logits gather, token broadcast)."""
         sched = self.core.scheduler
         stats: dict[str, float | int | str] = dict(self.core.stats.as_dict())
         stats.update(
@@ -262,7 +267,10 @@ class LLMEngine:
             kv_total_blocks=sched.kv.num_blocks - 1,  # block 0 is reserved
             kv_free_blocks=sched.kv.num_free_blocks,
             kv_usage=sched.kv.usage,
+            tensor_parallel_size=self.config.tensor_parallel_size,
         )
+        if isinstance(self._executor, MultiprocExecutor) and self.config.tensor_parallel_size > 1:
+            stats["tp_collective_s"] = self._executor.collective_seconds
         return stats
 
     def failure(self) -> str | None:
@@ -281,11 +289,13 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def _worker_threads(config: EngineConfig) -> int:
+    """Torch threads of each model worker (of each rank under tensor parallelism)."""
     if config.worker_threads is not None:
         return config.worker_threads
     cores = num_cpu_cores()
     # The engine thread needs a core of its own to overlap the worker's forward.
-    return cores - 1 if cores > 2 else cores
+    total = cores - 1 if cores > 2 else cores
+    return max(1, total // config.tensor_parallel_size)
 
 
 def _engine_threads(config: EngineConfig, worker_threads: int | None) -> int:
@@ -293,4 +303,4 @@ def _engine_threads(config: EngineConfig, worker_threads: int | None) -> int:
     (at least one). Mask fills that spread over the worker's cores slowed its forward 2x."""
     if worker_threads is None:
         return 2
-    return max(1, num_cpu_cores() - worker_threads)
+    return max(1, num_cpu_cores() - worker_threads * config.tensor_parallel_size)

@@ -9,8 +9,10 @@ import torch
 
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.models.parallel import TensorParallel
 from baton.engine.models.quant import INT8_MAX_ROWS
 from baton.engine.worker.model_runner import ModelRunner
+from baton.engine.worker.tp_runner import ParallelModelRunner
 
 
 @dataclass(frozen=True)
@@ -29,13 +31,29 @@ class RunnerSpec:
     device: str = "cpu"  # where the model, its KV cache and the request rows live
     # int8 weight-only copies of the linears for steps of at most INT8_MAX_ROWS rows (CPU).
     int8_small_batches: bool = False
+    # Ranks the model is cut over (one worker process each); 1: the whole model in one place.
+    tensor_parallel_size: int = 1
 
 
-def build_runner(spec: RunnerSpec, weights: dict[str, torch.Tensor]) -> ModelRunner:
+def build_runner(
+    spec: RunnerSpec, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None
+) -> ModelRunner:
     """Builds the model from ``weights`` on ``spec.device`` (with int8 copies of its linears
     when ``spec.int8_small_batches``), allocates its KV cache there and wraps both in a
-    runner."""
-    model = LlamaForCausalLM(spec.model_config).to(dtype=spec.dtype)
+    runner. With ``tp`` (a joined tensor-parallel group of ``spec.tensor_parallel_size``
+    ranks), ``weights`` are this rank's shard (``sharding.shard_weights``) and the runner is a
+    ``ParallelModelRunner``.
+
+    Raises:
+        ValueError: ``tp`` does not match ``spec.tensor_parallel_size``, or a weight is
+            missing or misshapen.
+    """
+    if (tp.size if tp is not None else 1) != spec.tensor_parallel_size:
+        raise ValueError(
+            f"the spec asks for tensor_parallel_size={spec.tensor_parallel_size}, "
+            f"but the runner was given {'no group' if tp is None else f'a group of {tp.size}'}"
+        )
+    model = LlamaForCausalLM(spec.model_config, tp).to(dtype=spec.dtype)
     model.load_weights(weights)
     model.eval()
     device = torch.device(spec.device)
@@ -43,9 +61,10 @@ def build_runner(spec: RunnerSpec, weights: dict[str, torch.Tensor]) -> ModelRun
     if spec.int8_small_batches:
         model.quantize_int8(INT8_MAX_ROWS)
     caches = allocate_kv_cache(
-        spec.model_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
+        model.local_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
     )
-    return ModelRunner(
+    runner_cls = ModelRunner if tp is None else ParallelModelRunner
+    return runner_cls(
         model,
         caches,
         spec.block_size,

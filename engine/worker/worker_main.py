@@ -5,7 +5,14 @@ It is started as a fresh interpreter that imports this module only (never the us
 runner spec, where the weights, bitmasks and sampled tokens lie in the inherited shared
 buffers), then per step an "execute" message (the ``SchedulerOutput``) and a "sample" message.
 Each "sample" is answered with one ``Reply``, in order, from a sender thread, so neither side
-can block on a full socket while the other blocks on its own send. The worker ignores SIGINT
+can block on a full socket while the other blocks on its own send.
+
+Under tensor parallelism there is one worker per rank: each joins the process group and builds
+its shard; the engine writes each "execute" once into a shared ring (``step_broadcast.py``) and
+rings every rank with ``("bcast", seq)``; every rank gets "sample", only rank 0 gets the
+grammar bitmask and answers. A failed step would leave the other ranks waiting in a collective,
+so there a step failure ends the worker (the engine then fails every request with the reason).
+The worker ignores SIGINT
 (the engine process owns Ctrl-C) and exits when the connection closes, so it dies with the
 engine process however that ends.
 """
@@ -28,6 +35,8 @@ from baton.engine.scheduler_output import GrammarOutput, Logprobs, SchedulerOutp
 from baton.engine.worker.build import RunnerSpec, build_runner
 from baton.engine.worker.model_runner import ForwardOutput, ModelRunner
 from baton.engine.worker.shared_memory import SharedBuffer, TensorLayout
+from baton.engine.worker.step_broadcast import BroadcastLayout, StepReader
+from baton.engine.worker.tp_runner import join_group
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,11 @@ class WorkerInit:
     io_nbytes: int
     bitmasks: TensorLayout  # int32 [slots, rows, words]
     sampled: TensorLayout  # int64 [slots, rows]
+    # Tensor parallelism (spec.tensor_parallel_size > 1): this worker's rank, the engine's
+    # TCP store for joining the group, and the ring the steps are broadcast through.
+    rank: int = 0
+    store_port: int = 0
+    broadcast: BroadcastLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,7 @@ class Reply:
     logprobs: dict[str, Logprobs]
     error: str | None
     device_seconds: float = 0.0  # the worker's forward + sampling time so far
+    collective_seconds: float = 0.0  # of which inside tensor-parallel collectives
 
 
 @dataclass(frozen=True)
@@ -75,7 +90,14 @@ def serve(conn: Connection) -> int:
         weights = {name: weights_mem.tensor(lay) for name, lay in init.weights.items()}
         io = SharedBuffer(init.io_fd, init.io_nbytes)
         bitmasks, sampled = io.tensor(init.bitmasks), io.tensor(init.sampled)
-        runner = build_runner(init.spec, weights)
+        tp = None
+        reader = None
+        if init.spec.tensor_parallel_size > 1:
+            size = init.spec.tensor_parallel_size
+            tp = join_group(init.rank, size, init.store_port, init.spec.device)
+            if init.broadcast is not None:
+                reader = StepReader(init.broadcast, init.rank)
+        runner = build_runner(init.spec, weights, tp)
         weights_mem.close()
         io.close()
         del weights
@@ -83,42 +105,66 @@ def serve(conn: Connection) -> int:
         conn.send(("error", traceback.format_exc()))
         return 1
     conn.send(("ready", None))
-    _run_steps(conn, runner, bitmasks, sampled)
+    try:
+        _run_steps(conn, runner, bitmasks, sampled, reader, driver=init.rank == 0)
+    except Exception:  # noqa: BLE001 - a tensor-parallel step failed: reported, then exit
+        conn.send(("error", traceback.format_exc()))
+        return 1
     return 0
 
 
 def _run_steps(
-    conn: Connection, runner: ModelRunner, bitmasks: torch.Tensor, sampled: torch.Tensor
+    conn: Connection,
+    runner: ModelRunner,
+    bitmasks: torch.Tensor,
+    sampled: torch.Tensor,
+    reader: StepReader | None = None,
+    driver: bool = True,
 ) -> None:
+    """Serves steps until "shutdown" or the connection closes. With tensor parallelism
+    (``runner.model.tp`` set) a failed step raises instead of failing its requests: the other
+    ranks could not go on without this one."""
+    tp = runner.model.tp
     outbox: queue.SimpleQueue[Reply | None] = queue.SimpleQueue()
     sender = threading.Thread(target=_send_replies, args=(conn, outbox), daemon=True)
     sender.start()
     pending: deque[ForwardOutput | _FailedStep] = deque()
     busy = 0.0
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            break  # the engine is gone
-        kind = message[0]
-        t0 = time.perf_counter()
-        if kind == "execute":
-            so: SchedulerOutput = message[1]
+    try:
+        while True:
             try:
-                pending.append(runner.execute_model(so))
-            except Exception:  # noqa: BLE001 - fails this step's requests, not the worker
-                text = f"model step failed:\n{traceback.format_exc()}"
-                pending.append(_FailedStep(tuple(so.num_scheduled_tokens), text))
-            busy += time.perf_counter() - t0
-        elif kind == "sample":
-            _, step_id, slot, grammar_ids = message
-            reply = _sample(runner, pending, step_id, slot, grammar_ids, bitmasks, sampled)
-            busy += time.perf_counter() - t0
-            outbox.put(replace(reply, device_seconds=busy))
-        elif kind == "shutdown":
-            break
-    outbox.put(None)
-    sender.join(timeout=5)
+                message = conn.recv()
+            except (EOFError, OSError):
+                break  # the engine is gone
+            if message[0] == "bcast" and reader is not None:
+                message = reader.read(message[1])
+            kind = message[0]
+            t0 = time.perf_counter()
+            if kind == "execute":
+                so: SchedulerOutput = message[1]
+                try:
+                    pending.append(runner.execute_model(so))
+                except Exception:  # noqa: BLE001 - fails this step's requests, not the worker
+                    if tp is not None:
+                        raise
+                    text = f"model step failed:\n{traceback.format_exc()}"
+                    pending.append(_FailedStep(tuple(so.num_scheduled_tokens), text))
+                busy += time.perf_counter() - t0
+            elif kind == "sample":
+                _, step_id, slot, grammar_ids = message
+                out = sampled if driver else None
+                reply = _sample(runner, pending, step_id, slot, grammar_ids, bitmasks, out)
+                busy += time.perf_counter() - t0
+                if tp is not None and reply.error is not None:
+                    raise RuntimeError(reply.error)
+                if driver:
+                    comm = 0.0 if tp is None else tp.collective_seconds
+                    outbox.put(replace(reply, device_seconds=busy, collective_seconds=comm))
+            elif kind == "shutdown":
+                break
+    finally:
+        outbox.put(None)
+        sender.join(timeout=5)
 
 
 def _send_replies(conn: Connection, outbox: queue.SimpleQueue[Reply | None]) -> None:
@@ -136,8 +182,10 @@ def _sample(
     slot: int,
     grammar_ids: tuple[str, ...],
     bitmasks: torch.Tensor,
-    sampled: torch.Tensor,
+    sampled: torch.Tensor | None,
 ) -> Reply:
+    """Samples the oldest executed step; its tokens go to ``sampled[slot]`` (None: nowhere, on
+    the tensor-parallel ranks other than 0)."""
     fwd = pending.popleft() if pending else _FailedStep((), "sample_tokens without a forward")
     if isinstance(fwd, _FailedStep):
         return Reply(step_id, slot, fwd.request_ids, (), {}, fwd.message)
@@ -146,7 +194,8 @@ def _sample(
         grammar = GrammarOutput(grammar_ids, bitmasks[slot, : len(grammar_ids)])
     try:
         s = runner.sample(fwd, grammar)
-        sampled[slot, : s.token_ids.numel()].copy_(s.token_ids)
+        if sampled is not None:
+            sampled[slot, : s.token_ids.numel()].copy_(s.token_ids)
     except Exception:  # noqa: BLE001 - fails this step's requests, not the worker
         message = f"sampling failed:\n{traceback.format_exc()}"
         return Reply(step_id, slot, fwd.request_ids, (), {}, message)
