@@ -98,6 +98,7 @@ BENCHMARKS = {
     "serve": "load test of baton serve: concurrent clients, TTFT and TPOT",
     "peers": "the same JSON-schema workload on baton and its peers",
     "soak": "reliability soak of baton serve: mixed, invalid and disconnecting clients",
+    "tensor_parallel": "tensor parallel vs one worker: decode step time, collective share",
 }
 
 
