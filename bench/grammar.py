@@ -866,19 +866,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs ``baton bench grammar``: prints the summary and writes JSON, CSV and PNG.
-
-    Exits through argparse (SystemExit 2) on a bad argument; raises ValueError for unreadable
-    data or tokenizer (the ``baton`` CLI prints it as one line).
-    """
-    p = build_parser()
-    a = p.parse_args(argv)
+def config_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> GrammarBenchConfig:
+    """The config that ``build_parser``'s arguments ``a`` name; a bad one exits through
+    ``p.error`` (SystemExit 2) naming it."""
     unknown = [b for b in a.backends if b not in BACKENDS]
     if unknown:
         p.error(f"unknown backend(s) {', '.join(unknown)}; expected some of {', '.join(BACKENDS)}")
     try:
-        config = GrammarBenchConfig(
+        return GrammarBenchConfig(
             data=tuple(a.data) if a.data else (default_data_dir(),),
             backends=a.backends,
             tokenizer=a.tokenizer,
@@ -891,6 +886,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         p.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``baton bench grammar``: prints the summary and writes JSON, CSV and PNG.
+
+    Exits through argparse (SystemExit 2) on a bad argument; raises ValueError for unreadable
+    data or tokenizer (the ``baton`` CLI prints it as one line).
+    """
+    p = build_parser()
+    a = p.parse_args(argv)
+    config = config_from_args(p, a)
     result = run_benchmark(config)
     print(format_report(result))
     write_results(result, a.out)

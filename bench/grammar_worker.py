@@ -97,6 +97,11 @@ class WorkerConfig:
         whitespace: the spec's whitespace mode; instances are serialised to match it.
         max_memory_bytes: address-space limit of the worker (None: none), so that a runaway
             compile fails inside the worker instead of starving the machine.
+        rows: matchers walked side by side; each state's bitmask is filled for all of them
+            with the backend's batched ``fill_bitmasks`` (as the engine fills a batch) and
+            timed per row.
+        allow_unenforced: compile specs with ``allow_unenforced`` (a backend then takes a
+            schema with keywords it ignores, as a request that opts in would have it).
     """
 
     tokenizer: VocabSource
@@ -104,6 +109,8 @@ class WorkerConfig:
     factories: Mapping[str, BackendFactory]
     whitespace: Whitespace = "compact"
     max_memory_bytes: int | None = None
+    rows: int = 1
+    allow_unenforced: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
@@ -114,6 +121,8 @@ class WorkerConfig:
             raise ValueError(f"whitespace must be 'compact' or 'any', got {self.whitespace!r}")
         if self.max_memory_bytes is not None and self.max_memory_bytes <= 0:
             raise ValueError(f"max_memory_bytes must be positive, got {self.max_memory_bytes}")
+        if not isinstance(self.rows, int) or self.rows < 1:
+            raise ValueError(f"rows must be an int >= 1, got {self.rows!r}")
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,7 @@ class InstanceOutcome:
         valid: what the test says.
         accepted: every token (and then EOS) was accepted and the matcher terminated.
         tokens: tokens walked, EOS included (fewer than the instance's when rejected early).
-        mask_us: microseconds of each bitmask fill, one per token walked.
+        mask_us: microseconds of each bitmask fill per row, one per token walked.
         mismatches: tokens where the bitmask and ``accept_tokens`` disagreed.
         rejected_at: index of the first rejected token (the EOS is the last), None if none.
         error: an exception the backend raised while walking (the instance then counts as not
@@ -170,16 +179,19 @@ def serialize_instance(data: Any, whitespace: Whitespace) -> str:
 
 
 def compile_case(
-    backend: GrammarBackend, schema: Any, whitespace: Whitespace
+    backend: GrammarBackend, schema: Any, whitespace: Whitespace, allow_unenforced: bool = False
 ) -> tuple[CompiledGrammar | None, CompileOutcome]:
-    """Checks and compiles ``schema`` as the engine would for a request pinned to ``backend``.
+    """Checks and compiles ``schema`` as the engine would for a request pinned to ``backend``
+    (with ``allow_unenforced`` as given).
 
     The spec goes through ``validate_spec`` (submission checks), then the backend's
     ``unsupported_reason`` and ``compile``; both of the latter are timed. Never raises for a
     schema the backend cannot take: that is an outcome.
     """
     try:
-        spec = StructuredOutputsParams(json=schema, whitespace=whitespace)
+        spec = StructuredOutputsParams(
+            json=schema, whitespace=whitespace, allow_unenforced=allow_unenforced
+        )
         validate_spec(spec)
     except ValueError as exc:
         return None, CompileOutcome(False, "invalid", str(exc))
@@ -200,15 +212,32 @@ def compile_case(
 
 
 def walk_tokens(
-    compiled: CompiledGrammar, tokens: Sequence[int], eos: int, bitmask: torch.Tensor
+    compiled: CompiledGrammar,
+    tokens: Sequence[int],
+    eos: int,
+    bitmask: torch.Tensor,
+    backend: GrammarBackend | None = None,
+    rows: int = 1,
 ) -> tuple[bool, list[float], int, int | None]:
-    """Walks ``tokens`` and then ``eos`` through a fresh matcher, filling ``bitmask[0]`` before
-    each token (timed) and checking that the mask agrees with ``accept_tokens``.
+    """Walks ``tokens`` and then ``eos`` through fresh matchers, filling the bitmask before
+    each token (timed) and checking that row 0 agrees with ``accept_tokens``.
 
-    Returns (accepted, mask microseconds per token walked, mask/accept disagreements, index of
-    the first rejected token or None). Exceptions of the backend propagate.
+    With ``rows`` > 1, that many matchers advance together and ``backend.fill_bitmasks``
+    fills rows ``0..rows-1`` at once; the time is divided by ``rows``. With one row, the
+    matcher's own ``fill_bitmask`` fills row 0.
+
+    Returns (accepted, mask microseconds per row per token walked, mask/accept disagreements,
+    index of the first rejected token or None). Exceptions of the backend propagate.
+
+    Raises:
+        ValueError: ``rows`` > 1 without a backend, or more rows than ``bitmask`` has.
     """
-    matcher = compiled.new_matcher()
+    if rows > 1 and backend is None:
+        raise ValueError("filling several rows needs the backend")
+    if rows > bitmask.shape[0]:
+        raise ValueError(f"{rows} rows but the bitmask has {bitmask.shape[0]}")
+    matchers = [compiled.new_matcher() for _ in range(rows)]
+    row_ids = list(range(rows))
     words = bitmask[0].numpy().view(np.uint32)
     limit = 32 * words.size
     times: list[float] = []
@@ -216,14 +245,19 @@ def walk_tokens(
     clock = time.perf_counter_ns
     for index, token in enumerate([*tokens, eos]):
         t0 = clock()
-        matcher.fill_bitmask(bitmask, 0)
-        times.append((clock() - t0) / 1000.0)
+        if backend is None or rows == 1:
+            matchers[0].fill_bitmask(bitmask, 0)
+        else:
+            backend.fill_bitmasks(matchers, bitmask, row_ids)
+        times.append((clock() - t0) / 1000.0 / rows)
         allowed = token < limit and bool((int(words[token >> 5]) >> (token & 31)) & 1)
-        accepted = matcher.accept_tokens([token])
+        accepted = matchers[0].accept_tokens([token])
+        for matcher in matchers[1:]:
+            matcher.accept_tokens([token])
         mismatches += accepted != allowed
         if not accepted:
             return False, times, mismatches, index
-    return matcher.is_terminated(), times, mismatches, None
+    return matchers[0].is_terminated(), times, mismatches, None
 
 
 def run_instance(
@@ -232,13 +266,18 @@ def run_instance(
     tokenizer: VocabSource,
     whitespace: Whitespace,
     bitmask: torch.Tensor,
+    backend: GrammarBackend | None = None,
+    rows: int = 1,
 ) -> InstanceOutcome:
-    """Serialises, tokenises and walks one test instance; a backend exception is recorded."""
+    """Serialises, tokenises and walks one test instance (``rows`` matchers side by side, see
+    ``walk_tokens``); a backend exception is recorded."""
     text = serialize_instance(test.data, whitespace)
     tokens = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
     eos = tokenizer.eos_token_ids[0]
     try:
-        accepted, times, mismatches, rejected_at = walk_tokens(compiled, tokens, eos, bitmask)
+        accepted, times, mismatches, rejected_at = walk_tokens(
+            compiled, tokens, eos, bitmask, backend, rows
+        )
     except Exception as exc:  # noqa: BLE001 - a backend bug fails this instance only
         return InstanceOutcome(
             test.description, test.valid, False, 0, (), error=f"{type(exc).__name__}: {exc}"
@@ -276,7 +315,7 @@ def worker_main(conn: Connection, config: WorkerConfig) -> None:
             name: factory(config.tokenizer, config.vocab_size)
             for name, factory in config.factories.items()
         }
-        bitmask = allocate_bitmask(1, config.vocab_size)
+        bitmask = allocate_bitmask(config.rows, config.vocab_size)
         # After the backends: their vocabularies are built once and are not what is measured.
         _limit_memory(config.max_memory_bytes)
     except Exception:  # noqa: BLE001 - reported to the parent, which stops the run
@@ -292,10 +331,20 @@ def worker_main(conn: Connection, config: WorkerConfig) -> None:
             return
         _plain_crashes()  # again: a backend may import tvm_ffi lazily
         backend = backends[task.backend]
-        compiled, outcome = compile_case(backend, task.case.schema, config.whitespace)
+        compiled, outcome = compile_case(
+            backend, task.case.schema, config.whitespace, config.allow_unenforced
+        )
         conn.send(("compiled", asdict(outcome)))
         if compiled is not None:
             for test in task.case.tests:
-                result = run_instance(compiled, test, config.tokenizer, config.whitespace, bitmask)
+                result = run_instance(
+                    compiled,
+                    test,
+                    config.tokenizer,
+                    config.whitespace,
+                    bitmask,
+                    backend,
+                    config.rows,
+                )
                 conn.send(("instance", asdict(result)))
         conn.send(("done",))

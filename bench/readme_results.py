@@ -74,16 +74,95 @@ def _throughput(d: dict[str, Any]) -> str:
 
 
 def _structured(d: dict[str, Any]) -> str:
+    cfg = d["config"]
     rows = [
         [
+            r["workload"],
+            r["mode"],
             str(r["batch"]),
             f"{r['free_tpot_ms']:.1f}",
             f"{r['structured_tpot_ms']:.1f}",
-            f"{r['ratio']:.2f}",
+            f"{r['ratio']:.3f}",
+            f"{r['bitmask_ms_per_step']:.2f}",
+            f"{r['stopped'] - len(r['invalid'])}/{r['stopped']}",
+            str(len(r["errors"])),
         ]
         for r in d["rows"]
     ]
-    return _table(["batch", "free TPOT ms", "JSON TPOT ms", "structured / free"], rows)
+    header = [
+        "schemas",
+        "scheduling",
+        "batch",
+        "free TPOT ms",
+        "JSON TPOT ms",
+        "structured / free",
+        "bitmask ms / step",
+        "valid / stopped",
+        "errors",
+    ]
+    caption = (
+        f"Model {Path(cfg['model']).name}, greedy, at most {cfg['max_tokens']} tokens, "
+        f"median of {cfg['rounds']} rounds; each round's free run decodes as many tokens per "
+        "request as its structured run. `peers`: the schema of `baton bench peers`; `shared`: "
+        f"{len(cfg['sample'])} schemas of the shared data, mixed in each batch. Load average "
+        f"at the start: {cfg['load_avg'][0]:.1f}.\n\n"
+    )
+    notes = _goal_lines(d.get("goals") or [], digits=3)
+    notes += [f"- dropped at warm-up ({x['mode']}): {x['schema']}" for x in d.get("dropped", [])]
+    return caption + _table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def _cell(text: str) -> str:
+    """``text`` as inline code that a Markdown table cell can hold."""
+    return "`" + text.replace("`", "'").replace("|", "\\|") + "`"
+
+
+def _masks(d: dict[str, Any]) -> str:
+    cfg = d["config"]
+    names = list(d["families"])
+    first = d["families"][names[0]]
+    rows = []
+    for family in first:
+        row = [family]
+        for n in names:
+            s = d["families"][n][family]
+            row.append(
+                f"{_num(s['p50'], '.1f')} / {_num(s['p99'], '.1f')} / {_num(s['max'], '.0f')}"
+            )
+        row.append(" / ".join(str(d["families"][n][family]["states"]) for n in names))
+        rows.append(row)
+    header = ["family", *(f"{n} p50 / p99 / max µs" for n in names), "states"]
+    caption = (
+        f"{cfg['schemas']} schemas and {cfg['tests']} instances of the shared data, each "
+        f"walked with {cfg['rows']} matchers filled together per state; time per row. A state "
+        "counts in every family it stands inside (`bench/mask_families.py`). Compiled: "
+        + ", ".join(
+            f"{n} {d['compiled'][n]['compiled']}/{d['compiled'][n]['schemas']}" for n in names
+        )
+        + (" (with allow_unenforced)" if cfg.get("allow_unenforced") else "")
+        + f". Load average at the start: {cfg['load_avg'][0]:.1f}.\n\n"
+    )
+    worst_rows = []
+    for n in names:
+        for w in d["worst"][n][: 10 if n == names[0] else 3]:
+            worst_rows.append(
+                [n, w["schema"], f"{w['max_us']:.0f}", ", ".join(w["families"]), _cell(w["before"])]
+            )
+    worst = _table(["backend", "schema", "slowest state µs", "families", "after"], worst_rows)
+    lines = _goal_lines(d.get("goals") or [], digits=1)
+    lines += [
+        f"- slowest {g['goal'].split(' ')[0]} schema: {g['worst_schema']} "
+        f"({g['worst_schema_us']:.0f} µs per row at its slowest state)"
+        for g in d.get("goals") or []
+        if g.get("worst_schema")
+    ]
+    return (
+        caption
+        + _table(header, rows)
+        + "\n\nThe schemas with the slowest states:\n\n"
+        + worst
+        + ("\n\n" + "\n".join(lines) if lines else "")
+    )
 
 
 def _grammar(d: dict[str, Any]) -> str:
@@ -289,6 +368,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("engine.json", "Async vs sync scheduling", "baton bench engine", _engine),
     ("structured.json", "Structured vs free TPOT", "baton bench structured", _structured),
     ("grammar.json", "Grammar backends (MaskBench)", "baton bench grammar", _grammar),
+    ("masks.json", "Mask fill time per schema feature", "baton bench masks", _masks),
     (
         "grammar_overhead.json",
         "Grammar wrapper overhead",

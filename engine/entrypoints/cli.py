@@ -91,6 +91,7 @@ def _structured_outputs(args: argparse.Namespace) -> object | None:
 BENCHMARKS = {
     "engine": "async vs sync scheduling, free vs JSON requests",
     "grammar": "compile and mask times of the grammar backends on schema files (MaskBench)",
+    "masks": "mask fill time per row per schema feature family, every grammar backend",
     "forward": "baton's forward pass vs transformers' on the same weights",
     "linear_kernels": "the model's linear layers as float32, bfloat16 and int8 by rows",
     "throughput": "offline throughput, baton vs transformers batched generate",
