@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import platform
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from baton.bench import common
 from baton.bench.grammar import (
     BACKENDS,
     RESULTS,
@@ -54,7 +55,7 @@ from baton.bench.grammar_worker import (
     serialize_instance,
 )
 from baton.bench.mask_families import FAMILIES, PLAIN, in_schema_order, state_families
-from baton.bench.plotting import pyplot, run_facts, save_results
+from baton.bench.plotting import pyplot
 from baton.grammar.vocab import VocabSource, build_vocab
 
 DEFAULT_OUT = RESULTS / "masks.json"
@@ -256,7 +257,7 @@ def run_masks(
         fill_repeats=config.fill_repeats,
     )
     tasks = [Task(case, backend) for case in cases for backend in run.backends]
-    facts = run_facts()  # the load before the run, not what the run adds
+    load_avg = list(os.getloadavg())  # before the run, not what the run adds
     t0 = time.perf_counter()
     records = run_tasks(tasks, worker_config, run.timeout_s, run.jobs, run.progress)
     wall_s = time.perf_counter() - t0
@@ -348,8 +349,7 @@ def run_masks(
             "limit": run.limit,
             "timeout_s": run.timeout_s,
             "jobs": run.jobs,
-            **facts,
-            "platform": platform.platform(),
+            "load_avg": load_avg,
             "versions": _versions(),
             "wall_s": wall_s,
         },
@@ -443,8 +443,8 @@ def plot(result: Mapping[str, Any], path: Path) -> None:
 
 
 def write_results(result: dict[str, Any], out: Path) -> None:
-    """Writes ``out`` (JSON), the CSV and the PNG beside it (same name)."""
-    save_results(result, out, plot)
+    """Writes ``out`` (JSON, with the run's provenance), the CSV and the PNG beside it."""
+    common.write_results(result, out, plot)
     write_csv(result["rows"], out.with_suffix(".csv"))
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -29,20 +27,3 @@ def save_results(result: dict, out: Path, plot: Callable[[dict, Path], None]) ->
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out}")
-
-
-def run_facts() -> dict[str, object]:
-    """What a result file records about its run: the git commit of the code measured (None
-    outside a checkout), the CPU count and the load average at the time of the call."""
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        commit = done.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"commit": commit, "cpus": os.cpu_count(), "load_avg": list(os.getloadavg())}

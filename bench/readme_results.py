@@ -104,8 +104,8 @@ def _structured(d: dict[str, Any]) -> str:
         f"Model {Path(cfg['model']).name}, greedy, at most {cfg['max_tokens']} tokens, "
         f"median of {cfg['rounds']} rounds; each round's free run decodes as many tokens per "
         "request as its structured run. `peers`: the schema of `baton bench peers`; `shared`: "
-        f"{len(cfg['sample'])} schemas of the shared data, mixed in each batch. Load average "
-        f"at the start: {cfg['load_avg'][0]:.1f}.\n\n"
+        f"{len(cfg['sample'])} schemas of the shared data, mixed in each batch; {cfg['dtype']}. "
+        f"Load average at the start: {cfg['load_avg'][0]:.1f}.\n\n"
     )
     notes = _goal_lines(d.get("goals") or [], digits=3)
     notes += [f"- dropped at warm-up ({x['mode']}): {x['schema']}" for x in d.get("dropped", [])]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -37,12 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import torch
 
-from baton.bench import peers
-from baton.bench.forward import RESULTS
+from baton.bench import common, peers
 from baton.bench.grammar import default_data_dir, load_cases
-from baton.bench.plotting import pyplot, run_facts, save_results
+from baton.bench.plotting import pyplot
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.loader import Checkpoint, load_checkpoint
 
@@ -66,6 +65,7 @@ class StructuredConfig:
         workloads: "peers" and/or "shared".
         data: the shared schema data (maskbench files).
         model: GGUF file or Hugging Face folder (None: the default model).
+        dtype: "float32" or "bfloat16".
     """
 
     batches: tuple[int, ...] = (1, 8, 32)
@@ -76,6 +76,7 @@ class StructuredConfig:
     workloads: tuple[str, ...] = WORKLOADS
     data: Path | None = None
     model: str | None = None
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
@@ -234,6 +235,7 @@ def run_mode(
     the schemas dropped at warm-up and the workloads as built."""
     llm = LLM.from_checkpoint(
         ckpt,
+        dtype=cfg.dtype,
         async_scheduling=MODES[mode],
         max_num_seqs=max(cfg.batches),
         max_model_len=1024,
@@ -309,7 +311,7 @@ def evaluate_goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run(cfg: StructuredConfig) -> dict[str, Any]:
     """Runs every mode; returns the result (config, rows, goals, dropped schemas)."""
-    facts = run_facts()
+    load_avg = list(os.getloadavg())  # before the run, not what the run adds
     ckpt = load_checkpoint(cfg.model)
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -329,8 +331,8 @@ def run(cfg: StructuredConfig) -> dict[str, Any]:
             "modes": list(cfg.modes),
             "workloads": list(cfg.workloads),
             "sample": sample,
-            "threads": torch.get_num_threads(),
-            **facts,
+            "dtype": cfg.dtype,
+            "load_avg": load_avg,
             "wall_s": time.perf_counter() - t0,
         },
         "rows": rows,
@@ -376,7 +378,7 @@ def _names(text: str) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     """Runs ``baton bench structured``; exits through argparse on a bad argument."""
     p = argparse.ArgumentParser(prog="baton bench structured", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)")
+    common.add_common_args(p, "structured")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
@@ -384,7 +386,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="sync,async", help="sync and/or async")
     p.add_argument("--workloads", default="peers,shared", help="peers and/or shared")
     p.add_argument("--data", type=Path, default=None, help="default: ../shared/data")
-    p.add_argument("--out", type=Path, default=RESULTS / "structured.json")
     a = p.parse_args(argv)
     try:
         cfg = StructuredConfig(
@@ -396,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             workloads=_names(a.workloads),
             data=a.data,
             model=a.model,
+            dtype=a.dtype,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -404,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'met' if g['met'] else 'MISSED'}: {g['goal']} {g['target']}: {g['value']:.3f}")
     for d in result["dropped"]:
         print(f"dropped at warm-up ({d['mode']}): {d['schema']}: {d['error']}")
-    save_results(result, a.out, _plot)
+    common.write_results(result, a.out, _plot)
     return 0
 
 

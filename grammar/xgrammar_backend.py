@@ -33,6 +33,7 @@ from baton.grammar.structural_tag import (
     normalise_structural_tag,
 )
 from baton.grammar.vocab import Vocab, VocabSource, build_vocab
+from baton.grammar.xgrammar_rewrites import rewrite_json_ebnf
 
 # ---------------------------------------------------------------------------- enforcement table
 # Measured by compiling schemas with strict_mode=True (what the backend uses) and walking valid
@@ -470,18 +471,6 @@ def close_object_schemas(schema: Any) -> Any:
     return schema
 
 
-# xgrammar (0.2.9) spells one character of a minLength/maxLength string as this class, which
-# admits raw control characters (invalid JSON: seen in a soak run). In the grammar's EBNF it
-# becomes a plain JSON string character: anything but a control character, '"' or a
-# backslash, so a length-bounded string holds no escape sequence (xgrammar's class held none
-# either). The bounds stay exact: one class match is one code point, as JSON Schema counts.
-# Escapes are left out on purpose: a repeated alternation (plain character | escape) is a
-# rule xgrammar cannot precompute token masks for; it measured 20 ms per row per fill inside
-# such a string instead of ~7 us. Unrolling the bound into one rule per position fills as fast
-# but costs ~12 ms of compile per position. tests/test_grammar_fill_speed.py guards the speed.
-_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
-_PLAIN_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
-
 # A structural tag's JSON-schema content with only these keys is compiled as a json spec.
 _PLAIN_JSON_FORMAT_KEYS = frozenset(
     {"type", "json_schema", "style", "any_order", "excludes", "max_whitespace_cnt"}
@@ -489,6 +478,19 @@ _PLAIN_JSON_FORMAT_KEYS = frozenset(
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _rewritten(grammar: xgr.Grammar) -> xgr.Grammar:
+    """``grammar`` (xgrammar's grammar of a JSON schema) with baton's rewrites of its EBNF:
+    length-bounded strings closed to raw control characters, string escapes and counted
+    patterns in shapes whose masks xgrammar can precompute (``grammar/xgrammar_rewrites.py``
+    says which and why); ``grammar`` itself when none applies."""
+    text = str(grammar)
+    fixed = rewrite_json_ebnf(text)
+    if fixed == text:
+        return grammar
+    return xgr.Grammar.from_ebnf(fixed, root_rule_name="root")
+
 
 _XGR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -774,18 +776,14 @@ class XGrammarBackend(GrammarBackend):
 
     def _json_grammar(self, schema: Any, spec: StructuredOutputsParams) -> xgr.Grammar:
         """The grammar of a JSON schema as baton compiles it: strict mode, the spec's
-        whitespace and additional-properties options, and xgrammar's length-bounded string
-        characters closed to raw control characters (see ``_PLAIN_STRING_CHAR``)."""
+        whitespace and additional-properties options, and baton's rewrites of xgrammar's
+        EBNF (see ``_rewritten``)."""
         if spec.disable_additional_properties:
             schema = close_object_schemas(schema)
         grammar = xgr.Grammar.from_json_schema(
             json.dumps(schema), strict_mode=True, **self._json_options(spec)
         )
-        text = str(grammar)
-        if _BOUNDED_STRING_CHAR not in text:
-            return grammar
-        fixed = text.replace(_BOUNDED_STRING_CHAR, _PLAIN_STRING_CHAR)
-        return xgr.Grammar.from_ebnf(fixed, root_rule_name="root")
+        return _rewritten(grammar)
 
     def _structural_tag_text(self, spec: StructuredOutputsParams) -> str:
         """The spec's structural tag as xgrammar's JSON text, its plain JSON-schema contents
@@ -815,9 +813,10 @@ class XGrammarBackend(GrammarBackend):
             return c.compile_grammar(self._json_grammar(spec.schema, spec))
         if kind == "json_object":
             # Non-strict: an object schema without properties then admits any keys and values.
-            return c.compile_json_schema(
+            grammar = xgr.Grammar.from_json_schema(
                 '{"type": "object"}', strict_mode=False, **self._json_options(spec)
             )
+            return c.compile_grammar(_rewritten(grammar))
         if kind == "regex":
             return c.compile_regex(spec.regex or "")
         if kind == "choice":

@@ -3,12 +3,14 @@ unable to precompute token masks shows up here as a 100x slower fill, not as a w
 
 Normal fills take 5-50 us per row on this machine. A repeated alternation for the characters of
 a length-bounded string once took 20 ms per row; the limit below sits between the two, so a
-loaded CI host passes and such a regression fails.
+loaded CI host passes and such a regression fails. The state after a backslash in a string once
+took 0.6 ms against ~10 us for the string's other states: that one is checked relative to them.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from typing import Any
 
@@ -21,6 +23,7 @@ from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.xgrammar_backend import XGrammarBackend
 
 VOCAB = 49152
+EOS = 2  # <|im_end|>
 ROWS = 16
 LIMIT_US_PER_ROW = 5000.0
 
@@ -146,6 +149,14 @@ FAMILIES: dict[str, tuple[dict[str, Any], Any]] = {
         },
         {"value": "eight", "shape": {"r": 1.5}},
     ),
+    "escapes in an open object": (
+        {
+            "type": "object",
+            "properties": {"text": {"type": "string"}, "n": {"type": "integer"}},
+            "additionalProperties": {"type": "string"},
+        },
+        {"text": 'line one\nline two\n  - "quoted" \\ \t', "n": 1},
+    ),
     "deep $ref": (
         {
             "$defs": {
@@ -174,27 +185,26 @@ def backends(tokenizer: Tokenizer) -> dict[str, GrammarBackend]:
     }
 
 
-def _slowest_fill_us(
+def _fill_us(
     backend: GrammarBackend, spec: StructuredOutputsParams, tokens: list[int], eos: int
-) -> tuple[float, int]:
+) -> list[float]:
     """Walks ``tokens`` with ROWS matchers in step; at every state (the final one included)
-    fills all rows at once, best of three. Returns the slowest state's µs per row and its index."""
+    fills all rows at once, best of three. Returns each state's µs per row."""
     grammar = backend.compile(spec)
     matchers = [grammar.new_matcher() for _ in range(ROWS)]
     bitmask = allocate_bitmask(ROWS, VOCAB)
     rows = list(range(ROWS))
-    worst, worst_at = 0.0, -1
+    out = []
     for index, token in enumerate([*tokens, eos]):
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
             backend.fill_bitmasks(matchers, bitmask, rows)
             best = min(best, time.perf_counter() - t0)
-        if best / ROWS * 1e6 > worst:
-            worst, worst_at = best / ROWS * 1e6, index
+        out.append(best / ROWS * 1e6)
         for matcher in matchers:
             assert matcher.accept_tokens([token]), f"token {index} rejected"
-    return worst, worst_at
+    return out
 
 
 @pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
@@ -212,8 +222,30 @@ def test_every_state_fills_fast(
         pytest.skip(f"outlines refuses {family}: {reason}")
     text = json.dumps(instance, separators=(",", ":"))
     tokens = tokenizer.encode(text, add_special_tokens=False)
-    worst, at = _slowest_fill_us(backend, spec, tokens, tokenizer.eos_token_ids[0])
-    prefix = tokenizer.decode(tokens[:at]) if at >= 0 else ""
-    assert worst < LIMIT_US_PER_ROW, (
-        f"{backend_name} {family}: {worst:.0f} us per row after {prefix!r}"
+    times = _fill_us(backend, spec, tokens, tokenizer.eos_token_ids[0])
+    at = max(range(len(times)), key=times.__getitem__)
+    prefix = tokenizer.decode(tokens[:at])
+    assert times[at] < LIMIT_US_PER_ROW, (
+        f"{backend_name} {family}: {times[at]:.0f} us per row after {prefix!r}"
     )
+
+
+def test_the_state_after_a_backslash_fills_like_the_rest_of_the_string(
+    backends: dict[str, GrammarBackend], tokenizer: Tokenizer
+) -> None:
+    backend = backends["xgrammar"]
+    # Additional properties beside declared ones: there the escape state was 60x slower.
+    schema = {
+        "type": "object",
+        "properties": {"text": {"type": "string"}},
+        "additionalProperties": {"type": "string"},
+    }
+    text = '{"text":"' + "word \\n " * 12 + '"}'
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    times = _fill_us(backend, StructuredOutputsParams(json=schema), tokens, EOS)
+    pieces = [tokenizer.decode([t]) for t in tokens]
+    after_backslash = [times[i + 1] for i, p in enumerate(pieces) if p.endswith("\\")]
+    in_string = [times[i + 1] for i, p in enumerate(pieces[3:-1], 3) if not p.endswith("\\")]
+    assert len(after_backslash) >= 6 and len(in_string) >= 6
+    typical = statistics.median(in_string)
+    assert max(after_backslash) < max(10 * typical, 100.0), (max(after_backslash), typical)
