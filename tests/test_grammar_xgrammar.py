@@ -928,3 +928,56 @@ def test_structural_tag_unsupported_reason(backend: XGrammarBackend) -> None:
     legacy = {"structures": [{"begin": "<a>", "schema": {"not": {}}, "end": "</a>"}]}
     reason = backend.unsupported_reason(spec(structural_tag=legacy))
     assert reason is not None and "not" in reason
+
+
+def test_unbounded_strings_take_every_json_escape_and_no_other(
+    backend: XGrammarBackend, tokenizer: Tokenizer
+) -> None:
+    # The escape is written out in baton's string rule (grammar/xgrammar_rewrites.py).
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    for kind in ({"json": schema}, {"json_object": True}):
+        grammar = compile_spec(backend, **kind)  # type: ignore[arg-type]
+        for text in ('\\"', "\\\\", "\\/", "\\b\\f\\n\\r\\t", "\\u00e9\\uABcd", "a\\nb\\\\c"):
+            assert walk(tokenizer, grammar, '{"s":"' + text + '"}'), (kind, text)
+        for text in ("\\x41", "\\u12", "\\u12g4", "\\", "a\\ b", "\x01"):
+            assert not walk(tokenizer, grammar, '{"s":"' + text + '"}'), (kind, text)
+
+
+def test_the_rewrites_keep_xgrammars_masks(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
+    # Without length bounds the rewritten grammar has xgrammar's language: the same mask at
+    # every state (with them it is narrower, tested above).
+    import xgrammar as xgr
+
+    from baton.grammar.xgrammar_rewrites import rewrite_json_ebnf
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "text": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$"}},
+            "when": {"type": "string", "format": "date-time"},
+        },
+        "additionalProperties": {"type": "string"},
+    }
+    options = {"any_whitespace": False, "separators": (",", ":")}
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True, **options)
+    assert rewrite_json_ebnf(str(grammar)) != str(grammar)
+    ours = compile_spec(backend, json=schema)
+    theirs = xgr.GrammarCompiler(backend.tokenizer_info, cache_enabled=False).compile_grammar(
+        grammar
+    )
+    value = {
+        "text": 'a "quote", a \\ and\nnew \u00e9 lines',
+        "tags": ["ab", "c"],
+        "when": "2024-01-02T03:04:05Z",
+        "x-extra": "tab\there",
+    }
+    tokens = ids(tokenizer, compact(value)) + [EOS]
+    mine, raw = ours.new_matcher(), xgr.GrammarMatcher(theirs)
+    a, b = allocate_bitmask(1, VOCAB), allocate_bitmask(1, VOCAB)
+    for token in tokens:
+        mine.fill_bitmask(a, 0)
+        raw.fill_next_token_bitmask(b, 0)
+        assert torch.equal(a, b)
+        assert mine.accept_tokens([token]) and raw.accept_token(token)
+    assert mine.is_terminated()
