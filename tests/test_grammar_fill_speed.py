@@ -53,6 +53,17 @@ FAMILIES: dict[str, tuple[dict[str, Any], Any]] = {
         },
         {"sku": "ABC-1234", "slug": "hello-big-world", "version": "v1.20.3"},
     ),
+    "patterns counting past 128": (
+        {
+            "type": "object",
+            "properties": {
+                "bundle": {"type": "string", "pattern": "^[a-zA-Z][a-zA-Z0-9._-]{0,254}$"},
+                "mail": {"type": "string", "pattern": "^[^\\s@]{1,64}@[^\\s@]{1,255}$"},
+            },
+            "required": ["bundle", "mail"],
+        },
+        {"bundle": "com.example.my-app", "mail": "ada@example.org"},
+    ),
     "formats": (
         {
             "type": "object",

@@ -981,3 +981,51 @@ def test_the_rewrites_keep_xgrammars_masks(backend: XGrammarBackend, tokenizer: 
         assert torch.equal(a, b)
         assert mine.accept_tokens([token]) and raw.accept_token(token)
     assert mine.is_terminated()
+
+
+def test_patterns_counting_past_128_are_rebuilt_and_keep_their_language(
+    backend: XGrammarBackend, tokenizer: Tokenizer
+) -> None:
+    import xgrammar as xgr
+
+    from baton.grammar.xgrammar_patterns import plain_class, rewrite_counted_patterns
+
+    # Classes keep only plain JSON string characters; a class with none is not rebuilt.
+    assert plain_class("a-z") == "[a-z]"
+    assert plain_class("\\0-\\U0010ffff") == '[^\\x00-\\x1f"\\x5c]'
+    assert plain_class('^"') == '[^\\x00-\\x1f"\\x5c]'
+    with pytest.raises(Exception, match="no plain character"):
+        plain_class('"\\\\')
+    small = str(xgr.Grammar.from_json_schema('{"type": "string", "pattern": "^[a-z]{0,128}$"}'))
+    assert rewrite_counted_patterns(small) == small
+    big = str(xgr.Grammar.from_json_schema('{"type": "string", "pattern": "^[a-z]{0,129}$"}'))
+    assert "Regex" in big and "Regex" not in rewrite_counted_patterns(big)
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "pattern": "^[a-z][a-z0-9._-]{0,254}$"},
+            "mail": {"type": "string", "pattern": '^[^\\s@"]{1,64}@[^\\s@]{1,255}$'},
+            "dotted": {"type": "string", "pattern": "^([a-z]+\\.){1,3}[a-z]{1,300}$"},
+        },
+        "required": ["id", "mail", "dotted"],
+    }
+    grammar = compile_spec(backend, json=schema)
+    value = {"id": "a" + "b" * 254, "mail": "ada@example.org", "dotted": "a.bc.def"}
+    assert walk(tokenizer, grammar, compact(value))
+    for bad in ({"id": "a" + "b" * 255}, {"id": "9ab"}, {"mail": "a@b@c"}, {"dotted": "abc"}):
+        assert not walk(tokenizer, grammar, compact({**value, **bad})), bad
+    # Plain characters only, as in length-bounded strings: a newline escape is refused.
+    assert not walk(tokenizer, grammar, compact({**value, "mail": "a\nb@example.org"}))
+    # Elsewhere the masks are xgrammar's own, state by state.
+    options = {"any_whitespace": False, "separators": (",", ":")}
+    raw = xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True, **options)
+    theirs = xgr.GrammarCompiler(backend.tokenizer_info, cache_enabled=False).compile_grammar(raw)
+    mine, ref = grammar.new_matcher(), xgr.GrammarMatcher(theirs)
+    a, b = allocate_bitmask(1, VOCAB), allocate_bitmask(1, VOCAB)
+    for token in ids(tokenizer, compact({**value, "id": "ab.c-9"})) + [EOS]:
+        mine.fill_bitmask(a, 0)
+        ref.fill_next_token_bitmask(b, 0)
+        # Narrower only: where xgrammar allows a token with an escape, baton may not.
+        assert torch.equal(a & b, a)
+        assert mine.accept_tokens([token]) and ref.accept_token(token)
