@@ -65,7 +65,8 @@ XGRAMMAR_ENFORCED_KEYWORDS: Mapping[str, str] = {
     "maxLength": "unless beside pattern or format (then ignored); such a string holds plain "
     "characters only, no escape sequence (stricter than JSON Schema)",
     "pattern": "anchored: an unanchored pattern must match the whole string; "
-    "lookarounds are ignored",
+    "lookarounds are ignored; one that counts a repetition past 128 holds plain characters "
+    "only, no escape sequence (stricter than JSON Schema)",
     "format": "the formats in XGRAMMAR_ENFORCED_FORMATS, syntax only (no calendar checks)",
     "minimum": "integer and number",
     "maximum": "integer and number",
