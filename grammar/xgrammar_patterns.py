@@ -69,22 +69,18 @@ def _class_ranges(body: str) -> tuple[bool, list[tuple[int, int]]]:
     """(negated, code point ranges) of a printed character class's body (without brackets)."""
     negated = body.startswith("^")
     i = 1 if negated else 0
-    chars: list[str] = []
+    ranges: list[tuple[int, int]] = []
     while i < len(body):
         if body[i] == "\\":
-            ch, i = _read_escape(body, i)
+            lo, i = _read_escape(body, i)
         else:
-            ch, i = body[i], i + 1
-        chars.append(ch)
+            lo, i = body[i], i + 1
+        hi = lo
         if i < len(body) and body[i] == "-" and i + 1 < len(body):
             if body[i + 1] == "\\":
                 hi, i = _read_escape(body, i + 1)
             else:
                 hi, i = body[i + 1], i + 2
-            chars[-1] = (ch, hi)  # type: ignore[call-overload]
-    ranges = []
-    for item in chars:
-        lo, hi = item if isinstance(item, tuple) else (item, item)
         ranges.append((ord(lo), ord(hi)))
     return negated, ranges
 
