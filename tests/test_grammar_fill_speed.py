@@ -258,5 +258,8 @@ def test_the_state_after_a_backslash_fills_like_the_rest_of_the_string(
     after_backslash = [times[i + 1] for i, p in enumerate(pieces) if p.endswith("\\")]
     in_string = [times[i + 1] for i, p in enumerate(pieces[3:-1], 3) if not p.endswith("\\")]
     assert len(after_backslash) >= 6 and len(in_string) >= 6
+    # Medians: the slow escape state made every after-backslash fill slow (0.6-1.5 ms), while
+    # a CPU hog preempts a few fills at random; a median ignores those few.
     typical = statistics.median(in_string)
-    assert max(after_backslash) < max(10 * typical, 100.0), (max(after_backslash), typical)
+    escaped = statistics.median(after_backslash)
+    assert escaped < max(10 * typical, 100.0), (after_backslash, typical)
