@@ -1,21 +1,22 @@
-"""The engine core: schedule, forward, bitmask, sample, update; synchronous or one step ahead."""
+"""The engine core: schedule, forward, bitmask, sample, update; synchronous or one step ahead.
+
+With async scheduling the step in flight is a value handed from one call to the next
+(mini-sglang's ``overlap_loop(last) -> ongoing``): ``step(last)`` plans and queues step N+1,
+then waits for step N (``last``) and applies its tokens, and returns N+1 as the step now in
+flight. Failures come back as outputs of the call that found them.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from dataclasses import dataclass
 
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.stats import EngineStats
 from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
-from baton.engine.scheduler_output import (
-    EngineCoreOutput,
-    GrammarOutput,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from baton.engine.scheduler_output import EngineCoreOutput, SchedulerOutput
 from baton.engine.sync_check import SyncChecker
 
 logger = logging.getLogger(__name__)
@@ -24,22 +25,25 @@ _IDLE_WAIT_S = 0.002
 # A longer gap between two steps is idle time, not part of the engine's work.
 _MAX_FRONT_END_GAP_S = 0.05
 
+Outputs = list[EngineCoreOutput]
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A step queued on the device (forward and sampling) whose tokens are not applied yet."""
+
+    so: SchedulerOutput
+    output: AsyncOutput
+
 
 class EngineCore:
-    """Drives the scheduler and an executor.
-
-    ``step()`` runs one step to completion. ``step_with_batch_queue()`` (async
-    scheduling) plans and queues step N+1 before waiting for step N, computes
-    N+1's bitmask while the device runs, and defers N+1's sampling only when a
-    structured request in it still has a token in flight.
-    """
+    """Drives the scheduler and an executor, one ``step`` per call."""
 
     def __init__(
         self,
         scheduler: Scheduler,
         executor: Executor,
         async_scheduling: bool = False,
-        max_concurrent_batches: int = 2,
         checker: SyncChecker | None = None,
     ) -> None:
         if async_scheduling and not executor.supports_async_scheduling():
@@ -47,11 +51,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.async_scheduling = async_scheduling
-        self.max_concurrent_batches = max_concurrent_batches if async_scheduling else 1
         self.checker = checker or SyncChecker("off")
         self.stats = EngineStats()
-        self.batch_queue: deque[tuple[SchedulerOutput, AsyncOutput]] = deque()
-        self.deferred: SchedulerOutput | None = None
         self._dead: str | None = None
         self._last_step_end: float | None = None
 
@@ -70,10 +71,16 @@ class EngineCore:
         return self._dead or self.executor.failure()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue or self.deferred)
+        """Requests waiting or running (a step in flight is the caller's to know of)."""
+        return self.scheduler.has_unfinished_requests()
 
-    def run_step(self) -> list[EngineCoreOutput]:
-        """One step in the configured mode; an executor failure fails every request."""
+    def step(self, last: InFlight | None = None) -> tuple[Outputs, InFlight | None]:
+        """One step in the configured mode: what each request got, and the step now in flight.
+
+        With async scheduling pass the step the previous call returned as ``last``; a
+        synchronous step leaves nothing in flight. An executor failure fails every request
+        (their error outputs are returned) and drops the step in flight.
+        """
         t0 = time.perf_counter()
         if self._last_step_end is not None and t0 - self._last_step_end < _MAX_FRONT_END_GAP_S:
             # Front-end work between steps (detokenising) overlaps the device too.
@@ -82,9 +89,12 @@ class EngineCore:
         deferred0 = self.stats.deferred_steps
         try:
             with self.checker.guard():
-                outputs = self.step_with_batch_queue() if self.async_scheduling else self.step()
+                if self.async_scheduling:
+                    outputs, ongoing = self._overlap_step(last)
+                else:
+                    outputs, ongoing = self._sync_step(), None
         except ExecutorError as exc:
-            return self._fail_all(str(exc))
+            return self._fail_all(str(exc)), None
         self.stats.record(
             time.perf_counter() - t0,
             self.stats.device_wait_s - wait0,
@@ -92,85 +102,84 @@ class EngineCore:
             self.stats.deferred_steps > deferred0,
         )
         self._last_step_end = time.perf_counter()
-        return outputs
+        return outputs, ongoing
 
     # ------------------------------------------------------------------ modes
-    def step(self) -> list[EngineCoreOutput]:
-        """Runs one engine step synchronously; returns what each request got from it."""
+    def _sync_step(self) -> Outputs:
+        outputs = self.scheduler.poll_grammars()
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return outputs
         so = self._schedule()
-        if so.is_empty and not so.finished_request_ids:
-            return self._idle(so)
-        self.executor.execute_model(so)
-        future = self.executor.sample_tokens(so.step_id, self._bitmask(so))
-        return self._update(so, self._wait(future))
+        if not _has_work(so):
+            return outputs + self._idle()
+        self._execute(so)
+        step, failed = self._queue_sampling(so)
+        return [*outputs, *failed, *self._update(step)]
 
-    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
-        """Queues step N+1, then waits only for step N; returns step N's outputs."""
-        if self.deferred is None and len(self.batch_queue) < self.max_concurrent_batches:
-            so = self._schedule() if self.scheduler.has_unfinished_requests() else None
-            if so is not None and (not so.is_empty or so.finished_request_ids):
-                self.executor.execute_model(so)
-                if so.pending_structured_output_tokens:
-                    self.deferred = so
-                    self.stats.deferred_steps += 1
-                else:
-                    self._queue_sampling(so)
-                    if len(self.batch_queue) < self.max_concurrent_batches:
-                        return []  # room for one more step before waiting
-            elif so is not None and not self.batch_queue:
-                return self._idle(so)
-        outputs: list[EngineCoreOutput] = []
-        if self.batch_queue:
-            so, future = self.batch_queue.popleft()
-            outputs = self._update(so, self._wait(future))
-        if self.deferred is not None:
-            # The deferred step's grammars have now seen every earlier token.
-            so, self.deferred = self.deferred, None
-            self._queue_sampling(so)
-        return outputs
+    def _overlap_step(self, last: InFlight | None) -> tuple[Outputs, InFlight | None]:
+        outputs = self.scheduler.poll_grammars()
+        so = self._schedule() if self.scheduler.has_unfinished_requests() else None
+        if so is None or not _has_work(so):
+            if last is None:
+                return outputs + (self._idle() if so is not None else []), None
+            return outputs + self._update(last), None
+        self._execute(so)  # step N+1's forward is queued behind step N
+        deferred = so.pending_structured_output_tokens
+        if deferred:  # a grammar in it still waits for its step-N token
+            self.stats.deferred_steps += 1
+        else:
+            ongoing, failed = self._queue_sampling(so)  # the bitmask overlaps the forwards
+            outputs += failed
+        if last is not None:
+            outputs += self._update(last)
+        if deferred:  # step N's tokens are applied: every grammar is up to date
+            ongoing, failed = self._queue_sampling(so)
+            outputs += failed
+        return outputs, ongoing
 
     # ---------------------------------------------------------------- phases
-    def _queue_sampling(self, so: SchedulerOutput) -> None:
-        self.batch_queue.append((so, self.executor.sample_tokens(so.step_id, self._bitmask(so))))
-
     def _schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        self.stats.schedule_s += time.perf_counter() - t0
+        self.stats.add("schedule", t0, time.perf_counter(), so.step_id)
         if not so.is_empty:
             self.stats.steps += 1
         return so
 
-    def _bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
+    def _execute(self, so: SchedulerOutput) -> None:
         t0 = time.perf_counter()
-        grammar = self.scheduler.get_grammar_bitmask(so, self.executor.bitmask_buffer())
-        self.stats.bitmask_s += time.perf_counter() - t0
-        return grammar
+        self.executor.execute_model(so)
+        self.stats.add("launch", t0, time.perf_counter(), so.step_id)
 
-    def _wait(self, future: AsyncOutput) -> ModelRunnerOutput:
+    def _queue_sampling(self, so: SchedulerOutput) -> tuple[InFlight, Outputs]:
+        """Fills the step's bitmask and queues its sampling; returns the step in flight and
+        the requests that failed in the fill."""
         t0 = time.perf_counter()
-        out = future.get_output()
-        self.stats.device_wait_s += time.perf_counter() - t0
-        return out
+        grammar, failed = self.scheduler.get_grammar_bitmask(so, self.executor.bitmask_buffer())
+        t1 = time.perf_counter()
+        self.stats.add("bitmask", t0, t1, so.step_id)
+        output = self.executor.sample_tokens(so.step_id, grammar)
+        self.stats.add("launch", t1, time.perf_counter(), so.step_id)
+        return InFlight(so, output), failed
 
-    def _update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def _update(self, step: InFlight) -> Outputs:
+        """Waits for the step's tokens (the one wait) and applies them."""
         t0 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(so, out)
-        self.stats.update_s += time.perf_counter() - t0
+        out = step.output.get_output()
+        t1 = time.perf_counter()
+        self.stats.add("wait", t0, t1, step.so.step_id)
+        outputs = self.scheduler.update_from_output(step.so, out)
+        self.stats.add("update", t1, time.perf_counter(), step.so.step_id)
         return outputs
 
-    def _idle(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
+    def _idle(self) -> Outputs:
         # Only grammars still compiling: give the compile threads the CPU.
         time.sleep(_IDLE_WAIT_S)
-        return self.scheduler.update_from_output(so, ModelRunnerOutput([], []))
+        return []
 
-    def _fail_all(self, message: str) -> list[EngineCoreOutput]:
+    def _fail_all(self, message: str) -> Outputs:
         logger.error("executor failed; failing every request: %s", message)
         self._dead = message
-        self.batch_queue.clear()
-        self.deferred = None
         sched = self.scheduler
         ids = [r.request_id for r in [*sched.running, *sched.waiting]]
         sched.finish_requests(ids, RequestStatus.FINISHED_ERROR)
@@ -178,3 +187,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _has_work(so: SchedulerOutput) -> bool:
+    # A step with no tokens still tells the executor which requests finished.
+    return not so.is_empty or bool(so.finished_request_ids)

@@ -48,9 +48,8 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.structured = structured
-        # Outputs produced outside update_from_output (failed compiles),
-        # delivered with the next update.
-        self._side_outputs: list[EngineCoreOutput] = []
+        # Requests whose grammar is still compiling, in arrival order.
+        self._compiling: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -68,6 +67,7 @@ class Scheduler:
                 raise ValueError("this engine has no structured-output support")
             request.structured = self.structured.start(spec)
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self._compiling.append(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -133,10 +133,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(req):
-                self.waiting.popleft()
-                if not req.is_finished:
-                    skipped.append(req)
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                skipped.append(self.waiting.popleft())
                 continue
             cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
             req.num_computed_tokens = cached
@@ -160,46 +158,52 @@ class Scheduler:
             self.requests[rid].num_computed_tokens += n
         return out
 
-    def _grammar_ready(self, req: Request) -> bool:
-        """Polls a compiling grammar; a failed compile finishes the request with an error."""
-        assert self.structured is not None and req.structured is not None
-        result = self.structured.poll(req.structured)
-        if result is None:
-            return False
-        if req.structured.matcher is None:
-            message = f"grammar compilation failed: {result.error}"
-            req.status = RequestStatus.FINISHED_ERROR
-            req.error = message
-            self._free(req)
-            self._side_outputs.append(
-                EngineCoreOutput(req.request_id, [], finish_reason="error", error=message)
-            )
-            return False
-        req.status = RequestStatus.WAITING
-        return True
+    def poll_grammars(self) -> list[EngineCoreOutput]:
+        """Looks at the grammars still compiling: a ready one lets its request be admitted,
+        a failed one finishes its request with an error. Returns those error outputs."""
+        if not self._compiling:
+            return []
+        assert self.structured is not None
+        failed: list[EngineCoreOutput] = []
+        still: list[Request] = []
+        for req in self._compiling:
+            if req.status != RequestStatus.WAITING_FOR_GRAMMAR:
+                continue  # aborted while compiling
+            assert req.structured is not None
+            result = self.structured.poll(req.structured)
+            if result is None:
+                still.append(req)
+            elif req.structured.matcher is None:
+                failed.append(self._fail(req, f"grammar compilation failed: {result.error}"))
+            else:
+                req.status = RequestStatus.WAITING
+        self._compiling = still
+        return failed
 
     def get_grammar_bitmask(
         self, so: SchedulerOutput, out: torch.Tensor | None = None
-    ) -> GrammarOutput | None:
-        """Bitmask rows for this step's structured requests that will sample.
+    ) -> tuple[GrammarOutput | None, list[EngineCoreOutput]]:
+        """Bitmask rows for this step's structured requests that will sample, and the error
+        outputs of requests whose grammar failed to fill its row (they are finished; the
+        token sampled for them is dropped).
 
         Under async scheduling a deferred step asks after the previous step's
         tokens were applied: requests that finished or were preempted since
         get no row (their token will be dropped).
         """
         if self.structured is None or not so.structured_request_ids:
-            return None
+            return None, []
         sampling = [
             req
             for rid in so.structured_request_ids
             if (req := self.requests.get(rid)) is not None and req.status == RequestStatus.RUNNING
         ]
-        return self.structured.grammar_bitmask(sampling, out, on_error=self._fail_outside_update)
-
-    def _fail_outside_update(self, req: Request, message: str) -> None:
-        """Fails a request between updates; its output goes out with the next update."""
-        logger.error("request %s failed: %s", req.request_id, message)
-        self._side_outputs.append(self._fail(req, message))
+        grammar, broken = self.structured.grammar_bitmask(sampling, out)
+        failed = []
+        for req, message in broken:
+            logger.error("request %s failed: %s", req.request_id, message)
+            failed.append(self._fail(req, message))
+        return grammar, failed
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens_with_placeholders - req.num_computed_tokens
@@ -276,7 +280,7 @@ class Scheduler:
         A failure while handling one request finishes only that request, with
         an error.
         """
-        results, self._side_outputs = self._side_outputs, []
+        results: list[EngineCoreOutput] = []
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
             req = self.requests.get(rid)
             if req is None or req.is_finished or rid in so.preempted_request_ids:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -129,41 +129,35 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ steps
     def grammar_bitmask(
-        self,
-        requests: Sequence[Request],
-        out: torch.Tensor | None = None,
-        on_error: Callable[[Request, str], None] | None = None,
-    ) -> GrammarOutput | None:
-        """Bitmask rows for the structured requests that sample this step.
+        self, requests: Sequence[Request], out: torch.Tensor | None = None
+    ) -> tuple[GrammarOutput | None, list[tuple[Request, str]]]:
+        """Bitmask rows for the structured requests that sample this step, and the requests
+        whose grammar failed to fill its row, each with why.
 
         Rows are filled per backend in one batched call each, into ``out``
         (int32 ``[rows, words]``, e.g. the device's shared buffer) when given,
-        else into the manager's own buffer.
-
-        When a batched fill raises and ``on_error`` is given, the rows are filled
-        one by one instead; a request whose own fill raises gets an all-allowed
-        row and is reported to ``on_error(request, message)`` (the caller fails
-        it, so its token is dropped). Without ``on_error`` the exception propagates.
+        else into the manager's own buffer. When a batched fill raises, that backend's rows
+        are filled one by one instead; a request whose own fill raises gets an all-allowed row
+        and is returned as failed (the caller fails it, so its token is dropped).
         """
         reqs = [r for r in requests if r.structured is not None and r.structured.matcher]
         if not reqs:
-            return None
+            return None, []
         by_backend: dict[str, tuple[list[GrammarMatcher], list[int]]] = {}
         for row, req in enumerate(reqs):
             matchers, rows = by_backend.setdefault(req.structured.backend, ([], []))
             matchers.append(req.structured.matcher)
             rows.append(row)
         bitmask = (self._bitmask if out is None else out)[: len(reqs)]
+        failed: list[tuple[Request, str]] = []
         for name, (matchers, rows) in by_backend.items():
             try:
                 self.service.backend(name).fill_bitmasks(matchers, bitmask, rows)
             except Exception:
-                if on_error is None:
-                    raise
                 logger.exception("batched %s bitmask fill failed; filling row by row", name)
-                self._fill_rows(reqs, matchers, rows, bitmask, on_error)
+                failed += self._fill_rows(reqs, matchers, rows, bitmask)
         # A view of a preallocated buffer: valid until it is filled again.
-        return GrammarOutput(tuple(r.request_id for r in reqs), bitmask)
+        return GrammarOutput(tuple(r.request_id for r in reqs), bitmask), failed
 
     @staticmethod
     def _fill_rows(
@@ -171,16 +165,19 @@ class StructuredOutputManager:
         matchers: Sequence[GrammarMatcher],
         rows: Sequence[int],
         bitmask: torch.Tensor,
-        on_error: Callable[[Request, str], None],
-    ) -> None:
+    ) -> list[tuple[Request, str]]:
         # One request's broken matcher must fail that request only, not the step.
+        failed = []
         for matcher, row in zip(matchers, rows, strict=True):
             try:
                 matcher.fill_bitmask(bitmask, row)
-            except Exception as exc:  # noqa: BLE001 - reported to the caller, who fails it
+            except Exception as exc:  # noqa: BLE001 - returned to the caller, who fails it
                 # Not all-zero: a row that allows nothing would break sampling for the batch.
                 bitmask[row].fill_(-1)
-                on_error(reqs[row], f"grammar bitmask fill failed: {type(exc).__name__}: {exc}")
+                failed.append(
+                    (reqs[row], f"grammar bitmask fill failed: {type(exc).__name__}: {exc}")
+                )
+        return failed
 
     @staticmethod
     def accept(req: Request, tokens: Sequence[int]) -> bool:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Sequence
 
 import torch
 
 from baton.engine.config import EngineConfig, num_cpu_cores
 from baton.engine.core.async_scheduler import AsyncScheduler
-from baton.engine.core.engine_core import EngineCore
+from baton.engine.core.engine_core import EngineCore, InFlight
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request
 from baton.engine.core.scheduler import Scheduler
@@ -96,9 +97,10 @@ class LLMEngine:
             scheduler,
             executor,
             async_scheduling=bool(config.async_scheduling),
-            max_concurrent_batches=config.max_concurrent_batches,
             checker=checker,
         )
+        # The step the core left in flight (async scheduling), handed back on the next step.
+        self._in_flight: InFlight | None = None
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         self.sampling_defaults: dict[str, float | int] = dict(ckpt.sampling_defaults)
@@ -238,14 +240,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ run
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests() or self.outputs.has_unfinished()
+        return (
+            self.core.has_unfinished_requests()
+            or self._in_flight is not None
+            or self.outputs.has_unfinished()
+        )
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns outputs of requests that progressed or finished."""
-        core_outputs = self.core.run_step()
+        core_outputs, self._in_flight = self.core.step(self._in_flight)
+        t0 = time.perf_counter()
         results, to_abort = self.outputs.process(core_outputs)
         if to_abort:  # finished by a stop string, or failed in output processing
             self.core.abort_requests(to_abort)
+        self.core.stats.add("output", t0, time.perf_counter())
         return results
 
     def stats(self) -> dict[str, float | int | str]:
