@@ -48,8 +48,6 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.structured = structured
-        # Requests whose grammar is still compiling, in arrival order.
-        self._compiling: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -67,7 +65,6 @@ class Scheduler:
                 raise ValueError("this engine has no structured-output support")
             request.structured = self.structured.start(spec)
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
-            self._compiling.append(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -159,26 +156,29 @@ class Scheduler:
         return out
 
     def poll_grammars(self) -> list[EngineCoreOutput]:
-        """Looks at the grammars still compiling: a ready one lets its request be admitted,
-        a failed one finishes its request with an error. Returns those error outputs."""
-        if not self._compiling:
+        """Looks at the compiling grammars of the waiting requests the next ``schedule`` could
+        admit (front of the queue, up to the free running slots): a ready one lets its request
+        be admitted, a failed one finishes its request with an error. Returns those error
+        outputs. Requests further back are not looked at yet: a compile's time limit counts
+        from its submission, and their turn is not near."""
+        if self.structured is None:
             return []
-        assert self.structured is not None
-        failed: list[EngineCoreOutput] = []
-        still: list[Request] = []
-        for req in self._compiling:
-            if req.status != RequestStatus.WAITING_FOR_GRAMMAR:
-                continue  # aborted while compiling
-            assert req.structured is not None
-            result = self.structured.poll(req.structured)
-            if result is None:
-                still.append(req)
-            elif req.structured.matcher is None:
-                failed.append(self._fail(req, f"grammar compilation failed: {result.error}"))
-            else:
+        room = self.config.max_num_seqs - len(self.running)
+        broken: list[tuple[Request, str]] = []
+        for req in self.waiting:
+            if room <= 0:
+                break
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                assert req.structured is not None
+                result = self.structured.poll(req.structured)
+                if result is None:
+                    continue
+                if req.structured.matcher is None:
+                    broken.append((req, f"grammar compilation failed: {result.error}"))
+                    continue
                 req.status = RequestStatus.WAITING
-        self._compiling = still
-        return failed
+            room -= 1
+        return [self._fail(req, message) for req, message in broken]
 
     def get_grammar_bitmask(
         self, so: SchedulerOutput, out: torch.Tensor | None = None
