@@ -47,6 +47,7 @@ from baton.bench.grammar_worker import (
     TestInstance,
     Whitespace,
     WorkerConfig,
+    guidance_factory,
     outlines_factory,
     worker_main,
     xgrammar_factory,
@@ -62,6 +63,7 @@ DEFAULT_OUT = RESULTS / "grammar.json"
 BACKENDS: dict[str, BackendFactory] = {
     "xgrammar": xgrammar_factory,
     "outlines": outlines_factory,
+    "guidance": guidance_factory,
 }
 """Backends ``--backends`` can name: name -> picklable factory (tests add fakes here)."""
 

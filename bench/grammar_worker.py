@@ -54,6 +54,13 @@ def outlines_factory(tokenizer: VocabSource, vocab_size: int) -> GrammarBackend:
     return OutlinesBackend(tokenizer, vocab_size)
 
 
+def guidance_factory(tokenizer: VocabSource, vocab_size: int) -> GrammarBackend:
+    """baton's llguidance backend with the engine's defaults."""
+    from baton.grammar.guidance_backend import GuidanceBackend
+
+    return GuidanceBackend(tokenizer, vocab_size)
+
+
 @dataclass(frozen=True)
 class TestInstance:
     """One instance of a schema's tests: is ``data`` valid under the schema?"""

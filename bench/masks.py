@@ -14,7 +14,7 @@ state per backend (named, with the text before that state), and the goal: p99 <=
 row on every family with xgrammar. Writes JSON, a CSV (one row per schema x backend) and a
 PNG.
 
-    baton bench masks [--data PATH ...] [--backends xgrammar,outlines] [--rows 16]
+    baton bench masks [--data PATH ...] [--backends xgrammar,outlines,guidance] [--rows 16]
         [--fill-repeats 3] [--enforced-only] [--limit N] [--timeout 30] [--jobs 1]
         [--out bench/results/masks.json]
 """
@@ -456,7 +456,8 @@ def parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.prog = "baton bench masks"
     p.description = __doc__.splitlines()[0]
-    p.set_defaults(out=DEFAULT_OUT)
+    # Every backend by default: the point is to find a slow rule shape in any of them.
+    p.set_defaults(out=DEFAULT_OUT, backends=tuple(BACKENDS))
     p.add_argument(
         "--rows", type=int, default=16, help="matchers filled together per state (default: 16)"
     )
