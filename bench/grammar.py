@@ -20,26 +20,31 @@ recursing into directories (``*.json``). Default data: $BATON_DATA_DIR or ../sha
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
 import json
-import multiprocessing as mp
 import os
 import platform
-import signal
 import sys
 import time
-from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from importlib import metadata
-from multiprocessing.connection import Connection, wait
-from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from baton.bench import common
+from baton.bench.grammar_report import (
+    auto_rows,
+    format_report,
+    mask_cdf,
+    plot,
+    record_row,
+    summarize,
+    write_csv,
+)
+from baton.bench.grammar_runner import run_tasks
 from baton.bench.grammar_worker import (
     BackendFactory,
     SchemaCase,
@@ -49,10 +54,8 @@ from baton.bench.grammar_worker import (
     WorkerConfig,
     guidance_factory,
     outlines_factory,
-    worker_main,
     xgrammar_factory,
 )
-from baton.bench.plotting import pyplot, save_results
 from baton.grammar.compile_service import AUTO_ORDER
 from baton.grammar.vocab import VocabSource
 
@@ -66,38 +69,6 @@ BACKENDS: dict[str, BackendFactory] = {
     "guidance": guidance_factory,
 }
 """Backends ``--backends`` can name: name -> picklable factory (tests add fakes here)."""
-
-STARTUP_TIMEOUT_S = 300.0
-"""A worker that has not built its backends by then stops the run."""
-
-Status = Literal["ok", "compile_error", "timeout", "crash", "oom"]
-CDF_PERCENTILES = np.linspace(0.0, 100.0, 201)
-CSV_COLUMNS = (
-    "schema",
-    "backend",
-    "served_by",
-    "status",
-    "error_kind",
-    "error",
-    "compiled",
-    "compile_ms",
-    "tests",
-    "tests_run",
-    "valid_tests",
-    "invalid_tests",
-    "valid_rejected",
-    "invalid_accepted",
-    "instance_errors",
-    "tokens",
-    "mask_us_avg",
-    "mask_us_p50",
-    "mask_us_p99",
-    "mask_us_max",
-    "mask_mismatches",
-    "passing",
-    "failures",
-)
-_MAX_FAILURES_LISTED = 5
 
 
 def default_data_dir() -> Path:
@@ -259,359 +230,6 @@ def load_model_tokenizer(spec: str) -> tuple[VocabSource, int, str]:
     return tokenizer, size, str(path)
 
 
-# ------------------------------------------------------------------------------ the workers
-
-
-@dataclass
-class TaskRecord:
-    """What came back for one task so far.
-
-    Attributes:
-        task: the schema and backend.
-        status: None while running, then how it ended.
-        error_kind: for a compile error: "invalid", "unsupported", "compile" or "oom".
-        error: why it failed (the compile error, time-out or crash), None when ok.
-        compile_reported: the worker has reported the compile's outcome (later failures are
-            during a test's walk).
-        compiled: the schema compiled.
-        compile_s: seconds of the backend's check and compile.
-        instances: the ``InstanceOutcome``s (as dicts) of the tests walked so far.
-    """
-
-    task: Task
-    status: Status | None = None
-    error_kind: str | None = None
-    error: str | None = None
-    compile_reported: bool = False
-    compiled: bool = False
-    compile_s: float | None = None
-    instances: list[dict[str, Any]] = field(default_factory=list)
-
-
-def _death_reason(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "stopped answering"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        hint = {"SIGKILL": " (out of memory?)", "SIGABRT": " (abort; a failed allocation?)"}
-        return f"was killed by {name}{hint.get(name, '')}"
-    return f"exited with code {exitcode}"
-
-
-class _Worker:
-    """One worker process and the task it is serving."""
-
-    def __init__(self, ctx: BaseContext, config: WorkerConfig) -> None:
-        parent, child = ctx.Pipe()
-        self.process = ctx.Process(  # type: ignore[attr-defined]
-            target=worker_main, args=(child, config), name="baton-grammar-bench", daemon=True
-        )
-        self.process.start()
-        child.close()  # so that the parent sees EOF when the worker dies
-        self.conn: Connection = parent
-        self.state: Literal["starting", "idle", "busy", "dead"] = "starting"
-        self.deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        self.record: TaskRecord | None = None
-
-    def start(self, task: Task, timeout_s: float) -> None:
-        self.record = TaskRecord(task)
-        self.conn.send(task)
-        self.state = "busy"
-        self.deadline = time.monotonic() + timeout_s
-
-    def receive(self, timeout_s: float) -> TaskRecord | None:
-        """Reads one message; returns the record once its task is over.
-
-        Raises:
-            RuntimeError: the worker failed while starting.
-        """
-        try:
-            message = self.conn.recv()
-        except (EOFError, OSError):
-            return self._died()
-        kind = message[0]
-        if self.state == "starting":
-            if kind == "fatal":
-                self.close()
-                raise RuntimeError(
-                    f"a benchmark worker could not build its backends:\n{message[1]}"
-                )
-            self.state = "idle"
-            return None
-        record = self.record
-        assert record is not None
-        self.deadline = time.monotonic() + timeout_s
-        if kind == "compiled":
-            outcome = message[1]
-            record.compile_reported = True
-            record.compiled = outcome["ok"]
-            record.compile_s = outcome["compile_s"]
-            record.error_kind = outcome["error_kind"]
-            record.error = outcome["error"]
-        elif kind == "instance":
-            record.instances.append(message[1])
-        else:  # "done"
-            if record.compiled:
-                record.status = "ok"
-            else:
-                record.status = "oom" if record.error_kind == "oom" else "compile_error"
-            self.state = "idle"
-            self.record = None
-            return record
-        return None
-
-    def _phase(self, record: TaskRecord) -> str:
-        if not record.compile_reported:
-            return "compile"
-        tests = record.task.case.tests
-        index = len(record.instances)
-        description = tests[index].description if index < len(tests) else "?"
-        return f"test {index} ({description!r})"
-
-    def _died(self) -> TaskRecord:
-        self.process.join(timeout=5)
-        reason = _death_reason(self.process.exitcode)
-        self.close()
-        if self.record is None:
-            raise RuntimeError(f"a benchmark worker {reason} while starting")
-        record, self.record = self.record, None
-        record.status = "crash"
-        record.error_kind = None
-        record.error = f"the worker {reason} during {self._phase(record)}"
-        return record
-
-    def expire(self, timeout_s: float) -> TaskRecord:
-        """Kills the worker at its deadline; returns the timed-out record.
-
-        Raises:
-            RuntimeError: the worker had not started by its deadline.
-        """
-        self.close()
-        if self.record is None:
-            raise RuntimeError(f"a benchmark worker did not start within {STARTUP_TIMEOUT_S} s")
-        record, self.record = self.record, None
-        record.status = "timeout"
-        record.error_kind = None
-        record.error = f"{self._phase(record)} took longer than {timeout_s:g} s"
-        return record
-
-    def close(self) -> None:
-        """Stops the process (politely when idle) and closes the pipe."""
-        if self.state == "dead":
-            return
-        if self.state == "idle" and self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(None)
-            self.process.join(timeout=5)
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join()
-        self.conn.close()
-        self.state = "dead"
-
-
-def run_tasks(
-    tasks: Sequence[Task],
-    config: WorkerConfig,
-    timeout_s: float,
-    jobs: int = 1,
-    progress: bool = True,
-) -> list[TaskRecord]:
-    """Runs ``tasks`` on ``jobs`` worker processes ("spawn" context), replacing a worker that
-    crashed or was killed at its deadline; returns one record per task, in task order.
-
-    Raises:
-        RuntimeError: a worker could not start (bad backend factory, or it died while starting).
-    """
-    from tqdm import tqdm
-
-    ctx = mp.get_context("spawn")
-    pending = deque(tasks)
-    done: list[TaskRecord] = []
-    workers = [_Worker(ctx, config) for _ in range(min(jobs, len(tasks)))]
-    bar = tqdm(total=len(tasks), unit="task", file=sys.stderr, disable=not progress)
-    try:
-        while pending or any(w.state == "busy" for w in workers):
-            for i, worker in enumerate(workers):
-                if worker.state == "idle" and not worker.process.is_alive():
-                    worker.close()
-                if worker.state == "dead" and pending:
-                    workers[i] = worker = _Worker(ctx, config)
-                if worker.state == "idle" and pending:
-                    worker.start(pending.popleft(), timeout_s)
-            waiting = [w for w in workers if w.state in ("starting", "busy")]
-            wait_s = max(0.0, min(w.deadline for w in waiting) - time.monotonic())
-            ready = wait([w.conn for w in waiting], timeout=wait_s)
-            for worker in waiting:
-                if worker.conn in ready:
-                    finished = worker.receive(timeout_s)
-                elif time.monotonic() >= worker.deadline:
-                    finished = worker.expire(timeout_s)
-                else:
-                    continue
-                if finished is not None:
-                    done.append(finished)
-                    bar.set_postfix_str(f"{finished.task.backend} {finished.task.case.id}"[:60])
-                    bar.update(1)
-    finally:
-        bar.close()
-        for worker in workers:
-            worker.close()
-    order = {id(task): i for i, task in enumerate(tasks)}
-    return sorted(done, key=lambda r: order[id(r.task)])
-
-
-# ------------------------------------------------------------------------------ the results
-
-
-def _stats(values: Sequence[float] | np.ndarray) -> dict[str, float | None]:
-    """avg, p50, p99 and max (None each when there are no values)."""
-    arr = np.asarray(values, dtype=np.float64)
-    if arr.size == 0:
-        return {"avg": None, "p50": None, "p99": None, "max": None}
-    p50, p99 = np.percentile(arr, [50, 99])
-    return {"avg": float(arr.mean()), "p50": float(p50), "p99": float(p99), "max": float(arr.max())}
-
-
-def record_row(record: TaskRecord) -> tuple[dict[str, Any], np.ndarray]:
-    """The result row of one task (CSV-ready scalars, plus a "failures" list) and its mask
-    times per token (µs)."""
-    times = np.asarray([t for inst in record.instances for t in inst["mask_us"]], dtype=np.float64)
-    wrong = [i for i in record.instances if i["accepted"] != i["valid"] or i["error"]]
-    valid_run = sum(1 for i in record.instances if i["valid"])
-    valid_rejected = sum(1 for i in record.instances if i["valid"] and not i["accepted"])
-    invalid_accepted = sum(1 for i in record.instances if not i["valid"] and i["accepted"])
-    stats = _stats(times)
-    failures = [
-        f"{'valid' if i['valid'] else 'invalid'} {'accepted' if i['accepted'] else 'rejected'}: "
-        f"{i['description']}" + (f" [{i['error']}]" if i["error"] else "")
-        for i in wrong[:_MAX_FAILURES_LISTED]
-    ]
-    row = {
-        "schema": record.task.case.id,
-        "backend": record.task.backend,
-        "served_by": record.task.backend,
-        "status": record.status,
-        "error_kind": record.error_kind,
-        "error": record.error,
-        "compiled": record.compiled,
-        "compile_ms": None if record.compile_s is None else record.compile_s * 1e3,
-        "tests": len(record.task.case.tests),
-        "tests_run": len(record.instances),
-        "valid_tests": valid_run,
-        "invalid_tests": len(record.instances) - valid_run,
-        "valid_rejected": valid_rejected,
-        "invalid_accepted": invalid_accepted,
-        "instance_errors": sum(1 for i in record.instances if i["error"]),
-        "tokens": int(times.size),
-        "mask_us_avg": stats["avg"],
-        "mask_us_p50": stats["p50"],
-        "mask_us_p99": stats["p99"],
-        "mask_us_max": stats["max"],
-        "mask_mismatches": sum(i["mismatches"] for i in record.instances),
-        "passing": record.status == "ok" and not wrong,
-        "failures": failures,
-    }
-    return row, times
-
-
-def auto_rows(
-    rows: Sequence[dict[str, Any]], times: Mapping[tuple[str, str], np.ndarray]
-) -> tuple[list[dict[str, Any]], dict[tuple[str, str], np.ndarray]]:
-    """Rows of "auto", derived from the per-backend rows as the engine's fallback works: the
-    backends of ``AUTO_ORDER`` in turn; one that compiled serves the schema; one that cannot
-    take it (unsupported, compile error, MemoryError: all raised in the compile service) passes
-    to the next, its compile attempt adding to the compile time; a time-out or crash ends the
-    request (the engine does not fall back then; a crash would end the engine).
-    Schemas missing a backend of ``AUTO_ORDER`` get no auto row."""
-    by_schema: dict[str, dict[str, dict[str, Any]]] = {}
-    for row in rows:
-        by_schema.setdefault(row["schema"], {})[row["backend"]] = row
-    out: list[dict[str, Any]] = []
-    out_times: dict[tuple[str, str], np.ndarray] = {}
-    for schema, per_backend in by_schema.items():
-        if not all(name in per_backend for name in AUTO_ORDER):
-            continue
-        spent_ms = 0.0
-        errors = []
-        chosen: dict[str, Any] | None = None
-        for name in AUTO_ORDER:
-            row = per_backend[name]
-            if row["status"] in ("compile_error", "oom"):
-                spent_ms += row["compile_ms"] or 0.0
-                errors.append(f"{name}: {row['error']}")
-                continue
-            chosen = row
-            break
-        if chosen is None:
-            last = per_backend[AUTO_ORDER[-1]]
-            auto = {**last, "served_by": None, "error": "; ".join(errors)}
-            auto["compile_ms"] = spent_ms if last["compile_ms"] is not None else None
-        else:
-            auto = dict(chosen)
-            if chosen["compile_ms"] is not None:
-                auto["compile_ms"] = chosen["compile_ms"] + spent_ms
-            out_times[(schema, "auto")] = times.get((schema, chosen["backend"]), np.empty(0))
-        auto["backend"] = "auto"
-        out.append(auto)
-    return out, out_times
-
-
-def summarize(
-    rows: Sequence[dict[str, Any]], times: Mapping[tuple[str, str], np.ndarray], backend: str
-) -> dict[str, Any]:
-    """MaskBench's per-backend figures over ``backend``'s rows.
-
-    Keys: schemas, compiled, passing, passing_pct, compile_errors (of which unsupported,
-    invalid_schema: rejected at submission), timeouts, crashes (oom included), oom,
-    timeouts_crashes, tests_run, valid_tests, invalid_tests, valid_rejected, invalid_accepted,
-    instance_errors, tokens, mask_mismatches, compile_ms and mask_us ({avg, p50, p99, max}).
-    """
-    mine = [r for r in rows if r["backend"] == backend]
-    status = Counter(r["status"] for r in mine)
-    kinds = Counter(r["error_kind"] for r in mine if r["status"] == "compile_error")
-    mask = [times[(r["schema"], backend)] for r in mine if (r["schema"], backend) in times]
-    all_times = np.concatenate(mask) if mask else np.empty(0)
-    crashes = status["crash"] + status["oom"]
-    passing = sum(1 for r in mine if r["passing"])
-    return {
-        "schemas": len(mine),
-        "compiled": sum(1 for r in mine if r["compiled"]),
-        "passing": passing,
-        "passing_pct": 100.0 * passing / len(mine) if mine else None,
-        "compile_errors": status["compile_error"],
-        "unsupported": kinds["unsupported"],
-        "invalid_schema": kinds["invalid"],
-        "timeouts": status["timeout"],
-        "crashes": crashes,
-        "oom": status["oom"],
-        "timeouts_crashes": status["timeout"] + crashes,
-        "tests_run": sum(r["tests_run"] for r in mine),
-        "valid_tests": sum(r["valid_tests"] for r in mine),
-        "invalid_tests": sum(r["invalid_tests"] for r in mine),
-        "valid_rejected": sum(r["valid_rejected"] for r in mine),
-        "invalid_accepted": sum(r["invalid_accepted"] for r in mine),
-        "instance_errors": sum(r["instance_errors"] for r in mine),
-        "tokens": int(all_times.size),
-        "mask_mismatches": sum(r["mask_mismatches"] for r in mine),
-        "compile_ms": _stats([r["compile_ms"] for r in mine if r["compiled"]]),
-        "mask_us": _stats(all_times),
-    }
-
-
-def mask_cdf(times: np.ndarray) -> dict[str, list[float]]:
-    """The CDF of mask times as percentiles (0, 0.5, ..., 100) and their values (µs)."""
-    if times.size == 0:
-        return {"p": [], "us": []}
-    return {
-        "p": [float(p) for p in CDF_PERCENTILES],
-        "us": [float(v) for v in np.percentile(times, CDF_PERCENTILES)],
-    }
-
-
 def _versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for dist in ("xgrammar", "outlines-core", "baton"):
@@ -709,96 +327,9 @@ def run_benchmark(
     }
 
 
-# ---------------------------------------------------------------------------------- output
-
-
-def _num(value: float | None, fmt: str = ".1f") -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def format_report(result: Mapping[str, Any]) -> str:
-    """The summary as a text table, one column per backend."""
-    summary = result["summary"]
-    names = list(summary)
-
-    def line(label: str, cell: Any) -> str:
-        return f"{label:<28}" + "".join(f"{cell(summary[n]):>24}" for n in names)
-
-    def triple(key: str) -> Any:
-        return lambda s: "/".join(_num(s[key][k]) for k in ("avg", "p50", "p99"))
-
-    lines = [
-        f"{'':<28}" + "".join(f"{n:>24}" for n in names),
-        line("schemas", lambda s: str(s["schemas"])),
-        line("compiled", lambda s: str(s["compiled"])),
-        line("passing", lambda s: f"{s['passing']} ({_num(s['passing_pct'])}%)"),
-        line("compile errors", lambda s: str(s["compile_errors"])),
-        line("  of which unsupported", lambda s: str(s["unsupported"])),
-        line("  of which invalid schema", lambda s: str(s["invalid_schema"])),
-        line("time-outs / crashes", lambda s: f"{s['timeouts']} / {s['crashes']}"),
-        line("valid rejected", lambda s: f"{s['valid_rejected']} of {s['valid_tests']}"),
-        line("invalid accepted", lambda s: f"{s['invalid_accepted']} of {s['invalid_tests']}"),
-        line("walk errors", lambda s: str(s["instance_errors"])),
-        line("compile ms avg/p50/p99", triple("compile_ms")),
-        line("mask us/token avg/p50/p99", triple("mask_us")),
-        line("tokens", lambda s: str(s["tokens"])),
-        line("mask/accept mismatches", lambda s: str(s["mask_mismatches"])),
-    ]
-    cfg = result["config"]
-    lines.append(
-        f"\n{cfg['schemas']} schemas, {cfg['tests']} tests, {cfg['jobs']} job(s), "
-        f"time-out {cfg['timeout_s']:g} s, {cfg['wall_s']:.1f} s wall"
-    )
-    return "\n".join(lines)
-
-
-def write_csv(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
-    """One CSV row per schema x backend (``CSV_COLUMNS``; failures joined by " | ")."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, "failures": " | ".join(row["failures"])})
-
-
-def plot(result: Mapping[str, Any], path: Path) -> None:
-    """CDFs of mask time per token and of compile time, one line per backend, as a PNG."""
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    for name, cdf in result["mask_us_cdf"].items():
-        if cdf["us"]:
-            left.plot(cdf["us"], [p / 100 for p in cdf["p"]], label=name)
-    left.set_xscale("log")
-    left.set_xlabel("mask time per token (µs)")
-    left.set_ylabel("fraction of tokens")
-    left.set_title("bitmask fill time per token")
-    for name in result["summary"]:
-        ms = sorted(
-            r["compile_ms"] for r in result["rows"] if r["backend"] == name and r["compiled"]
-        )
-        if ms:
-            right.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=name)
-    right.set_xscale("log")
-    right.set_xlabel("compile time (ms)")
-    right.set_ylabel("fraction of compiled schemas")
-    right.set_title("compile time")
-    for ax in (left, right):
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    cfg = result["config"]
-    fig.suptitle(f"grammar benchmark: {cfg['schemas']} schemas, {cfg['tests']} tests")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def write_results(result: dict[str, Any], out: Path) -> None:
-    """Writes ``out`` (JSON), the CSV and the PNG beside it (same name)."""
-    save_results(result, out, plot)
+    """Writes ``out`` (JSON, with the run's provenance), the CSV and the PNG beside it."""
+    common.write_results(result, out, plot)
     write_csv(result["rows"], out.with_suffix(".csv"))
 
 

@@ -39,13 +39,12 @@ from baton.bench.grammar import (
     BACKENDS,
     RESULTS,
     GrammarBenchConfig,
-    TaskRecord,
     build_parser,
     config_from_args,
     load_cases,
     load_model_tokenizer,
-    run_tasks,
 )
+from baton.bench.grammar_runner import TaskRecord, run_tasks
 from baton.bench.grammar_worker import (
     BackendFactory,
     SchemaCase,

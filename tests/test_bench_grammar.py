@@ -24,12 +24,12 @@ import torch
 from baton.bench.grammar import (
     BACKENDS,
     GrammarBenchConfig,
-    auto_rows,
     load_cases,
     main,
     parse_schema_file,
     run_benchmark,
 )
+from baton.bench.grammar_report import auto_rows
 from baton.bench.grammar_worker import serialize_instance
 from baton.grammar.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
 from baton.grammar.spec import StructuredOutputsParams
