@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
+
 logger = logging.getLogger(__name__)
 
-EXECUTORS = ("uni", "mp")
+EXECUTORS = ("uni", "mp", "sim")
 # Below this many cores the engine thread competes with the worker's threads:
 # measured on 2 cores, async/sync throughput was 0.84-0.99 (default model) and
 # 0.58-0.90 (a tiny model), so async scheduling stays off by default there.
@@ -49,19 +51,21 @@ def num_cpu_cores() -> int:
     return os.cpu_count() or 1
 
 
-_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?|sim:[\w.-]+")
 
 
 def check_device(device: str) -> torch.device:
-    """The torch device named by ``device`` ("cpu", "cuda" or "cuda:N").
+    """The torch device where the engine's tensors for ``device`` live: "cpu", "cuda", "cuda:N",
+    or "sim:<gpu>" (the simulated accelerator, whose host-side tensors are on the CPU).
 
     Raises:
-        ValueError: for any other name, or a CUDA device that this machine does not have (CUDA
-            not available, or N past the device count).
+        ValueError: for any other name, a simulated GPU that is not in ``sim_specs.GPUS``, or a
+            CUDA device that this machine does not have (CUDA not available, or N past the
+            device count).
     """
     if not isinstance(device, str) or not _DEVICE_RE.fullmatch(device):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if device == "cpu":
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'sim:<gpu>', got {device!r}")
+    if device == "cpu" or sim_gpu(device) is not None:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError(
@@ -96,8 +100,16 @@ class EngineConfig:
         num_kv_blocks: explicit number of KV blocks (overrides kv_cache_memory_bytes).
         enable_prefix_caching: reuse cached blocks of identical prefixes.
         seed: base of the seeds drawn for requests that bring none.
-        device: torch device of the model: "cpu", "cuda" or "cuda:N". A CUDA device
-            needs the in-process executor ("uni"), which overlaps there.
+        device: where the model runs: "cpu", "cuda", "cuda:N", or "sim:<gpu>" (a simulated
+            accelerator: h200, h100, l4; see ``executor/sim.py``). A CUDA device needs the
+            in-process executor ("uni"), which overlaps there; a simulated one its own ("sim").
+        sim_shape: the model shape a simulated device times (``sim_specs.SHAPES``: smollm2-135m,
+            llama-3.1-8b, qwen2.5-7b); None: the default model's, smollm2-135m. Only with a
+            "sim:" device; the tokenizer still comes from ``model``.
+        sim_traces: the trace file (JSON lines of prompt and output token ids) a simulated
+            device replays; None: no traces (every request fails, naming the missing trace).
+            With a "sim:" device the KV cache defaults to 90% of the GPU's memory left by the
+            weights (``num_kv_blocks`` overrides it).
         grammar_compile_timeout_s: time limit of one grammar compile.
         grammar_dynamic_compilation: let xgrammar compile JSON schemas lazily
             (much faster compiles, slower first mask fills).
@@ -150,6 +162,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Why ``dtype`` is what it is; set at construction.
     dtype_reason: str = field(default="", init=False, compare=False)
+    sim_shape: str | None = None
+    sim_traces: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -204,6 +218,26 @@ class EngineConfig:
             check_device(self.device)
         except ValueError as exc:
             raise ValueError(f"EngineConfig.device: {exc}") from None
+        simulated = self.device.startswith("sim:")
+        if simulated:
+            try:
+                sim_shape(self.sim_shape or DEFAULT_SHAPE)
+            except ValueError as exc:
+                raise ValueError(f"EngineConfig.sim_shape: {exc}") from None
+            if self.executor not in (None, "sim"):
+                raise ValueError(
+                    f"EngineConfig.executor={self.executor!r} cannot drive the simulated "
+                    f"device {self.device!r}; leave it None (or 'sim')"
+                )
+        elif self.sim_shape is not None or self.sim_traces is not None or self.executor == "sim":
+            raise ValueError(
+                "EngineConfig.sim_shape, sim_traces and executor='sim' need a simulated device "
+                f"(device='sim:<gpu>'), got device {self.device!r}"
+            )
+        if self.sim_traces is not None and not isinstance(self.sim_traces, str):
+            raise ValueError(
+                f"EngineConfig.sim_traces must be a path (str), got {self.sim_traces!r}"
+            )
         self._resolve_dtype()
         if self.executor == "mp" and self.device != "cpu":
             raise ValueError(
@@ -232,7 +266,8 @@ class EngineConfig:
         if self.executor is None:
             on_cpu_worker = enabled and self.device == "cpu"
             parallel = self.tensor_parallel_size > 1
-            object.__setattr__(self, "executor", "mp" if on_cpu_worker or parallel else "uni")
+            executor = "sim" if simulated else "mp" if on_cpu_worker or parallel else "uni"
+            object.__setattr__(self, "executor", executor)
 
     def _resolve_dtype(self) -> None:
         if self.dtype == DTYPE_AUTO:

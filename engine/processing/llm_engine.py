@@ -18,23 +18,21 @@ from collections.abc import Sequence
 
 import torch
 
-from baton.engine.config import EngineConfig, num_cpu_cores
+from baton.engine.config import EngineConfig
 from baton.engine.core.async_scheduler import AsyncScheduler
 from baton.engine.core.engine_core import EngineCore, InFlight
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.structured_outputs import StructuredOutputManager
-from baton.engine.executor.base import Executor
 from baton.engine.executor.multiproc import MultiprocExecutor
-from baton.engine.executor.uni import UniExecutor
-from baton.engine.loader import Checkpoint, load_checkpoint
+from baton.engine.loader import Checkpoint
 from baton.engine.outputs import RequestOutput
+from baton.engine.processing.model_setup import engine_threads, setup_model
 from baton.engine.processing.output_processor import OutputProcessor
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
-from baton.engine.worker.build import RunnerSpec, build_runner
 
 logger = logging.getLogger(__name__)
 
@@ -51,51 +49,27 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
         self.config = config
-        ckpt = checkpoint or load_checkpoint(config.model, dtype=config.dtype)
-        self.model_config = ckpt.config
-        self.tokenizer: Tokenizer = ckpt.tokenizer
-        self.max_model_len = min(
-            config.max_model_len or ckpt.config.max_position_embeddings,
-            ckpt.config.max_position_embeddings,
-        )
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(ckpt)
-        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        eos = set(ckpt.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        self.eos_token_ids = tuple(sorted(eos))
-        spec = RunnerSpec(
-            model_config=ckpt.config,
-            dtype=config.dtype,
-            num_kv_blocks=num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            eos_token_ids=self.eos_token_ids,
-            tokenizer_vocab_size=self.tokenizer.vocab_size,
-            num_threads=_worker_threads(config) if config.executor == "mp" else None,
-            device=config.device,
-            int8_small_batches=bool(config.int8_small_batches),
-            tensor_parallel_size=config.tensor_parallel_size,
-        )
         checker = SyncChecker.from_env()
-        executor: Executor
-        if config.executor == "mp":
-            executor = MultiprocExecutor(spec, ckpt.weights, checker)
-        else:
-            executor = UniExecutor(build_runner(spec, ckpt.weights), checker)
-        self._executor = executor
+        model = setup_model(config, checkpoint, checker)
+        self.vocab_size = model.vocab_size
+        self.tokenizer: Tokenizer = model.tokenizer
+        self.max_model_len = model.max_model_len
+        self.eos_token_ids = model.eos_token_ids
+        kv = KVCacheManager(model.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self._executor = model.executor
         self.structured = StructuredOutputManager(
             self.tokenizer,
-            ckpt.config.vocab_size,
+            model.vocab_size,
             config.max_num_seqs,
             compile_timeout_s=config.grammar_compile_timeout_s,
             dynamic_compilation=config.grammar_dynamic_compilation,
-            fill_threads=_engine_threads(config, spec.num_threads),
+            fill_threads=engine_threads(config, model.worker_threads),
         )
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         scheduler = scheduler_cls(config, kv, self.max_model_len, self.structured)
         self.core = EngineCore(
             scheduler,
-            executor,
+            model.executor,
             async_scheduling=bool(config.async_scheduling),
             checker=checker,
         )
@@ -103,35 +77,23 @@ class LLMEngine:
         self._in_flight: InFlight | None = None
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
-        self.sampling_defaults: dict[str, float | int] = dict(ckpt.sampling_defaults)
+        self.sampling_defaults: dict[str, float | int] = dict(model.sampling_defaults)
         if self.sampling_defaults:
             logger.info("sampling defaults from the model: %s", self.sampling_defaults)
         logger.info(
             "engine ready: %s on %s in %s%s, %d KV blocks of %d tokens, max_model_len %d, "
             "executor %s%s, async scheduling %s",
-            ckpt.path,
+            model.path,
             config.device,
             _dtype_name(config.dtype),
             " (int8 weight-only GEMMs for small steps)" if config.int8_small_batches else "",
-            num_blocks,
+            model.num_kv_blocks,
             config.block_size,
             self.max_model_len,
             config.executor,
             f" x{config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else "",
             "on" if config.async_scheduling else "off",
         )
-
-    def _blocks_for_memory(self, ckpt: Checkpoint) -> int:
-        c = ckpt.config
-        per_block = (
-            2
-            * c.num_layers
-            * self.config.block_size
-            * c.num_kv_heads
-            * c.head_dim
-            * torch.tensor([], dtype=self.config.dtype).element_size()
-        )
-        return max(2, self.config.kv_cache_memory_bytes // per_block)
 
     def default_sampling_params(self, **fields: object) -> SamplingParams:
         """``SamplingParams`` with the model's sampling defaults (its generation config), then
@@ -183,7 +145,7 @@ class LLMEngine:
                     f"{name} {value!r} is too small: the sampler keeps it in float32, "
                     f"where positive values below {_MIN_FLOAT32:.3g} round to 0"
                 )
-        vocab = self.model_config.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be < vocab size {vocab}, got {bad}")
@@ -210,7 +172,7 @@ class LLMEngine:
         else:
             ids = list(prompt)
             text = None
-            vocab = self.model_config.vocab_size
+            vocab = self.vocab_size
             bad = [
                 t
                 for t in ids
@@ -294,21 +256,3 @@ class LLMEngine:
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _worker_threads(config: EngineConfig) -> int:
-    """Torch threads of each model worker (of each rank under tensor parallelism)."""
-    if config.worker_threads is not None:
-        return config.worker_threads
-    cores = num_cpu_cores()
-    # The engine thread needs a core of its own to overlap the worker's forward.
-    total = cores - 1 if cores > 2 else cores
-    return max(1, total // config.tensor_parallel_size)
-
-
-def _engine_threads(config: EngineConfig, worker_threads: int | None) -> int:
-    """Threads the engine process may keep busy: the cores the model worker leaves free
-    (at least one). Mask fills that spread over the worker's cores slowed its forward 2x."""
-    if worker_threads is None:
-        return 2
-    return max(1, num_cpu_cores() - worker_threads * config.tensor_parallel_size)

@@ -1,0 +1,290 @@
+"""``SimExecutor``: a simulated accelerator (``device="sim:<gpu>"``) that spends no host CPU on
+its "device" work.
+
+The device is a timeline on the host's ``perf_counter`` clock that runs queued work in order,
+like a CUDA stream: each forward and each sampling pass starts when it is queued or when the
+previous one ends, whichever is later, and takes the time the cost model gives for that
+step's real work (tokens, context lengths, rows sampled) on the named GPU and model shape.
+``get_output()`` is a real wait until the step's simulated end. Tokens come from traces of
+real token sequences (``sim_traces.py``); a structured request's token is checked against
+the bitmask row the engine sent for it, and a token the mask forbids fails the step loudly,
+so a run also proves the masks are right and on time. Everything around it is the real
+engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
+from baton.engine.executor.sim_cost import CostModel, ForwardWork
+from baton.engine.executor.sim_traces import TraceBook
+from baton.engine.models.config import ModelConfig
+from baton.engine.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from baton.engine.sim_specs import GpuSpec, ModelShape
+from baton.engine.sync_check import SyncChecker
+from baton.engine.tokenizer import Tokenizer
+from baton.grammar.backend import allocate_bitmask
+
+logger = logging.getLogger(__name__)
+
+_RECENT_OPS = 65536
+# Waits shorter than this spin (yielding the GIL) instead of sleeping: a sleep overshoots by
+# tens of microseconds, which would show up as device idle time the engine did not cause.
+_SPIN_S = 150e-6
+
+
+@dataclass(frozen=True)
+class DeviceOp:
+    """One piece of simulated device work, on the host's ``perf_counter`` clock."""
+
+    kind: str  # "forward" or "sample"
+    step_id: int
+    start: float
+    end: float
+    num_requests: int
+    num_tokens: int
+    num_sampled: int
+
+
+@dataclass(eq=False)
+class _Row:
+    """What the device holds of one request."""
+
+    trace: tuple[int, ...] | None
+    position: int  # output tokens produced so far (the next one is trace[position])
+    num_tokens: int  # prompt + outputs, counting tokens sampled on the device
+    num_computed: int
+
+
+@dataclass(frozen=True)
+class _Forward:
+    step_id: int
+    request_ids: tuple[str, ...]
+    sample_ids: tuple[str, ...]
+    seconds: float  # the forward's device time
+
+
+def sim_model_config(shape: ModelShape, tokenizer: Tokenizer) -> ModelConfig:
+    """The model config the engine sees on a simulated device: ``shape``'s dimensions over the
+    tokenizer's vocabulary (the bitmask width; the cost model keeps the shape's own)."""
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tuple(tokenizer.eos_token_ids),
+    )
+
+
+class SimExecutor(Executor):
+    """Simulates ``shape`` on ``gpu`` for the engine core.
+
+    Args:
+        gpu, shape: what the cost model times.
+        traces: the outputs to replay, by prompt.
+        eos_token_id: sampled after a trace's last token.
+        vocab_size: the engine's vocabulary (bitmask width).
+        max_num_seqs: most rows in one step's bitmask.
+        clock: the host clock the timeline runs on.
+    """
+
+    def __init__(
+        self,
+        gpu: GpuSpec,
+        shape: ModelShape,
+        traces: TraceBook,
+        eos_token_id: int,
+        vocab_size: int,
+        max_num_seqs: int,
+        checker: SyncChecker | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.cost = CostModel(gpu, shape)
+        self._traces = traces
+        self._eos = eos_token_id
+        self._checker = checker or SyncChecker("off")
+        self._clock = clock
+        self._bitmask = allocate_bitmask(max_num_seqs, vocab_size)
+        self._rows: dict[str, _Row] = {}
+        self._pending: deque[_Forward] = deque()
+        self._free_at = 0.0
+        self._device_s = 0.0
+        self._host_s = 0.0
+        self._ops: deque[DeviceOp] = deque(maxlen=_RECENT_OPS)
+
+    # ----------------------------------------------------------------- steps
+    def execute_model(self, so: SchedulerOutput) -> None:
+        t0 = self._clock()
+        rows = self._rows
+        for rid in so.finished_request_ids:
+            rows.pop(rid, None)
+        for new in so.new_requests:
+            rows[new.request_id] = _Row(
+                trace=self._traces.output_for(new.prompt_token_ids),
+                position=len(new.output_token_ids),
+                num_tokens=len(new.prompt_token_ids) + len(new.output_token_ids),
+                num_computed=new.num_computed_tokens,
+            )
+        for cached in so.cached_requests:
+            rows[cached.request_id].num_computed = cached.num_computed_tokens
+        work = []
+        sample_ids = []
+        for rid, n in so.num_scheduled_tokens.items():
+            row = rows[rid]
+            work.append(ForwardWork(n, row.num_computed))
+            row.num_computed += n
+            if row.num_computed >= row.num_tokens:
+                sample_ids.append(rid)
+        seconds = self.cost.forward(work, len(sample_ids)).seconds
+        tokens = so.total_num_scheduled_tokens
+        self._queue("forward", so.step_id, t0, seconds, len(work), tokens, len(sample_ids))
+        ids = tuple(so.num_scheduled_tokens)
+        self._pending.append(_Forward(so.step_id, ids, tuple(sample_ids), seconds))
+        self._host_s += self._clock() - t0
+
+    def sample_tokens(self, step_id: int, grammar: GrammarOutput | None) -> AsyncOutput:
+        t0 = self._clock()
+        if not self._pending or self._pending[0].step_id != step_id:
+            nxt = self._pending[0].step_id if self._pending else None
+            raise ExecutorError(f"sample_tokens for step {step_id}, but step {nxt} is next")
+        fwd = self._pending.popleft()
+        output = self._sample(fwd, grammar)
+        seconds = self.cost.sample(len(fwd.sample_ids)).seconds
+        n = len(fwd.request_ids)
+        end = self._queue("sample", step_id, t0, seconds, n, 0, len(fwd.sample_ids))
+        self._host_s += self._clock() - t0
+        return _SimOutput(self, output, end, fwd.seconds + seconds)
+
+    def _queue(
+        self,
+        kind: str,
+        step_id: int,
+        now: float,
+        seconds: float,
+        reqs: int,
+        toks: int,
+        sampled: int,
+    ) -> float:
+        """Puts work on the timeline behind what is queued; returns when it ends."""
+        start = max(now, self._free_at)
+        self._free_at = start + seconds
+        self._ops.append(DeviceOp(kind, step_id, start, self._free_at, reqs, toks, sampled))
+        return self._free_at
+
+    def _sample(self, fwd: _Forward, grammar: GrammarOutput | None) -> ModelRunnerOutput:
+        """The device's tokens for the step's sampling rows: each request's next trace token,
+        checked against its bitmask row."""
+        tokens: list[int] = []
+        errors: dict[str, str] = {}
+        for rid in fwd.sample_ids:
+            row = self._rows[rid]
+            trace, pos = row.trace, row.position
+            row.position += 1
+            row.num_tokens += 1
+            if trace is None:
+                errors[rid] = "the simulated device has no trace for this request's prompt"
+                tokens.append(self._eos)
+            elif pos < len(trace):
+                tokens.append(trace[pos])
+            elif pos == len(trace):
+                tokens.append(self._eos)
+            else:
+                errors[rid] = (
+                    f"the request went on past its trace's end ({len(trace)} tokens + EOS)"
+                )
+                tokens.append(self._eos)
+        if grammar is not None and grammar.request_ids:
+            bad = self._check_masks(fwd.sample_ids, tokens, grammar)
+            if bad is not None:
+                logger.error("simulated device: %s", bad)
+                return ModelRunnerOutput(
+                    request_ids=list(fwd.request_ids),
+                    sampled_token_ids=[[] for _ in fwd.request_ids],
+                    errors=dict.fromkeys(fwd.request_ids, bad),
+                )
+        sampled = dict(zip(fwd.sample_ids, tokens, strict=True))
+        return ModelRunnerOutput(
+            request_ids=list(fwd.request_ids),
+            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in fwd.request_ids],
+            errors=errors,
+        )
+
+    def _check_masks(
+        self, sample_ids: tuple[str, ...], tokens: list[int], grammar: GrammarOutput
+    ) -> str | None:
+        """Why the step fails (a token its bitmask row forbids), or None."""
+        index = {rid: i for i, rid in enumerate(sample_ids)}
+        pairs = [(row, index[rid]) for row, rid in enumerate(grammar.request_ids) if rid in index]
+        if not pairs:
+            return None
+        mask_rows = np.fromiter((p[0] for p in pairs), np.int64, len(pairs))
+        toks = np.fromiter((tokens[p[1]] for p in pairs), np.int64, len(pairs))
+        with self._checker.allow():  # the device reading the mask it was sent
+            bitmask = grammar.bitmask.numpy()
+            words = bitmask[mask_rows, toks >> 5]
+        allowed = (words >> (toks & 31)) & 1
+        if allowed.all():
+            return None
+        first = int(np.flatnonzero(allowed == 0)[0])
+        rid = grammar.request_ids[int(mask_rows[first])]
+        return (
+            f"token {int(toks[first])} sampled for request {rid} is forbidden by the bitmask "
+            f"row the engine sent for it (the step fails)"
+        )
+
+    def bitmask_buffer(self) -> torch.Tensor:
+        # The mask is checked inside sample_tokens, so one buffer serves every step.
+        return self._bitmask
+
+    def _collect(self, end: float, seconds: float) -> None:
+        """The one wait: until the step's simulated end; then its device time counts."""
+        while (left := end - self._clock()) > 0:
+            time.sleep(left - _SPIN_S if left > 2 * _SPIN_S else 0)
+        self._device_s += seconds
+
+    # ------------------------------------------------------------ accessors
+    def supports_async_scheduling(self) -> bool:
+        return True
+
+    @property
+    def device_seconds(self) -> float:
+        return self._device_s
+
+    @property
+    def host_seconds(self) -> float:
+        """Host time the simulator itself spent (bookkeeping, trace lookups, mask checks)."""
+        return self._host_s
+
+    def device_ops(self) -> list[DeviceOp]:
+        """The recent device work, oldest first (for timelines and idle fractions)."""
+        return list(self._ops)
+
+
+class _SimOutput(AsyncOutput):
+    def __init__(
+        self, executor: SimExecutor, output: ModelRunnerOutput, end: float, seconds: float
+    ) -> None:
+        self._executor, self._output = executor, output
+        self._end, self._seconds = end, seconds
+        self._done = False
+
+    def get_output(self) -> ModelRunnerOutput:
+        if not self._done:
+            self._executor._collect(self._end, self._seconds)
+            self._done = True
+        return self._output

@@ -1,0 +1,143 @@
+"""The model side of an engine: the checkpoint (or, for a simulated device, a model shape and
+the tokenizer), the KV cache size, and the executor that runs the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from baton.engine.config import EngineConfig, num_cpu_cores
+from baton.engine.executor.base import Executor
+from baton.engine.executor.multiproc import MultiprocExecutor
+from baton.engine.executor.sim import SimExecutor, sim_model_config
+from baton.engine.executor.sim_traces import TraceBook
+from baton.engine.executor.uni import UniExecutor
+from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
+from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
+from baton.engine.sync_check import SyncChecker
+from baton.engine.tokenizer import Tokenizer
+from baton.engine.worker.build import RunnerSpec, build_runner
+
+# A simulated device keeps this share of its memory, after the weights, for the KV cache.
+_SIM_KV_MEMORY_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """What the engine needs to know of its model, and the executor that runs it."""
+
+    path: str
+    vocab_size: int
+    tokenizer: Tokenizer
+    max_model_len: int
+    num_kv_blocks: int
+    eos_token_ids: tuple[int, ...]
+    executor: Executor
+    worker_threads: int | None  # torch threads of a model worker process, if there is one
+    # SamplingParams fields the model's generation config sets (none on a simulated device).
+    sampling_defaults: dict[str, float | int]
+
+
+def setup_model(
+    config: EngineConfig, checkpoint: Checkpoint | None, checker: SyncChecker
+) -> ModelSetup:
+    """Loads the model (or, for a "sim:" device, only its tokenizer and traces) and starts
+    its executor.
+
+    Raises:
+        ModelLoadError: the model or tokenizer cannot be read. ValueError: a bad trace file.
+        ExecutorError: the model worker failed to start.
+    """
+    if sim_gpu(config.device) is not None:
+        return _setup_sim(config, checkpoint, checker)
+    ckpt = checkpoint or load_checkpoint(config.model, dtype=config.dtype)
+    c = ckpt.config
+    max_model_len = min(
+        config.max_model_len or c.max_position_embeddings, c.max_position_embeddings
+    )
+    element = torch.tensor([], dtype=config.dtype).element_size()
+    per_block = 2 * c.num_layers * config.block_size * c.num_kv_heads * c.head_dim * element
+    num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_bytes // per_block)
+    eos = tuple(sorted(set(c.eos_token_ids) | set(ckpt.tokenizer.eos_token_ids)))
+    threads = _worker_threads(config) if config.executor == "mp" else None
+    spec = RunnerSpec(
+        model_config=c,
+        dtype=config.dtype,
+        num_kv_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        eos_token_ids=eos,
+        tokenizer_vocab_size=ckpt.tokenizer.vocab_size,
+        num_threads=threads,
+        device=config.device,
+        int8_small_batches=bool(config.int8_small_batches),
+        tensor_parallel_size=config.tensor_parallel_size,
+    )
+    executor: Executor
+    if config.executor == "mp":
+        executor = MultiprocExecutor(spec, ckpt.weights, checker)
+    else:
+        executor = UniExecutor(build_runner(spec, ckpt.weights), checker)
+    return ModelSetup(
+        str(ckpt.path),
+        c.vocab_size,
+        ckpt.tokenizer,
+        max_model_len,
+        num_blocks,
+        eos,
+        executor,
+        threads,
+        dict(ckpt.sampling_defaults),
+    )
+
+
+def _setup_sim(
+    config: EngineConfig, checkpoint: Checkpoint | None, checker: SyncChecker
+) -> ModelSetup:
+    gpu = sim_gpu(config.device)
+    assert gpu is not None
+    shape = sim_shape(config.sim_shape or DEFAULT_SHAPE)
+    tokenizer = checkpoint.tokenizer if checkpoint is not None else load_tokenizer(config.model)
+    model = sim_model_config(shape, tokenizer)
+    max_model_len = min(
+        config.max_model_len or shape.max_position_embeddings, model.max_position_embeddings
+    )
+    per_block = config.block_size * shape.kv_bytes_per_token
+    free = gpu.memory_bytes * _SIM_KV_MEMORY_SHARE - shape.weight_bytes_per_forward
+    num_blocks = config.num_kv_blocks or max(2, int(free // per_block))
+    traces = TraceBook.load(config.sim_traces) if config.sim_traces else TraceBook()
+    eos = tuple(sorted(set(tokenizer.eos_token_ids)))
+    executor = SimExecutor(
+        gpu,
+        shape,
+        traces,
+        eos_token_id=tokenizer.eos_token_id,
+        vocab_size=model.vocab_size,
+        max_num_seqs=config.max_num_seqs,
+        checker=checker,
+    )
+    source = config.model or "the default model"
+    path = f"{shape.name} shape on a simulated {gpu.name}, tokenizer of {source}"
+    return ModelSetup(
+        path, model.vocab_size, tokenizer, max_model_len, num_blocks, eos, executor, None, {}
+    )
+
+
+def _worker_threads(config: EngineConfig) -> int:
+    """Torch threads of each model worker (of each rank under tensor parallelism)."""
+    if config.worker_threads is not None:
+        return config.worker_threads
+    cores = num_cpu_cores()
+    # The engine thread needs a core of its own to overlap the worker's forward.
+    total = cores - 1 if cores > 2 else cores
+    return max(1, total // config.tensor_parallel_size)
+
+
+def engine_threads(config: EngineConfig, worker_threads: int | None) -> int:
+    """Threads the engine process may keep busy: the cores the model worker leaves free
+    (at least one). Mask fills that spread over the worker's cores slowed its forward 2x."""
+    if worker_threads is None:
+        return 2
+    return max(1, num_cpu_cores() - worker_threads * config.tensor_parallel_size)

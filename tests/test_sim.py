@@ -1,0 +1,275 @@
+"""The simulated accelerator: its cost model, trace replay, mask check, and the real engine on it
+(sync/async parity with preemption and aborts, no device reads outside get_output())."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from baton.engine import SamplingParams, StructuredOutputsParams
+from baton.engine.config import EngineConfig
+from baton.engine.executor.sim import SimExecutor
+from baton.engine.executor.sim_cost import CostModel, ForwardWork
+from baton.engine.executor.sim_traces import Trace, TraceBook
+from baton.engine.processing.llm_engine import LLMEngine
+from baton.engine.sim_specs import GPUS, SHAPES
+from baton.engine.sync_check import SyncCheckError
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+INSTANCES = [
+    {"name": f"person{i}", "age": 20 + i, "tags": [f"t{j}" for j in range(i % 4)]}
+    for i in range(12)
+]
+STORY = (
+    "Once upon a time a lighthouse keeper counted the ships that passed, and every night "
+    "the lamp turned, slow and bright, over the black water."
+)
+
+
+# ---------------------------------------------------------------- cost model
+def test_a_bandwidth_bound_step_twice_the_tokens_costs_the_same():
+    model = CostModel(GPUS["h200"], SHAPES["llama-3.1-8b"])
+    one = model.forward([ForwardWork(1, 100)] * 8, num_sampled=8)
+    two = model.forward([ForwardWork(1, 100)] * 16, num_sampled=16)
+    assert one.memory_bound and two.memory_bound
+    assert two.seconds == pytest.approx(one.seconds, rel=0.01)
+    # A decode step reads the weights once: about 15 GB over 4.8 TB/s.
+    assert 3.0e-3 < one.seconds < 3.4e-3
+
+
+def test_a_compute_bound_step_twice_the_tokens_costs_twice():
+    model = CostModel(GPUS["h200"], SHAPES["llama-3.1-8b"])
+    one = model.forward([ForwardWork(1024, 0)] * 8, num_sampled=8)
+    two = model.forward([ForwardWork(1024, 0)] * 16, num_sampled=16)
+    assert not one.memory_bound and not two.memory_bound
+    assert two.seconds == pytest.approx(2 * one.seconds, rel=0.01)
+
+
+def test_slower_gpus_take_longer_and_kv_reads_count():
+    shape = SHAPES["llama-3.1-8b"]
+    work = [ForwardWork(1, 2000)] * 64
+    h200, l4 = CostModel(GPUS["h200"], shape), CostModel(GPUS["l4"], shape)
+    assert l4.forward(work, 64).seconds > 10 * h200.forward(work, 64).seconds
+    short = h200.forward([ForwardWork(1, 10)] * 64, 64).seconds
+    assert h200.forward(work, 64).seconds > short * 1.5  # 64 x 2000 tokens of KV: ~17 GB
+
+
+# ------------------------------------------------------------------- engine
+def _traces(tokenizer, path: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts for JSON requests and for free ones, with their traces written to ``path``."""
+    json_prompts, free_prompts, traces = [], [], []
+    for i, inst in enumerate(INSTANCES):
+        prompt = tokenizer.encode(f"Person {i} as JSON:")
+        text = json.dumps(inst, separators=(",", ":"))
+        traces.append(Trace(tuple(prompt), tuple(tokenizer.encode(text, add_special_tokens=False))))
+        json_prompts.append(prompt)
+        prompt = tokenizer.encode(f"Story number {i}:")
+        story = tokenizer.encode(STORY, add_special_tokens=False)[: 10 + 2 * i]
+        traces.append(Trace(tuple(prompt), tuple(story)))
+        free_prompts.append(prompt)
+    TraceBook(traces).save(path)
+    return json_prompts, free_prompts
+
+
+def _engine(tiny_model_dir: Path, traces: Path, **kw) -> LLMEngine:
+    kw.setdefault("max_model_len", 256)
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            device="sim:h200",
+            sim_shape="llama-3.1-8b",
+            sim_traces=str(traces),
+            **kw,
+        )
+    )
+
+
+def _run(engine: LLMEngine, requests, abort: dict[str, int] | None = None) -> dict:
+    abort = dict(abort or {})
+    for i, (prompt, sp) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, sp)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            if out.finished:
+                final[out.request_id] = (c.token_ids, c.finish_reason, c.text, c.error)
+            elif out.request_id in abort and len(c.token_ids) >= abort[out.request_id]:
+                engine.abort_request(out.request_id)
+                final[out.request_id] = (c.token_ids, "abort", c.text, None)
+                del abort[out.request_id]
+    return final
+
+
+def _json_sp(**kw) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=96,
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(json=SCHEMA),
+        **kw,
+    )
+
+
+def test_traces_end_requests_where_they_end(tiny_model_dir, tokenizer, tmp_path):
+    json_prompts, free_prompts = _traces(tokenizer, tmp_path / "t.jsonl")
+    engine = _engine(tiny_model_dir, tmp_path / "t.jsonl")
+    try:
+        story = tokenizer.encode(STORY, add_special_tokens=False)
+        final = _run(
+            engine,
+            [
+                (free_prompts[3], SamplingParams(max_tokens=200, temperature=0.0)),
+                (free_prompts[4], SamplingParams(max_tokens=5, temperature=0.0)),
+                (json_prompts[2], _json_sp()),
+                (free_prompts[5], SamplingParams(max_tokens=200, ignore_eos=True)),
+                (tokenizer.encode("a prompt with no trace"), SamplingParams(max_tokens=4)),
+            ],
+        )
+    finally:
+        engine.shutdown()
+    assert final["r0"][:2] == ([*story[:16], tokenizer.eos_token_id], "stop")  # trace, EOS
+    assert final["r1"][:2] == (story[:5], "length")
+    assert json.loads(final["r2"][2]) == INSTANCES[2] and final["r2"][1] == "stop"
+    assert "past its trace's end" in final["r3"][3]  # it ignores EOS
+    assert "no trace" in final["r4"][3]
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_a_token_the_mask_forbids_fails_the_step(tiny_model_dir, tokenizer, tmp_path, mode):
+    bad = tokenizer.encode("Not JSON:")
+    good = tokenizer.encode("Person 0 as JSON:")
+    other = tokenizer.encode("Story number 0:")
+    story = tokenizer.encode(STORY * 8, add_special_tokens=False)
+    instance = json.dumps(INSTANCES[0], separators=(",", ":"))
+    TraceBook(
+        [
+            Trace(tuple(bad), tuple(tokenizer.encode("hello", add_special_tokens=False))),
+            Trace(tuple(good), tuple(tokenizer.encode(instance, add_special_tokens=False))),
+            Trace(tuple(other), tuple(story)),
+        ]
+    ).save(tmp_path / "t.jsonl")
+    engine = _engine(tiny_model_dir, tmp_path / "t.jsonl", async_scheduling=mode, max_model_len=512)
+    try:
+        assert _run(engine, [(good, _json_sp())])["r0"][1] == "stop"  # compiles the schema
+        engine.add_request("free", other, SamplingParams(max_tokens=len(story)))
+        engine.step()  # the free request is running when the JSON one first samples
+        final = _run(engine, [(bad, _json_sp())])
+    finally:
+        engine.shutdown()
+    # The whole step fails: the request whose token the mask forbids and the one beside it.
+    assert final["r0"][1] == "error" and final["free"][1] == "error"
+    assert "forbidden by the bitmask" in final["r0"][3]
+
+
+@pytest.mark.parametrize("aborts", [False, True])
+def test_sync_and_async_give_the_same_outputs_with_preemption(
+    tiny_model_dir, tokenizer, tmp_path, aborts
+):
+    json_prompts, free_prompts = _traces(tokenizer, tmp_path / "t.jsonl")
+    requests = []
+    for i in range(len(INSTANCES)):
+        requests.append((json_prompts[i], _json_sp()))
+        requests.append((free_prompts[i], SamplingParams(max_tokens=40, temperature=0.0)))
+    abort = {"r3": 4, "r8": 2, "r13": 6} if aborts else None
+    results, preemptions = [], []
+    for mode in (False, True):
+        engine = _engine(
+            tiny_model_dir,
+            tmp_path / "t.jsonl",
+            async_scheduling=mode,
+            block_size=4,
+            num_kv_blocks=40,
+            max_num_batched_tokens=24,
+        )
+        try:
+            results.append(_run(engine, requests, abort))
+            preemptions.append(engine.core.scheduler.num_preemptions)
+        finally:
+            engine.shutdown()
+    assert results[0] == results[1]
+    assert min(preemptions) > 0
+    final = results[0]
+    assert len(final) == len(requests)
+    for i in range(len(INSTANCES)):
+        tokens, reason, text, _ = final[f"r{2 * i}"]
+        if reason == "abort":
+            continue
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert all(v[1] != "error" for v in final.values())
+    if aborts:
+        assert final["r3"][1] == "abort" and len(final["r3"][0]) == 4
+
+
+def test_the_engine_reads_no_device_state_outside_get_output(
+    tiny_model_dir, tokenizer, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("BATON_SYNC_CHECK", "error")
+    json_prompts, free_prompts = _traces(tokenizer, tmp_path / "t.jsonl")
+    engine = _engine(tiny_model_dir, tmp_path / "t.jsonl", async_scheduling=True)
+    try:
+        requests = [(json_prompts[i], _json_sp()) for i in range(4)]
+        requests += [
+            (free_prompts[i], SamplingParams(max_tokens=20, logprobs=None)) for i in range(4)
+        ]
+        final = _run(engine, requests)
+        assert all(v[1] in ("stop", "length") for v in final.values())
+        # The check is live on the simulator: a planted read is caught.
+        real = engine.core.scheduler.schedule
+
+        def planted():
+            import torch
+
+            torch.ones(1).sum().item()
+            return real()
+
+        monkeypatch.setattr(engine.core.scheduler, "schedule", planted)
+        engine.add_request("x", free_prompts[5], SamplingParams(max_tokens=4))
+        with pytest.raises(SyncCheckError, match="planted"):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_the_device_timeline_runs_in_order_and_waits_are_real(tiny_model_dir, tokenizer, tmp_path):
+    json_prompts, free_prompts = _traces(tokenizer, tmp_path / "t.jsonl")
+    engine = _engine(tiny_model_dir, tmp_path / "t.jsonl", async_scheduling=True)
+    try:
+        t0 = time.perf_counter()
+        _run(engine, [(p, SamplingParams(max_tokens=30)) for p in free_prompts[:6]])
+        wall = time.perf_counter() - t0
+        executor = engine.core.executor
+        assert isinstance(executor, SimExecutor)
+        ops = executor.device_ops()
+    finally:
+        engine.shutdown()
+    assert ops and all(a.end <= b.start + 1e-9 for a, b in zip(ops, ops[1:], strict=False))
+    busy = sum(o.end - o.start for o in ops)
+    assert wall >= busy  # the engine really waited for the simulated device
+    assert [o.kind for o in ops[:4]] == ["forward", "sample", "forward", "sample"]
+
+
+def test_sim_device_options_are_validated():
+    with pytest.raises(ValueError, match="h200"):
+        EngineConfig(device="sim:h999")
+    with pytest.raises(ValueError, match="sim_shape"):
+        EngineConfig(device="sim:h200", sim_shape="gpt-5")
+    with pytest.raises(ValueError, match="cannot drive the simulated"):
+        EngineConfig(device="sim:h200", executor="mp")
+    with pytest.raises(ValueError, match="need a simulated device"):
+        EngineConfig(sim_traces="x.jsonl")
+    cfg = EngineConfig(device="sim:l4")
+    assert cfg.executor == "sim" and cfg.async_scheduling is True
