@@ -31,6 +31,7 @@ from typing import Any
 import jsonschema
 import torch
 
+from baton.bench.engine_sim import add_sim_args, main_sim
 from baton.bench.forward import RESULTS
 from baton.bench.plotting import pyplot, save_results
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
@@ -593,15 +594,21 @@ def main(argv: list[str] | None = None) -> int:
         default=("a", "b"),
         help="a = default model, b = gpu-like tiny model (default: a,b)",
     )
-    p.add_argument("--batches", type=_ints, default=(1, 8, 32, 64), help="default: 1,8,32,64")
+    p.add_argument(
+        "--batches", type=_ints, default=None, help="default: 1,8,32,64 (sim: 1,16,64,256)"
+    )
     p.add_argument(
         "--json-fractions",
         type=_floats,
-        default=(0.0, 1.0),
-        help="share of JSON-schema requests in a batch (default: 0,1)",
+        default=None,
+        help="share of JSON-schema requests in a batch (default: 0,1; sim: 0,0.5,1)",
     )
     p.add_argument("--output-len", type=int, default=64, help="max tokens per request")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default), cuda[:N], or sim:<gpu> (a simulated accelerator: h200, h100, l4)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="runs per case, interleaved")
     p.add_argument(
         "--goal-batch",
@@ -612,12 +619,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", type=Path, default=RESULTS / "engine.json", help="JSON path; the PNG goes beside"
     )
+    add_sim_args(p)
     a = p.parse_args(argv)
+    if a.device.startswith("sim:"):
+        return main_sim(p, a)
     try:
         cfg = BenchConfig(
             regimes=a.regimes,
-            batches=a.batches,
-            json_fractions=a.json_fractions,
+            batches=a.batches or (1, 8, 32, 64),
+            json_fractions=a.json_fractions or (0.0, 1.0),
             output_len=a.output_len,
             repeats=a.repeats,
             goal_batch=a.goal_batch,
