@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ from typing import Any
 import jsonschema
 
 from baton.bench.common import RESULTS_DIR, write_results
-from baton.bench.engine_sim_report import plot, print_report
+from baton.bench.engine_sim_report import plot, print_report, timeline_path
 from baton.bench.grammar import default_data_dir
 from baton.bench.sim_traces import (
     JsonCase,
@@ -262,6 +263,9 @@ def build_llm(cfg: SimBenchConfig, async_on: bool, batch: int, traces: Path) -> 
 
 
 def run(cfg: SimBenchConfig) -> dict[str, Any]:
+    """Builds the traces, runs every case and returns the result (rows, ratios, goals,
+    timelines); prints one line per case as it goes."""
+    load_start = os.getloadavg()[0]
     tok = load_tokenizer(cfg.model)
     t0 = time.perf_counter()
     cases = json_cases(tok, cfg.data_dir, cfg.schemas, cfg.min_json_tokens, cfg.max_json_tokens)
@@ -323,6 +327,10 @@ def run(cfg: SimBenchConfig) -> dict[str, Any]:
         "ratios": ratios,
         "goals": evaluate_goals(rows, ratios),
         "timeline": {"batch": GOAL_BATCH, "json_fraction": max(cfg.json_fractions), **timelines},
+        "load": (
+            f"1-minute load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at "
+            f"the end, on {os.cpu_count()} cores"
+        ),
     }
 
 
@@ -444,5 +452,6 @@ def main_sim(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     result = run(cfg)
     print_report(result)
     out = a.out if a.out != RESULTS_DIR / "engine.json" else RESULTS_DIR / "engine_sim.json"
+    result["timeline_png"] = timeline_path(out).name
     write_results(result, out, plot, device=cfg.device, shape=cfg.shape)
     return 0

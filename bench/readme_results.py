@@ -241,6 +241,71 @@ def _engine(d: dict[str, Any]) -> str:
     return caption + _table(header, rows) + ("\n\n" + "\n".join(lines) if lines else "")
 
 
+def _engine_sim(d: dict[str, Any]) -> str:
+    rows = []
+    for r in d["rows"]:
+        phases = r.get("phase_ms_per_step") or {}
+        rows.append(
+            [
+                "on" if r["async"] else "off",
+                f"{r['json_fraction']:.0%}",
+                str(r["batch"]),
+                f"{r['tok_per_s']:.0f}",
+                _pct(r.get("steady_idle")),
+                _num(r.get("device_ms_per_step"), ".2f"),
+                _num(r.get("host_ms_per_step"), ".2f"),
+                _num(r.get("host_us_per_request_step"), ".1f"),
+                " / ".join(
+                    _num(phases.get(p), ".2f")
+                    for p in ("schedule", "bitmask", "launch", "update", "output")
+                ),
+                str(r["deferred_steps"]),
+                f"{r['errors']}, {r['json_invalid']}/{r['json_checked']}",
+            ]
+        )
+    header = [
+        "async",
+        "JSON",
+        "batch",
+        "tok/s",
+        "device idle (steady)",
+        "device ms/step",
+        "host ms/step",
+        "host µs/request-step",
+        "schedule / bitmask / launch / update / output ms",
+        "deferred steps",
+        "errors, invalid JSON",
+    ]
+    ratios = [
+        [
+            str(x["batch"]),
+            f"{x['json_fraction']:.0%}",
+            _num(x["async_over_sync"], ".2f"),
+            _num(x["structured_over_free"], ".2f"),
+        ]
+        for x in d["ratios"]
+    ]
+    lines = _goal_lines(d.get("goals") or [], digits=3)
+    caption = (
+        f"The real engine on the host against a simulated {d['gpu']['name']} running the "
+        f"{d['shape']['name']} shape (roofline step times, token traces, every structured "
+        "token checked against its bitmask); the default model's tokenizer. Host load during "
+        f"the run: {d.get('load', '-')}.\n\n"
+    )
+    return (
+        caption
+        + _table(header, rows)
+        + "\n\n"
+        + _table(["batch", "JSON", "async / sync", "structured / free (async)"], ratios)
+        + ("\n\n" + "\n".join(lines) if lines else "")
+        + (
+            f"\n\n![timeline of steady steps](bench/results/{d['timeline_png']})"
+            if d.get("timeline_png")
+            else ""
+        )
+    )
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
@@ -366,6 +431,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ),
     ("throughput.json", "Offline throughput", "baton bench throughput", _throughput),
     ("engine.json", "Async vs sync scheduling", "baton bench engine", _engine),
+    (
+        "engine_sim.json",
+        "Async vs sync at accelerator speed (simulated H200)",
+        "baton bench engine --device sim:h200 --shape llama-3.1-8b",
+        _engine_sim,
+    ),
     ("structured.json", "Structured vs free TPOT", "baton bench structured", _structured),
     ("grammar.json", "Grammar backends (MaskBench)", "baton bench grammar", _grammar),
     ("masks.json", "Mask fill time per schema feature", "baton bench masks", _masks),
