@@ -420,6 +420,28 @@ def _soak(d: dict[str, Any]) -> str:
     return caption + _table(["figure", "value"], rows)
 
 
+def _tensor_parallel(d: dict[str, Any]) -> str:
+    c = d["config"]
+    caption = (
+        f"Greedy decode, {c['output_len']} tokens per request, float32, sync scheduling, on "
+        f"{c['cpu_cores']} cores; collectives: rank 0's time in all-reduces, the logits gather "
+        "and the token broadcast (waiting for the other ranks included) over its device time."
+        "\n\n"
+    )
+    rows = [
+        [
+            r["model"],
+            str(r["batch"]),
+            f"{r['tp']} x {r['threads_per_rank']}",
+            f"{r['step_ms']:.1f}",
+            f"{100 * r['collective_share']:.0f}%" if r["tp"] > 1 else "-",
+        ]
+        for r in d["rows"]
+    ]
+    header = ["model", "batch", "ranks x threads", "ms / step", "collectives"]
+    return caption + _table(header, rows)
+
+
 # (file, title, command, renderer)
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("forward.json", "Forward pass, float32", "baton bench forward", _forward),
@@ -449,6 +471,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("peers.json", "Against other engines (JSON schema)", "baton bench peers", _peers),
     ("serve.json", "Serving over HTTP", "baton bench serve", _serve),
     ("soak.json", "Soak", "baton bench soak", _soak),
+    (
+        "tensor_parallel.json",
+        "Tensor parallel",
+        "baton bench tensor_parallel",
+        _tensor_parallel,
+    ),
 ]
 
 
