@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import abc
+import importlib
+import pickle
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,7 +82,29 @@ class GrammarBackend(abc.ABC):
 
     @abc.abstractmethod
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """Compiles (slow; runs in a worker thread). Raises ``GrammarError``."""
+        """Compiles (slow; runs in a compile worker process). Raises ``GrammarError``."""
+
+    def compile_key(self, spec: StructuredOutputsParams) -> tuple[object, ...] | None:
+        """What ``compile`` really compiles, when specs that differ compile to the same
+        grammar (the compile service then compiles it once); None: the spec itself."""
+        return None
+
+    def export_compiled(self, compiled: CompiledGrammar) -> bytes:
+        """Bytes from which ``import_compiled`` rebuilds ``compiled`` in another process
+        (a compile worker exports, the engine imports). This default pickles it."""
+        return pickle.dumps(compiled, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def import_compiled(self, spec: StructuredOutputsParams, data: bytes) -> CompiledGrammar:
+        """Rebuilds the grammar that ``export_compiled`` turned into ``data``, for ``spec``,
+        on this backend (the engine's copy of the one that compiled it).
+
+        Raises:
+            GrammarError: ``data`` cannot be turned back into a grammar.
+        """
+        grammar = pickle.loads(data)  # noqa: S301 - written by baton's own compile worker
+        if not isinstance(grammar, CompiledGrammar):
+            raise GrammarError(f"expected a compiled grammar, got {type(grammar).__name__}")
+        return grammar
 
     def fill_bitmasks(
         self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]
@@ -89,6 +115,50 @@ class GrammarBackend(abc.ABC):
         """
         for matcher, row in zip(matchers, rows, strict=True):
             matcher.fill_bitmask(bitmask, row)
+
+
+@dataclass(frozen=True)
+class BackendRecipe:
+    """How to build one backend: in the engine process, and again in each compile worker.
+
+    Attributes:
+        name: the backend's name in specs ("xgrammar", "outlines").
+        target: ``"package.module:Class"``, called as ``Class(vocab, vocab_size, **options)``
+            (an importable callable: compile workers import it by name).
+        options: keyword arguments, as (name, value) pairs of plain picklable values.
+        worker_options: options that differ in compile workers (e.g. one compile thread:
+            workers run side by side instead).
+
+    Raises:
+        ValueError: ``target`` is not of the form "module:attribute".
+    """
+
+    name: str
+    target: str
+    options: tuple[tuple[str, Any], ...] = ()
+    worker_options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        module, _, attr = self.target.partition(":")
+        if not module or not attr:
+            raise ValueError(f"target must be 'module:attribute', got {self.target!r}")
+
+    def for_workers(self) -> BackendRecipe:
+        """This recipe with ``worker_options`` applied: what compile workers build."""
+        options = {**dict(self.options), **dict(self.worker_options)}
+        return BackendRecipe(self.name, self.target, tuple(options.items()))
+
+    def build(self, vocab: object, vocab_size: int) -> GrammarBackend:
+        """The backend, from a tokenizer or an already read ``Vocab``.
+
+        Raises:
+            ImportError, AttributeError: ``target`` does not name an importable callable.
+        """
+        module, _, attr = self.target.partition(":")
+        factory = importlib.import_module(module)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+        return factory(vocab, vocab_size, **dict(self.options))  # type: ignore[operator]
 
 
 def bitmask_width(vocab_size: int) -> int:

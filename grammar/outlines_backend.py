@@ -26,6 +26,7 @@ Choices made here:
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -1746,6 +1747,14 @@ class OutlinesBackend(GrammarBackend):
             )
         return regex
 
+    def compile_key(self, spec: StructuredOutputsParams) -> tuple[object, ...] | None:
+        """The regex: schemas that outlines writes as the same regex share one index
+        (e.g. every schema that allows any JSON value, seconds to build each time)."""
+        try:
+            return ("regex", self.regex_for(spec))
+        except GrammarError:
+            return None
+
     def unsupported_reason(self, spec: StructuredOutputsParams) -> str | None:
         """None when outlines can take and fully enforce ``spec``; otherwise why not."""
         try:
@@ -1768,4 +1777,30 @@ class OutlinesBackend(GrammarBackend):
             raise
         except BaseException as exc:  # PyO3 panics derive from BaseException
             raise GrammarError(f"outlines-core cannot compile this {spec.kind}: {exc}") from None
+        return OutlinesCompiledGrammar(index, regex, self._info)
+
+    def export_compiled(self, compiled: CompiledGrammar) -> bytes:
+        """The index (outlines-core's own binary form, through pickle) and its regex.
+
+        Raises:
+            TypeError: ``compiled`` is not an ``OutlinesCompiledGrammar``.
+        """
+        if not isinstance(compiled, OutlinesCompiledGrammar):
+            raise TypeError(f"expected an OutlinesCompiledGrammar, got {type(compiled).__name__}")
+        return pickle.dumps((compiled.index, compiled.regex), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def import_compiled(
+        self, spec: StructuredOutputsParams, data: bytes
+    ) -> OutlinesCompiledGrammar:
+        """Rebuilds the index that ``export_compiled`` wrote (no DFA is built again).
+
+        Raises:
+            GrammarError: ``data`` does not hold an outlines index.
+        """
+        try:
+            index, regex = pickle.loads(data)  # noqa: S301 - written by baton's compile worker
+        except (pickle.UnpicklingError, ValueError, TypeError, EOFError) as exc:
+            raise GrammarError(f"cannot read the compiled outlines index: {exc}") from None
+        if not isinstance(index, outlines_core.Index):
+            raise GrammarError(f"expected an outlines index, got {type(index).__name__}")
         return OutlinesCompiledGrammar(index, regex, self._info)

@@ -69,8 +69,9 @@ def _byte_decoder() -> dict[str, int]:
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
-def build_vocab(tokenizer: VocabSource) -> Vocab:
-    """Reads the vocabulary's bytes from a tokenizer.
+def build_vocab(tokenizer: VocabSource | Vocab) -> Vocab:
+    """Reads the vocabulary's bytes from a tokenizer (a ``Vocab`` is returned as it is, so
+    that a vocabulary read once can build several backends, in compile workers too).
 
     Byte-level BPE (GPT-2, SmolLM, Llama 3, Qwen2) maps each character back to
     a byte; SentencePiece vocabularies turn "▁" into a space and "<0xNN>" into
@@ -79,6 +80,8 @@ def build_vocab(tokenizer: VocabSource) -> Vocab:
     Raises:
         ValueError: a byte-level token holds a character outside the byte alphabet.
     """
+    if isinstance(tokenizer, Vocab):
+        return tokenizer
     strings = tokenizer.token_strings()
     config = json.loads(tokenizer.backend.to_str())  # type: ignore[attr-defined]
     decoder = config.get("decoder") or {}
