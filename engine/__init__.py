@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLM": "baton.engine.entrypoints.llm",
     "AsyncLLM": "baton.engine.entrypoints.async_llm",
     "LLMEngine": "baton.engine.processing.llm_engine",
+    "EngineBusyError": "baton.engine.errors",
     "EngineConfig": "baton.engine.config",
     "SamplingParams": "baton.engine.sampling_params",
     "StructuredOutputsParams": "baton.grammar.spec",

@@ -110,7 +110,16 @@ class EngineConfig:
             device replays; None: no traces (every request fails, naming the missing trace).
             With a "sim:" device the KV cache defaults to 90% of the GPU's memory left by the
             weights (``num_kv_blocks`` overrides it).
-        grammar_compile_timeout_s: time limit of one grammar compile.
+        grammar_compile_timeout_s: time limit of one grammar compile's own running time
+            (its worker process's CPU time: neither its wait in the compile queue nor a
+            busy machine counts); past it the worker is killed and the spec fails.
+        grammar_compile_workers: grammar compiles that run at once, each in a worker
+            process (a compile running longer than 0.1 s stops counting); None: 2, or 1
+            on a single core.
+        grammar_compile_max_workers: worker processes at most, those slow compiles
+            included (each for at most the time limit); None: grammar_compile_workers + 4.
+        grammar_compile_queue_size: distinct specs that may wait for a compile worker;
+            beyond it ``LLM.generate`` waits and the server answers 503 with Retry-After.
         grammar_dynamic_compilation: let xgrammar compile JSON schemas lazily
             (much faster compiles, slower first mask fills).
         async_scheduling: plan step N+1 while the device runs step N. None
@@ -153,6 +162,9 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     grammar_compile_timeout_s: float = 10.0
+    grammar_compile_workers: int | None = None
+    grammar_compile_max_workers: int | None = None
+    grammar_compile_queue_size: int = 64
     grammar_dynamic_compilation: bool = False
     async_scheduling: bool | None = None
     executor: str | None = None
@@ -173,6 +185,7 @@ class EngineConfig:
             "kv_cache_memory_bytes",
             "max_concurrent_batches",
             "tensor_parallel_size",
+            "grammar_compile_queue_size",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -195,6 +208,19 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.grammar_compile_timeout_s must be > 0, "
                 f"got {self.grammar_compile_timeout_s!r}"
+            )
+        for name in ("grammar_compile_workers", "grammar_compile_max_workers"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {v!r}")
+        if (
+            self.grammar_compile_workers is not None
+            and self.grammar_compile_max_workers is not None
+            and self.grammar_compile_max_workers < self.grammar_compile_workers
+        ):
+            raise ValueError(
+                "EngineConfig.grammar_compile_max_workers must be >= grammar_compile_workers, "
+                f"got {self.grammar_compile_max_workers} < {self.grammar_compile_workers}"
             )
         if self.worker_threads is not None and (
             not isinstance(self.worker_threads, int)

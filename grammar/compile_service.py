@@ -1,26 +1,64 @@
-"""Compiles grammars off the engine thread: a thread pool, an LRU cache, a time limit.
+"""Compiles grammars in worker processes that can be stopped, behind an LRU cache and a
+bounded queue.
 
-The engine submits a spec and polls the returned handle once per step; a
-request whose grammar is still compiling waits without holding up anyone.
+The engine submits a spec and polls the returned handle once per step; a request whose
+grammar is still compiling waits without holding up anyone.
+
+* One compile serves every request for the same spec: a cache hit or a spec already in
+  flight never queues. A new spec queues; when ``max_queued`` specs already wait,
+  ``submit`` raises ``CompileQueueFull`` (the caller waits, or answers "busy") instead of
+  accepting work that would fail later.
+* ``compile_dispatcher`` runs the queue on worker processes (``compile_pool``): the time
+  limit bounds a compile's own running time (its worker's CPU time), never its wait in the
+  queue; a worker that passes it is killed and replaced, and only that spec's requests
+  fail; a memory cap
+  turns a schema that would exhaust the machine into an error; a few slow or hostile specs
+  never block the ones behind them.
+* A worker sends back bytes that the engine's own backend rebuilds (``export_compiled`` /
+  ``import_compiled``); the result is cached in the engine process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-from baton.grammar.backend import CompiledGrammar, GrammarBackend, GrammarError
+from baton.grammar.backend import BackendRecipe, CompiledGrammar, GrammarBackend, GrammarError
+from baton.grammar.compile_dispatcher import (
+    COMPILE_SECONDS_BUCKETS,
+    Compiled,
+    CompileDispatcher,
+    CompileJob,
+    CompilePoolConfig,
+    CompileTimeout,
+)
 from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.vocab import Vocab, build_vocab
 
 logger = logging.getLogger(__name__)
 
 # Preference order of "auto".
 AUTO_ORDER = ("xgrammar", "outlines")
+_CANDIDATES_CACHE_SIZE = 1024
+
+
+class CompileQueueFull(RuntimeError):
+    """Too many specs wait for a compile worker; nothing was queued.
+
+    Attributes:
+        retry_after_s: seconds after which a queue slot will have opened (every compile
+            that runs now has ended by then, at its limit at the latest).
+    """
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -32,8 +70,9 @@ class CompileResult:
         backend: the backend that served it (or last tried).
         fallback_reason: why the preferred backend was not used, if it was not.
         error: the failure message (compile error or time-out), if any.
-        seconds: compile time (0 for a cache hit).
-        cache_hit: served from the cache.
+        seconds: the compile's own time (worker plus rebuild; 0 when it was cached or
+            another request's compile served it).
+        cache_hit: served from the cache or by a compile already in flight.
     """
 
     grammar: CompiledGrammar | None
@@ -45,72 +84,155 @@ class CompileResult:
 
 
 class CompileHandle:
-    """A pending compile: ``result()`` is None until it is done or timed out."""
+    """A pending compile: ``result()`` is None until it is done.
 
-    def __init__(self, future: Future[CompileResult], deadline: float) -> None:
-        self._future = future
-        self._deadline = deadline
-        self._timed_out: CompileResult | None = None
-
-    def result(self, now: float | None = None) -> CompileResult | None:
-        """The result when ready; a time-out error once the deadline has passed."""
-        if self._future.done():
-            exc = self._future.exception()
-            if exc is not None:
-                return CompileResult(None, "", error=f"{type(exc).__name__}: {exc}")
-            return self._future.result()
-        if self._timed_out is None and (now or time.monotonic()) >= self._deadline:
-            self._timed_out = CompileResult(None, "", error="grammar compilation timed out")
-        return self._timed_out
-
-
-class CompileService:
-    """Chooses a backend per spec and compiles it in a thread pool, with an LRU cache.
-
-    Args:
-        backends: name -> backend (made lazily by the callables, at first use).
-        timeout_s: time limit of one compile; a slower one fails its request
-            (the worker thread finishes in the background and its result is
-            still cached for later requests).
-        cache_size: compiled grammars kept.
-        max_workers: compile threads.
+    With several candidate backends ("auto"), a compile error on one moves on to the next
+    (the reasons are kept in ``fallback_reason``); a time-out ends the chain.
     """
 
     def __init__(
         self,
-        backends: Mapping[str, Callable[[], GrammarBackend]],
+        service: CompileService | None,
+        spec: StructuredOutputsParams,
+        names: Sequence[str],
+        fallback: str | None,
+        future: Future[Compiled],
+        hit: bool,
+    ) -> None:
+        self._service = service
+        self._spec = spec
+        self._names = list(names)
+        self._fallback = fallback
+        self._future = future
+        self._hit = hit
+        self._index = 0
+        self._errors: list[str] = []
+        self._done: CompileResult | None = None
+
+    def result(self) -> CompileResult | None:
+        """The result when ready (a failed one has ``error`` set); None while compiling."""
+        while self._done is None:
+            if not self._future.done():
+                return None
+            name = self._names[self._index]
+            exc = self._future.exception()
+            if exc is None:
+                compiled = self._future.result()
+                reason = "; ".join(filter(None, [self._fallback, *self._errors])) or None
+                seconds = 0.0 if self._hit else compiled.seconds
+                self._done = CompileResult(compiled.grammar, name, reason, None, seconds, self._hit)
+                break
+            if self._service is None:  # refused before any compile
+                self._done = CompileResult(None, name, None, str(exc))
+                break
+            self._errors.append(f"{name}: {exc}")
+            if self._index + 1 >= len(self._names) or isinstance(exc, CompileTimeout):
+                self._done = CompileResult(None, name, self._fallback, "; ".join(self._errors))
+                break
+            self._index += 1
+            # Already admitted: the fallback compile does not count against the queue bound.
+            self._future, self._hit = self._service._request(
+                self._names[self._index], self._spec, bounded=False
+            )
+        return self._done
+
+
+class CompileService:
+    """Chooses a backend per spec and compiles it in killable worker processes.
+
+    Args:
+        recipes: how to build each backend (name -> recipe); the engine's copy is built at
+            first use, the workers' once per worker template process.
+        tokenizer: the model's tokenizer (or a ``Vocab``); its vocabulary is read once.
+        vocab_size: the model's vocabulary size.
+        timeout_s: time limit of one compile's own running time (its worker's CPU time; not
+            its wait in the queue).
+        cache_size: compiled grammars kept in the engine process.
+        pool: worker counts, queue bound and memory cap.
+
+    Worker processes start at the first compile, not here. ``shutdown`` stops them.
+
+    Raises:
+        ValueError: a bad limit or size.
+    """
+
+    def __init__(
+        self,
+        recipes: Mapping[str, BackendRecipe],
+        tokenizer: object,
+        vocab_size: int,
         timeout_s: float = 10.0,
         cache_size: int = 256,
-        max_workers: int = 2,
+        pool: CompilePoolConfig | None = None,
     ) -> None:
-        if timeout_s <= 0 or cache_size < 1 or max_workers < 1:
-            raise ValueError("timeout_s must be > 0, cache_size and max_workers >= 1")
-        self._factories = dict(backends)
+        if timeout_s <= 0 or cache_size < 1:
+            raise ValueError("timeout_s must be > 0 and cache_size >= 1")
+        self._recipes = dict(recipes)
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._vocab: Vocab | None = None
         self._backends: dict[str, GrammarBackend] = {}
         self._backend_lock = threading.Lock()
         self.timeout_s = timeout_s
-        self._cache: OrderedDict[tuple, Future[CompiledGrammar]] = OrderedDict()
+        self.pool = pool or CompilePoolConfig()
+        self._cache: OrderedDict[tuple[object, ...], Future[Compiled]] = OrderedDict()
         self._cache_size = cache_size
+        self._candidates: OrderedDict[tuple[object, ...], tuple[list[str], dict[str, str]]]
+        self._candidates = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="baton-grammar")
-        self.hits = 0
-        self.misses = 0
+        self._counts = dict.fromkeys(
+            (
+                "grammar_cache_hits",
+                "grammar_cache_misses",
+                "grammar_compile_joined",
+                "grammar_compile_rejected",
+            ),
+            0,
+        )
+        self._dispatcher = CompileDispatcher(
+            list(self._recipes.values()),
+            self.vocab,
+            vocab_size,
+            timeout_s,
+            self.pool,
+            rebuild=lambda name, spec, data: self.backend(name).import_compiled(spec, data),
+            on_failed=self._forget,
+        )
+
+    # ------------------------------------------------------------- backends
+    def vocab(self) -> Vocab:
+        """The vocabulary, read from the tokenizer at first use."""
+        with self._backend_lock:
+            if self._vocab is None:
+                self._vocab = build_vocab(self._tokenizer)  # type: ignore[arg-type]
+            return self._vocab
 
     def backend(self, name: str) -> GrammarBackend:
-        """The backend called ``name``, built on first use."""
+        """The engine's backend called ``name``, built on first use.
+
+        Raises:
+            ValueError: no backend has that name.
+        """
+        if name not in self._recipes:
+            raise ValueError(f"unknown structured-output backend {name!r}")
+        vocab = self.vocab()
         with self._backend_lock:
             if name not in self._backends:
-                if name not in self._factories:
-                    raise ValueError(f"unknown structured-output backend {name!r}")
-                self._backends[name] = self._factories[name]()
+                self._backends[name] = self._recipes[name].build(vocab, self._vocab_size)
             return self._backends[name]
 
     def candidates(self, spec: StructuredOutputsParams) -> tuple[list[str], dict[str, str]]:
         """Backends that can take ``spec`` in preference order, and why the others cannot."""
+        ckey = (spec.backend, spec.allow_unenforced, *self._spec_key(spec))
+        with self._lock:
+            found = self._candidates.get(ckey)
+            if found is not None:
+                self._candidates.move_to_end(ckey)
+                return list(found[0]), dict(found[1])
         names = list(AUTO_ORDER) if spec.backend == "auto" else [spec.backend]
         ok, reasons = [], {}
         for name in names:
-            if name not in self._factories:
+            if name not in self._recipes:
                 reasons[name] = "not available"
                 continue
             reason = self.backend(name).unsupported_reason(spec)
@@ -118,82 +240,152 @@ class CompileService:
                 ok.append(name)
             else:
                 reasons[name] = reason
-        return ok, reasons
+        with self._lock:
+            self._candidates[ckey] = (ok, reasons)
+            while len(self._candidates) > _CANDIDATES_CACHE_SIZE:
+                self._candidates.popitem(last=False)
+        return list(ok), dict(reasons)
+
+    # ----------------------------------------------------------- submission
+    def has_room(self, spec: StructuredOutputsParams) -> bool:
+        """False when ``submit(spec)`` would have to queue a new compile and the queue is full."""
+        names, _ = self.candidates(spec)
+        if not names:
+            return True  # fails at once, never queues
+        key = self._key(names[0], spec)
+        with self._lock:
+            if key in self._cache:
+                return True
+        return self._dispatcher.queue_length() < self.pool.max_queued
+
+    def refuse(self) -> CompileQueueFull:
+        """Counts a request refused because the queue is full; returns the error to raise."""
+        with self._lock:
+            self._counts["grammar_compile_rejected"] += 1
+        return CompileQueueFull(
+            f"{self.pool.max_queued} grammars already wait for a compile worker",
+            self._dispatcher.retry_after_s(),
+        )
+
+    def retry_after_s(self) -> float:
+        """Seconds after which a queue slot will surely have opened: when the first of the
+        compiles running now reaches its time limit (at least 1 s)."""
+        return self._dispatcher.retry_after_s()
 
     def submit(self, spec: StructuredOutputsParams) -> CompileHandle:
-        """Starts compiling ``spec`` (or finds it cached); never blocks on a compile."""
-        deadline = time.monotonic() + self.timeout_s
+        """Starts compiling ``spec`` (or finds it cached or in flight); never blocks on a compile.
+
+        Raises:
+            CompileQueueFull: a new compile is needed and ``max_queued`` specs already wait.
+        """
         names, reasons = self.candidates(spec)
         if not names:
             detail = "; ".join(f"{n}: {r}" for n, r in reasons.items())
-            done: Future[CompileResult] = Future()
-            done.set_result(
-                CompileResult(None, spec.backend, error=f"no backend can take it: {detail}")
-            )
-            return CompileHandle(done, deadline)
-        fallback = "; ".join(f"{n}: {r}" for n, r in reasons.items()) or None
-        future = self._pool.submit(self._compile_chain, spec, names, fallback)
-        return CompileHandle(future, deadline)
+            failed: Future[Compiled] = Future()
+            failed.set_exception(GrammarError(f"no backend can take it: {detail}"))
+            return CompileHandle(None, spec, [spec.backend], None, failed, False)
+        # Only the backends preferred over the one that will try first had to be passed over.
+        order = list(AUTO_ORDER) if spec.backend == "auto" else [spec.backend]
+        passed = [n for n in order[: order.index(names[0])] if n in reasons]
+        fallback = "; ".join(f"{n}: {reasons[n]}" for n in passed) or None
+        future, hit = self._request(names[0], spec, bounded=True)
+        return CompileHandle(self, spec, names, fallback, future, hit)
 
-    def _compile_chain(
-        self, spec: StructuredOutputsParams, names: list[str], fallback: str | None
-    ) -> CompileResult:
-        errors = []
-        for name in names:
-            t0 = time.monotonic()
-            try:
-                grammar, hit = self._compile_cached(name, spec)
-            except GrammarError as exc:
-                errors.append(f"{name}: {exc}")
-                continue
-            reason = "; ".join(filter(None, [fallback, *errors])) or None
-            return CompileResult(grammar, name, reason, None, time.monotonic() - t0, hit)
-        return CompileResult(None, names[-1], fallback, "; ".join(errors))
+    @staticmethod
+    def _spec_key(spec: StructuredOutputsParams) -> tuple[object, ...]:
+        return (spec.kind, spec.spec_text, spec.options_key)
 
-    def _compile_cached(
-        self, name: str, spec: StructuredOutputsParams
-    ) -> tuple[CompiledGrammar, bool]:
-        backend = self.backend(name)
-        key = (
-            name,
-            spec.kind,
-            spec.spec_text,
-            spec.options_key,
-            getattr(backend, "vocab_key", None),
-        )
+    def _key(self, name: str, spec: StructuredOutputsParams) -> tuple[object, ...]:
+        key = self.backend(name).compile_key(spec)
+        return (name, *(self._spec_key(spec) if key is None else key))
+
+    def _request(
+        self, name: str, spec: StructuredOutputsParams, bounded: bool
+    ) -> tuple[Future[Compiled], bool]:
+        """The future of ``spec`` on backend ``name``, queueing a compile when it is new;
+        and whether it was already there (cached or in flight).
+
+        Raises:
+            CompileQueueFull: ``bounded`` and the queue is full.
+        """
+        key = self._key(name, spec)
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
-                self.hits += 1
-                hit = True
-            else:
-                future = Future()
-                self._cache[key] = future
-                self.misses += 1
-                hit = False
+                self._counts[
+                    "grammar_cache_hits" if future.done() else "grammar_compile_joined"
+                ] += 1
+                return future, True
+            full = bounded and self._dispatcher.queue_length() >= self.pool.max_queued
+            if not full:
+                job = CompileJob(key, name, _portable(spec))
+                self._cache[key] = job.future
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
-        if hit:
-            return future.result(), True
-        try:
-            grammar = backend.compile(spec)
-        except BaseException as exc:  # noqa: BLE001 - a backend bug fails this spec only
-            # BaseException too (PyO3 panics are one): an unresolved cache entry would block
-            # every later compile of this spec, and the pool threads it runs on, for good.
-            err = (
-                exc
-                if isinstance(exc, GrammarError)
-                else GrammarError(f"{type(exc).__name__}: {exc}")
-            )
-            with self._lock:
-                self._cache.pop(key, None)
-            future.set_exception(err)
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise err from exc
-        future.set_result(grammar)
-        return grammar, False
+                self._counts["grammar_cache_misses"] += 1
+        if full:
+            raise self.refuse()
+        self._dispatcher.enqueue(job)
+        return job.future, False
+
+    def _forget(self, job: CompileJob) -> None:
+        """Drops a failed compile from the cache: the next request for it compiles again."""
+        with self._lock:
+            if self._cache.get(job.key) is job.future:
+                del self._cache[job.key]
+
+    # ----------------------------------------------------------------- state
+    def stats(self) -> dict[str, float | int]:
+        """Counters and gauges of the compile service (all keys start with ``grammar_``).
+
+        Gauges: ``grammar_compile_queue_length`` (specs waiting for a worker),
+        ``grammar_compile_queue_limit``, ``grammar_compile_running``,
+        ``grammar_compile_workers`` (live worker processes). Counters: ``grammar_compiles``
+        (succeeded), ``grammar_compile_errors``, ``grammar_compile_timeouts``,
+        ``grammar_compile_worker_starts``, ``grammar_compile_worker_kills`` (stopped at the
+        limit), ``grammar_compile_worker_deaths`` (ended on their own),
+        ``grammar_cache_hits``, ``grammar_cache_misses`` (compiles queued),
+        ``grammar_compile_joined`` (requests served by a compile in flight),
+        ``grammar_compile_rejected`` (refused: queue full). The compile-time histogram:
+        ``grammar_compile_seconds_sum``, ``grammar_compile_seconds_count`` and cumulative
+        ``grammar_compile_seconds_le_<bound>`` for each bound in ``COMPILE_SECONDS_BUCKETS``.
+        """
+        with self._lock:
+            counts = dict(self._counts)
+        return {**counts, **self._dispatcher.stats()}
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the live worker processes (running and idle)."""
+        return self._dispatcher.worker_pids()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the dispatcher and every worker process; pending compiles fail. Idempotent."""
+        self._dispatcher.shutdown()
+
+
+def _portable(spec: StructuredOutputsParams) -> StructuredOutputsParams:
+    """``spec`` with a pydantic class replaced by its schema: a worker must not import the
+    module that defined the class (it may be the user's ``__main__``)."""
+    if isinstance(spec.json, type):
+        return dataclasses.replace(spec, json=spec.schema)
+    return spec
+
+
+def default_compile_workers() -> int:
+    """Compile workers for this machine: 2, or 1 on a single core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(2, cores or 1))
+
+
+__all__ = [
+    "AUTO_ORDER",
+    "COMPILE_SECONDS_BUCKETS",
+    "CompileHandle",
+    "CompilePoolConfig",
+    "CompileQueueFull",
+    "CompileResult",
+    "CompileService",
+    "CompileTimeout",
+    "default_compile_workers",
+]

@@ -8,7 +8,6 @@ import itertools
 import json
 import re
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from compile_faults import use_faulty_backends
 
 from baton.engine import SamplingParams, StructuredOutputsParams
 from baton.engine.config import EngineConfig
@@ -23,6 +23,7 @@ from baton.engine.core.request import RequestStatus
 from baton.engine.outputs import RequestOutput
 from baton.engine.processing.llm_engine import LLMEngine
 from baton.grammar.backend import CompiledGrammar, GrammarMatcher
+from baton.grammar.compile_dispatcher import WALL_LIMIT_FACTOR
 from baton.grammar.spec import StructuredOutputsParams as Spec
 from baton.grammar.xgrammar_backend import XGrammarMatcher
 
@@ -136,10 +137,10 @@ def sabotage_compile(
     ("matcher": creating it, "accept": accepting a token, "fill": filling its mask row);
     every other spec compiles as usual."""
     backend = engine.structured.service.backend("xgrammar")
-    real = backend.compile
+    real = backend.import_compiled  # the engine's side of a compile (the worker's bytes)
 
-    def compile_(spec: Spec) -> CompiledGrammar:
-        grammar = real(spec)
+    def import_compiled(spec: Spec, data: bytes) -> CompiledGrammar:
+        grammar = real(spec, data)
         if spec.kind != "regex" or not str(spec.regex).startswith(marker):
             return grammar
         make = grammar.new_matcher
@@ -160,7 +161,7 @@ def sabotage_compile(
         grammar.new_matcher = new_matcher  # type: ignore[method-assign]
         return grammar
 
-    monkeypatch.setattr(backend, "compile", compile_)
+    monkeypatch.setattr(backend, "import_compiled", import_compiled)
 
 
 @pytest.mark.timeout(120)
@@ -197,39 +198,19 @@ def test_a_raising_grammar_backend_fails_only_its_request(
 
 # ------------------------------------------------------------------ slow compile
 
-# Far apart, so that a loaded host cannot blur them; the test's end releases the slow compile.
-SLOW_COMPILE_S = 10.0
 COMPILE_TIMEOUT_S = 1.0
 
 
-@pytest.fixture
-def release() -> Iterator[threading.Event]:
-    """Set at the end of a test: ends the slow compiles still waiting in the pool threads."""
-    event = threading.Event()
-    yield event
-    event.set()
-
-
-def slow_down_compile(
-    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, release: threading.Event, seconds: float
-) -> None:
-    """Regex specs starting with "slow" take ``seconds`` to compile, or until ``release`` is
-    set (the thread waits, as a native compile would, without holding the GIL)."""
-    backend = engine.structured.service.backend("xgrammar")
-    real = backend.compile
-
-    def compile_(spec: Spec) -> CompiledGrammar:
-        if spec.kind == "regex" and str(spec.regex).startswith("slow"):
-            release.wait(seconds)
-        return real(spec)
-
-    monkeypatch.setattr(backend, "compile", compile_)
+def endless_schema(n: int) -> dict[str, Any]:
+    """outlines builds this pattern's DFA for hours (it doubles with each repetition): a
+    compile that never ends and keeps a core busy."""
+    return {"type": "string", "pattern": f"^(a|b)*a(a|b){{{n}}}$"}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_compile_past_its_time_limit_fails_only_its_request(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, release: threading.Event, mode: str
+    tiny_model_dir: Path, mode: str
 ) -> None:
     engine = build(
         tiny_model_dir,
@@ -237,18 +218,18 @@ def test_a_compile_past_its_time_limit_fails_only_its_request(
         grammar_compile_timeout_s=COMPILE_TIMEOUT_S,
     )
     try:
-        # Backend built, the good specs cached: only the slow one waits for a compile thread.
+        # Workers started, the good specs cached: only the endless one compiles below.
         run(engine, [("warm", PROMPTS[0], structured(json=SCHEMA))])
         run(engine, [("warm2", PROMPTS[0], structured(regex=GOOD_REGEX))])
-        slow_down_compile(engine, monkeypatch, release, SLOW_COMPILE_S)
         t0 = time.monotonic()
         failed_after: list[float] = []
 
         def on_step(_: int, outputs: list[RequestOutput]) -> None:
             failed_after.extend(time.monotonic() - t0 for o in outputs if o.request_id == "slow")
 
+        endless = endless_schema(20 + (mode == "async"))
         requests = [
-            ("slow", PROMPTS[0], structured(regex="slow[a-z]{1,5}")),
+            ("slow", PROMPTS[0], structured(json=endless, backend="outlines")),
             ("json", PROMPTS[1], structured(json=SCHEMA)),
             ("regex", PROMPTS[2], structured(regex=GOOD_REGEX)),
             *[(f"free{i}", PROMPTS[i], free_params(24, seed=i)) for i in range(3)],
@@ -256,8 +237,10 @@ def test_a_compile_past_its_time_limit_fails_only_its_request(
         final = run(engine, requests, on_step)
         (c,) = final["slow"].outputs
         assert c.finish_reason == "error" and "timed out" in str(c.error)
-        # It failed at its limit, not when the (sleeping) compile came back.
-        assert failed_after and failed_after[0] < SLOW_COMPILE_S - 2.0
+        # It failed at its limit (a limit on its running time: a busy host stretches it).
+        assert failed_after and failed_after[0] < WALL_LIMIT_FACTOR * COMPILE_TIMEOUT_S
+        stats = engine.stats()
+        assert stats["grammar_compile_timeouts"] == stats["grammar_compile_worker_kills"] == 1
         for rid, _, sp in requests[1:]:
             assert_normal(final[rid], sp)
         assert_idle(engine)
@@ -278,7 +261,7 @@ def _measure(engine: LLMEngine, trial: int, with_slow: bool) -> tuple[float, int
     steps = 0
     if with_slow:
         # A new spec every trial: a cached one would not compile again.
-        engine.add_request(f"t{trial}slow", PROMPTS[4], structured(regex=f"slow{trial}[a-z]"))
+        engine.add_request(f"t{trial}slow", PROMPTS[4], structured(regex=f"sleep{trial}[a-z]"))
     for rid, prompt, sp in free:
         engine.add_request(rid, prompt, sp)
     tpots, tokens = {}, {}
@@ -299,16 +282,14 @@ def _measure(engine: LLMEngine, trial: int, with_slow: bool) -> tuple[float, int
 
 
 @pytest.mark.timeout(180)
-def test_a_pending_slow_compile_does_not_slow_the_others(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, release: threading.Event
-) -> None:
+def test_a_pending_slow_compile_does_not_slow_the_others(tiny_model_dir: Path) -> None:
     # The compile outlives the whole measurement (no time-out): the free requests run while it
     # is pending. Timing is noisy on a shared 2-core host, so the ratio is taken over medians
     # of interleaved trials, and the step count and tokens (deterministic) are checked too.
     engine = build(tiny_model_dir, async_scheduling=False, grammar_compile_timeout_s=60.0)
     try:
+        use_faulty_backends(engine)  # "sleep..." regexes wait in their worker, using no CPU
         run(engine, [("warm", PROMPTS[0], structured(regex="warm[a-z]"))])
-        slow_down_compile(engine, monkeypatch, release, 120.0)
         base: list[float] = []
         slow: list[float] = []
         for trial in range(5):
@@ -350,11 +331,15 @@ PATHOLOGICAL: dict[str, dict[str, Any]] = {
 }
 # A bound on submission plus generation; the compile limit of the engine is below it.
 PATHOLOGICAL_BOUND_S = 20.0
+# Compiles stop at 3 s of running time: within the bound even at a third of a core.
+PATHOLOGICAL_LIMIT_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def guarded_engine(tiny_model_dir: Path) -> Iterator[LLMEngine]:
-    engine = build(tiny_model_dir, async_scheduling=False, grammar_compile_timeout_s=10.0)
+    engine = build(
+        tiny_model_dir, async_scheduling=False, grammar_compile_timeout_s=PATHOLOGICAL_LIMIT_S
+    )
     yield engine
     engine.shutdown()
 
@@ -480,38 +465,33 @@ def test_a_grammar_that_ends_before_min_tokens_ends_the_output(
     assert (c.finish_reason, c.text, c.error) == ("stop", "a", None)
 
 
-class _Panic(BaseException):
-    """Like pyo3's PanicException: a BaseException, not an Exception."""
-
-
 @pytest.mark.timeout(120)
-def test_a_panicking_compile_fails_its_requests_and_leaves_the_pool_usable(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_panicking_or_crashing_compile_fails_its_requests_and_leaves_the_pool_usable(
+    tiny_model_dir: Path,
 ) -> None:
-    # A long limit: requests stuck behind the broken cache entry would wait all of it.
+    # A long limit: requests stuck behind a broken cache entry would wait all of it.
     engine = build(tiny_model_dir, async_scheduling=False, grammar_compile_timeout_s=30.0)
     try:
-        backend = engine.structured.service.backend("xgrammar")
-        real = backend.compile
-
-        def compile_(spec: Spec) -> CompiledGrammar:
-            if spec.kind == "regex" and str(spec.regex).startswith("panic"):
-                raise _Panic("planted panic")
-            return real(spec)
-
-        monkeypatch.setattr(backend, "compile", compile_)
+        use_faulty_backends(engine)
         t0 = time.monotonic()
-        # Same spec three times: more than the pool's two threads could wait on.
-        panicking = structured(regex="panic[a-z]", backend="xgrammar")  # no outlines fallback
+        # Same spec three times (one compile serves them), no outlines fallback.
+        panicking = structured(regex="panic[a-z]", backend="xgrammar")
+        crashing = structured(regex="crash[a-z]", backend="xgrammar")
         requests = [(f"p{i}", PROMPTS[i], panicking) for i in range(3)]
-        requests.append(("ok", PROMPTS[3], structured(regex=GOOD_REGEX)))
+        requests += [
+            ("crash", PROMPTS[4], crashing),
+            ("ok", PROMPTS[3], structured(regex=GOOD_REGEX)),
+        ]
         final = run(engine, requests)
         for rid, _, _ in requests[:3]:
             (c,) = final[rid].outputs
             assert c.finish_reason == "error" and "planted panic" in str(c.error), c.error
-        assert_normal(final["ok"], requests[3][2])
+        (c,) = final["crash"].outputs
+        assert c.finish_reason == "error" and "worker ended" in str(c.error), c.error
+        assert_normal(final["ok"], requests[-1][2])
         assert time.monotonic() - t0 < 15.0  # failed at once, not at the compile time limit
         after = [("after", PROMPTS[0], structured(json=SCHEMA))]
         assert_normal(run(engine, after)["after"], after[0][2])
+        assert engine.stats()["grammar_compile_worker_deaths"] == 1
     finally:
         engine.shutdown()

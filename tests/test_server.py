@@ -8,6 +8,7 @@ import logging
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -128,6 +129,10 @@ def test_models_health_and_metrics_format(server: Server) -> None:
         "baton_kv_cache_usage",
         "baton_kv_free_blocks",
         "baton_grammar_compile_seconds",
+        "baton_grammar_compile_queue_length",
+        "baton_grammar_compile_timeouts_total",
+        "baton_grammar_compile_worker_kills_total",
+        "baton_grammar_cache_hits_total",
         "baton_structured_fraction",
         "baton_device_busy_fraction",
         "baton_deferred_steps_total",
@@ -491,6 +496,72 @@ def test_no_prompt_text_reaches_the_logs(
 
 
 # ------------------------------------------------- units (no server needed)
+# ------------------------------------------------------------ busy compiles
+# outlines builds this pattern's DFA for hours (it doubles with each repetition).
+HOSTILE_PATTERN = "^(a|b)*a(a|b){%d}$"
+
+
+@pytest.mark.timeout(240)
+def test_a_full_compile_queue_answers_503_with_retry_after(tiny_model_dir: Path) -> None:
+    # One compile runs and one may wait: two hostile specs fill both places, a third spec
+    # is refused with 503 and Retry-After, and the same request succeeds after that wait.
+    engine = AsyncLLM.from_engine_args(
+        str(tiny_model_dir),
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_model_len=512,
+        grammar_compile_timeout_s=1.5,
+        grammar_compile_workers=1,
+        grammar_compile_max_workers=1,
+        grammar_compile_queue_size=1,
+    )
+    config = ServerConfig(served_model_name=MODEL, structured_outputs_backend="outlines")
+    try:
+        with serve_in_thread(build_app(engine, config)) as base:
+
+            def complete(constraint: dict[str, object]) -> httpx.Response:
+                body = {
+                    "model": MODEL,
+                    "prompt": "Code:",
+                    "max_tokens": 8,
+                    "temperature": 0.0,
+                    "structured_outputs": constraint,
+                }
+                return httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+
+            def hostile(n: int) -> httpx.Response:
+                return complete({"json": {"type": "string", "pattern": HOSTILE_PATTERN % n}})
+
+            code = {"regex": "[0-9]{3}-[a-z]{2}"}
+            # The worker template process starts on the first compile: not in the timing.
+            assert complete({"regex": "[0-9]{2}"}).status_code == 200
+            with ThreadPoolExecutor(2) as pool:
+                hostile_calls = [pool.submit(hostile, n) for n in (20, 21)]
+                deadline = time.monotonic() + 60
+                while engine.stats().get("grammar_compile_queue_length") != 1:
+                    assert time.monotonic() < deadline, "the hostile compiles never queued"
+                    time.sleep(0.02)
+                time.sleep(1.0)  # the running compile's pace is known by now
+                busy = complete(code)
+                assert busy.status_code == 503, busy.text
+                assert busy.json()["error"]["code"] == "busy"
+                retry_after = int(busy.headers["Retry-After"])
+                assert 1 <= retry_after <= 30
+                time.sleep(retry_after)
+                ok = complete(code)
+                assert ok.status_code == 200, ok.text
+                assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", ok.json()["choices"][0]["text"])
+                for call in hostile_calls:
+                    assert call.result().status_code != 200
+            text = get_metrics(Server(base, engine))
+            assert metric(text, "baton_grammar_compile_rejected_total") == 1
+            assert metric(text, "baton_requests_total", 'status="rejected"') == 1
+            assert metric(text, "baton_grammar_compile_timeouts_total") == 2
+            assert metric(text, "baton_grammar_compile_worker_kills_total") == 2
+    finally:
+        engine.shutdown()
+
+
 def test_params_from_request_bodies() -> None:
     config = ServerConfig(served_model_name=MODEL, structured_outputs_backend="outlines")
     chat = ChatCompletionRequest.model_validate(
@@ -564,7 +635,17 @@ def test_metrics_render() -> None:
     m.observe_request("finished", out, structured=True)
     m.observe_request("aborted", None, structured=False)
     m.reject()
-    text = m.render({"num_running": 2, "kv_usage": 0.25, "grammar_compiles": 3}, healthy=True)
+    stats = {
+        "num_running": 2,
+        "kv_usage": 0.25,
+        "grammar_compile_queue_length": 4,
+        "grammar_compile_timeouts": 1,
+        "grammar_compile_seconds_count": 3,
+        "grammar_compile_seconds_sum": 0.5,
+        "grammar_compile_seconds_le_0.01": 1,
+        "grammar_compile_seconds_le_0.5": 3,
+    }
+    text = m.render(stats, healthy=True)
     assert text.endswith("\n")
     assert metric(text, "baton_requests_total", 'status="finished"') == 1
     assert metric(text, "baton_requests_total", 'status="aborted"') == 1
@@ -580,6 +661,13 @@ def test_metrics_render() -> None:
     assert metric(text, "baton_num_requests_running") == 2
     assert metric(text, "baton_kv_cache_usage") == 0.25
     assert metric(text, "baton_grammar_compile_seconds_count") == 3
+    assert metric(text, "baton_grammar_compile_seconds_bucket", 'le="0.01"') == 1
+    assert metric(text, "baton_grammar_compile_seconds_bucket", 'le="0.25"') == 0
+    assert metric(text, "baton_grammar_compile_seconds_bucket", 'le="0.5"') == 3
+    assert metric(text, "baton_grammar_compile_seconds_bucket", 'le="+Inf"') == 3
+    assert metric(text, "baton_grammar_compile_queue_length") == 4
+    assert metric(text, "baton_grammar_compile_timeouts_total") == 1
+    assert metric(text, "baton_grammar_compile_worker_kills_total") == 0
     assert metric(text, "baton_healthy") == 1
     with pytest.raises(ValueError, match="status must be one of"):
         m.observe_request("weird", None, structured=False)

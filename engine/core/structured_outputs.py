@@ -16,8 +16,8 @@ import torch
 
 from baton.engine.core.request import Request, StructuredState
 from baton.engine.scheduler_output import GrammarOutput
-from baton.grammar.backend import GrammarBackend, GrammarMatcher, allocate_bitmask
-from baton.grammar.compile_service import CompileResult, CompileService
+from baton.grammar.backend import BackendRecipe, GrammarMatcher, allocate_bitmask
+from baton.grammar.compile_service import CompilePoolConfig, CompileResult, CompileService
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.validation import DEFAULT_MAX_DEPTH, check_enforceable, validate_spec
 
@@ -33,10 +33,11 @@ class StructuredOutputManager:
         tokenizer: the model's tokenizer (baton ``Tokenizer``).
         vocab_size: the model's vocabulary size (bitmask width ceil(vocab_size / 32)).
         max_rows: most structured rows in one step (max_num_seqs).
-        compile_timeout_s: time limit of one compile.
+        compile_timeout_s: time limit of one compile's own running time.
         dynamic_compilation: xgrammar compiles JSON schemas lazily.
         fill_threads: threads of xgrammar's batched mask fills (and compiles);
             1 when the model's worker process needs every core.
+        compile_pool: compile worker processes, queue bound and memory cap.
     """
 
     def __init__(
@@ -48,26 +49,22 @@ class StructuredOutputManager:
         cache_size: int = 256,
         dynamic_compilation: bool = False,
         fill_threads: int = 2,
+        compile_pool: CompilePoolConfig | None = None,
     ) -> None:
         self.vocab_size = vocab_size
-
-        def xgrammar() -> GrammarBackend:
-            from baton.grammar.xgrammar_backend import XGrammarBackend
-
-            return XGrammarBackend(
-                tokenizer,
-                vocab_size,
-                max_threads=fill_threads,
-                dynamic_compilation=dynamic_compilation,
-            )
-
-        def outlines() -> GrammarBackend:
-            from baton.grammar.outlines_backend import OutlinesBackend
-
-            return OutlinesBackend(tokenizer, vocab_size)
-
+        recipes = {
+            "xgrammar": BackendRecipe(
+                "xgrammar",
+                "baton.grammar.xgrammar_backend:XGrammarBackend",
+                (("max_threads", fill_threads), ("dynamic_compilation", dynamic_compilation)),
+                # One thread per compile: its CPU time is then its running time (what the
+                # limit bounds), and the workers compile side by side.
+                worker_options=(("max_threads", 1),),
+            ),
+            "outlines": BackendRecipe("outlines", "baton.grammar.outlines_backend:OutlinesBackend"),
+        }
         self.service = CompileService(
-            {"xgrammar": xgrammar, "outlines": outlines}, compile_timeout_s, cache_size
+            recipes, tokenizer, vocab_size, compile_timeout_s, cache_size, compile_pool
         )
         self._bitmask = allocate_bitmask(max_rows, vocab_size)
         self._validated: OrderedDict[tuple[object, ...], None] = OrderedDict()
@@ -99,8 +96,26 @@ class StructuredOutputManager:
         if len(self._validated) > _VALIDATED_CACHE_SIZE:
             self._validated.popitem(last=False)
 
+    def has_room(self, spec: StructuredOutputsParams) -> bool:
+        """False when ``start(spec)`` would queue a new compile and the compile queue is
+        full (a cached spec or one in flight always has room); changes nothing."""
+        return self.service.has_room(spec)
+
+    def check_room(self, spec: StructuredOutputsParams) -> None:
+        """Refuses (and counts) a request that ``has_room`` says would overfill the queue.
+
+        Raises:
+            CompileQueueFull: with the seconds after which to retry.
+        """
+        if not self.service.has_room(spec):
+            raise self.service.refuse()
+
     def start(self, spec: StructuredOutputsParams) -> StructuredState:
-        """Starts compiling; the request waits for the result."""
+        """Starts compiling; the request waits for the result.
+
+        Raises:
+            CompileQueueFull: as ``check_room``.
+        """
         return StructuredState(spec=spec, handle=self.service.submit(spec))
 
     def poll(self, state: StructuredState) -> CompileResult | None:

@@ -70,6 +70,24 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         help="cut the model over N worker processes (one shard of every layer each; CPU, gloo)",
     )
     parser.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=None,
+        help="seconds of running time one grammar compile may take (default: 10)",
+    )
+    parser.add_argument(
+        "--grammar-compile-workers",
+        type=int,
+        default=None,
+        help="grammar compiles that run at once, each in a worker process (default: 2)",
+    )
+    parser.add_argument(
+        "--grammar-compile-queue-size",
+        type=int,
+        default=None,
+        help="new grammars that may wait for a compile worker; beyond it 503 (default: 64)",
+    )
+    parser.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="run each step to completion instead of planning the next one while the model runs",
@@ -92,4 +110,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
     if args.no_async_scheduling:
         engine_args["async_scheduling"] = False
+    for flag, field in (
+        ("grammar_compile_timeout", "grammar_compile_timeout_s"),
+        ("grammar_compile_workers", "grammar_compile_workers"),
+        ("grammar_compile_queue_size", "grammar_compile_queue_size"),
+    ):
+        if getattr(args, flag) is not None:
+            engine_args[field] = getattr(args, flag)
     return engine_config(args.model, dtype=args.dtype, **engine_args)

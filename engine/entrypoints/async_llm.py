@@ -25,6 +25,7 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.entrypoints.args import engine_config
+from baton.engine.errors import EngineBusyError
 from baton.engine.loader import Checkpoint
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from baton.engine.processing.llm_engine import LLMEngine
@@ -181,9 +182,6 @@ class AsyncLLM:
         self._startup_error: BaseException | None = None
         self._engine: LLMEngine | None = None
         self._snapshot: dict[str, float | int | str] = {}
-        self._compiles = 0
-        self._compile_s = 0.0
-        self._compile_hits = 0
         self._ids = itertools.count()
         self._thread = threading.Thread(
             target=self._run, args=(checkpoint,), name="baton-engine", daemon=True
@@ -222,6 +220,8 @@ class AsyncLLM:
 
         Raises:
             ValueError: bad prompt or parameters (nothing is queued).
+            EngineBusyError: the grammar compile queue is full (nothing is queued; retry
+                after its ``retry_after_s``).
             EngineDeadError: the engine has stopped.
         """
         if request_id is None:
@@ -279,10 +279,9 @@ class AsyncLLM:
     def stats(self) -> dict[str, float | int | str]:
         """The engine's state as of its last loop iteration.
 
-        Keys: everything ``LLMEngine.stats()`` returns, plus ``num_running``,
-        ``num_waiting``, ``kv_total_blocks``, ``kv_free_blocks``, ``kv_usage``,
-        ``grammar_compiles`` (compiles that ran), ``grammar_compile_s`` (their total
-        seconds) and ``grammar_cache_hits``.
+        Keys: everything ``LLMEngine.stats()`` returns: step statistics, the load
+        (``num_running``, ``num_waiting``, ``kv_*``) and the grammar compile service's
+        ``grammar_*`` counters, gauges and compile-time histogram.
         """
         return dict(self._snapshot)
 
@@ -320,7 +319,6 @@ class AsyncLLM:
     def _run(self, checkpoint: Checkpoint | None) -> None:
         try:
             engine = LLMEngine(self.config, checkpoint)
-            self._observe_compiles(engine)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the constructor
             self._startup_error = exc
             with self._lock:
@@ -382,7 +380,7 @@ class AsyncLLM:
             return
         try:
             engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
-        except ValueError as exc:
+        except (ValueError, EngineBusyError) as exc:
             cmd.done.set_exception(exc)
             return
         except Exception as exc:  # noqa: BLE001 - e.g. the model worker died: the caller's error
@@ -436,32 +434,8 @@ class AsyncLLM:
                 del tracked[out.request_id]
 
     def _publish(self, engine: LLMEngine) -> None:
-        snap: dict[str, float | int | str] = dict(engine.stats())
-        snap.update(
-            grammar_compiles=self._compiles,
-            grammar_compile_s=self._compile_s,
-            grammar_cache_hits=self._compile_hits,
-        )
-        self._snapshot = snap  # one reference swap: readers never see a half-written dict
-
-    def _observe_compiles(self, engine: LLMEngine) -> None:
-        # The engine reports no compile times, but every compile result passes through the
-        # manager's poll() exactly once (when the handle resolves): count it there.
-        manager = engine.structured
-        poll = manager.poll
-
-        def observed_poll(state: Any) -> Any:
-            pending = state.handle is not None
-            result = poll(state)
-            if pending and result is not None and result.grammar is not None:
-                if result.cache_hit:
-                    self._compile_hits += 1
-                else:
-                    self._compiles += 1
-                    self._compile_s += result.seconds
-            return result
-
-        manager.poll = observed_poll  # type: ignore[method-assign]
+        # One reference swap: readers never see a half-written dict.
+        self._snapshot = dict(engine.stats())
 
     def _stop(self, engine: LLMEngine, tracked: dict[str, _Tracked], reason: str) -> None:
         with self._lock:

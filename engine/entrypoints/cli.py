@@ -100,6 +100,7 @@ BENCHMARKS = {
     "peers": "the same JSON-schema workload on baton and its peers",
     "soak": "reliability soak of baton serve: mixed, invalid and disconnecting clients",
     "tensor_parallel": "tensor parallel vs one worker: decode step time, collective share",
+    "compile_burst": "every shared schema at once: failed requests and wall time of the burst",
 }
 
 

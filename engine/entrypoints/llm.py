@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +12,7 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.entrypoints.args import engine_config
+from baton.engine.errors import EngineBusyError
 from baton.engine.loader import Checkpoint
 from baton.engine.outputs import RequestOutput
 from baton.engine.processing.llm_engine import LLMEngine
@@ -18,6 +21,8 @@ from baton.engine.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]
+
+_BUSY_WAIT_S = 0.01
 
 
 class LLM:
@@ -77,11 +82,14 @@ class LLM:
         ``device_busy_fraction``, and seconds spent in ``schedule_s``,
         ``bitmask_s``, ``device_wait_s``, ``update_s`` (plus ``engine_s``,
         ``device_s``); how the model computes: ``dtype``, ``dtype_reason``,
-        ``int8_small_batches`` (see ``LLMEngine.stats``)."""
+        ``int8_small_batches`` (see ``LLMEngine.stats``); and the grammar compiles: queue
+        length, running compiles, worker processes, compiles, errors, time-outs, worker
+        kills, cache hits and the compile-time histogram (``grammar_*`` keys;
+        ``CompileService.stats`` lists them)."""
         return self.engine.stats()
 
     def shutdown(self) -> None:
-        """Stops the model worker process and compile threads (also done at exit)."""
+        """Stops the model worker process and the grammar compile workers (also done at exit)."""
         self.engine.shutdown()
 
     def generate(
@@ -95,6 +103,8 @@ class LLM:
         Prompts are strings or lists of token ids. ``sampling_params=None`` means
         ``get_default_sampling_params()`` (the model's generation config). All prompts are
         validated before any is queued, so a bad one raises ``ValueError`` and nothing runs.
+        When the grammar compile queue is full, the next prompts wait (the engine runs
+        meanwhile) until compiles have made room, instead of failing.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -103,12 +113,11 @@ class LLM:
         for p, sp in zip(prompt_list, params, strict=True):  # validate all before queuing any
             self.engine.tokenize_prompt(p)
             self.engine.validate_params(sp)
-        ids = []
-        for prompt, sp in zip(prompt_list, params, strict=True):
-            rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, sp)
-            ids.append(rid)
-        return self._run(ids, use_tqdm)
+        work = [
+            (f"llm-{next(self._ids)}", prompt, sp)
+            for prompt, sp in zip(prompt_list, params, strict=True)
+        ]
+        return self._run(work, use_tqdm)
 
     def chat(
         self,
@@ -134,7 +143,11 @@ class LLM:
             prompts.append(list(ids))
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, work: list[tuple[str, Prompt, SamplingParams]], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        ids = [rid for rid, _, _ in work]
+        pending = deque(work)
         final: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:
@@ -142,12 +155,18 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
+            while pending or self.engine.has_unfinished_requests():
+                self._add_while_room(pending)
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            final[out.request_id] = out
+                            if bar is not None:
+                                bar.update(1)
+                elif pending:
+                    # The queue is full of compiles whose requests are gone: they end by
+                    # themselves, at their time limit at the latest.
+                    time.sleep(_BUSY_WAIT_S)
         except BaseException:
             for rid in ids:
                 if rid not in final:
@@ -157,6 +176,18 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [final[r] for r in ids]
+
+    def _add_while_room(self, pending: deque[tuple[str, Prompt, SamplingParams]]) -> None:
+        """Queues prompts in order until one would overfill the grammar compile queue."""
+        while pending:
+            rid, prompt, sp = pending[0]
+            if not self.engine.has_compile_room(sp):
+                return
+            try:
+                self.engine.add_request(rid, prompt, sp)
+            except EngineBusyError:
+                return
+            pending.popleft()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

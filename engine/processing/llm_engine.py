@@ -25,6 +25,7 @@ from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.structured_outputs import StructuredOutputManager
+from baton.engine.errors import EngineBusyError
 from baton.engine.executor.multiproc import MultiprocExecutor
 from baton.engine.loader import Checkpoint
 from baton.engine.outputs import RequestOutput
@@ -33,10 +34,20 @@ from baton.engine.processing.output_processor import OutputProcessor
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
+from baton.grammar.compile_service import (
+    CompilePoolConfig,
+    CompileQueueFull,
+    default_compile_workers,
+)
 
 logger = logging.getLogger(__name__)
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+# Worker processes beyond grammar_compile_workers that slow compiles may hold (each for at most
+# the time limit), so that a few slow or hostile specs block no one.
+_SLOW_COMPILE_WORKERS = 4
+
+
 _MIN_FLOAT32 = float(torch.finfo(torch.float32).tiny)
 
 
@@ -57,6 +68,7 @@ class LLMEngine:
         self.eos_token_ids = model.eos_token_ids
         kv = KVCacheManager(model.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self._executor = model.executor
+        workers = config.grammar_compile_workers or default_compile_workers()
         self.structured = StructuredOutputManager(
             self.tokenizer,
             model.vocab_size,
@@ -64,6 +76,13 @@ class LLMEngine:
             compile_timeout_s=config.grammar_compile_timeout_s,
             dynamic_compilation=config.grammar_dynamic_compilation,
             fill_threads=engine_threads(config, model.worker_threads),
+            compile_pool=CompilePoolConfig(
+                workers=workers,
+                max_workers=max(
+                    workers, config.grammar_compile_max_workers or workers + _SLOW_COMPILE_WORKERS
+                ),
+                max_queued=config.grammar_compile_queue_size,
+            ),
         )
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         scheduler = scheduler_cls(config, kv, self.max_model_len, self.structured)
@@ -114,6 +133,8 @@ class LLMEngine:
             ValueError: empty prompt, text with lone surrogates, a prompt that
                 leaves no room for output within max_model_len, token ids outside
                 the vocabulary, or a duplicate request id.
+            EngineBusyError: its grammar would need a new compile and the compile
+                queue is full (``LLM.generate`` waits; the server answers 503).
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -121,6 +142,8 @@ class LLMEngine:
         self.validate_params(params)
         if self.outputs.child_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None:
+            self.check_compile_room(params)
         seeds = self._request_seeds(params)
         child_ids = self.outputs.add_request(request_id, text, token_ids, params)
         for cid, seed in zip(child_ids, seeds, strict=True):
@@ -149,6 +172,25 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be < vocab size {vocab}, got {bad}")
+
+    def has_compile_room(self, params: SamplingParams) -> bool:
+        """False when a request with ``params`` would queue a new grammar compile and the
+        compile queue is full (nothing else is checked, nothing is counted)."""
+        spec = params.structured_outputs
+        return spec is None or self.structured.has_room(spec)
+
+    def check_compile_room(self, params: SamplingParams) -> None:
+        """Raises ``EngineBusyError`` (and counts the refusal) when ``has_compile_room`` is
+        False."""
+        if params.structured_outputs is None:
+            return
+        try:
+            self.structured.check_room(params.structured_outputs)
+        except CompileQueueFull as exc:
+            raise EngineBusyError(
+                f"the engine is busy: {exc}; retry in {exc.retry_after_s:.0f} s",
+                exc.retry_after_s,
+            ) from None
 
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids) and token ids, checked; queues nothing.
@@ -221,11 +263,13 @@ class LLMEngine:
     def stats(self) -> dict[str, float | int | str]:
         """Engine step statistics since start (see ``EngineStats``), the current load:
         ``num_running``, ``num_waiting``, ``kv_total_blocks``, ``kv_free_blocks``,
-        ``kv_usage``; and how the model computes: ``dtype`` (e.g. "bfloat16"),
+        ``kv_usage``; how the model computes: ``dtype`` (e.g. "bfloat16"),
         ``dtype_reason`` (why: "asked for", or what ``dtype="auto"`` saw), and
         ``int8_small_batches`` (1 when small steps use int8 weight-only GEMMs, else 0);
         ``tensor_parallel_size``, and with it above 1 ``tp_collective_s``: of ``device_s``,
-        rank 0's seconds inside collectives (all-reduces, logits gather, token broadcast)."""
+        rank 0's seconds inside collectives (all-reduces, logits gather, token broadcast); and
+        the grammar compile service's counters, gauges and compile-time histogram
+        (``grammar_*`` keys, see ``CompileService.stats``)."""
         sched = self.core.scheduler
         stats: dict[str, float | int | str] = dict(self.core.stats.as_dict())
         stats.update(
@@ -241,6 +285,7 @@ class LLMEngine:
         )
         if isinstance(self._executor, MultiprocExecutor) and self.config.tensor_parallel_size > 1:
             stats["tp_collective_s"] = self._executor.collective_seconds
+        stats.update(self.structured.service.stats())
         return stats
 
     def failure(self) -> str | None:
@@ -249,7 +294,7 @@ class LLMEngine:
         return self.core.failure()
 
     def shutdown(self) -> None:
-        """Stops the model worker (if any) and the grammar compile threads; idempotent."""
+        """Stops the model worker (if any) and the grammar compile workers; idempotent."""
         self.core.shutdown()
         self.structured.shutdown()
 

@@ -4,6 +4,7 @@ FastAPI handlers that produce them (bad parameters, pydantic validation, anythin
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import traceback
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton.engine.entrypoints.async_llm import EngineDeadError
+from baton.engine.errors import EngineBusyError
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,13 @@ def install_error_handlers(app: FastAPI, on_reject: Callable[[], None] | None = 
         return APIError(exc.status_code, str(exc.detail)).response(
             headers=getattr(exc, "headers", None)
         )
+
+    @app.exception_handler(EngineBusyError)
+    async def _busy(request: Request, exc: EngineBusyError) -> JSONResponse:
+        # Refused before it ran: the client retries after Retry-After (whole seconds).
+        rejected()
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return APIError(503, str(exc), code="busy").response(headers={"Retry-After": retry})
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:

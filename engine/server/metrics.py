@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterable, Mapping
 
 from baton.engine.outputs import RequestOutput
+from baton.grammar.compile_service import COMPILE_SECONDS_BUCKETS
 
 PREFIX = "baton_"
 REQUEST_STATUSES = ("finished", "aborted", "error", "rejected")
@@ -120,6 +121,96 @@ _ENGINE_METRICS = (
     ),
 )
 
+# The grammar compile service's gauges and counters, from the same stats.
+_GRAMMAR_METRICS = (
+    (
+        "grammar_compile_queue_length",
+        "grammar_compile_queue_length",
+        "gauge",
+        "Grammars waiting for a compile worker.",
+    ),
+    (
+        "grammar_compile_queue_limit",
+        "grammar_compile_queue_limit",
+        "gauge",
+        "Grammars that may wait for a compile worker; beyond it requests get 503.",
+    ),
+    ("grammar_compile_running", "grammar_compiles_running", "gauge", "Grammar compiles running."),
+    (
+        "grammar_compile_workers",
+        "grammar_compile_workers",
+        "gauge",
+        "Grammar compile worker processes alive.",
+    ),
+    ("grammar_compiles", "grammar_compiles_total", "counter", "Grammar compiles that succeeded."),
+    (
+        "grammar_compile_errors",
+        "grammar_compile_errors_total",
+        "counter",
+        "Grammar compiles that failed (the spec cannot be compiled, or it needs too much memory).",
+    ),
+    (
+        "grammar_compile_timeouts",
+        "grammar_compile_timeouts_total",
+        "counter",
+        "Grammar compiles stopped at the time limit.",
+    ),
+    (
+        "grammar_compile_worker_kills",
+        "grammar_compile_worker_kills_total",
+        "counter",
+        "Compile worker processes killed at the time limit (and replaced).",
+    ),
+    (
+        "grammar_compile_worker_deaths",
+        "grammar_compile_worker_deaths_total",
+        "counter",
+        "Compile worker processes that ended while compiling (crash, out of memory).",
+    ),
+    (
+        "grammar_compile_worker_starts",
+        "grammar_compile_worker_starts_total",
+        "counter",
+        "Compile worker processes started.",
+    ),
+    (
+        "grammar_cache_hits",
+        "grammar_cache_hits_total",
+        "counter",
+        "Grammar requests served from the compile cache.",
+    ),
+    (
+        "grammar_compile_joined",
+        "grammar_compile_joined_total",
+        "counter",
+        "Grammar requests served by an identical compile already running.",
+    ),
+    (
+        "grammar_compile_rejected",
+        "grammar_compile_rejected_total",
+        "counter",
+        "Requests refused with 503 because the grammar compile queue was full.",
+    ),
+)
+
+
+def _compile_histogram(stats: Mapping[str, float | int]) -> list[str]:
+    """The compile-time histogram from the ``grammar_compile_seconds_*`` stats keys."""
+    name = f"{PREFIX}grammar_compile_seconds"
+    lines = _header(
+        name,
+        "histogram",
+        "Grammar compile time: its own run in a worker plus its rebuild (cache hits excluded).",
+    )
+    for bound in COMPILE_SECONDS_BUCKETS:
+        n = float(stats.get(f"grammar_compile_seconds_le_{bound:g}", 0))
+        lines.append(f'{name}_bucket{{le="{_num(bound)}"}} {_num(n)}')
+    count = float(stats.get("grammar_compile_seconds_count", 0))
+    lines.append(f'{name}_bucket{{le="+Inf"}} {_num(count)}')
+    lines.append(f"{name}_sum {_num(float(stats.get('grammar_compile_seconds_sum', 0.0)))}")
+    lines.append(f"{name}_count {_num(count)}")
+    return lines
+
 
 class ServerMetrics:
     """Request-level metrics of one server plus the engine's, rendered for ``/metrics``.
@@ -152,7 +243,7 @@ class ServerMetrics:
         )
 
     def reject(self) -> None:
-        """Counts a request refused before it ran (bad input, auth, size, model)."""
+        """Counts a request refused before it ran (bad input, auth, size, model, busy)."""
         with self._lock:
             self.requests.inc(1, "rejected")
 
@@ -199,13 +290,11 @@ class ServerMetrics:
             name = PREFIX + metric
             lines += _header(name, kind, help_text)
             lines.append(f"{name} {_num(float(engine_stats.get(key, 0)))}")
-        name = f"{PREFIX}grammar_compile_seconds"
-        lines += _header(name, "summary", "Grammar compile time (cache hits excluded).")
-        lines.append(f"{name}_sum {_num(float(engine_stats.get('grammar_compile_s', 0.0)))}")
-        lines.append(f"{name}_count {_num(float(engine_stats.get('grammar_compiles', 0)))}")
-        name = f"{PREFIX}grammar_cache_hits_total"
-        lines += _header(name, "counter", "Grammar compiles served from the cache.")
-        lines.append(f"{name} {_num(float(engine_stats.get('grammar_cache_hits', 0)))}")
+        for key, metric, kind, help_text in _GRAMMAR_METRICS:
+            name = PREFIX + metric
+            lines += _header(name, kind, help_text)
+            lines.append(f"{name} {_num(float(engine_stats.get(key, 0)))}")
+        lines += _compile_histogram(engine_stats)
         name = f"{PREFIX}model_compute_info"
         lines += _header(
             name,

@@ -1,0 +1,61 @@
+"""Grammar backends with planted faults, for the fault tests.
+
+Compile workers build backends by import path, so these live in a module of their own
+(importable by the workers through the test run's ``sys.path``), and
+``use_faulty_backends`` puts them behind an engine in place of the real ones.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from baton.engine.processing.llm_engine import LLMEngine
+from baton.grammar.backend import BackendRecipe
+from baton.grammar.compile_service import CompileService
+from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.xgrammar_backend import XGrammarBackend, XGrammarCompiledGrammar
+
+
+class PlantedPanic(BaseException):
+    """Like pyo3's PanicException: a BaseException, not an Exception."""
+
+
+class FaultyXGrammarBackend(XGrammarBackend):
+    """xgrammar, except for regex specs that start with a marker:
+
+    "sleep": the compile waits (using no CPU) until its worker is killed;
+    "panic": the compile raises ``PlantedPanic``;
+    "crash": the compile ends its process.
+    """
+
+    def compile(self, spec: StructuredOutputsParams) -> XGrammarCompiledGrammar:
+        regex = str(spec.regex) if spec.kind == "regex" else ""
+        if regex.startswith("sleep"):
+            time.sleep(3600)
+        if regex.startswith("panic"):
+            raise PlantedPanic("planted panic")
+        if regex.startswith("crash"):
+            os._exit(3)
+        return super().compile(spec)
+
+
+def use_faulty_backends(engine: LLMEngine) -> CompileService:
+    """Replaces ``engine``'s compile service by one whose xgrammar is
+    ``FaultyXGrammarBackend`` (same limit and pool); returns the new service. The caller
+    shuts it down (the engine's shutdown does, too)."""
+    old = engine.structured.service
+    recipes = {
+        "xgrammar": BackendRecipe(
+            "xgrammar",
+            f"{__name__}:FaultyXGrammarBackend",
+            worker_options=(("max_threads", 1),),
+        ),
+        "outlines": BackendRecipe("outlines", "baton.grammar.outlines_backend:OutlinesBackend"),
+    }
+    service = CompileService(
+        recipes, engine.tokenizer, engine.vocab_size, old.timeout_s, pool=old.pool
+    )
+    old.shutdown()
+    engine.structured.service = service
+    return service
