@@ -442,6 +442,40 @@ def _tensor_parallel(d: dict[str, Any]) -> str:
     return caption + _table(header, rows)
 
 
+def _compile_burst(d: dict[str, Any]) -> str:
+    rows = []
+    for r in d["runs"]:
+        causes = ", ".join(f"{n} {c}" for c, n in sorted(r["error_causes"].items())) or "-"
+        rows.append(
+            [
+                r["label"],
+                r["run"]["commit"][:10],
+                str(r["hog_processes"]),
+                f"{r['accepted']} of {r['schemas']}",
+                f"{r['finishes'].get('stop', 0)} / {r['finishes'].get('length', 0)}",
+                f"{r['errors']} ({causes})",
+                f"{r['wall_s']:.0f}",
+                f"{r['load_avg_before'][0]:.1f}" if r.get("load_avg_before") else "",
+            ]
+        )
+    header = [
+        "run",
+        "commit",
+        "busy processes",
+        "schemas accepted",
+        "stop / length",
+        '"error" finishes',
+        "wall s",
+        "load before",
+    ]
+    caption = (
+        "Every shared schema that passes submission, each once, in one `LLM.generate` call on "
+        "a tiny random-weight model (grammar compile limit 10 s); beside it, busy-looping "
+        "processes when the run says so.\n\n"
+    )
+    return caption + _table(header, rows)
+
+
 # (file, title, command, renderer)
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("forward.json", "Forward pass, float32", "baton bench forward", _forward),
@@ -476,6 +510,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "Tensor parallel",
         "baton bench tensor_parallel",
         _tensor_parallel,
+    ),
+    (
+        "compile_burst.json",
+        "A burst of distinct schemas",
+        "baton bench compile_burst --label NAME [--hog N]",
+        _compile_burst,
     ),
 ]
 
