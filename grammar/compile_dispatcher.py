@@ -238,6 +238,11 @@ class CompileDispatcher:
         except Exception:  # noqa: BLE001 - never leave requests waiting forever
             logger.exception("grammar compile dispatcher failed")
             self._fail_all("the grammar compile dispatcher failed (see the log)")
+        finally:
+            if self._closed:  # a worker or the zygote started while shutting down ends here
+                self._fail_all("the grammar compile service was shut down")
+                if self._zygote is not None:
+                    self._zygote.close()
 
     def _start_jobs(self) -> None:
         cfg = self.config
@@ -259,6 +264,10 @@ class CompileDispatcher:
                 except WorkerStartError as exc:
                     self._fail(job, GrammarError(f"cannot compile: {exc}"))
                     continue
+                if self._closed:
+                    worker.kill()
+                    self._fail(job, GrammarError("the grammar compile service was shut down"))
+                    return
             job.started_at = time.monotonic()
             job.deadline = job.started_at + WALL_LIMIT_FACTOR * self.timeout_s
             job.cpu_start = worker.cpu_seconds()

@@ -52,8 +52,8 @@ class CompileQueueFull(RuntimeError):
     """Too many specs wait for a compile worker; nothing was queued.
 
     Attributes:
-        retry_after_s: seconds after which a queue slot will have opened (every compile
-            that runs now has ended by then, at its limit at the latest).
+        retry_after_s: seconds after which a queue slot should have opened: the first
+            compile running now reaches its limit by then at its present pace (with a margin).
     """
 
     def __init__(self, message: str, retry_after_s: float) -> None:
