@@ -495,7 +495,6 @@ def test_no_prompt_text_reaches_the_logs(
     assert secret not in caplog.text and secret not in out and secret not in err
 
 
-# ------------------------------------------------- units (no server needed)
 # ------------------------------------------------------------ busy compiles
 # outlines builds this pattern's DFA for hours (it doubles with each repetition).
 HOSTILE_PATTERN = "^(a|b)*a(a|b){%d}$"
@@ -560,6 +559,9 @@ def test_a_full_compile_queue_answers_503_with_retry_after(tiny_model_dir: Path)
             assert metric(text, "baton_grammar_compile_worker_kills_total") == 2
     finally:
         engine.shutdown()
+
+
+# ------------------------------------------------- units (no server needed)
 
 
 def test_params_from_request_bodies() -> None:
