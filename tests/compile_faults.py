@@ -42,8 +42,13 @@ class FaultyXGrammarBackend(XGrammarBackend):
 
 def use_faulty_backends(engine: LLMEngine) -> CompileService:
     """Replaces ``engine``'s compile service by one whose xgrammar is
-    ``FaultyXGrammarBackend`` (same limit and pool); returns the new service. The caller
-    shuts it down (the engine's shutdown does, too)."""
+    ``FaultyXGrammarBackend`` (same limit and pool), its worker template process started
+    (seconds on a busy host: no test's timing or step count should include that); returns
+    the new service. The caller shuts it down (the engine's shutdown does, too).
+
+    Raises:
+        AssertionError: the warm-up compile failed or took over 120 s.
+    """
     old = engine.structured.service
     recipes = {
         "xgrammar": BackendRecipe(
@@ -58,4 +63,10 @@ def use_faulty_backends(engine: LLMEngine) -> CompileService:
     )
     old.shutdown()
     engine.structured.service = service
+    handle = service.submit(StructuredOutputsParams(regex="faulty-warm-up[0-9]"))
+    deadline = time.monotonic() + 120.0
+    while (result := handle.result()) is None:
+        assert time.monotonic() < deadline, "the compile workers did not start within 120 s"
+        time.sleep(0.01)
+    assert result.error is None, result.error
     return service
