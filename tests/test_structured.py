@@ -80,13 +80,13 @@ def cpu_hogs(n):
             hog.wait()
 
 
-def _fails_alone(llm, spec):
-    """The error of compiling ``spec`` alone (nothing else queued), or None if it compiles."""
+def _compile_alone(llm, spec):
+    """``spec`` compiled with nothing else queued: its ``CompileResult`` (error, seconds)."""
     service = llm.engine.structured.service
     handle = service.submit(spec)
     while (result := handle.result()) is None:
         time.sleep(0.01)
-    return result.error
+    return result
 
 
 def test_every_shared_schema_with_the_tiny_model(tiny_llm, shared_data):
@@ -115,12 +115,20 @@ def test_every_shared_schema_with_the_tiny_model(tiny_llm, shared_data):
         for (name, _), o in zip(accepted, outs, strict=True)
         if o.outputs[0].finish_reason == "error"
     }
-    # Each failure must be the schema's own: it fails alone too.
+    # Each failure must be the schema's own: it fails alone too, or it is a borderline
+    # compile (alone it takes over half the limit: a host this busy slows even the CPU time
+    # of the same work through shared caches and cores, so such a one may pass the limit).
+    limit = tiny_llm.engine.config.grammar_compile_timeout_s
+    borderline = {}
     for (name, _), sp in zip(accepted, specs, strict=True):
         if name in failed:
-            alone = _fails_alone(tiny_llm, sp.structured_outputs)
-            assert alone is not None, (
-                f"{name} compiles alone but failed in the burst: {failed[name]}"
+            alone = _compile_alone(tiny_llm, sp.structured_outputs)
+            if alone.error is None and alone.seconds >= limit / 2:
+                borderline[name] = alone.seconds
+                continue
+            assert alone.error is not None, (
+                f"{name} compiles alone in {alone.seconds:.1f} s but failed in the burst: "
+                f"{failed[name]}"
             )
     stopped = _check_outputs(outs, accepted, expected_errors=frozenset(failed))
     backends: dict[str, int] = {}
@@ -131,13 +139,14 @@ def test_every_shared_schema_with_the_tiny_model(tiny_llm, shared_data):
     print(
         f"\nshared schemas: {len(schemas)}, refused at submission {rejected}, "
         f"served by {backends}, finished with stop {stopped}, failed {len(failed)} "
-        f"(each fails alone too), {seconds:.0f} s beside 2 busy processes; compile "
+        f"({len(borderline)} borderline: {borderline}; the others fail alone too), "
+        f"{seconds:.0f} s beside 2 busy processes; compile "
         f"time-outs {stats['grammar_compile_timeouts']}, errors {stats['grammar_compile_errors']}"
     )
     for name, error in sorted(failed.items()):
         print(f"  {name}: {error[:160]}")
     assert stopped > len(accepted) // 4
-    assert len(failed) <= 20
+    assert len(failed) <= 20 and len(borderline) <= 5
 
 
 def test_sample_of_schemas_with_the_default_model(llm, shared_data):
