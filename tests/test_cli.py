@@ -64,4 +64,4 @@ def test_a_cuda_device_without_cuda_is_a_one_line_error(tiny_model_dir, capsys):
     code, _, err = _generate(tiny_model_dir, capsys, "--device", "cuda", "x")
     assert code == 2 and "needs CUDA" in err and "Traceback" not in err
     code, _, err = _generate(tiny_model_dir, capsys, "--device", "gpu0", "x")
-    assert code == 2 and "'cpu', 'cuda' or 'cuda:N'" in err
+    assert code == 2 and "'cpu', 'cuda', 'cuda:N' or 'sim:<gpu>'" in err

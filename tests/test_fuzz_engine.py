@@ -224,7 +224,7 @@ def drive(engine: LLMEngine, ops: list[Add | Abort | Step]) -> None:
     assert sched.kv.num_free_blocks == sched.kv.num_blocks - 1
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @settings(
     max_examples=25,
@@ -240,7 +240,7 @@ def test_random_adds_aborts_and_steps_keep_the_invariants(
     drive(engines[mode], ops)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_crowd_preempts_and_still_drains(engines: dict[str, LLMEngine], mode: str) -> None:
     engine = engines[mode]
