@@ -52,6 +52,9 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    # "invalid_spec": the structured-output spec could not be compiled because of the spec
+    # itself (the caller's error); None for any other failure (the engine's).
+    error_kind: str | None = None
 
     @property
     def finished(self) -> bool:

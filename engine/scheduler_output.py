@@ -104,6 +104,9 @@ class EngineCoreOutput:
     logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # "invalid_spec" when the request failed because its structured-output spec cannot be
+    # compiled (the caller's error, not the engine's); None for any other failure.
+    error_kind: str | None = None
     # Which structured-output backend served the request, and why not the preferred one.
     structured_backend: str | None = None
     structured_fallback_reason: str | None = None

@@ -62,6 +62,11 @@ class CompileTimeout(GrammarError):
     """A compile ran longer than the time limit; its worker was stopped."""
 
 
+class SpecRejected(GrammarError):
+    """The backend refused the spec itself (its syntax, a feature it lacks, an invalid
+    schema): the caller's error, unlike a crash, a memory failure or a shutdown."""
+
+
 @dataclass(frozen=True)
 class CompilePoolConfig:
     """How many compiles run, queue and use how much memory.
@@ -344,6 +349,7 @@ class CompileDispatcher:
             return
         status, _, body, seconds, private = msg[:5]
         memory = status == "error" and msg[5] == "memory"
+        rejected = status == "error" and msg[5] == "compile"
         with self._lock:
             job = self._running.pop(worker)
             keep = (
@@ -366,7 +372,7 @@ class CompileDispatcher:
         self._observe(seconds)
         if memory:
             body = f"{body} (compiling it needs more memory than {self._memory_cap()})"
-        self._fail(job, GrammarError(str(body)))
+        self._fail(job, SpecRejected(str(body)) if rejected else GrammarError(str(body)))
 
     def _memory_cap(self) -> str:
         limit = self.config.memory_limit_bytes
@@ -507,5 +513,6 @@ __all__ = [
     "CompileJob",
     "CompilePoolConfig",
     "CompileTimeout",
+    "SpecRejected",
     "Compiled",
 ]

@@ -37,6 +37,7 @@ from baton.grammar.compile_dispatcher import (
     CompileJob,
     CompilePoolConfig,
     CompileTimeout,
+    SpecRejected,
 )
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import Vocab, build_vocab
@@ -73,6 +74,8 @@ class CompileResult:
         seconds: the compile's own time (worker plus rebuild; 0 when it was cached or
             another request's compile served it).
         cache_hit: served from the cache or by a compile already in flight.
+        spec_error: the failure is the spec's own: every backend tried refused it, or its
+            compile ran past the time limit (not a crash, memory failure or shutdown).
     """
 
     grammar: CompiledGrammar | None
@@ -81,6 +84,7 @@ class CompileResult:
     error: str | None = None
     seconds: float = 0.0
     cache_hit: bool = False
+    spec_error: bool = False
 
 
 class CompileHandle:
@@ -107,6 +111,7 @@ class CompileHandle:
         self._hit = hit
         self._index = 0
         self._errors: list[str] = []
+        self._spec_errors = True  # every failure so far was the spec's own
         self._done: CompileResult | None = None
 
     def result(self) -> CompileResult | None:
@@ -122,12 +127,19 @@ class CompileHandle:
                 seconds = 0.0 if self._hit else compiled.seconds
                 self._done = CompileResult(compiled.grammar, name, reason, None, seconds, self._hit)
                 break
-            if self._service is None:  # refused before any compile
-                self._done = CompileResult(None, name, None, str(exc))
+            if self._service is None:  # refused before any compile: no backend takes it
+                self._done = CompileResult(None, name, None, str(exc), spec_error=True)
                 break
             self._errors.append(f"{name}: {exc}")
+            self._spec_errors &= isinstance(exc, (SpecRejected, CompileTimeout))
             if self._index + 1 >= len(self._names) or isinstance(exc, CompileTimeout):
-                self._done = CompileResult(None, name, self._fallback, "; ".join(self._errors))
+                self._done = CompileResult(
+                    None,
+                    name,
+                    self._fallback,
+                    "; ".join(self._errors),
+                    spec_error=self._spec_errors,
+                )
                 break
             self._index += 1
             # Already admitted: the fallback compile does not count against the queue bound.

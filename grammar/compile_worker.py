@@ -141,7 +141,7 @@ def _worker(
         except BaseException as exc:  # noqa: BLE001 - a backend bug fails this spec only
             # BaseException: PyO3 panics are one. The engine gets the reason, not a dead worker.
             traceback.print_exc(file=sys.stderr)
-            reply = ("error", job_id, f"{type(exc).__name__}: {exc}", "compile")
+            reply = ("error", job_id, f"{type(exc).__name__}: {exc}", "internal")
         seconds = time.perf_counter() - t0
         head, tail = reply[:3], reply[3:]
         try:

@@ -162,6 +162,13 @@ def tool_with(parameters: Any, name: str = "f") -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
 
+# A draft-7 tuple: valid JSON Schema that xgrammar cannot compile (outlines-core can).
+TUPLE_DRAFT7 = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "type": "array",
+    "items": [{"type": "integer"}],
+}
+
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     # (endpoint, fields, the param the 400 names, a word of its message)
     ("chat", {"logit_bias": {"50": 5}}, "logit_bias", "not supported"),
@@ -224,6 +231,31 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     ("chat", {"tools": [tool_with({"$ref": "#/$defs/x"})]}, "tools", "resolves to nothing"),
     ("completions", {"guided_json": {"$ref": "#/nope"}}, "guided_json", "resolves to nothing"),
+    # Specs that pass the checks at submission but that no backend can compile: the
+    # compile's own error, as a 400 (not a 500: retrying would not help).
+    (
+        "chat",
+        {
+            "response_format": {
+                "type": "json_object",
+                "schema": {"type": "integer", "minimum": 5, "maximum": 2},
+            }
+        },
+        "response_format",
+        "minimum greater than maximum",
+    ),
+    (
+        "completions",
+        {"guided_json": {"type": "string", "minLength": 5, "maxLength": 2}},
+        "guided_json",
+        "minLength 5 is greater than maxLength 2",
+    ),
+    (
+        "completions",
+        {"guided_json": TUPLE_DRAFT7, "guided_decoding_backend": "xgrammar"},
+        "guided_json",
+        "items must be a boolean or an object",
+    ),
     ("completions", {"echo": True}, "echo", "echo"),
     ("completions", {"suffix": "x"}, "suffix", "suffix"),
     ("completions", {"logit_bias": {"1": -100}}, "logit_bias", "logit_bias"),
@@ -278,6 +310,29 @@ def test_refused_fields_are_a_400_naming_them(
     error = r.json()["error"]
     assert error["param"] == param, error
     assert word in error["message"], error
+
+
+@pytest.mark.parametrize("endpoint", PATHS)
+def test_a_spec_that_cannot_compile_is_a_400_when_streamed_too(
+    default_model_server: str, endpoint: str
+) -> None:
+    base = CHAT if endpoint == "chat" else COMPLETION
+    body = base | {"stream": True, "guided_json": {"type": "integer", "minimum": 5, "maximum": 2}}
+    r = httpx.post(f"{default_model_server}{PATHS[endpoint]}", json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "guided_json" and "minimum greater than maximum" in error["message"]
+
+
+def test_auto_falls_back_where_one_backend_cannot_compile(default_model_server: str) -> None:
+    body = COMPLETION | {"guided_json": TUPLE_DRAFT7, "max_tokens": 12}
+    r = httpx.post(f"{default_model_server}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    (out,) = r.json()["choices"]
+    if out["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(out["text"]), TUPLE_DRAFT7)
+    else:
+        assert out["finish_reason"] == "length" and out["text"].startswith("[")
 
 
 @pytest.mark.parametrize("endpoint", PATHS)

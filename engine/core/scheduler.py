@@ -164,7 +164,7 @@ class Scheduler:
         if self.structured is None:
             return []
         room = self.config.max_num_seqs - len(self.running)
-        broken: list[tuple[Request, str]] = []
+        broken: list[tuple[Request, str, str | None]] = []
         for req in self.waiting:
             if room <= 0:
                 break
@@ -174,11 +174,13 @@ class Scheduler:
                 if result is None:
                     continue
                 if req.structured.matcher is None:
-                    broken.append((req, f"grammar compilation failed: {result.error}"))
+                    # A spec its backends refuse is the caller's error (the server answers 400).
+                    kind = "invalid_spec" if result.spec_error else None
+                    broken.append((req, f"grammar compilation failed: {result.error}", kind))
                     continue
                 req.status = RequestStatus.WAITING
             room -= 1
-        return [self._fail(req, message) for req, message in broken]
+        return [self._fail(req, message, kind) for req, message, kind in broken]
 
     def get_grammar_bitmask(
         self, so: SchedulerOutput, out: torch.Tensor | None = None
@@ -364,11 +366,13 @@ class Scheduler:
             return True
         return False
 
-    def _fail(self, req: Request, message: str) -> EngineCoreOutput:
+    def _fail(self, req: Request, message: str, kind: str | None = None) -> EngineCoreOutput:
         req.status = RequestStatus.FINISHED_ERROR
         req.error = message
         self._remove_finished(req)
-        return EngineCoreOutput(req.request_id, [], finish_reason="error", error=message)
+        return EngineCoreOutput(
+            req.request_id, [], finish_reason="error", error=message, error_kind=kind
+        )
 
     def _remove_finished(self, req: Request) -> None:
         if req in self.running:

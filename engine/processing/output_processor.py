@@ -167,6 +167,7 @@ class OutputProcessor:
             comp.finish_reason = out.finish_reason
             comp.stop_reason = out.stop_reason
             comp.error = out.error
+            comp.error_kind = out.error_kind
             m.finished_time = now
         return False
 
@@ -187,6 +188,7 @@ class OutputProcessor:
                     finish_reason=c.completion.finish_reason,
                     stop_reason=c.completion.stop_reason,
                     error=c.completion.error,
+                    error_kind=c.completion.error_kind,
                 )
                 for c in children
             ],

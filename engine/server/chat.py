@@ -22,6 +22,7 @@ from baton.engine.server.generation import (
     DeltaTracker,
     SSEResponse,
     TrackedStream,
+    check_first_output,
     close_all,
     collect_unary,
     completion_error,
@@ -203,12 +204,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     param = constraint.param if constraint is not None else None
     streams = await start_requests(state, [prompt], params, request_id, param)
     if body.stream:
+        if params.structured_outputs is not None:
+            try:
+                await check_first_output(request, streams, param)
+            except ClientDisconnected:
+                return Response(status_code=499)
         return SSEResponse(
             _stream(streams[0], body, request_id, created, model, tools),
             lambda: close_all(streams),
         )
     try:
-        (out,) = await collect_unary(request, streams)
+        (out,) = await collect_unary(request, streams, param)
     except ClientDisconnected:
         return Response(status_code=499)
     return JSONResponse(_response(out, body, request_id, created, model, tools))

@@ -19,6 +19,7 @@ from baton.engine.server.generation import (
     DeltaTracker,
     SSEResponse,
     TrackedStream,
+    check_first_output,
     close_all,
     collect_unary,
     completion_error,
@@ -155,11 +156,16 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     param = constraint.param if constraint is not None else None
     streams = await start_requests(state, prompts, params, request_id, param)
     if body.stream:
+        if params.structured_outputs is not None:
+            try:
+                await check_first_output(request, streams, param)
+            except ClientDisconnected:
+                return Response(status_code=499)
         return SSEResponse(
             _stream(streams, body, request_id, created, model), lambda: close_all(streams)
         )
     try:
-        outputs = await collect_unary(request, streams)
+        outputs = await collect_unary(request, streams, param)
     except ClientDisconnected:
         return Response(status_code=499)
     return JSONResponse(_response(outputs, body, request_id, created, model))

@@ -37,13 +37,28 @@ class TrackedStream:
         self.metrics = metrics
         self.structured = structured
         self.last: RequestOutput | None = None
+        self._peeked: RequestOutput | None = None
         self._failed = False
         self._recorded = False
 
     def __aiter__(self) -> TrackedStream:
         return self
 
+    async def peek(self) -> RequestOutput:
+        """The next output, kept for the next ``__anext__`` to return again.
+
+        Raises:
+            StopAsyncIteration: the stream has ended.
+            EngineDeadError: the engine has stopped.
+        """
+        if self._peeked is None:
+            self._peeked = await self.__anext__()
+        return self._peeked
+
     async def __anext__(self) -> RequestOutput:
+        if self._peeked is not None:
+            out, self._peeked = self._peeked, None
+            return out
         try:
             out = await self.stream.__anext__()
         except EngineDeadError:
@@ -68,7 +83,10 @@ class TrackedStream:
         if self._failed:
             status = "error"
         elif last is not None and last.finished:
-            errored = any(c.finish_reason == "error" for c in last.outputs)
+            failure = completion_failure([last])
+            if failure is not None and failure.error_kind == INVALID_SPEC:
+                return  # answered with a 400, which the error handler counts as rejected
+            errored = failure is not None
             aborted = any(c.finish_reason == "abort" for c in last.outputs)
             status = "error" if errored else "aborted" if aborted else "finished"
         else:
@@ -179,21 +197,50 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected
 
 
-async def collect_unary(request: Request, streams: Sequence[TrackedStream]) -> list[RequestOutput]:
+async def collect_unary(
+    request: Request, streams: Sequence[TrackedStream], param: str | None = None
+) -> list[RequestOutput]:
     """The final outputs of a non-streamed response; closes (aborts) every stream either way.
 
     Raises:
         ClientDisconnected: the client went away first.
-        APIError: 500 when a request failed inside the engine.
+        APIError: 400 naming ``param`` (the field that carried the constraint) when the
+            structured-output spec could not be compiled because of the spec itself; 500 when
+            a request failed inside the engine.
     """
     try:
         outputs = await until_disconnect(request, collect(streams))
     finally:
         close_all(streams)
-    error = completion_error(outputs)
-    if error is not None:
-        raise APIError(500, error)
+    failure = completion_failure(outputs)
+    if failure is not None:
+        raise failure_error(failure, param)
     return outputs
+
+
+async def check_first_output(
+    request: Request, streams: Sequence[TrackedStream], param: str | None
+) -> None:
+    """Before a structured stream answers 200: waits for the first stream's first output (its
+    grammar compiled, its first token sampled, or its failure) so that a spec the backends
+    refuse is answered with a 400 like a non-streamed request's. Every prompt of a request
+    shares the spec, so the first stream speaks for all; the output stays in the stream.
+
+    Raises:
+        ClientDisconnected: the client went away first (the streams are closed).
+        APIError: 400 as ``collect_unary``'s (the streams are closed).
+    """
+    try:
+        first = await until_disconnect(request, streams[0].peek())
+    except StopAsyncIteration:
+        return
+    except BaseException:
+        close_all(streams)
+        raise
+    failure = completion_failure([first])
+    if failure is not None and failure.error_kind == INVALID_SPEC:
+        close_all(streams)
+        raise failure_error(failure, param)
 
 
 def sse_chunker(
@@ -270,10 +317,29 @@ class DeltaTracker:
         return text, list(ids), entries
 
 
-def completion_error(outputs: Sequence[RequestOutput]) -> str | None:
-    """The error message of the first failed completion, if any failed."""
+INVALID_SPEC = "invalid_spec"
+"""``CompletionOutput.error_kind`` of a request whose spec cannot be compiled (a 400)."""
+
+
+def completion_failure(outputs: Sequence[RequestOutput]) -> CompletionOutput | None:
+    """The first failed completion, if any failed."""
     for out in outputs:
         for c in out.outputs:
             if c.finish_reason == "error":
-                return c.error or "generation failed"
+                return c
     return None
+
+
+def completion_error(outputs: Sequence[RequestOutput]) -> str | None:
+    """The error message of the first failed completion, if any failed."""
+    failure = completion_failure(outputs)
+    return None if failure is None else failure.error or "generation failed"
+
+
+def failure_error(failure: CompletionOutput, param: str | None) -> APIError:
+    """The HTTP error for a failed completion: 400 naming ``param`` for a spec that cannot
+    be compiled, else 500."""
+    message = failure.error or "generation failed"
+    if failure.error_kind == INVALID_SPEC:
+        return bad_request(message, param)
+    return APIError(500, message)
