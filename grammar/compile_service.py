@@ -39,13 +39,12 @@ from baton.grammar.compile_dispatcher import (
     CompileTimeout,
     SpecRejected,
 )
-from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.spec import AUTO_ORDER, StructuredOutputsParams, allowed_backends
 from baton.grammar.vocab import Vocab, build_vocab
 
 logger = logging.getLogger(__name__)
 
 # Preference order of "auto".
-AUTO_ORDER = ("xgrammar", "outlines")
 _CANDIDATES_CACHE_SIZE = 1024
 
 
@@ -241,7 +240,7 @@ class CompileService:
             if found is not None:
                 self._candidates.move_to_end(ckey)
                 return list(found[0]), dict(found[1])
-        names = list(AUTO_ORDER) if spec.backend == "auto" else [spec.backend]
+        names = list(allowed_backends(spec.backend))
         ok, reasons = [], {}
         for name in names:
             if name not in self._recipes:
@@ -297,7 +296,7 @@ class CompileService:
             failed.set_exception(GrammarError(f"no backend can take it: {detail}"))
             return CompileHandle(None, spec, [spec.backend], None, failed, False)
         # Only the backends preferred over the one that will try first had to be passed over.
-        order = list(AUTO_ORDER) if spec.backend == "auto" else [spec.backend]
+        order = list(allowed_backends(spec.backend))
         passed = [n for n in order[: order.index(names[0])] if n in reasons]
         fallback = "; ".join(f"{n}: {reasons[n]}" for n in passed) or None
         future, hit = self._request(names[0], spec, bounded=True)

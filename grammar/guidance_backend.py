@@ -148,8 +148,8 @@ class GuidanceBackend(GrammarBackend):
     """Compiles JSON schemas, regexes, choices and EBNF grammars with llguidance.
 
     Args:
-        tokenizer: baton's ``Tokenizer``, or a ``Vocab`` read from one (compile workers get a
-            ``Vocab``; they only translate specs, so they need no llguidance tokenizer).
+        tokenizer: baton's ``Tokenizer``, or a ``Vocab`` read from one (matchers need its
+            ``tokenizer_json``; compiling, which only translates specs, does not).
         vocab_size: the model's vocabulary size (the bitmask width is ceil(vocab_size / 32)).
         fill_threads: threads of llguidance's batched mask fill (it releases the GIL).
         parallel_fill_min_rows: batches with fewer rows are filled row by row on this thread.
@@ -175,7 +175,9 @@ class GuidanceBackend(GrammarBackend):
         if parallel_fill_min_rows < 1:
             raise ValueError(f"parallel_fill_min_rows must be >= 1, got {parallel_fill_min_rows}")
         self.vocab_size = vocab_size
-        self._tokenizer = None if isinstance(tokenizer, Vocab) else tokenizer
+        self._tokenizer_json: str | None = (
+            tokenizer.tokenizer_json if isinstance(tokenizer, Vocab) else tokenizer.backend.to_str()  # type: ignore[attr-defined]
+        )
         eos = tokenizer.eos_token_ids
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         special = (
@@ -200,11 +202,12 @@ class GuidanceBackend(GrammarBackend):
         """llguidance's tokenizer, built on first use (about 1 s for a 49k vocabulary)."""
         with self._lock:
             if self._ll_tokenizer is None:
-                if self._tokenizer is None:
-                    raise GrammarError("this guidance backend has no tokenizer (a compile worker)")
-                backend = self._tokenizer.backend
+                if self._tokenizer_json is None:
+                    raise GrammarError(
+                        "the guidance backend needs the tokenizer's JSON to build matchers"
+                    )
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    backend.to_str(),  # type: ignore[attr-defined]
+                    self._tokenizer_json,
                     n_vocab=self.vocab_size,
                     eos_token=sorted(self.eos_token_ids),
                 )

@@ -7,9 +7,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
-BackendName = Literal["auto", "xgrammar", "outlines"]
+BackendName = Literal["auto", "xgrammar", "outlines", "guidance"]
 KINDS: tuple[Kind, ...] = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-BACKENDS: tuple[BackendName, ...] = ("auto", "xgrammar", "outlines")
+BACKENDS: tuple[BackendName, ...] = ("auto", "xgrammar", "outlines", "guidance")
+AUTO_ORDER: tuple[str, ...] = ("xgrammar", "outlines", "guidance")
+"""The backends ``backend="auto"`` tries, in this order: the first that takes a spec whole
+compiles it (the one place that holds the order)."""
+
+
+def allowed_backends(backend: str) -> tuple[str, ...]:
+    """The backends a spec's ``backend`` field allows, in the order they are tried."""
+    return AUTO_ORDER if backend == "auto" else (backend,)
 
 
 @dataclass(frozen=True)
@@ -23,7 +31,8 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: an EBNF (GBNF) grammar.
         structural_tag: xgrammar's structural tag (dict or JSON text).
-        backend: "auto" (xgrammar, falling back to outlines-core), "xgrammar" or "outlines".
+        backend: "auto" (the backends of ``AUTO_ORDER`` in turn: xgrammar, then outlines-core,
+            then llguidance), "xgrammar", "outlines" or "guidance".
         whitespace: "compact" (no free whitespace between JSON tokens: a small
             model cannot loop on newlines) or "any" (free whitespace, at most
             ``max_whitespace_cnt`` characters in a row).

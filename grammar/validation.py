@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote
 
-from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.spec import StructuredOutputsParams, allowed_backends
 from baton.grammar.structural_tag import json_schema_formats, normalise_structural_tag
 
 DEFAULT_MAX_SPEC_BYTES = 64 * 1024
@@ -43,7 +43,7 @@ def _xgrammar_message(exc: BaseException) -> str:
 
 
 def _allowed(spec: StructuredOutputsParams) -> tuple[str, ...]:
-    return ("xgrammar", "outlines") if spec.backend == "auto" else (spec.backend,)
+    return allowed_backends(spec.backend)
 
 
 def _check_size(what: str, text: str, max_bytes: int) -> None:
@@ -190,6 +190,15 @@ def _outlines_regex_error(regex: str) -> str | None:
     return None
 
 
+def _guidance_regex_error(regex: str) -> str | None:
+    """llguidance's complaint about ``regex`` on one line, None when it takes it."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_regex(regex)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    return " ".join(" ".join(messages).split())[:300] if failed else None
+
+
 def _check_regex(spec: StructuredOutputsParams, regex: str) -> None:
     errors: dict[str, str] = {}
     for backend in _allowed(spec):
@@ -201,6 +210,11 @@ def _check_regex(spec: StructuredOutputsParams, regex: str) -> None:
                 return
             except Exception as exc:
                 errors[backend] = _xgrammar_message(exc)
+        elif backend == "guidance":
+            error = _guidance_regex_error(regex)
+            if error is None:
+                return
+            errors[backend] = error
         else:
             error = _outlines_regex_error(regex)
             if error is None:

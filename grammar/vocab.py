@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Protocol
 
@@ -30,6 +30,8 @@ class Vocab:
         eos_token_ids: the ids that end a sequence.
         vocab_type: "byte_level" (GPT-2 style), "byte_fallback" (SentencePiece) or "raw".
         key: identifies the vocabulary, for compile-cache keys.
+        tokenizer_json: the tokenizer's own serialization (Hugging Face ``tokenizers`` JSON),
+            for backends that tokenize themselves (llguidance); None when unknown.
     """
 
     token_bytes: tuple[bytes, ...]
@@ -37,6 +39,7 @@ class Vocab:
     eos_token_ids: tuple[int, ...]
     vocab_type: str
     key: str
+    tokenizer_json: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -83,7 +86,8 @@ def build_vocab(tokenizer: VocabSource | Vocab) -> Vocab:
     if isinstance(tokenizer, Vocab):
         return tokenizer
     strings = tokenizer.token_strings()
-    config = json.loads(tokenizer.backend.to_str())  # type: ignore[attr-defined]
+    tokenizer_json = tokenizer.backend.to_str()  # type: ignore[attr-defined]
+    config = json.loads(tokenizer_json)
     decoder = config.get("decoder") or {}
     kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
     special = frozenset(tokenizer.all_special_ids)
@@ -107,4 +111,5 @@ def build_vocab(tokenizer: VocabSource | Vocab) -> Vocab:
             out.append(bytes([int(m.group(1), 16)]) if m else s.replace("▁", " ").encode())
     digest = hashlib.sha1(b"\x00".join(out)).hexdigest()[:16]
     key = f"{vocab_type}:{len(out)}:{digest}"
-    return Vocab(tuple(out), special, tuple(tokenizer.eos_token_ids), vocab_type, key)
+    eos = tuple(tokenizer.eos_token_ids)
+    return Vocab(tuple(out), special, eos, vocab_type, key, tokenizer_json)

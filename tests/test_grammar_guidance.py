@@ -4,6 +4,7 @@ fills, refusals that name the keywords, the compile-worker round trip, and the s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -225,15 +226,17 @@ def test_bad_specs_fail_with_the_reason(backend: GuidanceBackend) -> None:
 
 
 def test_worker_round_trip(backend: GuidanceBackend, tokenizer: Tokenizer) -> None:
-    """A compile worker holds only the vocabulary: it translates and checks; the engine's
-    backend builds matchers from the exported text."""
+    """A compile worker holds the vocabulary: it translates and checks; the engine's backend
+    builds matchers from the exported text (and one without the tokenizer's JSON cannot)."""
     worker = GuidanceBackend(build_vocab(tokenizer), VOCAB)
     spec = StructuredOutputsParams(json={"type": "array", "items": {"type": "boolean"}})
     data = worker.export_compiled(worker.compile(spec))
     grammar = backend.import_compiled(spec, data)
     assert walk(tokenizer, grammar, "[true,false]")
-    with pytest.raises(GrammarError, match="no tokenizer"):
-        worker.compile(spec).new_matcher()
+    assert walk(tokenizer, worker.import_compiled(spec, data), "[false]")
+    bare = dataclasses.replace(build_vocab(tokenizer), tokenizer_json=None)
+    with pytest.raises(GrammarError, match="tokenizer's JSON"):
+        GuidanceBackend(bare, VOCAB).compile(spec).new_matcher()
 
 
 @pytest.mark.parametrize("parallel_from", [1, 1000], ids=["threads", "one-thread"])

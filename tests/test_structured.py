@@ -191,7 +191,7 @@ def _one(llm, spec, prompt="Answer:", **kw):
     return llm.generate(prompt, SamplingParams(structured_outputs=spec, **kw), use_tqdm=False)[0]
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines", "guidance"])
 def test_regex_and_choice(llm, backend):
     out = _one(llm, StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}", backend=backend))
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", out.outputs[0].text)
@@ -252,6 +252,38 @@ def test_auto_falls_back_and_records_why(llm):
     assert out.structured_output_backend == "xgrammar"
     assert out.structured_output_fallback_reason is None
     assert 3 <= json.loads(out.outputs[0].text) <= 7
+
+
+def test_guidance_backend_and_auto_fallback_to_it(llm):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    out = llm.chat(
+        [{"role": "user", "content": "Describe a person as JSON."}],
+        SamplingParams(
+            max_tokens=64,
+            temperature=0.0,
+            structured_outputs=StructuredOutputsParams(json=schema, backend="guidance"),
+        ),
+        use_tqdm=False,
+    )[0]
+    assert out.structured_output_backend == "guidance"
+    assert out.outputs[0].finish_reason == "stop", out.outputs[0]
+    jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    # An untyped schema with a bound: xgrammar and outlines-core would leave the bound
+    # unenforced and refuse it; auto reaches llguidance, which enforces it.
+    bounded = {"maximum": 3.0}
+    out = _one(llm, StructuredOutputsParams(json=bounded), "A small number:")
+    assert out.structured_output_backend == "guidance"
+    reason = out.structured_output_fallback_reason or ""
+    assert "xgrammar:" in reason and "outlines:" in reason, reason
+    if out.outputs[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(out.outputs[0].text), bounded)
+    else:
+        assert out.outputs[0].finish_reason == "length", out.outputs[0]
 
 
 def test_compile_time_limit_fails_only_that_request(default_checkpoint):

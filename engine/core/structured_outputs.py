@@ -18,7 +18,7 @@ from baton.engine.core.request import Request, StructuredState
 from baton.engine.scheduler_output import GrammarOutput
 from baton.grammar.backend import BackendRecipe, GrammarMatcher, allocate_bitmask
 from baton.grammar.compile_service import CompilePoolConfig, CompileResult, CompileService
-from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.spec import StructuredOutputsParams, allowed_backends
 from baton.grammar.validation import DEFAULT_MAX_DEPTH, check_enforceable, validate_spec
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,12 @@ class StructuredOutputManager:
                 worker_options=(("max_threads", 1),),
             ),
             "outlines": BackendRecipe("outlines", "baton.grammar.outlines_backend:OutlinesBackend"),
+            "guidance": BackendRecipe(
+                "guidance",
+                "baton.grammar.guidance_backend:GuidanceBackend",
+                (("fill_threads", fill_threads),),
+                worker_options=(("fill_threads", 1),),
+            ),
         }
         self.service = CompileService(
             recipes, tokenizer, vocab_size, compile_timeout_s, cache_size, compile_pool
@@ -89,8 +95,7 @@ class StructuredOutputManager:
             return
         validate_spec(spec)
         _, reasons = self.service.candidates(spec)
-        names = ["xgrammar", "outlines"] if spec.backend == "auto" else [spec.backend]
-        check_enforceable(spec, {n: reasons.get(n) for n in names})
+        check_enforceable(spec, {n: reasons.get(n) for n in allowed_backends(spec.backend)})
         # Many requests share a schema: meta-validating it took ~10 ms each time.
         self._validated[key] = None
         if len(self._validated) > _VALIDATED_CACHE_SIZE:

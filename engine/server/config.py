@@ -18,7 +18,7 @@ class ServerConfig:
         api_key: when set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``.
         max_body_bytes: largest request body accepted (413 above it).
         structured_outputs_backend: backend of structured requests that name none
-            ("auto", "xgrammar" or "outlines").
+            ("auto", "xgrammar", "outlines" or "guidance").
         max_n: largest ``n`` (completions per prompt) one request may ask for.
 
     Raises:
