@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import importlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +164,16 @@ class BackendRecipe:
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per bitmask row."""
     return (vocab_size + 31) // 32
+
+
+def token_bitmask_row(tokens: Iterable[int], vocab_size: int) -> torch.Tensor:
+    """One int32 bitmask row allowing exactly ``tokens`` (e.g. what a terminated matcher
+    allows: the EOS ids)."""
+    words = [0] * bitmask_width(vocab_size)
+    for t in tokens:
+        words[t // 32] |= 1 << (t % 32)
+    # int32 two's complement of each 32-bit word.
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

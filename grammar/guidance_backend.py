@@ -27,6 +27,7 @@ from baton.grammar.backend import (
     GrammarError,
     GrammarMatcher,
     bitmask_width,
+    token_bitmask_row,
 )
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import Vocab, VocabSource
@@ -189,13 +190,8 @@ class GuidanceBackend(GrammarBackend):
         self._lock = threading.Lock()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
-        words = [0] * bitmask_width(vocab_size)
-        for e in self.eos_token_ids:
-            words[e // 32] |= 1 << (e % 32)
         # What a terminated matcher allows, like the other backends: EOS only.
-        self.eos_row = torch.tensor(
-            [w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32
-        )
+        self.eos_row = token_bitmask_row(self.eos_token_ids, vocab_size)
 
     # ------------------------------------------------------------- tokenizer
     def _llt(self) -> llguidance.LLTokenizer:

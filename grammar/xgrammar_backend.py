@@ -25,6 +25,7 @@ from baton.grammar.backend import (
     GrammarError,
     GrammarMatcher,
     bitmask_width,
+    token_bitmask_row,
 )
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.structural_tag import (
@@ -702,13 +703,7 @@ class XGrammarBackend(GrammarBackend):
         )
         self._parallel_min_rows = parallel_fill_min_rows
         self._batch_lock = threading.Lock()
-        words = [0] * bitmask_width(vocab_size)
-        for e in eos:
-            words[e // 32] |= 1 << (e % 32)
-        # int32 two's complement of each 32-bit word.
-        self.eos_row = torch.tensor(
-            [w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32
-        )
+        self.eos_row = token_bitmask_row(eos, vocab_size)
 
     def never_allowed(self, token: int) -> bool:
         """True for ids no grammar may produce: out of range, control tokens, padding ids."""

@@ -11,17 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from grammar_testing import EOS, IM_START, VOCAB, allowed, compact, ids, schema_files
 
 from baton.engine.tokenizer import Tokenizer
-from baton.grammar.backend import GrammarError, GrammarMatcher, allocate_bitmask
+from baton.grammar.backend import GrammarError, allocate_bitmask
 from baton.grammar.guidance_backend import GuidanceBackend, GuidanceCompiledGrammar
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import build_vocab
 from baton.grammar.xgrammar_backend import bitmask_allowed
-
-VOCAB = 49152
-EOS = 2  # <|im_end|>
-IM_START = 1
 
 
 @pytest.fixture(scope="module")
@@ -29,18 +26,8 @@ def backend(tokenizer: Tokenizer) -> GuidanceBackend:
     return GuidanceBackend(tokenizer, VOCAB)
 
 
-def ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def compile_spec(backend: GuidanceBackend, **kwargs: Any) -> GuidanceCompiledGrammar:
     return backend.compile(StructuredOutputsParams(**kwargs))
-
-
-def allowed(matcher: GrammarMatcher) -> set[int]:
-    bitmask = allocate_bitmask(1, VOCAB)
-    matcher.fill_bitmask(bitmask, 0)
-    return set(bitmask_allowed(bitmask, 0, VOCAB))
 
 
 def walk(tokenizer: Tokenizer, grammar: GuidanceCompiledGrammar, text: str) -> bool:
@@ -58,10 +45,6 @@ def walk(tokenizer: Tokenizer, grammar: GuidanceCompiledGrammar, text: str) -> b
             return False
         assert token in mask or forced, "accepted a token its mask forbids, nothing forced"
     return EOS in allowed(matcher) and matcher.accept_tokens([EOS]) and matcher.is_terminated()
-
-
-def compact(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 KIND_CASES = [
@@ -263,19 +246,13 @@ def test_batch_fill_equals_single_fills(tokenizer: Tokenizer, parallel_from: int
         assert bitmask_allowed(batch, row, VOCAB) == bitmask_allowed(single, 0, VOCAB)
 
 
-def _schema_files(shared_data: Path) -> list[Path]:
-    files = sorted((shared_data / "schemastore").glob("*.json"))
-    files += sorted((shared_data / "json-schema-test-suite").glob("*.json"))
-    return files
-
-
 def test_shared_schema_data(
     backend: GuidanceBackend, tokenizer: Tokenizer, shared_data: Path
 ) -> None:
     """Every shared schema llguidance takes: no invalid instance accepted (it refuses what it
     does not implement), and the valid ones it refuses are explained by property order (it
     writes properties in schema order) or by validity the instance has only as a document."""
-    files = _schema_files(shared_data)
+    files = schema_files(shared_data)
     assert len(files) > 100
     taken = valid = valid_ok = invalid = 0
     wrongly_accepted: list[str] = []

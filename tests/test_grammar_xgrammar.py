@@ -12,9 +12,10 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from grammar_testing import EOS, IM_START, VOCAB, allowed, compact, ids, schema_files
 
 from baton.engine.tokenizer import Tokenizer
-from baton.grammar.backend import GrammarError, GrammarMatcher, allocate_bitmask
+from baton.grammar.backend import GrammarError, allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.xgrammar_backend import (
     XGRAMMAR_ENFORCED_FORMATS,
@@ -28,28 +29,14 @@ from baton.grammar.xgrammar_backend import (
     xgrammar_unenforced_keywords,
 )
 
-VOCAB = 49152
-EOS = 2  # <|im_end|>
-IM_START = 1
-
 
 @pytest.fixture(scope="module")
 def backend(tokenizer: Tokenizer) -> XGrammarBackend:
     return XGrammarBackend(tokenizer, VOCAB)
 
 
-def ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def compile_spec(backend: XGrammarBackend, **kwargs: Any) -> XGrammarCompiledGrammar:
     return backend.compile(StructuredOutputsParams(**kwargs))
-
-
-def allowed(matcher: GrammarMatcher) -> set[int]:
-    bitmask = allocate_bitmask(1, VOCAB)
-    matcher.fill_bitmask(bitmask, 0)
-    return set(bitmask_allowed(bitmask, 0, VOCAB))
 
 
 def walk(tokenizer: Tokenizer, grammar: XGrammarCompiledGrammar, text: str) -> bool:
@@ -59,10 +46,6 @@ def walk(tokenizer: Tokenizer, grammar: XGrammarCompiledGrammar, text: str) -> b
         if not matcher.accept_tokens([token]):
             return False
     return matcher.accept_tokens([EOS]) and matcher.is_terminated()
-
-
-def compact(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 # ------------------------------------------------------------------------------------- kinds
@@ -772,17 +755,11 @@ def lazy_backend(tokenizer: Tokenizer) -> XGrammarBackend:
     return XGrammarBackend(tokenizer, VOCAB, dynamic_compilation=True)
 
 
-def _schema_files(shared_data: Path) -> list[Path]:
-    files = sorted((shared_data / "schemastore").glob("*.json"))
-    files += sorted((shared_data / "json-schema-test-suite").glob("*.json"))
-    return files
-
-
 @pytest.mark.slow
 def test_shared_schema_data(
     lazy_backend: XGrammarBackend, tokenizer: Tokenizer, shared_data: Path
 ) -> None:
-    files = _schema_files(shared_data)
+    files = schema_files(shared_data)
     assert len(files) > 100
     n_schemas = compiled = valid = valid_ok = reordered = invalid = invalid_ok = 0
     unexplained: list[str] = []
