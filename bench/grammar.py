@@ -6,11 +6,12 @@ expects it, token by token through a matcher: before each token it fills (and ti
 bitmask row, then accepts the token; an instance is accepted when every token and then EOS are
 accepted. A crash, hang (killed at --timeout) or out-of-memory of a backend is recorded and the
 run goes on. The summary puts the backends side by side in MaskBench's terms, plus "auto"
-(baton's per-request fallback, derived from the xgrammar and outlines results); it writes JSON,
+(baton's per-request fallback, derived from the results of the backends it tries); it writes JSON,
 a CSV (one row per schema x backend) and a PNG (CDFs of mask time per token and compile time).
 
-    baton bench grammar [--data PATH ...] [--backends xgrammar,outlines] [--tokenizer default]
-        [--limit N] [--timeout 30] [--jobs 1] [--out bench/results/grammar.json]
+    baton bench grammar [--data PATH ...] [--backends xgrammar,outlines,guidance]
+        [--tokenizer default] [--limit N] [--timeout 30] [--jobs 1]
+        [--out bench/results/grammar.json]
 
 Input: JSONSchemaBench's maskbench files ({"description", "schema", "tests": [{"description",
 "valid", "data"}]}) or bare schema files (a schema with no tests: only compiled), found by
@@ -56,7 +57,7 @@ from baton.bench.grammar_worker import (
     outlines_factory,
     xgrammar_factory,
 )
-from baton.grammar.compile_service import AUTO_ORDER
+from baton.grammar.spec import AUTO_ORDER
 from baton.grammar.vocab import VocabSource
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,7 +98,7 @@ class GrammarBenchConfig:
     """
 
     data: tuple[Path, ...]
-    backends: tuple[str, ...] = ("xgrammar", "outlines")
+    backends: tuple[str, ...] = AUTO_ORDER
     tokenizer: str = "default"
     limit: int | None = None
     timeout_s: float = 30.0
@@ -363,9 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backends",
         type=_backend_list,
-        default=("xgrammar", "outlines"),
+        default=AUTO_ORDER,
         help=f"comma-separated, of {', '.join(BACKENDS)}; auto = {'+'.join(AUTO_ORDER)} "
-        "(default: xgrammar,outlines; auto is reported when both run)",
+        f"(default: {','.join(AUTO_ORDER)}; auto is reported when all of those run)",
     )
     p.add_argument(
         "--tokenizer",

@@ -15,7 +15,7 @@ import numpy as np
 
 from baton.bench.grammar_runner import TaskRecord
 from baton.bench.plotting import pyplot
-from baton.grammar.compile_service import AUTO_ORDER
+from baton.grammar.spec import AUTO_ORDER
 
 CDF_PERCENTILES = np.linspace(0.0, 100.0, 201)
 CSV_COLUMNS = (

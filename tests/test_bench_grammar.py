@@ -244,20 +244,36 @@ def _row(backend: str, status: str, compile_ms: float | None, **extra: Any) -> d
 
 def test_auto_falls_back_only_when_xgrammar_cannot_take_the_schema() -> None:
     times = {("s", "outlines"): np.array([1.0, 2.0]), ("s", "xgrammar"): np.array([3.0])}
-    rows = [_row("xgrammar", "compile_error", 2.0), _row("outlines", "ok", 5.0)]
+    rows = [
+        _row("xgrammar", "compile_error", 2.0),
+        _row("outlines", "ok", 5.0),
+        _row("guidance", "ok", 0.5),
+    ]
     (auto,), auto_times = auto_rows(rows, times)
     assert (auto["backend"], auto["served_by"], auto["status"]) == ("auto", "outlines", "ok")
     assert auto["compile_ms"] == pytest.approx(7.0)  # the failed attempt counts
     assert auto_times[("s", "auto")].tolist() == [1.0, 2.0]
 
-    rows = [_row("xgrammar", "timeout", None), _row("outlines", "ok", 5.0)]
+    rows = [
+        _row("xgrammar", "timeout", None),
+        _row("outlines", "ok", 5.0),
+        _row("guidance", "ok", 1),
+    ]
     (auto,), _ = auto_rows(rows, times)
     assert (auto["served_by"], auto["status"]) == ("xgrammar", "timeout")
 
-    rows = [_row("xgrammar", "compile_error", 1.0), _row("outlines", "compile_error", 1.0)]
+    rows = [
+        _row("xgrammar", "compile_error", 1.0),
+        _row("outlines", "compile_error", 1.0),
+        _row("guidance", "ok", 0.5),
+    ]
+    (auto,), _ = auto_rows(rows, times)
+    assert (auto["served_by"], auto["compile_ms"]) == ("guidance", pytest.approx(2.5))
+
+    rows = [_row(name, "compile_error", 1.0) for name in ("xgrammar", "outlines", "guidance")]
     (auto,), auto_times = auto_rows(rows, times)
     assert auto["status"] == "compile_error" and auto["served_by"] is None
-    assert "xgrammar failed" in auto["error"] and "outlines failed" in auto["error"]
+    assert all(f"{name} failed" in auto["error"] for name in ("xgrammar", "outlines", "guidance"))
     assert not auto_times
 
     assert auto_rows([_row("xgrammar", "ok", 1.0)], times) == ([], {})
@@ -267,23 +283,23 @@ def test_auto_falls_back_only_when_xgrammar_cannot_take_the_schema() -> None:
 
 
 @pytest.mark.slow
-def test_cli_on_shared_data_with_both_backends(shared_data: Path, tmp_path: Path) -> None:
+def test_cli_on_shared_data_with_every_backend(shared_data: Path, tmp_path: Path) -> None:
     suite = sorted((shared_data / "json-schema-test-suite").glob("*.json"))[:4]
     store = sorted((shared_data / "schemastore").glob("*.json"), key=lambda p: p.stat().st_size)
     files = suite + store[:2]
     assert len(files) == 6
     out = tmp_path / "res" / "grammar.json"
-    argv = ["--data", *map(str, files), "--backends", "xgrammar,outlines", "--jobs", "2"]
+    argv = ["--data", *map(str, files), "--backends", "xgrammar,outlines,guidance", "--jobs", "2"]
     assert main([*argv, "--no-progress", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     with out.with_suffix(".csv").open() as fh:
         csv_rows = list(csv.DictReader(fh))
-    assert len(csv_rows) == len(result["rows"]) == 3 * len(files)
-    assert {r["backend"] for r in csv_rows} == {"xgrammar", "outlines", "auto"}
+    assert len(csv_rows) == len(result["rows"]) == 4 * len(files)
+    assert {r["backend"] for r in csv_rows} == {"xgrammar", "outlines", "guidance", "auto"}
 
     summary = result["summary"]
-    assert list(summary) == ["xgrammar", "outlines", "auto"]
+    assert list(summary) == ["xgrammar", "outlines", "guidance", "auto"]
     for name, s in summary.items():
         _check_summary(s)
         assert s["schemas"] == len(files), name
@@ -292,7 +308,7 @@ def test_cli_on_shared_data_with_both_backends(shared_data: Path, tmp_path: Path
     assert summary["xgrammar"]["passing"] >= 1
     assert summary["xgrammar"]["tokens"] > 0
     assert summary["auto"]["compiled"] >= max(
-        summary["xgrammar"]["compiled"], summary["outlines"]["compiled"]
+        summary[name]["compiled"] for name in ("xgrammar", "outlines", "guidance")
     )
     tests = sum(len(json.loads(f.read_text())["tests"]) for f in files)
     assert result["config"]["tests"] == tests
