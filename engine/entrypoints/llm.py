@@ -184,7 +184,7 @@ class LLM:
             if not self.engine.has_compile_room(sp):
                 return
             try:
-                self.engine.add_request(rid, prompt, sp)
+                self.engine.add_request(rid, prompt, sp, final_only=True)
             except EngineBusyError:
                 return
             pending.popleft()

@@ -126,8 +126,11 @@ class LLMEngine:
         request_id: str,
         prompt: str | Sequence[int],
         params: SamplingParams,
+        final_only: bool = False,
     ) -> None:
-        """Validates and tokenises a prompt, then queues its ``n`` completions.
+        """Validates and tokenises a prompt, then queues its ``n`` completions. With
+        ``final_only`` ``step()`` returns the prompt's output only once it is finished (offline
+        generation), which spares building an output, and decoding text, at every step.
 
         Raises:
             ValueError: empty prompt, text with lone surrogates, a prompt that
@@ -145,7 +148,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.check_compile_room(params)
         seeds = self._request_seeds(params)
-        child_ids = self.outputs.add_request(request_id, text, token_ids, params)
+        child_ids = self.outputs.add_request(request_id, text, token_ids, params, final_only)
         for cid, seed in zip(child_ids, seeds, strict=True):
             self.core.add_request(Request.new(cid, token_ids, params, self.eos_token_ids, seed))
 

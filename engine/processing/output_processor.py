@@ -30,6 +30,9 @@ class _Parent:
     arrival_time: float = 0.0
     structured_backend: str | None = None
     structured_fallback_reason: str | None = None
+    # Only the finished output is wanted (offline generate): no output per step, and text is
+    # decoded once at the end unless stop strings must be watched token by token.
+    final_only: bool = False
 
 
 def child_request_id(parent_id: str, index: int, n: int) -> str:
@@ -56,10 +59,19 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        final_only: bool = False,
     ) -> list[str]:
-        """Registers a prompt; returns the engine-core ids of its ``n`` completions."""
+        """Registers a prompt; returns the engine-core ids of its ``n`` completions.
+
+        With ``final_only`` ``process`` returns the prompt's output once, finished, and a
+        completion without stop strings is detokenised once when it finishes instead of at
+        every step (the text is the same: the detokeniser is incremental over the same
+        tokens).
+        """
         now = time.monotonic()
-        parent = _Parent(request_id, prompt, prompt_token_ids, params, arrival_time=now)
+        parent = _Parent(
+            request_id, prompt, prompt_token_ids, params, arrival_time=now, final_only=final_only
+        )
         ids = []
         for i in range(params.n):
             cid = child_request_id(request_id, i, params.n)
@@ -114,7 +126,7 @@ class OutputProcessor:
                 parent.structured_backend = out.structured_backend
                 parent.structured_fallback_reason = out.structured_fallback_reason
             try:
-                if self._apply(child, out, now):
+                if self._apply(child, out, now, parent.final_only and not parent.params.stop):
                     to_abort.append(out.request_id)
             except Exception as exc:  # noqa: BLE001 - fail this completion, not the engine
                 child.completion.finish_reason = "error"
@@ -124,12 +136,17 @@ class OutputProcessor:
         results = []
         for pid, parent in touched.items():
             finished = all(c.completion.finished for c in parent.children.values())
+            if parent.final_only and not finished:
+                continue
             results.append(self._make_output(parent, finished))
             if finished:
                 self.remove(pid)
         return results, to_abort
 
-    def _apply(self, child: _Child, out: EngineCoreOutput, now: float) -> bool:
+    def _apply(self, child: _Child, out: EngineCoreOutput, now: float, lazy_text: bool) -> bool:
+        """Adds a core output to a completion; True when a stop string finished it. With
+        ``lazy_text`` (no stop strings, final output only) its tokens are detokenised when the
+        completion finishes."""
         comp, m = child.completion, child.metrics
         tokens = out.new_token_ids
         if tokens:
@@ -142,7 +159,12 @@ class OutputProcessor:
         stop_terminated = out.finish_reason == "stop" and (
             out.stop_reason is None or isinstance(out.stop_reason, int)
         )
-        stop_str = child.detok.update(tokens, stop_terminated=bool(tokens) and stop_terminated)
+        stop_str = None
+        if not lazy_text:
+            stop_str = child.detok.update(tokens, stop_terminated=bool(tokens) and stop_terminated)
+        elif out.finish_reason is not None:
+            pending = [*comp.token_ids, *tokens]
+            child.detok.update(pending, stop_terminated=bool(pending) and stop_terminated)
         comp.token_ids.extend(tokens)
         if out.logprobs is not None and comp.logprobs is not None:
             for ids, vals, rank in zip(
