@@ -155,7 +155,7 @@ def run_case(llm: LLM, requests: Sequence[Request], batch: int) -> dict[str, Any
     executor = llm.engine.core.executor
     assert isinstance(executor, SimExecutor)
     stats = llm.engine.core.stats
-    before, host0 = llm.stats(), executor.host_seconds
+    before, host0, late0 = llm.stats(), executor.host_seconds, executor.wake_late_seconds
     t0 = time.perf_counter()
     outs = llm.generate(
         [list(r.prompt) for r in requests], [r.params for r in requests], use_tqdm=False
@@ -191,6 +191,8 @@ def run_case(llm: LLM, requests: Sequence[Request], batch: int) -> dict[str, Any
     }
     steps = max(1, row["steps"])
     row["sim_host_ms_per_step"] = (executor.host_seconds - host0) / steps * 1e3
+    # The OS waking the engine thread late after a device wait (not engine work).
+    row["wake_late_ms_per_step"] = (executor.wake_late_seconds - late0) / steps * 1e3
     window = _window(ops, batch)
     if window is None:
         return row

@@ -28,8 +28,8 @@ def print_report(result: dict[str, Any]) -> None:
     print(
         f"\n{'async':<5} {'json':>4} {'batch':>5} {'tok/s':>8} {'steady':>8} {'idle':>6} "
         f"{'step ms':>7} {'dev ms':>7} {'host ms':>7} {'us/req':>7} {'defer':>5} "
-        f"{'sched':>6} {'mask':>6} {'launch':>6} {'update':>6} {'output':>6} {'err':>3} "
-        f"{'bad':>3}"
+        f"{'sched':>6} {'mask':>6} {'launch':>6} {'update':>6} {'output':>6} {'late':>5} "
+        f"{'err':>3} {'bad':>3}"
     )
     for r in result["rows"]:
         ph = r.get("phase_ms_per_step") or {}
@@ -44,6 +44,7 @@ def print_report(result: dict[str, Any]) -> None:
                 f"{_fmt(ph.get(p), '.2f'):>6}"
                 for p in ("schedule", "bitmask", "launch", "update", "output")
             )
+            + f" {_fmt(r.get('wake_late_ms_per_step'), '.2f'):>5}"
             + f" {r['errors']:>3} {r['json_invalid']:>3}"
         )
     print("\nasync/sync and structured/free (async) throughput:")

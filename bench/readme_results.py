@@ -260,6 +260,7 @@ def _engine_sim(d: dict[str, Any]) -> str:
                     for p in ("schedule", "bitmask", "launch", "update", "output")
                 ),
                 str(r["deferred_steps"]),
+                _num(r.get("wake_late_ms_per_step"), ".2f"),
                 f"{r['errors']}, {r['json_invalid']}/{r['json_checked']}",
             ]
         )
@@ -274,6 +275,7 @@ def _engine_sim(d: dict[str, Any]) -> str:
         "host µs/request-step",
         "schedule / bitmask / launch / update / output ms",
         "deferred steps",
+        "late wake-up ms/step (OS)",
         "errors, invalid JSON",
     ]
     ratios = [

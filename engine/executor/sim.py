@@ -125,6 +125,7 @@ class SimExecutor(Executor):
         self._free_at = 0.0
         self._device_s = 0.0
         self._host_s = 0.0
+        self._wake_late_s = 0.0
         self._ops: deque[DeviceOp] = deque(maxlen=_RECENT_OPS)
 
     # ----------------------------------------------------------------- steps
@@ -253,8 +254,12 @@ class SimExecutor(Executor):
 
     def _collect(self, end: float, seconds: float) -> None:
         """The one wait: until the step's simulated end; then its device time counts."""
+        waited = False
         while (left := end - self._clock()) > 0:
+            waited = True
             time.sleep(left - _SPIN_S if left > 2 * _SPIN_S else 0)
+        if waited:  # on a busy host the thread wakes up past the end: the OS's delay
+            self._wake_late_s += -left
         self._device_s += seconds
 
     # ------------------------------------------------------------ accessors
@@ -269,6 +274,12 @@ class SimExecutor(Executor):
     def host_seconds(self) -> float:
         """Host time the simulator itself spent (bookkeeping, trace lookups, mask checks)."""
         return self._host_s
+
+    @property
+    def wake_late_seconds(self) -> float:
+        """Time ``get_output()`` returned past the end of the step it waited for: the host OS
+        waking the engine thread late (large on a loaded machine), not the engine's work."""
+        return self._wake_late_s
 
     def device_ops(self) -> list[DeviceOp]:
         """The recent device work, oldest first (for timelines and idle fractions)."""
