@@ -373,7 +373,9 @@ def test_crashing_and_hanging_backends_are_recorded_and_the_run_goes_on(
     )
     t0 = time.monotonic()
     result = run_benchmark(config, tokenizer=tokenizer, vocab_size=VOCAB_SIZE, factories=factories)
-    assert time.monotonic() - t0 < 45
+    # Bounded, not fast: each crash or hang costs a fresh worker (torch and the backends load
+    # again, 5-20 s each on a loaded 2-core machine); a hang that blocked the run would not end.
+    assert time.monotonic() - t0 < 180
     rows = _rows(result)
     for schema in ("1.json", "2.json"):
         segv = rows[(schema, "segv")]
