@@ -148,3 +148,17 @@ def fmt(value: float | None, spec: str) -> str:
 def ratio(num: float | None, den: float | None) -> float | None:
     """``num / den``, None when either is missing or ``den`` is 0."""
     return num / den if num is not None and den else None
+
+
+def judge_goal(
+    name: str, target: str, values: dict[str, float | None], worst: str, threshold: float
+) -> dict[str, Any]:
+    """A goal judged on its worst measured value: ``worst`` "min" (the smallest value must be
+    >= ``threshold``) or "max" (the largest must be <= it). ``met`` is None when nothing was
+    measured. Returns the goal as a result entry (name, target, value, met, values)."""
+    measured = [v for v in values.values() if v is not None]
+    if not measured:
+        return {"goal": name, "target": target, "value": None, "met": None, "values": values}
+    value = min(measured) if worst == "min" else max(measured)
+    met = value >= threshold if worst == "min" else value <= threshold
+    return {"goal": name, "target": target, "value": value, "met": met, "values": values}

@@ -31,9 +31,10 @@ from typing import Any
 import jsonschema
 import torch
 
+from baton.bench.common import csv_of, fmt, judge_goal, ratio, write_results
 from baton.bench.engine_sim import add_sim_args, main_sim
 from baton.bench.forward import RESULTS
-from baton.bench.plotting import pyplot, save_results
+from baton.bench.plotting import pyplot
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.core.stats import StepRecord
 from baton.engine.loader import Checkpoint, expected_weight_shapes, load_checkpoint, load_tokenizer
@@ -410,10 +411,6 @@ def _find(rows: list[dict[str, Any]], key: dict[str, Any]) -> dict[str, Any] | N
     return next((r for r in rows if all(r[k] == v for k, v in key.items())), None)
 
 
-def _ratio(num: float | None, den: float | None) -> float | None:
-    return num / den if num is not None and den else None
-
-
 def compute_ratios(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """async/sync throughput per (regime, json fraction, batch) and structured/free TPOT with
     async per (regime, batch), from rows of the same run."""
@@ -430,7 +427,7 @@ def compute_ratios(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
                     "regime": r["regime"],
                     "json_fraction": r["json_fraction"],
                     "batch": r["batch"],
-                    "async_over_sync_tok_per_s": _ratio(r["tok_per_s"], sync["tok_per_s"]),
+                    "async_over_sync_tok_per_s": ratio(r["tok_per_s"], sync["tok_per_s"]),
                 }
             )
         if r["json_fraction"] == 1.0:
@@ -440,22 +437,10 @@ def compute_ratios(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
                     {
                         "regime": r["regime"],
                         "batch": r["batch"],
-                        "structured_over_free_tpot": _ratio(r["tpot_ms"], free["tpot_ms"]),
+                        "structured_over_free_tpot": ratio(r["tpot_ms"], free["tpot_ms"]),
                     }
                 )
     return {"async_over_sync": speedups, "structured_over_free": tpot_ratios}
-
-
-def _goal(
-    name: str, target: str, values: dict[str, float | None], worst: str, threshold: float
-) -> dict[str, Any]:
-    """A goal judged on its worst measured value (``worst`` = "min" or "max")."""
-    measured = [v for v in values.values() if v is not None]
-    if not measured:
-        return {"goal": name, "target": target, "value": None, "met": None, "values": values}
-    value = min(measured) if worst == "min" else max(measured)
-    met = value >= threshold if worst == "min" else value <= threshold
-    return {"goal": name, "target": target, "value": value, "met": met, "values": values}
 
 
 def evaluate_goals(
@@ -476,28 +461,28 @@ def evaluate_goals(
         None,
     )
     return [
-        _goal(
+        judge_goal(
             f"steady device busy with async, batch {goal_batch}, every regime",
             f">= {BUSY_TARGET:.0%}",
             {label(r): r["steady_device_busy"] for r in at_goal},
             "min",
             BUSY_TARGET,
         ),
-        _goal(
+        judge_goal(
             f"async step time / max(CPU, device), batch {goal_batch}",
             f"<= {STEP_OVERHEAD_TARGET}",
             {label(r): r["step_over_bound"] for r in at_goal},
             "max",
             STEP_OVERHEAD_TARGET,
         ),
-        _goal(
+        judge_goal(
             f"async/sync throughput, regime b, batch {goal_batch}, 100% JSON",
             f">= {ASYNC_SPEEDUP_TARGET}",
             {f"b json=1 b={goal_batch}": speedup},
             "min",
             ASYNC_SPEEDUP_TARGET,
         ),
-        _goal(
+        judge_goal(
             "structured/free TPOT with async, regime a, every batch",
             f"<= {STRUCTURED_TPOT_TARGET}",
             {
@@ -512,10 +497,6 @@ def evaluate_goals(
 
 
 # ------------------------------------------------------------------ output
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_report(result: dict[str, Any]) -> None:
     """The rows, the ratios and the goals, as text."""
     head = (
@@ -527,53 +508,32 @@ def print_report(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         print(
             f"{r['regime']:<3} {'on' if r['async'] else 'off':<5} {r['json_fraction']:>4.0%} "
-            f"{r['batch']:>5} {_fmt(r['tok_per_s'], '.1f'):>8} {_fmt(r['tpot_ms'], '.2f'):>8} "
-            f"{_fmt(r['device_busy'], '.0%'):>5} {_fmt(r['steady_device_busy'], '.0%'):>6} "
-            f"{r['deferred_steps']:>5} {_fmt(r['step_wall_ms'], '.2f'):>8} "
-            f"{_fmt(r['step_cpu_ms'], '.2f'):>7} {_fmt(r['step_device_ms'], '.2f'):>7} "
-            f"{_fmt(r['step_over_bound'], '.2f'):>8} "
+            f"{r['batch']:>5} {fmt(r['tok_per_s'], '.1f'):>8} {fmt(r['tpot_ms'], '.2f'):>8} "
+            f"{fmt(r['device_busy'], '.0%'):>5} {fmt(r['steady_device_busy'], '.0%'):>6} "
+            f"{r['deferred_steps']:>5} {fmt(r['step_wall_ms'], '.2f'):>8} "
+            f"{fmt(r['step_cpu_ms'], '.2f'):>7} {fmt(r['step_device_ms'], '.2f'):>7} "
+            f"{fmt(r['step_over_bound'], '.2f'):>8} "
             f"{r['json_invalid']:>3}/{r['json_checked']:<4}"
         )
     print("\nasync/sync throughput:")
     for s in result["ratios"]["async_over_sync"]:
         print(
             f"  {s['regime']} json={s['json_fraction']:.0%} batch {s['batch']:>3}: "
-            f"{_fmt(s['async_over_sync_tok_per_s'], '.2f')}"
+            f"{fmt(s['async_over_sync_tok_per_s'], '.2f')}"
         )
     print("structured/free TPOT (async):")
     for t in result["ratios"]["structured_over_free"]:
         print(
-            f"  {t['regime']} batch {t['batch']:>3}: {_fmt(t['structured_over_free_tpot'], '.3f')}"
+            f"  {t['regime']} batch {t['batch']:>3}: {fmt(t['structured_over_free_tpot'], '.3f')}"
         )
     print("\ngoals:")
     for g in result["goals"]:
         verdict = {True: "met", False: "MISSED", None: "not measured"}[g["met"]]
-        values = ", ".join(f"{k}: {_fmt(v, '.3f')}" for k, v in g["values"].items())
-        print(f"  [{verdict}] {g['goal']} {g['target']}: {_fmt(g['value'], '.3f')}  ({values})")
+        values = ", ".join(f"{k}: {fmt(v, '.3f')}" for k, v in g["values"].items())
+        print(f"  [{verdict}] {g['goal']} {g['target']}: {fmt(g['value'], '.3f')}  ({values})")
     invalid = sum(r["json_invalid"] for r in result["rows"])
     checked = sum(r["json_checked"] for r in result["rows"])
     print(f"\ninvalid JSON outputs: {invalid} of {checked} that stopped by themselves")
-
-
-def _csv(kind: type, text: str) -> tuple[Any, ...]:
-    try:
-        return tuple(kind(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of {kind.__name__}s, got {text!r}"
-        ) from None
-
-
-def _strs(text: str) -> tuple[str, ...]:
-    return _csv(str, text)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return _csv(int, text)
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return _csv(float, text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -590,16 +550,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--regimes",
-        type=_strs,
+        type=csv_of(str),
         default=("a", "b"),
         help="a = default model, b = gpu-like tiny model (default: a,b)",
     )
     p.add_argument(
-        "--batches", type=_ints, default=None, help="default: 1,8,32,64 (sim: 1,16,64,256)"
+        "--batches", type=csv_of(int), default=None, help="default: 1,8,32,64 (sim: 1,16,64,256)"
     )
     p.add_argument(
         "--json-fractions",
-        type=_floats,
+        type=csv_of(float),
         default=None,
         help="share of JSON-schema requests in a batch (default: 0,1; sim: 0,0.5,1)",
     )
@@ -677,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_trace": trace,
     }
     print_report(result)
-    save_results(result, a.out, _plot)
+    write_results(result, a.out, _plot)
     return 0
 
 

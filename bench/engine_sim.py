@@ -29,7 +29,7 @@ from typing import Any
 
 import jsonschema
 
-from baton.bench.common import RESULTS_DIR, write_results
+from baton.bench.common import RESULTS_DIR, judge_goal, write_results
 from baton.bench.engine_sim_report import plot, print_report, timeline_path
 from baton.bench.grammar import default_data_dir
 from baton.bench.sim_traces import (
@@ -372,17 +372,6 @@ def compute_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _goal(
-    name: str, target: str, values: dict[str, float | None], worst: str, bound: float
-) -> dict[str, Any]:
-    measured = [v for v in values.values() if v is not None]
-    if not measured:
-        return {"goal": name, "target": target, "value": None, "met": None, "values": values}
-    value = max(measured) if worst == "max" else min(measured)
-    met = value <= bound if worst == "max" else value >= bound
-    return {"goal": name, "target": target, "value": value, "met": met, "values": values}
-
-
 def evaluate_goals(
     rows: list[dict[str, Any]], ratios: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -402,21 +391,21 @@ def evaluate_goals(
         if x["batch"] == GOAL_BATCH and x["json_fraction"] == 1.0
     }
     return [
-        _goal(
+        judge_goal(
             "device idle in steady decode, async, batch 16/64/256, 0% and 100% JSON",
             f"<= {IDLE_TARGET:.0%}",
             idle,
             "max",
             IDLE_TARGET,
         ),
-        _goal(
+        judge_goal(
             f"async/sync throughput, batch {GOAL_BATCH}, 0% and 100% JSON",
             f">= {ASYNC_TARGET}",
             speed,
             "min",
             ASYNC_TARGET,
         ),
-        _goal(
+        judge_goal(
             f"structured/free throughput with async, batch {GOAL_BATCH}",
             f">= {STRUCTURED_TARGET}",
             structured,
