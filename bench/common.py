@@ -162,3 +162,15 @@ def judge_goal(
     value = min(measured) if worst == "min" else max(measured)
     met = value >= threshold if worst == "min" else value <= threshold
     return {"goal": name, "target": target, "value": value, "met": met, "values": values}
+
+
+def require_positive_ints(config: object, *names: str) -> None:
+    """For a config's ``__post_init__``: each named field must be an int >= 1.
+
+    Raises:
+        ValueError: naming the first field that is not, and its value.
+    """
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")

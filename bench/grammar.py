@@ -118,8 +118,7 @@ class GrammarBenchConfig:
             raise ValueError(f"limit must be a positive int or None, got {self.limit!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if not isinstance(self.jobs, int) or self.jobs < 1:
-            raise ValueError(f"jobs must be an int >= 1, got {self.jobs!r}")
+        common.require_positive_ints(self, "jobs")
         if self.whitespace not in ("compact", "any"):
             raise ValueError(f"whitespace must be 'compact' or 'any', got {self.whitespace!r}")
         if self.max_memory_gb is not None and not self.max_memory_gb > 0:

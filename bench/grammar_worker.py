@@ -28,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from baton.bench.common import require_positive_ints
 from baton.grammar.backend import CompiledGrammar, GrammarBackend, GrammarError, allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.validation import validate_spec
@@ -131,10 +132,7 @@ class WorkerConfig:
             raise ValueError(f"whitespace must be 'compact' or 'any', got {self.whitespace!r}")
         if self.max_memory_bytes is not None and self.max_memory_bytes <= 0:
             raise ValueError(f"max_memory_bytes must be positive, got {self.max_memory_bytes}")
-        if not isinstance(self.rows, int) or self.rows < 1:
-            raise ValueError(f"rows must be an int >= 1, got {self.rows!r}")
-        if not isinstance(self.fill_repeats, int) or self.fill_repeats < 1:
-            raise ValueError(f"fill_repeats must be an int >= 1, got {self.fill_repeats!r}")
+        require_positive_ints(self, "rows", "fill_repeats")
 
 
 @dataclass(frozen=True)

@@ -95,10 +95,7 @@ class MaskBenchConfig:
     fill_repeats: int = 3
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rows, int) or self.rows < 1:
-            raise ValueError(f"rows must be an int >= 1, got {self.rows!r}")
-        if not isinstance(self.fill_repeats, int) or self.fill_repeats < 1:
-            raise ValueError(f"fill_repeats must be an int >= 1, got {self.fill_repeats!r}")
+        common.require_positive_ints(self, "rows", "fill_repeats")
 
 
 @dataclass(frozen=True)

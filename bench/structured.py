@@ -81,10 +81,7 @@ class StructuredConfig:
     def __post_init__(self) -> None:
         if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
             raise ValueError(f"batches must be positive ints, got {self.batches!r}")
-        for name in ("max_tokens", "rounds", "sample"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        common.require_positive_ints(self, "max_tokens", "rounds", "sample")
         if not self.modes or any(m not in MODES for m in self.modes):
             raise ValueError(f"modes must be some of {', '.join(MODES)}, got {self.modes!r}")
         if not self.workloads or any(w not in WORKLOADS for w in self.workloads):
