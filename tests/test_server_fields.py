@@ -264,7 +264,12 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("completions", {"length_penalty": 0.5}, "length_penalty", "length_penalty"),
     ("completions", {"bad_words": ["x"]}, "bad_words", "bad_words"),
     ("completions", {"tools": [TOOL]}, "tools", "unknown field"),
-    ("completions", {"guided_decoding_backend": "guidance"}, "guided_decoding_backend", "guidance"),
+    (
+        "completions",
+        {"guided_decoding_backend": "lm-format-enforcer"},
+        "guided_decoding_backend",
+        "lm-format-enforcer",
+    ),
     (
         "completions",
         {"guided_regex": "a", "guided_decoding_backend": "xgrammar:frob"},
