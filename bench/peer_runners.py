@@ -30,6 +30,15 @@ if TYPE_CHECKING:
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 8
 
+ENGINES: dict[str, str] = {
+    "baton": "baton",
+    "transformers": "transformers+xgrammar",
+    "outlines": "outlines",
+    "llama-cpp": "llama-cpp-python",
+}
+# llama-cpp-python computes on the GGUF's own quantized weights, whatever --dtypes says.
+GGUF_DTYPE = "gguf"
+
 
 def hf_tokenizer(tokenizer: Tokenizer) -> Any:
     """A transformers fast tokenizer over the same ``tokenizers`` object as baton's (no chat

@@ -15,13 +15,12 @@ from baton.bench.peers import (
     SCHEMA,
     PeersConfig,
     Unit,
-    compute_ratios,
-    evaluate_goals,
     is_valid,
     plan_units,
     resolve_dtypes,
     run_order,
 )
+from baton.bench.peers_report import compute_ratios, evaluate_goals
 from baton.engine.entrypoints.cli import main as cli_main
 
 ROW_KEYS = {
