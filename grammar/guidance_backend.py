@@ -29,9 +29,9 @@ from baton.grammar.backend import (
     bitmask_width,
     token_bitmask_row,
 )
+from baton.grammar.schema.normalise import close_object_schemas
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import Vocab, VocabSource
-from baton.grammar.xgrammar_backend import close_object_schemas
 
 # Kinds llguidance takes. Structural tags stay with xgrammar (its own format).
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")

@@ -18,8 +18,8 @@ import json
 import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import unquote
 
+from baton.grammar.schema.refs import resolves
 from baton.grammar.spec import StructuredOutputsParams, allowed_backends
 from baton.grammar.structural_tag import json_schema_formats, normalise_structural_tag
 
@@ -124,20 +124,6 @@ def check_schema_value(
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
 
-def _resolves(root: Any, pointer: str) -> bool:
-    """Whether the JSON pointer (the part of a local $ref after '#') names a value in root."""
-    node = root
-    for token in unquote(pointer).split("/")[1:] if pointer else []:
-        token = token.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and token in node:
-            node = node[token]
-        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
-            node = node[int(token)]
-        else:
-            return False
-    return True
-
-
 def _check_local_refs(schema: dict[str, Any], what: str) -> None:
     """Every local ``$ref`` ("#" or "#/...") must name a value in the schema (no backend can
     compile a reference to nothing). References below a nested ``$id`` have another base and
@@ -152,7 +138,7 @@ def _check_local_refs(schema: dict[str, Any], what: str) -> None:
             continue
         ref = node.get("$ref")
         local = isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
-        if local and not _resolves(schema, ref[1:]):
+        if local and not resolves(schema, ref[1:]):
             where = path or "(root)"
             raise ValueError(f"{what} has a $ref that resolves to nothing: {ref!r} at {where}")
         for key, child in node.items():
@@ -165,7 +151,7 @@ def _outlines_regex_error(regex: str) -> str | None:
     check cheaply."""
     import outlines_core
 
-    from baton.grammar.outlines_backend import estimate_dfa_states
+    from baton.grammar.schema.pattern_regex import estimate_dfa_states
 
     if regex.startswith("^"):
         regex = regex[1:]
