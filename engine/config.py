@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
+from baton.engine.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,12 @@ class EngineConfig:
             ``torch.distributed``, gloo on the CPU). Needs the "mp" executor (None picks it)
             and, so far, device "cpu"; the model's heads, key/value heads and MLP width must
             be divisible by it (checked when the model is loaded).
+        speculative_config: speculative decoding (``SpeculativeConfig``, or a dict / JSON text
+            of its fields, as vLLM's ``{"method": "ngram", "num_speculative_tokens": 4}``);
+            None: off. So far it runs with synchronous scheduling in this process (executor
+            "uni", no tensor parallelism, not on the simulated device): async scheduling left
+            as None resolves to off with it, and asking for any of those with it raises
+            ValueError. Resolved to a ``SpeculativeConfig`` (or None) at construction.
     """
 
     model: str | None = None
@@ -176,8 +183,12 @@ class EngineConfig:
     dtype_reason: str = field(default="", init=False, compare=False)
     sim_shape: str | None = None
     sim_traces: str | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.of(self.speculative_config)
+        )
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -287,6 +298,7 @@ class EngineConfig:
                 "EngineConfig.max_concurrent_batches must be 1 or 2 "
                 f"(one step planned ahead at most), got {self.max_concurrent_batches}"
             )
+        self._check_speculative()
         enabled = self._resolve_async()
         object.__setattr__(self, "async_scheduling", enabled)
         if self.executor is None:
@@ -294,6 +306,25 @@ class EngineConfig:
             parallel = self.tensor_parallel_size > 1
             executor = "sim" if simulated else "mp" if on_cpu_worker or parallel else "uni"
             object.__setattr__(self, "executor", executor)
+
+    def _check_speculative(self) -> None:
+        if self.speculative_config is None:
+            return
+        refused = None
+        if self.device.startswith("sim:"):
+            refused = f"the simulated device {self.device!r}"
+        elif self.tensor_parallel_size > 1:
+            refused = f"tensor_parallel_size={self.tensor_parallel_size}"
+        elif self.executor is not None and self.executor != "uni":
+            refused = f"executor={self.executor!r}"
+        elif self.async_scheduling:
+            refused = "async_scheduling=True"
+        if refused is not None:
+            raise ValueError(
+                f"EngineConfig.speculative_config is not supported with {refused} yet: "
+                "speculative decoding runs with synchronous scheduling in the engine's process "
+                "(executor='uni', async_scheduling=False)"
+            )
 
     def _resolve_dtype(self) -> None:
         if self.dtype == DTYPE_AUTO:
@@ -333,6 +364,8 @@ class EngineConfig:
             )
         elif self.max_concurrent_batches < 2:
             blocker = "max_concurrent_batches=1 leaves no room for a step planned ahead"
+        elif self.speculative_config is not None:
+            blocker = "speculative decoding runs with synchronous scheduling so far"
         few_cores = self.device == "cpu" and cores < MIN_CORES_FOR_OVERLAP
         if blocker is None and few_cores and self.async_scheduling is None and not self.executor:
             # Not incompatible, only slower: asking for it explicitly is allowed.

@@ -53,6 +53,13 @@ class SchedulerOutput:
     # Async scheduling: a structured request scheduled here already has a
     # token in flight, so its grammar cannot be advanced before sampling.
     pending_structured_output_tokens: bool = False
+    # Speculative decoding: the draft tokens each request feeds after its last token (its
+    # ``num_scheduled_tokens`` is 1 + len(drafts)); the step samples at every draft position
+    # plus one and keeps the longest verified prefix.
+    scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Requests whose rejected drafts freed KV blocks since the last step: how many blocks
+    # each still holds (the runner cuts its block table to that before appending new ones).
+    num_kept_blocks: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -63,11 +70,23 @@ class SchedulerOutput:
 class GrammarOutput:
     """Grammar bitmask rows for the structured requests of one step.
 
-    ``bitmask`` is int32 ``[len(request_ids), ceil(vocab / 32)]``.
+    ``bitmask`` is int32 ``[rows, ceil(vocab / 32)]``: one row per request, or with
+    ``row_counts`` (speculative decoding) ``row_counts[i]`` consecutive rows for request i,
+    the mask at its last token and at each of its draft tokens.
     """
 
     request_ids: tuple[str, ...]
     bitmask: torch.Tensor
+    row_counts: tuple[int, ...] = ()
+
+    def rows_of(self) -> list[tuple[str, int, int]]:
+        """(request id, first bitmask row, number of rows) per request."""
+        counts = self.row_counts or (1,) * len(self.request_ids)
+        out, start = [], 0
+        for rid, n in zip(self.request_ids, counts, strict=True):
+            out.append((rid, start, n))
+            start += n
+        return out
 
 
 @dataclass(frozen=True)

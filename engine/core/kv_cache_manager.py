@@ -253,6 +253,32 @@ class KVCacheManager:
         if num_full > start:
             self._req_num_cached[request_id] = num_full
 
+    def truncate(self, request_id: str, num_tokens: int) -> int:
+        """Releases the request's tail blocks beyond those that hold ``num_tokens`` tokens
+        (its slots past a rejected draft), tail first; returns how many blocks it still holds.
+
+        Released blocks were never full of known tokens, so none carries a prefix-cache hash.
+
+        Raises:
+            ValueError: for an unknown request, or ``num_tokens`` fewer than its registered
+                (hashed) blocks hold.
+        """
+        _check_count("num_tokens", num_tokens)
+        blocks = self._req_blocks.get(request_id)
+        if blocks is None:
+            raise ValueError(f"request {request_id!r} holds no blocks")
+        keep = self.num_blocks_needed(num_tokens)
+        if keep < self._req_num_cached[request_id]:
+            raise ValueError(
+                f"cannot truncate request {request_id!r} to {num_tokens} tokens: its first "
+                f"{self._req_num_cached[request_id]} blocks are registered in the prefix cache"
+            )
+        if keep < len(blocks):
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self._pool.release(reversed(tail))
+        return len(blocks)
+
     def free(self, request_id: str) -> None:
         """Releases the request's blocks and forgets its lookup and hashes.
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from baton.engine.config import EngineConfig
+from baton.engine.core.drafter import Drafter
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.scheduler_output import (
@@ -43,11 +44,18 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         structured: StructuredOutputManager | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.structured = structured
+        self.drafter = drafter
+        # Blocks held by requests whose rejected drafts freed some, for the next step.
+        self._kept_blocks: dict[str, int] = {}
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_drafted_steps = 0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -104,6 +112,7 @@ class Scheduler:
         new_reqs: list[Request] = []
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
+        drafts: dict[str, tuple[int, ...]] = {}
 
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -111,6 +120,8 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n <= 0:
                 continue
+            proposed = self._propose_drafts(req, n, budget)
+            n += len(proposed)
             while (
                 blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
             ) is None:
@@ -123,6 +134,8 @@ class Scheduler:
                 continue
             num_sched[req.request_id] = n
             new_blocks[req.request_id] = blocks
+            if proposed:
+                drafts[req.request_id] = proposed
             budget -= n
 
         skipped: list[Request] = []  # grammars still compiling: they keep their place
@@ -150,7 +163,7 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
-        out = self._make_output(num_sched, new_reqs, new_blocks, preempted)
+        out = self._make_output(num_sched, new_reqs, new_blocks, preempted, drafts)
         for rid, n in num_sched.items():
             self.requests[rid].num_computed_tokens += n
         return out
@@ -200,12 +213,41 @@ class Scheduler:
             for rid in so.structured_request_ids
             if (req := self.requests.get(rid)) is not None and req.status == RequestStatus.RUNNING
         ]
-        grammar, broken = self.structured.grammar_bitmask(sampling, out)
+        drafts = so.scheduled_spec_decode_tokens
+        if drafts:
+            grammar, broken = self.structured.grammar_bitmask(sampling, out, drafts)
+        else:
+            grammar, broken = self.structured.grammar_bitmask(sampling, out)
         failed = []
         for req, message in broken:
             logger.error("request %s failed: %s", req.request_id, message)
             failed.append(self._fail(req, message))
         return grammar, failed
+
+    def _propose_drafts(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
+        """The drafts a decoding request feeds after its last token this step, trimmed so that
+        every outcome stays within the token budget, max_tokens and max_model_len."""
+        drafter = self.drafter
+        if (
+            drafter is None
+            or n != 1
+            or req.num_output_placeholders
+            or req.num_computed_tokens != req.num_tokens - 1
+            or not drafter.can_draft(req)
+        ):
+            return ()
+        sp = req.sampling_params
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
+        # The step yields up to 1 + k tokens: k accepted drafts and one more.
+        room = min(
+            drafter.config.num_speculative_tokens,
+            budget - 1,
+            max_tokens - req.num_output_tokens - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        if room <= 0:
+            return ()
+        return drafter.propose(req, room)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens_with_placeholders - req.num_computed_tokens
@@ -236,6 +278,7 @@ class Scheduler:
         new_reqs: list[Request],
         new_blocks: dict[str, list[int]],
         preempted: list[Request],
+        drafts: dict[str, tuple[int, ...]] | None = None,
     ) -> SchedulerOutput:
         self._step_id += 1
         new_data = tuple(
@@ -256,6 +299,11 @@ class Scheduler:
         )
         finished = frozenset(self._finished_ids) | {r.request_id for r in preempted}
         self._finished_ids.clear()
+        kept = {rid: n for rid, n in self._kept_blocks.items() if rid not in finished}
+        self._kept_blocks.clear()
+        if drafts:
+            self.num_drafted_steps += 1
+            self.num_draft_tokens += sum(len(d) for d in drafts.values())
         return SchedulerOutput(
             step_id=self._step_id,
             new_requests=new_data,
@@ -270,6 +318,8 @@ class Scheduler:
                 if (req := self.requests[rid]).structured is not None
                 and req.num_computed_tokens + n >= req.num_tokens_with_placeholders
             ),
+            scheduled_spec_decode_tokens=drafts or {},
+            num_kept_blocks=kept,
         )
 
     # ------------------------------------------------------------------ update
@@ -291,18 +341,21 @@ class Scheduler:
                 # Preempted after this step was planned (async): a stale delivery.
                 continue
             try:
-                results.extend(self._apply_tokens(req, tokens, out))
+                num_drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
+                results.extend(self._apply_tokens(req, tokens, out, num_drafts))
             except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the rest
                 logger.exception("request %s failed while applying its output", rid)
                 results.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
         return results
 
     def _apply_tokens(
-        self, req: Request, tokens: list[int], out: ModelRunnerOutput
+        self, req: Request, tokens: list[int], out: ModelRunnerOutput, num_drafts: int = 0
     ) -> list[EngineCoreOutput]:
         error = out.errors.get(req.request_id)
         if error is not None:
             return [self._fail(req, error)]
+        if num_drafts and tokens:
+            self._reject_drafts(req, num_drafts, len(tokens) - 1)
         if not tokens:
             self.kv.cache_blocks(req.request_id, req.all_token_ids, self._known_computed(req))
             return []
@@ -333,6 +386,19 @@ class Scheduler:
                 ),
             )
         ]
+
+    def _reject_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Forgets the KV slots of the rejected drafts: they count as not computed, and
+        blocks past the accepted tokens go back to the pool."""
+        self.num_accepted_tokens += num_accepted
+        rejected = num_drafts - num_accepted
+        if rejected <= 0:
+            return
+        req.num_computed_tokens -= rejected
+        held = len(self.kv.get_block_ids(req.request_id))
+        kept = self.kv.truncate(req.request_id, req.num_computed_tokens)
+        if kept < held:
+            self._kept_blocks[req.request_id] = kept
 
     def _advance_grammar(self, req: Request, token: int) -> bool:
         assert self.structured is not None

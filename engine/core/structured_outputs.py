@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -149,10 +149,17 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ steps
     def grammar_bitmask(
-        self, requests: Sequence[Request], out: torch.Tensor | None = None
+        self,
+        requests: Sequence[Request],
+        out: torch.Tensor | None = None,
+        drafts: Mapping[str, Sequence[int]] | None = None,
     ) -> tuple[GrammarOutput | None, list[tuple[Request, str]]]:
         """Bitmask rows for the structured requests that sample this step, and the requests
         whose grammar failed to fill its row, each with why.
+
+        With ``drafts`` (speculative decoding), a request with k draft tokens gets 1 + k
+        consecutive rows: the mask after its known tokens, then after each draft in turn (its
+        matcher is advanced over the drafts between batched fills and rolled back at the end).
 
         Rows are filled per backend in one batched call each, into ``out``
         (int32 ``[rows, words]``, e.g. the device's shared buffer) when given,
@@ -163,6 +170,8 @@ class StructuredOutputManager:
         reqs = [r for r in requests if r.structured is not None and r.structured.matcher]
         if not reqs:
             return None, []
+        if drafts:
+            return self._draft_bitmask(reqs, out, drafts)
         by_backend: dict[str, tuple[list[GrammarMatcher], list[int]]] = {}
         for row, req in enumerate(reqs):
             matchers, rows = by_backend.setdefault(req.structured.backend, ([], []))
@@ -178,6 +187,82 @@ class StructuredOutputManager:
                 failed += self._fill_rows(reqs, matchers, rows, bitmask)
         # A view of a preallocated buffer: valid until it is filled again.
         return GrammarOutput(tuple(r.request_id for r in reqs), bitmask), failed
+
+    def _fill(
+        self,
+        reqs: Sequence[Request],
+        rows: Sequence[int],
+        bitmask: torch.Tensor,
+    ) -> list[tuple[Request, str]]:
+        """Fills ``bitmask[rows[i]]`` for ``reqs[i]``'s matcher, one batched call per backend."""
+        by_backend: dict[str, tuple[list[Request], list[GrammarMatcher], list[int]]] = {}
+        for req, row in zip(reqs, rows, strict=True):
+            group = by_backend.setdefault(req.structured.backend, ([], [], []))
+            group[0].append(req)
+            group[1].append(req.structured.matcher)
+            group[2].append(row)
+        failed: list[tuple[Request, str]] = []
+        for name, (group_reqs, matchers, group_rows) in by_backend.items():
+            try:
+                self.service.backend(name).fill_bitmasks(matchers, bitmask, group_rows)
+            except Exception:
+                logger.exception("batched %s bitmask fill failed; filling row by row", name)
+                for req, matcher, row in zip(group_reqs, matchers, group_rows, strict=True):
+                    try:
+                        matcher.fill_bitmask(bitmask, row)
+                    except Exception as exc:  # noqa: BLE001 - the caller fails this request
+                        bitmask[row].fill_(-1)
+                        failed.append(
+                            (req, f"grammar bitmask fill failed: {type(exc).__name__}: {exc}")
+                        )
+        return failed
+
+    def _draft_bitmask(
+        self,
+        reqs: Sequence[Request],
+        out: torch.Tensor | None,
+        drafts: Mapping[str, Sequence[int]],
+    ) -> tuple[GrammarOutput, list[tuple[Request, str]]]:
+        counts = [1 + len(drafts.get(r.request_id, ())) for r in reqs]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        total = sum(counts)
+        buffer = self._bitmask if out is None else out
+        if buffer.shape[0] < total:
+            buffer = self._bitmask = allocate_bitmask(total, self.vocab_size)
+        bitmask = buffer[:total]
+        failed = self._fill(reqs, starts, bitmask)
+        advanced = [0] * len(reqs)
+        try:
+            for j in range(1, max(counts)):
+                live, rows = [], []
+                for i, req in enumerate(reqs):
+                    if counts[i] <= j:
+                        continue
+                    row = starts[i] + j
+                    if advanced[i] == j - 1 and req.structured.matcher.accept_tokens(
+                        [drafts[req.request_id][j - 1]]
+                    ):
+                        advanced[i] = j
+                        live.append(req)
+                        rows.append(row)
+                    else:
+                        # The draft before is masked out at its own row, so it is never
+                        # accepted and nothing from here on is either.
+                        bitmask[row].fill_(-1)
+                if live:
+                    failed += self._fill(live, rows, bitmask)
+        finally:
+            for req, n in zip(reqs, advanced, strict=True):
+                if n:
+                    req.structured.matcher.rollback(n)
+        broken = {id(r) for r, _ in failed}
+        unique = []
+        for req, message in failed:
+            if id(req) in broken:
+                broken.discard(id(req))
+                unique.append((req, message))
+        grammar = GrammarOutput(tuple(r.request_id for r in reqs), bitmask, tuple(counts))
+        return grammar, unique
 
     @staticmethod
     def _fill_rows(

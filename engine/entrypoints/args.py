@@ -88,6 +88,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         help="new grammars that may wait for a compile worker; beyond it 503 (default: 64)",
     )
     parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "auto", "num_speculative_tokens": '
+        "4}' (method: grammar, ngram or auto); implies synchronous scheduling",
+    )
+    parser.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="run each step to completion instead of planning the next one while the model runs",
@@ -110,6 +116,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
     if args.no_async_scheduling:
         engine_args["async_scheduling"] = False
+    if getattr(args, "speculative_config", None) is not None:
+        engine_args["speculative_config"] = args.speculative_config
     for flag, field in (
         ("grammar_compile_timeout", "grammar_compile_timeout_s"),
         ("grammar_compile_workers", "grammar_compile_workers"),

@@ -101,6 +101,7 @@ BENCHMARKS = {
     "soak": "reliability soak of baton serve: mixed, invalid and disconnecting clients",
     "tensor_parallel": "tensor parallel vs one worker: decode step time, collective share",
     "compile_burst": "every shared schema at once: failed requests and wall time of the burst",
+    "spec": "speculative decoding off / grammar / ngram / auto on JSON workloads",
 }
 
 

@@ -20,6 +20,7 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.core.async_scheduler import AsyncScheduler
+from baton.engine.core.drafter import Drafter
 from baton.engine.core.engine_core import EngineCore, InFlight
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request
@@ -69,10 +70,12 @@ class LLMEngine:
         kv = KVCacheManager(model.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self._executor = model.executor
         workers = config.grammar_compile_workers or default_compile_workers()
+        spec = config.speculative_config
         self.structured = StructuredOutputManager(
             self.tokenizer,
             model.vocab_size,
-            config.max_num_seqs,
+            # With drafts, a request's bitmask rows are its last token's and one per draft.
+            config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
             compile_timeout_s=config.grammar_compile_timeout_s,
             dynamic_compilation=config.grammar_dynamic_compilation,
             fill_threads=engine_threads(config, model.worker_threads),
@@ -85,7 +88,8 @@ class LLMEngine:
             ),
         )
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
-        scheduler = scheduler_cls(config, kv, self.max_model_len, self.structured)
+        drafter = Drafter(spec, self.tokenizer) if spec is not None else None
+        scheduler = scheduler_cls(config, kv, self.max_model_len, self.structured, drafter)
         self.core = EngineCore(
             scheduler,
             model.executor,
@@ -272,7 +276,9 @@ class LLMEngine:
         ``tensor_parallel_size``, and with it above 1 ``tp_collective_s``: of ``device_s``,
         rank 0's seconds inside collectives (all-reduces, logits gather, token broadcast); and
         the grammar compile service's counters, gauges and compile-time histogram
-        (``grammar_*`` keys, see ``CompileService.stats``)."""
+        (``grammar_*`` keys, see ``CompileService.stats``); with speculative decoding
+        ``spec_draft_tokens`` (drafts fed), ``spec_accepted_tokens`` (drafts kept),
+        ``spec_acceptance_rate`` and ``spec_drafted_steps`` (steps that fed any draft)."""
         sched = self.core.scheduler
         stats: dict[str, float | int | str] = dict(self.core.stats.as_dict())
         stats.update(
@@ -288,6 +294,14 @@ class LLMEngine:
         )
         if isinstance(self._executor, MultiprocExecutor) and self.config.tensor_parallel_size > 1:
             stats["tp_collective_s"] = self._executor.collective_seconds
+        if self.config.speculative_config is not None:
+            drafted = sched.num_draft_tokens
+            stats.update(
+                spec_draft_tokens=drafted,
+                spec_accepted_tokens=sched.num_accepted_tokens,
+                spec_acceptance_rate=sched.num_accepted_tokens / drafted if drafted else 0.0,
+                spec_drafted_steps=sched.num_drafted_steps,
+            )
         stats.update(self.structured.service.stats())
         return stats
 

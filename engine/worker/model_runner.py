@@ -26,6 +26,7 @@ from baton.engine.scheduler_output import (
 )
 from baton.engine.worker.device_buffers import DeviceIO, HostCopy
 from baton.engine.worker.request_states import RequestStates
+from baton.engine.worker.spec_decode import DraftLayout, accepted_tokens, record_verified_
 from baton.sampler import Sampler, SamplingMetadata, apply_token_bitmask_
 from baton.sampler.outputs import LogprobsTensors
 
@@ -67,7 +68,9 @@ class ForwardOutput:
         sample_request_ids: those that sample this step (reached their last known token).
         sample_rows: their state rows, int64 ``[N]`` on the host.
         sample_rows_device: the same rows on the device.
-        hidden: final hidden states of their last tokens ``[N, hidden]`` (device).
+        hidden: final hidden states of their last tokens ``[N, hidden]`` (device); with
+            ``drafts``, of their last token and each draft token ``[M, hidden]``.
+        drafts: where the logits rows of requests with draft tokens lie; None: one row each.
     """
 
     step_id: int
@@ -76,6 +79,7 @@ class ForwardOutput:
     sample_rows: np.ndarray
     sample_rows_device: torch.Tensor
     hidden: torch.Tensor
+    drafts: DraftLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,8 @@ class SampledTokens:
         num_logprobs: per sampling row, the top-k it asked for (None: no logprobs).
         host: host copies of ``token_ids`` then the logprob tensors; waiting on it is the
             one wait for the step's results.
+        drafts: where each request's rows lie when some carry drafts (``token_ids`` then holds
+            one token per logits row); None: one row each.
     """
 
     request_ids: tuple[str, ...]
@@ -96,17 +102,21 @@ class SampledTokens:
     logprob_tensors: LogprobsTensors | None
     num_logprobs: tuple[int | None, ...]
     host: HostCopy
+    drafts: DraftLayout | None = None
 
     @property
     def logprobs(self) -> dict[str, Logprobs]:
         """Logprobs of the rows that asked for them (waits for the host copy)."""
-        return _logprobs(self.sample_request_ids, self.num_logprobs, self.host.wait()[1:])
+        host = self.host.wait()[1:]
+        return _logprobs(self.sample_request_ids, self.num_logprobs, host, self.drafts)
 
     def to_runner_output(self) -> ModelRunnerOutput:
         """The scheduler's view of the step (waits for the host copy)."""
         host = self.host.wait()
-        logprobs = _logprobs(self.sample_request_ids, self.num_logprobs, host[1:])
-        return runner_output(self.request_ids, self.sample_request_ids, host[0].tolist(), logprobs)
+        logprobs = _logprobs(self.sample_request_ids, self.num_logprobs, host[1:], self.drafts)
+        return runner_output(
+            self.request_ids, self.sample_request_ids, host[0].tolist(), logprobs, self.drafts
+        )
 
 
 def runner_output(
@@ -114,26 +124,42 @@ def runner_output(
     sample_request_ids: tuple[str, ...],
     tokens: list[int],
     logprobs: dict[str, Logprobs],
+    drafts: DraftLayout | None = None,
 ) -> ModelRunnerOutput:
-    """The scheduler's view of a step: per scheduled request, its sampled tokens (0 or 1)."""
-    sampled = dict(zip(sample_request_ids, tokens, strict=True))
+    """The scheduler's view of a step: per scheduled request, its new tokens (none, one, or
+    with drafts its accepted drafts and one more)."""
+    if drafts is None:
+        per_request = [[t] for t in tokens]
+    else:
+        per_request = [
+            accepted_tokens(tokens[start : start + count], d)
+            for start, count, d in zip(
+                drafts.starts.tolist(), drafts.counts.tolist(), drafts.drafts, strict=True
+            )
+        ]
+    sampled = dict(zip(sample_request_ids, per_request, strict=True))
     return ModelRunnerOutput(
         request_ids=list(request_ids),
-        sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in request_ids],
+        sampled_token_ids=[sampled.get(r, []) for r in request_ids],
         logprobs=logprobs,
     )
 
 
 def _logprobs(
-    request_ids: tuple[str, ...], ks: tuple[int | None, ...], host: Sequence[torch.Tensor]
+    request_ids: tuple[str, ...],
+    ks: tuple[int | None, ...],
+    host: Sequence[torch.Tensor],
+    drafts: DraftLayout | None = None,
 ) -> dict[str, Logprobs]:
-    """Per request that asked, its sampled token's logprob and its top-k, from host tensors."""
+    """Per request that asked, its sampled token's logprob and its top-k, from host tensors
+    (requests that ask for logprobs get no drafts: their one row is their first)."""
     if not host:
         return {}
     ids, vals, ranks = (t.tolist() for t in host)
+    first = range(len(request_ids)) if drafts is None else drafts.starts.tolist()
     return {
         rid: Logprobs([ids[i][: k + 1]], [vals[i][: k + 1]], [ranks[i]])
-        for i, (rid, k) in enumerate(zip(request_ids, ks, strict=True))
+        for i, rid, k in zip(first, request_ids, ks, strict=True)
         if k is not None
     }
 
@@ -194,13 +220,19 @@ class ModelRunner:
             input_ids = self.states.input_ids(token_rows, positions)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             self.states.num_computed[plan.rows] = plan.seq_lens
+            sample_ids = tuple(req_ids[i] for i in plan.sample_idx.tolist())
+            drafts = None
+            if so.scheduled_spec_decode_tokens:
+                spec = so.scheduled_spec_decode_tokens
+                drafts = DraftLayout.of([spec.get(r, ()) for r in sample_ids])
             return ForwardOutput(
                 step_id=so.step_id,
                 request_ids=req_ids,
-                sample_request_ids=tuple(req_ids[i] for i in plan.sample_idx.tolist()),
+                sample_request_ids=sample_ids,
                 sample_rows=plan.sample_rows,
                 sample_rows_device=sample_rows,
                 hidden=hidden[hidden_index],
+                drafts=drafts,
             )
 
     def _apply_changes(self, so: SchedulerOutput) -> None:
@@ -209,10 +241,17 @@ class ModelRunner:
             st.remove(rid)
         for new in so.new_requests:
             st.add(new)
+        for rid, kept in so.num_kept_blocks.items():
+            if (row := st.row_of.get(rid)) is not None:
+                st.num_blocks[row] = kept
         for cached in so.cached_requests:
             row = st.row_of[cached.request_id]
+            st.settle(row, cached.num_computed_tokens)
             st.append_blocks(row, cached.new_block_ids)
             st.num_computed[row] = cached.num_computed_tokens
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            row = st.row_of[rid]
+            st.stage_tokens(row, int(st.num_tokens[row]), drafts)
         st.flush()
 
     def _plan(self, so: SchedulerOutput) -> StepPlan:
@@ -226,6 +265,20 @@ class ModelRunner:
         starts = np.cumsum(query_lens) - query_lens
         num_tokens = int(query_lens.sum())
         sample_idx = np.flatnonzero(seq_lens >= st.num_tokens[rows])
+        hidden_index = (starts + query_lens - 1)[sample_idx]
+        spec = so.scheduled_spec_decode_tokens
+        if spec:
+            # A request with k drafts samples at its last known token and at each draft.
+            ids = list(so.num_scheduled_tokens)
+            counts = np.fromiter(
+                (1 + len(spec.get(ids[i], ())) for i in sample_idx.tolist()),
+                np.int64,
+                sample_idx.size,
+            )
+            ends = np.repeat(hidden_index + 1 - counts, counts)
+            hidden_index = (
+                ends + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            )
         return StepPlan(
             rows=rows,
             query_lens=query_lens,
@@ -233,26 +286,32 @@ class ModelRunner:
             token_rows=np.repeat(rows, query_lens),
             positions=np.repeat(computed - starts, query_lens) + np.arange(num_tokens),
             sample_idx=sample_idx,
-            hidden_index=(starts + query_lens - 1)[sample_idx],
+            hidden_index=hidden_index,
         )
 
     # ------------------------------------------------------------ sampling
     @torch.inference_mode()
     def sample(self, fwd: ForwardOutput, grammar: GrammarOutput | None = None) -> SampledTokens:
-        """Queues sampling of one token per sampling row, its write into the rows, and the
-        copy of the tokens (and logprobs) to the host."""
+        """Queues sampling of one token per sampling row (with drafts: per draft position and
+        one more, then the verification), its write into the rows, and the copy of the tokens
+        (and logprobs) to the host."""
         with self.io.on_stream():
             if not fwd.sample_request_ids:
                 empty = torch.zeros(0, dtype=torch.int64)
                 return SampledTokens(fwd.request_ids, (), empty, None, (), HostCopy((empty,)))
-            # Each sampling row's parameters, looked up once for the whole step.
+            # Each sampling request's parameters, looked up once for the whole step.
             params = [self.states.params[r] for r in fwd.sample_rows.tolist()]
+            rows = _LogitsRows.of(fwd, self.io)
+            row_params = params if fwd.drafts is None else [params[i] for i in rows.request]
             logits = self.model.compute_logits(fwd.hidden)
             if grammar is not None and grammar.request_ids:
                 self._apply_grammar(logits, fwd, grammar)
-            self._ban_tokens(logits, fwd, params)
-            out = self.sampler(logits, self._sampling_metadata(fwd, params))
-            self.states.append_sampled(fwd.sample_rows, fwd.sample_rows_device, out.token_ids)
+            self._ban_tokens(logits, rows, row_params)
+            out = self.sampler(logits, self._sampling_metadata(rows, row_params))
+            if fwd.drafts is None:
+                self.states.append_sampled(fwd.sample_rows, fwd.sample_rows_device, out.token_ids)
+            else:
+                self._record_verified(fwd, fwd.drafts, out.token_ids)
             lp = out.logprobs
             to_copy = [out.token_ids] if lp is None else [out.token_ids, *_lp_tensors(lp)]
             num_logprobs = tuple(p.logprobs for p in params)
@@ -263,7 +322,37 @@ class ModelRunner:
                 lp,
                 num_logprobs,
                 self.io.to_host(to_copy),
+                fwd.drafts,
             )
+
+    def _record_verified(
+        self, fwd: ForwardOutput, layout: DraftLayout, tokens: torch.Tensor
+    ) -> None:
+        """Keeps each request's accepted drafts and the token after them in its device rows;
+        the host lengths of rows with drafts are settled by the next step's scheduler data."""
+        st = self.states
+        width = int(layout.counts.max())
+        cols = np.arange(width, dtype=np.int64)
+        # Past a request's own rows, its last token again (a valid id, never kept).
+        gather = layout.starts[:, None] + np.minimum(cols[None, :], layout.counts[:, None] - 1)
+        drafts = np.full((len(layout.drafts), width - 1), -1, dtype=np.int64)
+        for i, d in enumerate(layout.drafts):
+            drafts[i, : len(d)] = d
+        lengths = st.num_tokens[fwd.sample_rows]
+        gather_d, drafts_d, lengths_d = self.io.to_device([gather, drafts, lengths])
+        record_verified_(
+            st.token_ids,
+            st.num_tokens_device,
+            st.last_sampled,
+            st.output_counts,
+            fwd.sample_rows_device,
+            lengths_d,
+            tokens[gather_d],
+            drafts_d,
+        )
+        plain = layout.counts == 1
+        st.num_tokens[fwd.sample_rows[plain]] += 1
+        st.unverified.update(fwd.sample_rows[~plain].tolist())
 
     def sample_tokens(
         self, fwd: ForwardOutput, grammar: GrammarOutput | None = None
@@ -272,7 +361,7 @@ class ModelRunner:
         return self.sample(fwd, grammar).to_runner_output()
 
     def _ban_tokens(
-        self, logits: torch.Tensor, fwd: ForwardOutput, params: list[SamplingParams]
+        self, logits: torch.Tensor, rows: _LogitsRows, params: list[SamplingParams]
     ) -> None:
         """Tokens a row may not sample: undecodable ids, and stop tokens before min_tokens.
 
@@ -284,9 +373,12 @@ class ModelRunner:
         st = self.states
         ban_rows: list[int] = []
         ban_cols: list[int] = []
-        for i, (row, sp) in enumerate(zip(fwd.sample_rows.tolist(), params, strict=True)):
+        for i, (row, offset, sp) in enumerate(
+            zip(rows.state.tolist(), rows.offsets.tolist(), params, strict=True)
+        ):
             # The host mirror knows the length: this row's tokens before this sample.
-            if sp.min_tokens and st.num_tokens[row] - st.num_prompt_tokens[row] < sp.min_tokens:
+            produced = st.num_tokens[row] - st.num_prompt_tokens[row] + offset
+            if sp.min_tokens and produced < sp.min_tokens:
                 banned = set(sp.stop_token_ids)
                 if not sp.ignore_eos:
                     banned.update(self.eos_token_ids)
@@ -294,40 +386,51 @@ class ModelRunner:
                 ban_cols += sorted(banned)
         if not ban_rows:
             return
-        rows, cols = self.io.to_device(
+        rows_d, cols = self.io.to_device(
             [np.array(ban_rows, dtype=np.int64), np.array(ban_cols, dtype=np.int64)]
         )
-        kept = logits[rows, cols]
-        logits[rows, cols] = float("-inf")
+        kept = logits[rows_d, cols]
+        logits[rows_d, cols] = float("-inf")
         # Decided on the device, so that no value is read back here.
         empty = (logits == float("-inf")).all(dim=1)
-        logits[rows, cols] = torch.where(empty[rows], kept, torch.full_like(kept, float("-inf")))
+        logits[rows_d, cols] = torch.where(
+            empty[rows_d], kept, torch.full_like(kept, float("-inf"))
+        )
 
     def _apply_grammar(
         self, logits: torch.Tensor, fwd: ForwardOutput, grammar: GrammarOutput
     ) -> None:
         index = {r: i for i, r in enumerate(fwd.sample_request_ids)}
-        pairs = [(index[r], i) for i, r in enumerate(grammar.request_ids) if r in index]
-        if not pairs:
+        starts = None if fwd.drafts is None else fwd.drafts.starts.tolist()
+        logit_list: list[int] = []
+        mask_list: list[int] = []
+        for rid, first, count in grammar.rows_of():
+            i = index.get(rid)
+            if i is None:
+                continue
+            base = i if starts is None else starts[i]
+            logit_list += range(base, base + count)
+            mask_list += range(first, first + count)
+        if not logit_list:
             return
-        logit_rows = np.array([p[0] for p in pairs], dtype=np.int64)
-        mask_rows = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        logit_rows = np.array(logit_list, dtype=np.int64)
+        mask_rows = torch.tensor(mask_list, dtype=torch.int64)
         # Gathered on the host (where the grammar filled it), then copied once.
         bitmask = self.io.tensor_to_device(grammar.bitmask[mask_rows])
         (logit_rows_device,) = self.io.to_device([logit_rows])
         apply_token_bitmask_(logits, bitmask, logit_rows_device)
 
     def _sampling_metadata(
-        self, fwd: ForwardOutput, params: list[SamplingParams]
+        self, sel: _LogitsRows, params: list[SamplingParams]
     ) -> SamplingMetadata:
-        """The sampling rows' parameters (``params``, in row order), gathered from the host
+        """The logits rows' parameters (``params``, in row order), gathered from the host
         mirrors and copied in two transfers (int64, float32); penalty tables are gathered on the
-        device."""
-        st, rows = self.states, fwd.sample_rows
+        device. A draft row samples the output position after its drafts."""
+        st, rows = self.states, sel.state
         penalised = any(p.uses_penalties for p in params)
         ints = {
             "seeds": st.seeds[rows],
-            "positions": st.num_tokens[rows] - st.num_prompt_tokens[rows],
+            "positions": st.num_tokens[rows] - st.num_prompt_tokens[rows] + sel.offsets,
         }
         if any(p.effective_top_k > 0 for p in params):
             ints["top_k"] = st.top_k[rows]
@@ -343,8 +446,9 @@ class ModelRunner:
         tensors.update(zip(ints, self.io.to_device(list(ints.values())), strict=True))
         tensors.update(zip(floats, self.io.to_device(list(floats.values())), strict=True))
         if penalised:
-            tensors["prompt_mask"] = st.prompt_mask[fwd.sample_rows_device]
-            tensors["output_counts"] = st.output_counts[fwd.sample_rows_device]
+            # Requests with penalties get no drafts: their counts are those of their one row.
+            tensors["prompt_mask"] = st.prompt_mask[sel.state_device]
+            tensors["output_counts"] = st.output_counts[sel.state_device]
         return SamplingMetadata(
             all_greedy=all(p.greedy for p in params),
             all_random=not any(p.greedy for p in params),
@@ -353,6 +457,29 @@ class ModelRunner:
             ),
             **tensors,
         )
+
+
+@dataclass(frozen=True)
+class _LogitsRows:
+    """Per logits row of a step: its state row (host and device), its draft offset, and its
+    sampling request's index."""
+
+    state: np.ndarray
+    state_device: torch.Tensor
+    offsets: np.ndarray
+    request: list[int]
+
+    @classmethod
+    def of(cls, fwd: ForwardOutput, io: DeviceIO) -> _LogitsRows:
+        layout = fwd.drafts
+        if layout is None:
+            n = len(fwd.sample_request_ids)
+            return cls(
+                fwd.sample_rows, fwd.sample_rows_device, np.zeros(n, np.int64), list(range(n))
+            )
+        state = fwd.sample_rows[layout.row_index]
+        (state_device,) = io.to_device([state])
+        return cls(state, state_device, layout.offsets, layout.row_index.tolist())
 
 
 def _lp_tensors(lp: LogprobsTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

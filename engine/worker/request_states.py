@@ -63,6 +63,9 @@ class RequestStates:
         self.prompt_mask = torch.zeros(r, vocab_size, dtype=torch.bool, device=device)
         self._staged: list[np.ndarray] = []
         self._new_rows: list[int] = []
+        # Rows whose last step verified drafts: their host length is known again only from the
+        # scheduler's count of computed tokens (``settle``).
+        self.unverified: set[int] = set()
 
         self.num_tokens = np.zeros(r, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(r, dtype=np.int64)
@@ -89,6 +92,7 @@ class RequestStates:
             raise RuntimeError(f"no free row: more than {self.max_num_reqs} requests in the runner")
         row = self._free_rows.pop()
         self.row_of[data.request_id] = row
+        self.unverified.discard(row)
         tokens = np.asarray(data.prompt_token_ids + data.output_token_ids, dtype=np.int64)
         n = tokens.size
         self.num_tokens[row] = n
@@ -163,7 +167,24 @@ class RequestStates:
             return
         self.params[row] = None
         self.uses_penalties[row] = False
+        self.unverified.discard(row)
         self._free_rows.append(row)
+
+    def stage_tokens(self, row: int, start: int, tokens: tuple[int, ...]) -> None:
+        """Stages host-known token ids (a step's draft tokens) at ``start`` of the row, for the
+        next `flush`; the row's length does not change."""
+        if start + len(tokens) > self.row_len:
+            raise RuntimeError("draft tokens past the row's end: longer than max_model_len")
+        base = row * self.row_len + start
+        index = np.arange(base, base + len(tokens), dtype=np.int64)
+        self._staged.append(np.stack((index, np.asarray(tokens, dtype=np.int64))))
+
+    def settle(self, row: int, num_computed: int) -> None:
+        """Sets the host length of a row whose drafts were verified on the device: all its
+        tokens but the last are computed, as the scheduler counts them."""
+        if row in self.unverified:
+            self.num_tokens[row] = num_computed + 1
+            self.unverified.discard(row)
 
     def append_sampled(
         self, rows: np.ndarray, rows_device: torch.Tensor, tokens: torch.Tensor

@@ -1,0 +1,133 @@
+"""Draft tokens for speculative decoding: the grammar's forced continuation and prompt lookup.
+
+Drafts are proposals only: the step verifies them against the model (``SpeculativeConfig``),
+so a poor draft costs a wasted row, never a different output. Drafts never hold an EOS or
+stop token, and for a structured request only tokens its grammar accepts (so the grammar
+matcher can be advanced over them to fill each draft position's bitmask row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from baton.engine.core.request import Request
+from baton.engine.speculative_config import SpeculativeConfig
+
+# Output tokens re-encoded with the forced text, so that its first token boundary is the one
+# the whole text's tokenisation has.
+_TAIL_TOKENS = 3
+
+
+class TextCodec(Protocol):
+    """What the grammar drafter needs of a tokenizer."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_strings(self) -> list[str]: ...
+
+
+def extendable_tokens(token_strings: Sequence[str]) -> frozenset[int]:
+    """Ids of tokens whose text is a proper prefix of another token's (in the tokenizer's own
+    spelling, which for byte-level BPE is one character per byte): a forced text ending in
+    one of them may be continued by a longer token, so that last draft is not proposed."""
+    order = sorted(range(len(token_strings)), key=token_strings.__getitem__)
+    out = set()
+    for a, b in zip(order, order[1:], strict=False):
+        sa, sb = token_strings[a], token_strings[b]
+        if sa and len(sb) > len(sa) and sb.startswith(sa):
+            out.add(a)
+    return frozenset(out)
+
+
+def ngram_lookup(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """Prompt lookup: for n from ``n_max`` down to ``n_min``, the last earlier occurrence of
+    the sequence's final n tokens, and up to ``k`` tokens that followed it; [] if none."""
+    size = len(tokens)
+    if k <= 0 or size < n_min + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)
+        hits = np.flatnonzero((windows == arr[size - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start : start + k].tolist()
+    return []
+
+
+class Drafter:
+    """Proposes each step's draft tokens for a request (``propose``).
+
+    Args:
+        config: the method and the most drafts per step.
+        codec: the model's tokenizer (the grammar method encodes forced text).
+    """
+
+    def __init__(self, config: SpeculativeConfig, codec: TextCodec | None) -> None:
+        if config.uses_grammar and codec is None:
+            raise ValueError(f"speculative method {config.method!r} needs the tokenizer")
+        self.config = config
+        self._codec = codec
+        self._extendable = (
+            extendable_tokens(codec.token_strings()) if config.uses_grammar and codec else None
+        )
+
+    @staticmethod
+    def can_draft(req: Request) -> bool:
+        """Whether the request may get drafts at all: not with penalties or logprobs."""
+        sp = req.sampling_params
+        return not sp.uses_penalties and sp.logprobs is None
+
+    def propose(self, req: Request, max_drafts: int) -> tuple[int, ...]:
+        """Up to ``max_drafts`` draft tokens to follow the request's known tokens. For a
+        structured request, only tokens its grammar accepts (its matcher is left as it was);
+        never an EOS or stop token."""
+        if max_drafts <= 0:
+            return ()
+        cfg = self.config
+        matcher = req.structured.matcher if req.structured is not None else None
+        drafts: list[int] = []
+        if cfg.uses_grammar and matcher is not None:
+            drafts = self._forced_tokens(req, matcher.jump_forward_string())[:max_drafts]
+        if cfg.uses_ngram and len(drafts) < max_drafts:
+            context = req.all_token_ids + drafts
+            drafts += ngram_lookup(
+                context,
+                cfg.prompt_lookup_min,
+                cfg.prompt_lookup_max,
+                max_drafts - len(drafts),
+            )
+        stops = set(req.eos_token_ids) | set(req.sampling_params.stop_token_ids)
+        for i, tok in enumerate(drafts):
+            if tok in stops:
+                drafts = drafts[:i]
+                break
+        if drafts and matcher is not None:
+            drafts = drafts[: matcher.validate_tokens(drafts)]
+        return tuple(drafts)
+
+    def _forced_tokens(self, req: Request, forced: str) -> list[int]:
+        """The canonical tokens of ``forced`` after the request's text: encoded with the last
+        few output tokens' text in front when that reproduces those tokens (so the boundary
+        is the one the whole text has), else alone; without a last token that a longer token
+        could replace once more text follows."""
+        if not forced:
+            return []
+        codec = self._codec
+        assert codec is not None and self._extendable is not None
+        tail = req.output_token_ids[-_TAIL_TOKENS:]
+        tokens: list[int] | None = None
+        if tail:
+            joined = codec.encode(codec.decode(tail, False) + forced, add_special_tokens=False)
+            if joined[: len(tail)] == tail:
+                tokens = joined[len(tail) :]
+        if tokens is None:
+            tokens = codec.encode(forced, add_special_tokens=False)
+        if tokens and tokens[-1] in self._extendable:
+            tokens.pop()
+        return tokens

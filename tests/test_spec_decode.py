@@ -1,0 +1,340 @@
+"""Speculative decoding: config checks, drafters, verification, and outputs equal to the engine
+without drafts (tiny model; a few JSON prompts on the default model)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.engine.config import EngineConfig
+from baton.engine.core.drafter import Drafter, extendable_tokens, ngram_lookup
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.entrypoints.args import add_engine_args, config_from_args
+from baton.engine.processing.llm_engine import LLMEngine
+from baton.engine.speculative_config import SpeculativeConfig
+from baton.engine.worker.spec_decode import accepted_tokens, record_verified_
+from baton.sampler import Sampler, SamplingMetadata
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer"},
+        "city": {"enum": ["Paris", "Rome", "Berlin"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "The capital of France is",
+    "A JSON person:",
+    "1, 2, 3, 4, 1, 2, 3, 4,",
+    "Once upon a time",
+    "Pick a word:",
+    "Pick one:",
+    "the cat the cat the cat",
+    "What is 2+2?",
+    "A JSON person, seeded:",
+]
+METHODS = ("grammar", "ngram", "auto")
+
+
+# ------------------------------------------------------------------------- config
+
+
+def test_config_validates_each_field():
+    assert SpeculativeConfig.of(None) is None
+    cfg = SpeculativeConfig.of('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert cfg == SpeculativeConfig("ngram", 3)
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=True)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match=r"unknown keys \['k'\]"):
+        SpeculativeConfig.of({"k": 2})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SpeculativeConfig.of("{method: ngram}")
+
+
+def test_engine_config_refuses_what_is_not_built_yet():
+    spec = {"method": "auto"}
+    cfg = EngineConfig(speculative_config=spec)
+    assert cfg.speculative_config == SpeculativeConfig("auto")
+    assert cfg.async_scheduling is False and cfg.executor == "uni"
+    for bad, word in (
+        ({"async_scheduling": True}, "async_scheduling=True"),
+        ({"executor": "mp"}, "executor='mp'"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+        ({"device": "sim:h200"}, "simulated device"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            EngineConfig(speculative_config=spec, **bad)
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        EngineConfig(speculative_config={"method": "medusa"})
+
+
+def test_cli_flag_reaches_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method":"grammar"}'])
+    assert config_from_args(args).speculative_config == SpeculativeConfig("grammar")
+    args = parser.parse_args(["--speculative-config", '{"method":"x"}'])
+    with pytest.raises(ValueError, match="method"):
+        config_from_args(args)
+
+
+# ------------------------------------------------------------------ pieces
+
+
+def test_ngram_lookup_takes_the_longest_latest_match():
+    seq = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # "2 3" last occurred before the end at index 5..6, followed by 7 8 5.
+    assert ngram_lookup(seq, 1, 3, 3) == [7, 8, 5]
+    assert ngram_lookup(seq, 1, 3, 10) == [7, 8, 5, 2, 3]
+    assert ngram_lookup([1, 2, 3], 1, 3, 4) == []
+    assert ngram_lookup([4, 4], 1, 1, 2) == [4]
+    assert ngram_lookup([], 1, 3, 2) == []
+
+
+def test_extendable_tokens_are_proper_prefixes():
+    assert extendable_tokens(["ab", "a", "abc", "b", "x", "xy"]) == {0, 1, 4}
+
+
+def test_accepted_tokens_is_the_matching_prefix_and_one_more():
+    assert accepted_tokens([5, 6, 7], [5, 6]) == [5, 6, 7]
+    assert accepted_tokens([5, 9, 7], [5, 6]) == [5, 9]
+    assert accepted_tokens([4, 6, 7], [5, 6]) == [4]
+    assert accepted_tokens([3], []) == [3]
+
+
+def test_record_verified_writes_only_kept_tokens():
+    token_ids = torch.zeros(3, 10, dtype=torch.int64)
+    num_tokens = torch.tensor([2, 3, 4])
+    last = torch.zeros(3, dtype=torch.int64)
+    counts = torch.zeros(3, 6, dtype=torch.int32)
+    rows = torch.tensor([2, 0])
+    lengths = torch.tensor([4, 2])
+    sampled = torch.tensor([[1, 2, 3], [4, 5, 4]])
+    drafts = torch.tensor([[1, 5], [-1, -1]])
+    record_verified_(token_ids, num_tokens, last, counts, rows, lengths, sampled, drafts)
+    assert num_tokens.tolist() == [3, 3, 6]
+    assert last.tolist() == [4, 0, 2]
+    assert token_ids[2, 4:6].tolist() == [1, 2] and token_ids[0, 2].item() == 4
+    assert counts[2].tolist() == [0, 1, 1, 0, 0, 0]
+    assert counts[0].tolist() == [0, 0, 0, 0, 1, 0]
+
+
+def test_kv_truncate_frees_the_tail():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    kv.allocate_slots("r", 13)
+    assert len(kv.get_block_ids("r")) == 4
+    assert kv.truncate("r", 9) == 3
+    assert kv.num_free_blocks == 6
+    assert kv.truncate("r", 12) == 3
+    kv.cache_blocks("r", list(range(12)), 8)
+    with pytest.raises(ValueError, match="prefix cache"):
+        kv.truncate("r", 4)
+    kv.check_invariants()
+
+
+def test_rejection_rule_is_exact_on_a_small_vocabulary():
+    """The verification rule (keep the draft iff the row's sampled token is the draft, else
+    that token) accepts a draft with its target probability p(d) and otherwise gives a token of
+    the residual distribution: chi-square over fixed seeds, no flakes."""
+    probs = torch.tensor([0.30, 0.05, 0.20, 0.10, 0.15, 0.02, 0.08, 0.10])
+    draft = 2
+    n = 20000
+    logits = torch.log(probs).expand(n, -1).contiguous()
+    meta = SamplingMetadata.build(
+        temperature=[1.0] * n, seeds=list(range(n)), positions=[3] * n, top_k=None
+    )
+    tokens = Sampler()(logits, meta).token_ids.tolist()
+    kept = [accepted_tokens([t, 0], [draft])[0] for t in tokens]
+    accepted = sum(1 for t in kept if t == draft)
+    # Acceptance: binomial(n, p(d)); 4 standard deviations.
+    p = float(probs[draft])
+    assert abs(accepted - n * p) < 4 * (n * p * (1 - p)) ** 0.5
+    residual = probs.clone()
+    residual[draft] = 0
+    residual /= residual.sum()
+    rejected = np.bincount([t for t in kept if t != draft], minlength=8)
+    expected = residual.numpy() * rejected.sum()
+    cells = expected > 0
+    chi2 = float((((rejected - expected) ** 2)[cells] / expected[cells]).sum())
+    assert rejected[draft] == 0
+    assert chi2 < 24.32  # chi-square, 6 degrees of freedom, p = 0.0005
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def _requests(stop_ids: list[int]) -> list[tuple[str, SamplingParams]]:
+    so = StructuredOutputsParams
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=so(json=SCHEMA)),
+        SamplingParams(max_tokens=21, temperature=0.0, stop_token_ids=stop_ids),
+        SamplingParams(max_tokens=24, temperature=1.0, seed=3, stop=["e"]),
+        SamplingParams(
+            max_tokens=20, temperature=0.0, structured_outputs=so(regex=r"(abc|xyz){2,6}")
+        ),
+        SamplingParams(
+            max_tokens=8, temperature=0.0, structured_outputs=so(choice=["red", "green blue"])
+        ),
+        SamplingParams(max_tokens=17, temperature=0.0, min_tokens=9, stop_token_ids=stop_ids),
+        SamplingParams(max_tokens=13, temperature=0.0, logprobs=1),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=17, structured_outputs=so(json=SCHEMA)),
+    ]
+    return list(zip(PROMPTS, params, strict=True))
+
+
+def _run(engine: LLMEngine, requests, abort: dict[str, int] | None = None) -> dict:
+    abort = dict(abort or {})
+    for i, (prompt, sp) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, sp)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            if out.finished:
+                final[out.request_id] = (c.token_ids, c.finish_reason, c.text)
+            elif out.request_id in abort and len(c.token_ids) >= abort[out.request_id]:
+                engine.abort_request(out.request_id)
+                final[out.request_id] = (c.token_ids, "abort", c.text)
+                del abort[out.request_id]
+    return final
+
+
+def _build(model_dir, spec=None, **kw) -> LLMEngine:
+    kw.setdefault("max_model_len", 256)
+    return LLMEngine(
+        EngineConfig(model=str(model_dir), async_scheduling=False, speculative_config=spec, **kw)
+    )
+
+
+def _use(engine: LLMEngine, method: str | None, k: int = 4) -> None:
+    """Switches the engine's drafter (None: no drafts), so that every run shares one engine and
+    its compiled grammars (a compile costs seconds on a loaded machine)."""
+    spec = SpeculativeConfig(method, k) if method else None
+    engine.core.scheduler.drafter = Drafter(spec, engine.tokenizer) if spec else None
+
+
+def _stop_ids(engine: LLMEngine) -> list[int]:
+    return [engine.tokenizer.encode(w)[0] for w in (" the", ".")]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    engine = _build(tiny_model_dir, {"method": "auto", "num_speculative_tokens": 4})
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    _use(engine, None)
+    reqs = _requests(_stop_ids(engine))
+    return reqs, _run(engine, reqs, abort={"r3": 5})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_drafts_change_no_token(engine, reference, method):
+    reqs, expected = reference
+    _use(engine, method)
+    sched = engine.core.scheduler
+    drafted, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
+    got = _run(engine, reqs, abort={"r3": 5})
+    assert got == expected
+    assert sched.num_draft_tokens > drafted and sched.num_accepted_tokens > accepted
+    assert sched.kv.num_used_blocks == 0
+    for rid in ("r1", "r8"):
+        if got[rid][1] == "stop":
+            jsonschema.validate(json.loads(got[rid][2]), SCHEMA)
+    assert got["r5"][2] in ("red", "green blue")
+
+
+def test_drafts_under_preemption_and_small_budgets(tiny_model_dir, reference):
+    reqs, expected = reference
+    free = [0, 2, 3, 6, 7]  # no grammar: nothing to compile in this second engine
+    engine = _build(
+        tiny_model_dir,
+        {"method": "ngram", "num_speculative_tokens": 5},
+        block_size=4,
+        num_kv_blocks=14,
+        max_num_batched_tokens=12,
+    )
+    got = _run(engine, [reqs[i] for i in free], abort={"r2": 5})
+    sched = engine.core.scheduler
+    preemptions, accepted = sched.num_preemptions, sched.num_accepted_tokens
+    sched.kv.check_invariants()
+    engine.shutdown()
+    assert preemptions > 0 and accepted > 0
+    assert got == {f"r{j}": expected[f"r{i}"] for j, i in enumerate(free)}
+
+
+def test_seeded_requests_alone_and_in_a_batch_of_16(engine):
+    sp = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    _use(engine, None)
+    want = _run(engine, [("the cat the cat the", sp)])["r0"]
+    _use(engine, "auto")
+    alone = _run(engine, [("the cat the cat the", sp)])["r0"]
+    others = [
+        (f"{i} {i} {i} {i}", SamplingParams(max_tokens=16, temperature=1.0, seed=i))
+        for i in range(15)
+    ]
+    batch = _run(engine, [*others, ("the cat the cat the", sp)])["r15"]
+    assert alone == want and batch == want
+
+
+DEFAULT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0},
+        "email": {"type": "string", "maxLength": 40},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
+    },
+    "required": ["name", "age", "email", "skills"],
+    "additionalProperties": False,
+}
+
+
+def test_default_model_json_greedy_equal_with_drafts(default_checkpoint):
+    prompts = [
+        "<|im_start|>user\nAlice Smith is 31, her email is alice@example.com and she knows "
+        "Python and SQL. Give her as JSON.<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    sp = SamplingParams(
+        max_tokens=64,
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(json=DEFAULT_SCHEMA),
+    )
+    llm = LLM.from_checkpoint(
+        default_checkpoint,
+        dtype="float32",
+        max_model_len=512,
+        async_scheduling=False,
+        speculative_config={"method": "auto", "num_speculative_tokens": 5},
+    )
+    results = []
+    for method in (None, "auto"):
+        _use(llm.engine, method, 5)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outs])
+        for o in outs:
+            assert o.outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(o.outputs[0].text), DEFAULT_SCHEMA)
+    stats = llm.stats()
+    llm.engine.shutdown()
+    assert results[0] == results[1]
+    assert stats["spec_accepted_tokens"] > 0
