@@ -21,6 +21,8 @@ from baton.engine.speculative_config import SpeculativeConfig
 from baton.engine.worker.spec_decode import accepted_tokens, record_verified_
 from baton.sampler import Sampler, SamplingMetadata
 
+pytestmark = pytest.mark.slow
+
 SCHEMA = {
     "type": "object",
     "properties": {
