@@ -478,6 +478,47 @@ def _compile_burst(d: dict[str, Any]) -> str:
     return caption + _table(header, rows)
 
 
+def _spec(d: dict[str, Any]) -> str:
+    rows = [
+        [
+            r["workload"],
+            r["mode"],
+            str(r["concurrency"]),
+            _num(r["tok_per_s"], ".1f"),
+            _num(r["tokens_per_step"], ".2f"),
+            _num(r["drafts_per_step"], ".2f"),
+            _pct(r["acceptance_rate"]),
+            _pct(r["valid_share"]),
+            {True: "yes", False: "no", None: "-"}[r["same_tokens_as_off"]],
+        ]
+        for r in d["rows"]
+    ]
+    header = [
+        "workload",
+        "spec",
+        "concurrency",
+        "output tok/s",
+        "tokens/step",
+        "drafts/step",
+        "acceptance",
+        "valid JSON",
+        "same tokens as off",
+    ]
+    cfg = d["config"]
+    caption = (
+        f"Greedy JSON workloads (peers: invent a person; extraction: fill a schema from facts "
+        f"in the prompt), at most {cfg['max_tokens']} tokens, "
+        f"{cfg['num_speculative_tokens']} drafts at most per request and step, synchronous "
+        f"scheduling, in {d['run'].get('dtype')}; free is the peers prompts without a schema, "
+        "spec off. One engine per mode, measured in one run.\n\n"
+    )
+    notes = _goal_lines(d.get("goals") or [])
+    sim = d.get("sim") or {}
+    if sim and not sim.get("measured"):
+        notes.append(f"- simulated device: not measured ({sim.get('reason')})")
+    return caption + _table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
+
+
 # (file, title, command, renderer)
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     ("forward.json", "Forward pass, float32", "baton bench forward", _forward),
@@ -505,6 +546,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         _grammar_overhead,
     ),
     ("peers.json", "Against other engines (JSON schema)", "baton bench peers", _peers),
+    ("spec.json", "Speculative decoding", "baton bench spec", _spec),
     ("serve.json", "Serving over HTTP", "baton bench serve", _serve),
     ("soak.json", "Soak", "baton bench soak", _soak),
     (

@@ -1,0 +1,354 @@
+"""Speculative decoding benchmark: spec off / grammar / ngram / auto, side by side in one run.
+
+Two greedy JSON workloads on one model, at each ``--concurrency`` N (prompts submitted N at a
+time through ``LLM.generate``; at least ``--num-prompts`` prompts per concurrency):
+
+* ``peers``: bench/peers.py's workload (invent a person as JSON; its schema),
+* ``extraction``: facts about a person in the prompt, a schema to fill from them (JSON
+  extraction copies from its prompt, which prompt lookup drafts).
+
+Plus free text (the peers prompts without a schema, spec off) at concurrency 1, for the
+structured / free ratio. Each mode gets its own engine (same weights, same dtype, prefix
+caching off), warmed up on prompts of its own. Reports per workload, mode and concurrency:
+output tok/s, output tokens per engine step, drafts per step, acceptance rate, valid JSON
+share, and whether the tokens equal spec off's (they must in float32; in bfloat16 a step with
+drafts may take the dense GEMMs where a one-row step takes int8 ones, so a near-tie can go
+the other way). The goals of the issue are judged on the measured ratios (nothing asserted).
+Speculative decoding runs synchronously in the engine's process; the simulated device
+(``device="sim:h200"``) does not take it yet, which the result records.
+
+    baton bench spec [--concurrency 1,16] [--num-prompts 8] [--max-tokens 96]
+        [--num-speculative-tokens 4] [--modes off,grammar,ngram,auto] [--dtype auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from baton.bench.common import (
+    add_common_args,
+    config_from_args,
+    csv_of,
+    fmt,
+    judge_goal,
+    ratio,
+    require_positive_ints,
+    write_results,
+)
+from baton.bench.peers import SCHEMA as PEERS_SCHEMA
+from baton.bench.peers import conversation
+from baton.bench.plotting import pyplot
+from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.engine.config import EngineConfig
+from baton.engine.loader import load_checkpoint
+from baton.engine.tokenizer import Tokenizer
+
+MODES = ("off", "grammar", "ngram", "auto")
+WORKLOADS = ("peers", "extraction")
+WARMUP = 2
+
+EXTRACTION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "maxLength": 60},
+        "city": {"type": "string", "maxLength": 30},
+        "employer": {"type": "string", "maxLength": 40},
+        "skills": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 20},
+            "maxItems": 4,
+        },
+    },
+    "required": ["name", "age", "email", "city", "employer", "skills"],
+    "additionalProperties": False,
+}
+_FIRST = ("Maria", "John", "Aiko", "Pedro", "Fatima", "Liam", "Chen", "Olga", "Kwame", "Sofia")
+_LAST = ("Lopez", "Smith", "Tanaka", "Silva", "Haddad", "Murphy", "Wei", "Ivanova", "Mensah")
+_CITIES = ("Lisbon", "Chicago", "Osaka", "Recife", "Beirut", "Dublin", "Shanghai", "Kazan")
+_EMPLOYERS = ("Acme Robotics", "Blue River Bank", "Northwind Foods", "Helix Labs", "Orbit Air")
+_SKILLS = ("Python", "SQL", "welding", "accounting", "French", "negotiation", "Rust", "drawing")
+
+# Goals of the issue: (name, workload, concurrency, numerator, denominator, minimum ratio).
+GOALS = (
+    ("auto / spec off, peers, concurrency 1", "peers", 1, "auto", "off", 1.6),
+    ("auto / spec off, peers, concurrency 16", "peers", 16, "auto", "off", 1.3),
+)
+JSON_VS_FREE_GOAL = 1.2
+
+
+def extraction_conversation(index: int) -> list[dict[str, str]]:
+    """The ``index``-th extraction prompt: a short text about a person, and the fields to
+    extract from it as JSON."""
+    first, last = _FIRST[index % len(_FIRST)], _LAST[(index * 7) % len(_LAST)]
+    city = _CITIES[(index * 3) % len(_CITIES)]
+    employer = _EMPLOYERS[(index * 5) % len(_EMPLOYERS)]
+    skills = [_SKILLS[(index + j) % len(_SKILLS)] for j in range(2)]
+    age = 23 + (index * 11) % 40
+    text = (
+        f"{first} {last} is {age} years old and lives in {city}. {first} works at {employer} "
+        f"and is good at {skills[0]} and {skills[1]}. Contact: "
+        f"{first.lower()}.{last.lower()}@example.com."
+    )
+    fields = ", ".join(EXTRACTION_SCHEMA["required"])
+    return [
+        {
+            "role": "user",
+            "content": f"Extract {fields} from this text as a JSON object.\n\n{text}",
+        }
+    ]
+
+
+@dataclass(frozen=True)
+class SpecBenchConfig:
+    """What ``baton bench spec`` measures (see the module docstring)."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    concurrency: tuple[int, ...] = (1, 16)
+    num_prompts: int = 8
+    max_tokens: int = 96
+    num_speculative_tokens: int = 4
+    modes: tuple[str, ...] = MODES
+    workloads: tuple[str, ...] = WORKLOADS
+
+    def __post_init__(self) -> None:
+        require_positive_ints(self, "num_prompts", "max_tokens", "num_speculative_tokens")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency must be ints >= 1, got {self.concurrency}")
+        for name, allowed in (("modes", MODES), ("workloads", WORKLOADS)):
+            bad = [m for m in getattr(self, name) if m not in allowed]
+            if bad or not getattr(self, name):
+                raise ValueError(f"{name} must be from {list(allowed)}, got {getattr(self, name)}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+
+
+def _prompts(tokenizer: Tokenizer, workload: str, count: int, offset: int = 0) -> list[str]:
+    make = conversation if workload in ("peers", "free") else extraction_conversation
+    return [tokenizer.apply_chat_template(make(offset + i), tokenize=False) for i in range(count)]
+
+
+def _schema(workload: str) -> dict[str, Any] | None:
+    return {"peers": PEERS_SCHEMA, "extraction": EXTRACTION_SCHEMA}.get(workload)
+
+
+def _params(workload: str, max_tokens: int) -> SamplingParams:
+    schema = _schema(workload)
+    so = StructuredOutputsParams(json=schema) if schema is not None else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=so)
+
+
+def _valid(text: str, schema: dict[str, Any]) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def measure(
+    llm: LLM, tokenizer: Tokenizer, workload: str, concurrency: int, cfg: SpecBenchConfig
+) -> dict[str, Any]:
+    """One workload at one concurrency on one engine: prompts in waves of ``concurrency``."""
+    count = max(cfg.num_prompts, concurrency)
+    prompts = _prompts(tokenizer, workload, count)
+    sp = _params(workload, cfg.max_tokens)
+    before = llm.stats()
+    tokens: list[list[int]] = []
+    texts: list[str] = []
+    t0 = time.perf_counter()
+    for start in range(0, count, concurrency):
+        outs = llm.generate(prompts[start : start + concurrency], sp, use_tqdm=False)
+        tokens += [list(o.outputs[0].token_ids) for o in outs]
+        texts += [o.outputs[0].text for o in outs]
+    wall = time.perf_counter() - t0
+    after = llm.stats()
+    steps = after["steps"] - before["steps"]
+    out_tokens = sum(len(t) for t in tokens)
+    drafted = after.get("spec_draft_tokens", 0) - before.get("spec_draft_tokens", 0)
+    accepted = after.get("spec_accepted_tokens", 0) - before.get("spec_accepted_tokens", 0)
+    schema = _schema(workload)
+    return {
+        "workload": workload,
+        "concurrency": concurrency,
+        "prompts": count,
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "tok_per_s": out_tokens / wall if wall else None,
+        "steps": steps,
+        "tokens_per_step": out_tokens / steps if steps else None,
+        "drafts_per_step": drafted / steps if steps else None,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "valid_share": (
+            sum(_valid(t, schema) for t in texts) / len(texts) if schema is not None else None
+        ),
+        "tokens": tokens,
+    }
+
+
+def run(cfg: SpecBenchConfig) -> dict[str, Any]:
+    """Measures every mode on every workload and concurrency; returns the result dict."""
+    checkpoint = load_checkpoint(cfg.model)
+    tokenizer = checkpoint.tokenizer
+    max_prompt = max(
+        len(tokenizer.encode(p, add_special_tokens=False))
+        for w in (*cfg.workloads, "free")
+        for p in _prompts(tokenizer, w, max(cfg.num_prompts, *cfg.concurrency) + WARMUP)
+    )
+    rows: list[dict[str, Any]] = []
+    dtype_name = None
+    for mode in cfg.modes:
+        spec = None
+        if mode != "off":
+            spec = {"method": mode, "num_speculative_tokens": cfg.num_speculative_tokens}
+        llm = LLM.from_checkpoint(
+            checkpoint,
+            dtype=cfg.dtype,
+            max_model_len=max_prompt + cfg.max_tokens + 1,
+            enable_prefix_caching=False,
+            async_scheduling=False,
+            speculative_config=spec,
+        )
+        dtype_name = llm.stats()["dtype"]
+        try:
+            workloads = [*cfg.workloads, *(["free"] if mode == "off" else [])]
+            for workload in workloads:
+                warm = _prompts(tokenizer, workload, WARMUP, offset=1000)
+                llm.generate(warm, _params(workload, cfg.max_tokens), use_tqdm=False)
+                levels = (1,) if workload == "free" else cfg.concurrency
+                for c in levels:
+                    row = measure(llm, tokenizer, workload, c, cfg)
+                    row["mode"] = mode
+                    rows.append(row)
+                    print(
+                        f"{workload:10s} {mode:8s} c={c:<3d} {fmt(row['tok_per_s'], '7.1f')} tok/s"
+                        f"  {fmt(row['tokens_per_step'], '.2f')} tok/step"
+                        f"  acceptance {fmt(row['acceptance_rate'], '.2f')}",
+                        flush=True,
+                    )
+        finally:
+            llm.engine.shutdown()
+    _compare_tokens(rows)
+    for row in rows:
+        del row["tokens"]
+    return {
+        "config": {
+            "concurrency": list(cfg.concurrency),
+            "num_prompts": cfg.num_prompts,
+            "max_tokens": cfg.max_tokens,
+            "num_speculative_tokens": cfg.num_speculative_tokens,
+            "modes": list(cfg.modes),
+            "workloads": list(cfg.workloads),
+        },
+        "rows": rows,
+        "goals": _goals(rows),
+        "sim": {
+            "measured": False,
+            "reason": _sim_refusal(),
+        },
+        "run": {"dtype": dtype_name},
+    }
+
+
+def _sim_refusal() -> str:
+    try:
+        EngineConfig(device="sim:h200", speculative_config={"method": "auto"})
+    except ValueError as exc:
+        return str(exc)
+    return "not measured by this benchmark"
+
+
+def _compare_tokens(rows: list[dict[str, Any]]) -> None:
+    off = {(r["workload"], r["concurrency"]): r["tokens"] for r in rows if r["mode"] == "off"}
+    for r in rows:
+        ref = off.get((r["workload"], r["concurrency"]))
+        r["same_tokens_as_off"] = None if ref is None else r["tokens"] == ref
+
+
+def _find(rows: list[dict[str, Any]], workload: str, mode: str, c: int) -> dict | None:
+    for r in rows:
+        if r["workload"] == workload and r["mode"] == mode and r["concurrency"] == c:
+            return r
+    return None
+
+
+def _goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    goals = []
+    for name, workload, c, num, den, threshold in GOALS:
+        a, b = _find(rows, workload, num, c), _find(rows, workload, den, c)
+        value = ratio(a and a["tok_per_s"], b and b["tok_per_s"])
+        goals.append(judge_goal(name, f">= {threshold}", {f"c={c}": value}, "min", threshold))
+    free = _find(rows, "free", "off", 1)
+    for mode in ("off", "auto"):
+        js = _find(rows, "peers", mode, 1)
+        value = ratio(js and js["tok_per_s"], free and free["tok_per_s"])
+        goals.append(
+            judge_goal(
+                f"JSON schema ({mode}) / free text (spec off), concurrency 1",
+                f">= {JSON_VS_FREE_GOAL}",
+                {"c=1": value},
+                "min",
+                JSON_VS_FREE_GOAL,
+            )
+        )
+    return goals
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    rows = [r for r in result["rows"] if r["workload"] != "free"]
+    groups = sorted({(r["workload"], r["concurrency"]) for r in rows})
+    modes = result["config"]["modes"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        values = []
+        for workload, c in groups:
+            r = _find(rows, workload, mode, c)
+            values.append(r["tok_per_s"] if r and r["tok_per_s"] else 0.0)
+        ax.bar([i + j * width for i in range(len(groups))], values, width, label=mode)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{w}\nconcurrency {c}" for w, c in groups])
+    ax.set_ylabel("output tok/s")
+    ax.set_title(f"Speculative decoding ({result['run'].get('dtype')}, greedy JSON)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baton bench spec", description=__doc__.split("\n")[0])
+    add_common_args(parser, "spec", dtype=None)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    parser.add_argument("--concurrency", type=csv_of(int), default=(1, 16))
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--modes", type=csv_of(str), default=MODES)
+    parser.add_argument("--workloads", type=csv_of(str), default=WORKLOADS)
+    args = parser.parse_args(argv)
+    cfg = config_from_args(parser, args, SpecBenchConfig)
+    result = run(cfg)
+    for goal in result["goals"]:
+        value = fmt(goal["value"], ".2f")
+        print(f"goal {goal['goal']}: {value} ({goal['target']}) met={goal['met']}")
+    write_results(result, args.out, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
