@@ -17,549 +17,92 @@ from pathlib import Path
 from typing import Any
 
 from baton.bench.forward import RESULTS
+from baton.bench.readme_tables import (
+    compile_burst_table,
+    engine_sim_table,
+    engine_table,
+    forward_table,
+    grammar_overhead_table,
+    grammar_table,
+    masks_table,
+    peers_table,
+    serve_table,
+    soak_table,
+    spec_table,
+    structured_table,
+    tensor_parallel_table,
+    throughput_table,
+)
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def _forward(d: dict[str, Any]) -> str:
-    engine = "baton_engine_ms" in d["rows"][0]
-    header = ["case", "baton ms", "transformers ms", "baton / transformers"]
-    if engine:
-        header += [
-            f"baton default (int8 <= {d['int8_max_rows']} rows) ms",
-            "transformers float32 ms",
-            "default / transformers float32",
-        ]
-    rows = []
-    for r in d["rows"]:
-        row = [
-            r["case"],
-            f"{r['baton_ms']:.1f}",
-            f"{r['transformers_ms']:.1f}",
-            f"{r['ratio']:.2f}",
-        ]
-        if engine:
-            row += [
-                f"{r['baton_engine_ms']:.1f}",
-                f"{r['transformers_float32_ms']:.1f}",
-                f"{r['engine_vs_transformers_float32']:.2f}",
-            ]
-        rows.append(row)
-    return _table(header, rows)
-
-
-def _throughput(d: dict[str, Any]) -> str:
-    rows = []
-    for r in d["rows"]:
-        vs32 = r.get("ratio_vs_transformers_float32")
-        rows.append(
-            [
-                r["dtype"],
-                f"{r['baton']['tok_per_s']:.0f}",
-                f"{r['transformers']['tok_per_s']:.0f}",
-                f"{r['ratio']:.2f}",
-                "" if vs32 is None else f"{vs32:.2f}",
-            ]
-        )
-    header = ["dtype", "baton tok/s", "transformers tok/s", "same dtype", "vs transformers fp32"]
-    caption = f"{d['num_prompts']} prompts x {d['output_len']} tokens, greedy.\n\n"
-    return caption + _table(header, rows)
-
-
-def _structured(d: dict[str, Any]) -> str:
-    cfg = d["config"]
-    rows = [
-        [
-            r["workload"],
-            r["mode"],
-            str(r["batch"]),
-            f"{r['free_tpot_ms']:.1f}",
-            f"{r['structured_tpot_ms']:.1f}",
-            f"{r['ratio']:.3f}",
-            f"{r['bitmask_ms_per_step']:.2f}",
-            f"{r['stopped'] - len(r['invalid'])}/{r['stopped']}",
-            str(len(r["errors"])),
-        ]
-        for r in d["rows"]
-    ]
-    header = [
-        "schemas",
-        "scheduling",
-        "batch",
-        "free TPOT ms",
-        "JSON TPOT ms",
-        "structured / free",
-        "bitmask ms / step",
-        "valid / stopped",
-        "errors",
-    ]
-    caption = (
-        f"Model {Path(cfg['model']).name}, greedy, at most {cfg['max_tokens']} tokens, "
-        f"median of {cfg['rounds']} rounds; each round's free run decodes as many tokens per "
-        "request as its structured run. `peers`: the schema of `baton bench peers`; `shared`: "
-        f"{len(cfg['sample'])} schemas of the shared data, mixed in each batch; {cfg['dtype']}. "
-        f"Load average at the start: {cfg['load_avg'][0]:.1f}.\n\n"
-    )
-    notes = _goal_lines(d.get("goals") or [], digits=3)
-    notes += [f"- dropped at warm-up ({x['mode']}): {x['schema']}" for x in d.get("dropped", [])]
-    return caption + _table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
-
-
-def _cell(text: str) -> str:
-    """``text`` as inline code that a Markdown table cell can hold."""
-    return "`" + text.replace("`", "'").replace("|", "\\|") + "`"
-
-
-def _masks(d: dict[str, Any]) -> str:
-    cfg = d["config"]
-    names = list(d["families"])
-    first = d["families"][names[0]]
-    rows = []
-    for family in first:
-        row = [family]
-        for n in names:
-            s = d["families"][n][family]
-            row.append(
-                f"{_num(s['p50'], '.1f')} / {_num(s['p99'], '.1f')} / {_num(s['max'], '.0f')}"
-            )
-        row.append(" / ".join(str(d["families"][n][family]["states"]) for n in names))
-        rows.append(row)
-    header = ["family", *(f"{n} p50 / p99 / max µs" for n in names), "states"]
-    caption = (
-        f"{cfg['schemas']} schemas and {cfg['tests']} instances of the shared data, each "
-        f"walked with {cfg['rows']} matchers filled together per state; time per row. A state "
-        "counts in every family it stands inside (`bench/mask_families.py`). Compiled: "
-        + ", ".join(
-            f"{n} {d['compiled'][n]['compiled']}/{d['compiled'][n]['schemas']}" for n in names
-        )
-        + (" (with allow_unenforced)" if cfg.get("allow_unenforced") else "")
-        + f". Load average at the start: {cfg['load_avg'][0]:.1f}.\n\n"
-    )
-    worst_rows = []
-    for n in names:
-        for w in d["worst"][n][: 10 if n == names[0] else 3]:
-            worst_rows.append(
-                [n, w["schema"], f"{w['max_us']:.0f}", ", ".join(w["families"]), _cell(w["before"])]
-            )
-    worst = _table(["backend", "schema", "slowest state µs", "families", "after"], worst_rows)
-    lines = _goal_lines(d.get("goals") or [], digits=1)
-    lines += [
-        f"- slowest {g['goal'].split(' ')[0]} schema: {g['worst_schema']} "
-        f"({g['worst_schema_us']:.0f} µs per row at its slowest state)"
-        for g in d.get("goals") or []
-        if g.get("worst_schema")
-    ]
-    return (
-        caption
-        + _table(header, rows)
-        + "\n\nThe schemas with the slowest states:\n\n"
-        + worst
-        + ("\n\n" + "\n".join(lines) if lines else "")
-    )
-
-
-def _grammar(d: dict[str, Any]) -> str:
-    summary = d["summary"]
-    names = list(summary)
-    metrics: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-        ("schemas passing", lambda s: f"{s['passing']} ({s['passing_pct']:.1f}%)"),
-        ("compiled", lambda s: str(s["compiled"])),
-        ("compile errors (unsupported)", lambda s: f"{s['compile_errors']} ({s['unsupported']})"),
-        ("time-outs / crashes", lambda s: f"{s['timeouts']} / {s['crashes']}"),
-        ("valid rejected", lambda s: f"{s['valid_rejected']} of {s['valid_tests']}"),
-        ("invalid accepted", lambda s: f"{s['invalid_accepted']} of {s['invalid_tests']}"),
-        (
-            "compile ms avg / p50 / p99",
-            lambda s: "{avg:.0f} / {p50:.1f} / {p99:.0f}".format(**s["compile_ms"]),
-        ),
-        (
-            "mask µs/token avg / p50 / p99",
-            lambda s: "{avg:.1f} / {p50:.1f} / {p99:.1f}".format(**s["mask_us"]),
-        ),
-    ]
-    rows = [[label] + [fn(summary[n]) for n in names] for label, fn in metrics]
-    return _table([""] + names, rows)
-
-
-def _grammar_overhead(d: dict[str, Any]) -> str:
-    rows = [
-        [
-            "1",
-            f"{d['raw_us_per_token']:.1f}",
-            f"{d['wrapper_us_per_token']:.1f}",
-            f"{d['ratio']:.2f}",
-        ],
-        [
-            str(d["batch"]),
-            f"{d['batch_raw_us_per_token']:.1f}",
-            f"{d['batch_wrapper_us_per_token']:.1f}",
-            f"{d['batch_ratio']:.2f}",
-        ],
-    ]
-    return _table(["batch", "raw xgrammar µs/token", "baton µs/token", "ratio"], rows)
-
-
-def _engine(d: dict[str, Any]) -> str:
-    rows = []
-    for r in d["rows"]:
-        rows.append(
-            [
-                r["regime"],
-                "on" if r["async"] else "off",
-                f"{r['json_fraction']:.0%}",
-                str(r["batch"]),
-                f"{r['tok_per_s']:.0f}",
-                f"{r['tpot_ms']:.1f}",
-                f"{r['steady_device_busy']:.2f}",
-                str(r["deferred_steps"]),
-                f"{r['step_over_bound']:.2f}",
-            ]
-        )
-    header = [
-        "regime",
-        "async",
-        "JSON",
-        "batch",
-        "tok/s",
-        "TPOT ms",
-        "device busy (steady)",
-        "deferred steps",
-        "step / max(cpu, device)",
-    ]
-    lines = _goal_lines(d.get("goals") or [], digits=3)
-    caption = (
-        "Regime a: the default model. Regime b: a tiny random-weight model with the "
-        "real vocabulary (CPU work weighs more, as next to a GPU).\n\n"
-    )
-    return caption + _table(header, rows) + ("\n\n" + "\n".join(lines) if lines else "")
-
-
-def _engine_sim(d: dict[str, Any]) -> str:
-    rows = []
-    for r in d["rows"]:
-        phases = r.get("phase_ms_per_step") or {}
-        rows.append(
-            [
-                "on" if r["async"] else "off",
-                f"{r['json_fraction']:.0%}",
-                str(r["batch"]),
-                f"{r['tok_per_s']:.0f}",
-                _pct(r.get("steady_idle")),
-                _num(r.get("device_ms_per_step"), ".2f"),
-                _num(r.get("host_ms_per_step"), ".2f"),
-                _num(r.get("host_us_per_request_step"), ".1f"),
-                " / ".join(
-                    _num(phases.get(p), ".2f")
-                    for p in ("schedule", "bitmask", "launch", "update", "output")
-                ),
-                str(r["deferred_steps"]),
-                _num(r.get("wake_late_ms_per_step"), ".2f"),
-                f"{r['errors']}, {r['json_invalid']}/{r['json_checked']}",
-            ]
-        )
-    header = [
-        "async",
-        "JSON",
-        "batch",
-        "tok/s",
-        "device idle (steady)",
-        "device ms/step",
-        "host ms/step",
-        "host µs/request-step",
-        "schedule / bitmask / launch / update / output ms",
-        "deferred steps",
-        "late wake-up ms/step (OS)",
-        "errors, invalid JSON",
-    ]
-    ratios = [
-        [
-            str(x["batch"]),
-            f"{x['json_fraction']:.0%}",
-            _num(x["async_over_sync"], ".2f"),
-            _num(x["structured_over_free"], ".2f"),
-        ]
-        for x in d["ratios"]
-    ]
-    lines = _goal_lines(d.get("goals") or [], digits=3)
-    caption = (
-        f"The real engine on the host against a simulated {d['gpu']['name']} running the "
-        f"{d['shape']['name']} shape (roofline step times, token traces, every structured "
-        "token checked against its bitmask); the default model's tokenizer. Host load during "
-        f"the run: {d.get('load', '-')}.\n\n"
-    )
-    return (
-        caption
-        + _table(header, rows)
-        + "\n\n"
-        + _table(["batch", "JSON", "async / sync", "structured / free (async)"], ratios)
-        + ("\n\n" + "\n".join(lines) if lines else "")
-        + (
-            f"\n\n![timeline of steady steps](bench/results/{d['timeline_png']})"
-            if d.get("timeline_png")
-            else ""
-        )
-    )
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
-def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _goal_lines(goals: list[Any], digits: int = 2) -> list[str]:
-    """One line per goal: met, MISSED (with the measured value) or not measured."""
-    lines = []
-    for g in goals:
-        if not isinstance(g, dict):
-            continue
-        if g.get("value") is None:
-            lines.append(f"- not measured: {g['goal']} {g['target']}")
-        else:
-            verdict = "met" if g["met"] else "MISSED"
-            lines.append(f"- {verdict}: {g['goal']} {g['target']}: {g['value']:.{digits}f}")
-    return lines
-
-
-def _spread(r: dict[str, Any]) -> str:
-    if r.get("tok_per_s_min") is None or r.get("runs", 1) < 2:
-        return "-"
-    return f"{r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f}"
-
-
-def _peers(d: dict[str, Any]) -> str:
-    rows = [
-        [
-            r["label"],
-            str(r["concurrency"]),
-            _num(r["tok_per_s"], ".1f"),
-            _spread(r),
-            _num(r["tpot_ms"], ".1f"),
-            _pct(r["valid_share"]),
-        ]
-        for r in d["rows"]
-    ]
-    header = ["engine", "concurrency", "output tok/s", "spread", "TPOT ms", "valid JSON"]
-    table = _table(header, rows)
-    skipped = [f"- skipped {s['label']}: {s['reason']}" for s in d.get("skipped", [])]
-    repeats = d.get("repeats", 1)
-    runs = (
-        f" {repeats} runs, the engines' order reversed every other run; medians, with the "
-        "spread of output tok/s over the runs."
-        if repeats > 1
-        else ""
-    )
-    caption = (
-        f"The same JSON-schema workload (same token ids, greedy, at most {d['max_tokens']} "
-        f"tokens) on every engine, measured in one run; baton and its Python peers in the same "
-        f"dtype, llama-cpp-python on the GGUF's own quantized weights.{runs}\n\n"
-    )
-    notes = _goal_lines(d.get("goals") or []) + skipped
-    return caption + table + ("\n\n" + "\n".join(notes) if notes else "")
-
-
-def _serve(d: dict[str, Any]) -> str:
-    rows = [
-        [
-            str(r["concurrency"]),
-            f"{r['done']}/{r['issued']}",
-            _num(r["tok_per_s"], ".0f"),
-            f"{_num(r['ttft_p50_ms'], '.0f')} / {_num(r['ttft_p99_ms'], '.0f')}",
-            f"{_num(r['tpot_p50_ms'], '.1f')} / {_num(r['tpot_p99_ms'], '.1f')}",
-            f"{r['json_valid']}/{r['json_checked']}",
-            str(r.get("json_length_cut", "-")),
-        ]
-        for r in d["rows"]
-    ]
-    header = [
-        "concurrency",
-        "done",
-        "output tok/s",
-        "TTFT p50 / p99 ms",
-        "TPOT p50 / p99 ms",
-        "valid JSON / stopped",
-        "JSON cut by length",
-    ]
-    caption = (
-        f"Streaming clients against `baton serve` over loopback: model {d['model']} "
-        f"({d['dtype']}), {d['json_fraction']:.0%} JSON-schema requests, at most "
-        f"{d['max_tokens']} tokens each.\n\n"
-    )
-    return caption + _table(header, rows)
-
-
-def _soak(d: dict[str, Any]) -> str:
-    f, c = d["figures"], d["config"]
-    rows = [
-        ["requests sent", f"{f['requests_sent']} in {f['seconds']:.0f} s"],
-        ["valid requests completed", f"{f['valid_completed']} / {f['valid']}"],
-        [
-            "structured outputs checked / invalid",
-            f"{f['structured_stopped_checked']} / {f['structured_invalid_output']}",
-        ],
-        ["invalid requests answered 400", f"{f['invalid_400']} / {f['invalid']}"],
-        ["clients that hung up, ended cleanly", f"{f['disconnect_clean']} / {f['disconnect']}"],
-        ["5xx responses", str(f["http_5xx"])],
-        ["KV blocks free after", f"{f['kv_free_blocks']:.0f} / {f['kv_total_blocks']:.0f}"],
-        ["RSS growth, first to last quarter", f"{f['rss_growth']:.1%}"],
-        ["/health after, SIGTERM exit code", f"{f['health_after']}, {f['sigterm_exit_code']}"],
-    ]
-    failed = [name for name, ok in d["criteria"].items() if not ok]
-    verdict = "passed" if d["passed"] else "FAILED: " + ", ".join(failed)
-    caption = (
-        f"{c['requests']} mixed requests at concurrency {c['concurrency']} on model "
-        f"{c['model']}, at most {c['max_tokens']} tokens each: {verdict}.\n\n"
-    )
-    return caption + _table(["figure", "value"], rows)
-
-
-def _tensor_parallel(d: dict[str, Any]) -> str:
-    c = d["config"]
-    caption = (
-        f"Greedy decode, {c['output_len']} tokens per request, float32, sync scheduling, on "
-        f"{c['cpu_cores']} cores; collectives: rank 0's time in all-reduces, the logits gather "
-        "and the token broadcast (waiting for the other ranks included) over its device time."
-        "\n\n"
-    )
-    rows = [
-        [
-            r["model"],
-            str(r["batch"]),
-            f"{r['tp']} x {r['threads_per_rank']}",
-            f"{r['step_ms']:.1f}",
-            f"{100 * r['collective_share']:.0f}%" if r["tp"] > 1 else "-",
-        ]
-        for r in d["rows"]
-    ]
-    header = ["model", "batch", "ranks x threads", "ms / step", "collectives"]
-    return caption + _table(header, rows)
-
-
-def _compile_burst(d: dict[str, Any]) -> str:
-    rows = []
-    for r in d["runs"]:
-        causes = ", ".join(f"{n} {c}" for c, n in sorted(r["error_causes"].items())) or "-"
-        rows.append(
-            [
-                r["label"],
-                r["run"]["commit"][:10],
-                str(r["hog_processes"]),
-                f"{r['accepted']} of {r['schemas']}",
-                f"{r['finishes'].get('stop', 0)} / {r['finishes'].get('length', 0)}",
-                f"{r['errors']} ({causes})",
-                f"{r['wall_s']:.0f}",
-                f"{r['load_avg_before'][0]:.1f}" if r.get("load_avg_before") else "",
-            ]
-        )
-    header = [
-        "run",
-        "commit",
-        "busy processes",
-        "schemas accepted",
-        "stop / length",
-        '"error" finishes',
-        "wall s",
-        "load before",
-    ]
-    caption = (
-        "Every shared schema that passes submission, each once, in one `LLM.generate` call on "
-        "a tiny random-weight model (grammar compile limit 10 s); beside it, busy-looping "
-        "processes when the run says so.\n\n"
-    )
-    return caption + _table(header, rows)
-
-
-def _spec(d: dict[str, Any]) -> str:
-    rows = [
-        [
-            r["workload"],
-            r["mode"],
-            str(r["concurrency"]),
-            _num(r["tok_per_s"], ".1f"),
-            _num(r["tokens_per_step"], ".2f"),
-            _num(r["drafts_per_step"], ".2f"),
-            _pct(r["acceptance_rate"]),
-            _pct(r["valid_share"]),
-            {True: "yes", False: "no", None: "-"}[r["same_tokens_as_off"]],
-        ]
-        for r in d["rows"]
-    ]
-    header = [
-        "workload",
-        "spec",
-        "concurrency",
-        "output tok/s",
-        "tokens/step",
-        "drafts/step",
-        "acceptance",
-        "valid JSON",
-        "same tokens as off",
-    ]
-    cfg = d["config"]
-    caption = (
-        f"Greedy JSON workloads (peers: invent a person; extraction: fill a schema from facts "
-        f"in the prompt), at most {cfg['max_tokens']} tokens, "
-        f"{cfg['num_speculative_tokens']} drafts at most per request and step, synchronous "
-        f"scheduling, in {d['run'].get('dtype')}; free is the peers prompts without a schema, "
-        "spec off. One engine per mode, measured in one run.\n\n"
-    )
-    notes = _goal_lines(d.get("goals") or [])
-    sim = d.get("sim") or {}
-    if sim and not sim.get("measured"):
-        notes.append(f"- simulated device: not measured ({sim.get('reason')})")
-    return caption + _table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
-
-
-# (file, title, command, renderer)
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
-    ("forward.json", "Forward pass, float32", "baton bench forward", _forward),
+    ("forward.json", "Forward pass, float32", "baton bench forward", forward_table),
     (
         "forward_bfloat16.json",
         "Forward pass, bfloat16",
         "baton bench forward --dtype bfloat16",
-        _forward,
+        forward_table,
     ),
-    ("throughput.json", "Offline throughput", "baton bench throughput", _throughput),
-    ("engine.json", "Async vs sync scheduling", "baton bench engine", _engine),
+    (
+        "throughput.json",
+        "Offline throughput",
+        "baton bench throughput",
+        throughput_table,
+    ),
+    ("engine.json", "Async vs sync scheduling", "baton bench engine", engine_table),
     (
         "engine_sim.json",
         "Async vs sync at accelerator speed (simulated H200)",
         "baton bench engine --device sim:h200 --shape llama-3.1-8b",
-        _engine_sim,
+        engine_sim_table,
     ),
-    ("structured.json", "Structured vs free TPOT", "baton bench structured", _structured),
-    ("grammar.json", "Grammar backends (MaskBench)", "baton bench grammar", _grammar),
-    ("masks.json", "Mask fill time per schema feature", "baton bench masks", _masks),
+    (
+        "structured.json",
+        "Structured vs free TPOT",
+        "baton bench structured",
+        structured_table,
+    ),
+    (
+        "grammar.json",
+        "Grammar backends (MaskBench)",
+        "baton bench grammar",
+        grammar_table,
+    ),
+    (
+        "masks.json",
+        "Mask fill time per schema feature",
+        "baton bench masks",
+        masks_table,
+    ),
     (
         "grammar_overhead.json",
         "Grammar wrapper overhead",
         "python -m baton.bench.grammar_overhead",
-        _grammar_overhead,
+        grammar_overhead_table,
     ),
-    ("peers.json", "Against other engines (JSON schema)", "baton bench peers", _peers),
-    ("spec.json", "Speculative decoding", "baton bench spec", _spec),
-    ("serve.json", "Serving over HTTP", "baton bench serve", _serve),
-    ("soak.json", "Soak", "baton bench soak", _soak),
+    (
+        "peers.json",
+        "Against other engines (JSON schema)",
+        "baton bench peers",
+        peers_table,
+    ),
+    ("spec.json", "Speculative decoding", "baton bench spec", spec_table),
+    ("serve.json", "Serving over HTTP", "baton bench serve", serve_table),
+    ("soak.json", "Soak", "baton bench soak", soak_table),
     (
         "tensor_parallel.json",
         "Tensor parallel",
         "baton bench tensor_parallel",
-        _tensor_parallel,
+        tensor_parallel_table,
     ),
     (
         "compile_burst.json",
         "A burst of distinct schemas",
         "baton bench compile_burst --label NAME [--hog N]",
-        _compile_burst,
+        compile_burst_table,
     ),
 ]
 
