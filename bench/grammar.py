@@ -2,12 +2,14 @@
 
 For every schema and backend, a worker process checks and compiles the schema (as a request
 pinned to that backend would be), then walks each test instance, serialised as the grammar
-expects it, token by token through a matcher: before each token it fills (and times) the
-bitmask row, then accepts the token; an instance is accepted when every token and then EOS are
-accepted. A crash, hang (killed at --timeout) or out-of-memory of a backend is recorded and the
-run goes on. The summary puts the backends side by side in MaskBench's terms, plus "auto"
-(baton's per-request fallback, derived from the results of the backends it tries); it writes JSON,
-a CSV (one row per schema x backend) and a PNG (CDFs of mask time per token and compile time).
+writes it (the whitespace mode's separators; every object's keys in the order its schema
+declares them, the only order the backends write), token by token through a matcher: before
+each token it fills (and times) the bitmask row, then accepts the token; an instance is
+accepted when every token and then EOS are accepted. A crash, hang (killed at --timeout) or
+out-of-memory of a backend is recorded and the run goes on. The summary puts the backends side
+by side in MaskBench's terms, plus "auto" (baton's per-request fallback, derived from the
+results of the backends it tries); it writes JSON, a CSV (one row per schema x backend) and a
+PNG (CDFs of mask time per token and compile time).
 
     baton bench grammar [--data PATH ...] [--backends xgrammar,outlines,guidance]
         [--tokenizer default] [--limit N] [--timeout 30] [--jobs 1]

@@ -14,6 +14,7 @@ Nothing here imports the engine: the tokenizer arrives pickled.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import resource
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from baton.bench.common import require_positive_ints
+from baton.bench.mask_families import in_schema_order
 from baton.grammar.backend import CompiledGrammar, GrammarBackend, GrammarError, allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.validation import validate_spec
@@ -356,9 +358,14 @@ def worker_main(conn: Connection, config: WorkerConfig) -> None:
         conn.send(("compiled", asdict(outcome)))
         if compiled is not None:
             for test in task.case.tests:
+                # Every backend writes an object's declared properties in the schema's order
+                # (a documented departure from JSON Schema, where objects are unordered): the
+                # instance is serialised as the grammar would write the same value.
+                data = in_schema_order(task.case.schema, test.data)
+                ordered = dataclasses.replace(test, data=data)
                 result = run_instance(
                     compiled,
-                    test,
+                    ordered,
                     config.tokenizer,
                     config.whitespace,
                     bitmask,
