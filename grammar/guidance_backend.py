@@ -29,7 +29,12 @@ from baton.grammar.backend import (
     bitmask_width,
     token_bitmask_row,
 )
-from baton.grammar.schema.normalise import close_object_schemas
+from baton.grammar.schema.normalise import (
+    close_object_schemas,
+    disjoint_one_of_as_any_of,
+    drop_unknown_formats,
+    integral_counts,
+)
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import Vocab, VocabSource
 
@@ -46,6 +51,14 @@ def _one_line(messages: Sequence[str], limit: int = 400) -> str:
     """llguidance's messages on one line (they quote the source with carets over lines)."""
     text = " ".join(" ".join(messages).split())
     return (text[: limit - 3] + "...") if len(text) > limit else (text or "rejected the grammar")
+
+
+def guidance_normal_form(schema: Any) -> Any:
+    """``schema`` in the shape baton hands llguidance, with the same instances: integral
+    counts as ints, formats JSON Schema does not define dropped (annotations, which llguidance
+    would refuse as unknown), and provably disjoint ``oneOf`` as ``anyOf`` (llguidance refuses
+    every ``oneOf`` it cannot prove exclusive itself)."""
+    return disjoint_one_of_as_any_of(drop_unknown_formats(integral_counts(schema)))
 
 
 class GuidanceCompiledGrammar(CompiledGrammar):
@@ -252,6 +265,7 @@ class GuidanceBackend(GrammarBackend):
             schema = spec.schema
             if spec.disable_additional_properties:
                 schema = close_object_schemas(schema)
+            schema = guidance_normal_form(schema)
             return matcher.grammar_from_json_schema(schema, defaults=self._json_defaults(spec))
         if kind == "json_object":
             return matcher.grammar_from_json_schema(

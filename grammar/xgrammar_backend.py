@@ -30,6 +30,7 @@ from baton.grammar.schema.xgrammar_keywords import (
     XGRAMMAR_ENFORCED_KEYWORDS,
     XGRAMMAR_UNENFORCED_FORMATS,
     XGRAMMAR_UNENFORCED_KEYWORDS,
+    xgrammar_normal_form,
     xgrammar_unenforced_keywords,
 )
 from baton.grammar.spec import StructuredOutputsParams
@@ -309,7 +310,7 @@ class XGrammarBackend(GrammarBackend):
             return None  # compile() reports the bad spec text
         unenforced: set[str] = set()
         for schema in schemas:
-            unenforced |= xgrammar_unenforced_keywords(schema)
+            unenforced |= xgrammar_unenforced_keywords(xgrammar_normal_form(schema))
         if not unenforced:
             return None
         where = "" if spec.kind == "json" else " (in the structural tag's JSON schemas)"
@@ -379,6 +380,7 @@ class XGrammarBackend(GrammarBackend):
         EBNF (see ``_rewritten``)."""
         if spec.disable_additional_properties:
             schema = close_object_schemas(schema)
+        schema = xgrammar_normal_form(schema)
         grammar = xgr.Grammar.from_json_schema(
             json.dumps(schema), strict_mode=True, **self._json_options(spec)
         )

@@ -1,10 +1,14 @@
 """grammar/schema: the one $ref resolver (JSON pointers percent-decoded, then ~1 and ~0
-unescaped) that validation and every backend's schema walk use."""
+unescaped) that validation and every backend's schema walk use; the normalisation passes
+(same instances, in shapes a backend reads whole) and the oneOf disjointness proof."""
 
 from __future__ import annotations
 
 import pytest
 
+from baton.grammar.guidance_backend import guidance_normal_form
+from baton.grammar.schema.disjoint import branches_disjoint
+from baton.grammar.schema.normalise import drop_unknown_formats, integral_counts
 from baton.grammar.schema.outlines_prepare import prepare_schema
 from baton.grammar.schema.refs import (
     PointerNotFound,
@@ -13,7 +17,10 @@ from baton.grammar.schema.refs import (
     resolve_pointer,
     resolves,
 )
-from baton.grammar.schema.xgrammar_keywords import xgrammar_unenforced_keywords
+from baton.grammar.schema.xgrammar_keywords import (
+    xgrammar_normal_form,
+    xgrammar_unenforced_keywords,
+)
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.validation import validate_spec
 
@@ -56,3 +63,83 @@ def test_every_walk_follows_an_escaped_pointer() -> None:
     assert prepared.error is None
     assert prepared.unenforced == ("minimum",)
     assert prepared.schema == {"type": "integer"}
+
+
+def test_integral_counts() -> None:
+    schema = {
+        "maxItems": 2.0,
+        "properties": {"a": {"minLength": 1.0}, "maxLength": {"type": "string"}},
+        "default": {"maxItems": 2.0},
+    }
+    assert integral_counts(schema) == {
+        "maxItems": 2,
+        "properties": {"a": {"minLength": 1}, "maxLength": {"type": "string"}},
+        "default": {"maxItems": 2.0},  # data, not a schema
+    }
+    assert schema["maxItems"] == 2.0  # a copy
+    plain = {"maxItems": 2, "default": {"maxItems": 2.0}}
+    assert integral_counts(plain) is plain
+
+
+def test_xgrammar_normal_form_splits_untyped_keywords_by_type() -> None:
+    others = ["null", "boolean", "number", "array", "object"]
+    assert xgrammar_normal_form({"minLength": 2, "title": "t"}) == {
+        "title": "t",
+        "anyOf": [{"type": "string", "minLength": 2}, {"type": others}],
+    }
+    both = xgrammar_normal_form({"minimum": 1, "maxItems": 3})
+    assert both["anyOf"][:2] == [{"type": "number", "minimum": 1}, {"type": "array", "maxItems": 3}]
+    # Left alone: typed, inferred (properties), a format no one defines, property names
+    # (always strings), and a node a $ref points inside.
+    for schema in (
+        {"type": "string", "minLength": 2},
+        {"properties": {"a": {}}, "required": ["a"]},
+        {"format": "my-own"},
+        {"type": "object", "propertyNames": {"maxLength": 3}},
+        {
+            "$defs": {"p": {"patternProperties": {"^a": {"type": "integer"}}}},
+            "properties": {"x": {"$ref": "#/$defs/p/patternProperties/^a"}},
+        },
+    ):
+        assert xgrammar_normal_form(schema) == schema
+    # The walk then refuses what the split still cannot say ("minLength" is now enforced).
+    assert xgrammar_unenforced_keywords(xgrammar_normal_form({"minLength": 2})) == set()
+    assert xgrammar_unenforced_keywords(xgrammar_normal_form({"format": "iri"})) == {"format (iri)"}
+
+
+def test_branches_disjoint() -> None:
+    root = {
+        "$defs": {
+            "cat": {
+                "type": "object",
+                "properties": {"kind": {"const": "cat"}},
+                "required": ["kind"],
+            },
+            "dog": {
+                "type": "object",
+                "properties": {"kind": {"enum": ["dog"]}},
+                "required": ["kind"],
+            },
+        }
+    }
+    cat, dog = {"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}
+    assert branches_disjoint([cat, dog], root)
+    assert branches_disjoint([{"type": "string"}, {"type": "integer"}, {"const": None}], root)
+    assert branches_disjoint([{"const": 1}, {"enum": [2, "1"]}], root)
+    assert branches_disjoint([{"type": "integer"}, {"const": 1.5}], root)
+    assert not branches_disjoint([{"type": "integer"}, {"type": "number"}], root)
+    assert not branches_disjoint([{"const": 1}, {"enum": [1.0]}], root)  # 1 == 1.0
+    # Untyped object keywords allow every other type: "x" matches both.
+    assert not branches_disjoint([{"properties": {"a": {}}}, {"type": "string"}], root)
+    # A discriminator says nothing about instances that are not objects.
+    untyped_cat = {"properties": {"kind": {"const": "cat"}}, "required": ["kind"]}
+    assert not branches_disjoint([untyped_cat, dog], root)
+    assert not branches_disjoint([cat, {"type": "object"}], root)
+
+
+def test_guidance_normal_form() -> None:
+    one_of = {"oneOf": [{"type": "string", "format": "my-own"}, {"type": "integer"}]}
+    assert guidance_normal_form(one_of) == {"anyOf": [{"type": "string"}, {"type": "integer"}]}
+    kept = {"oneOf": [{"type": "integer"}, {"type": "number", "format": "date"}]}
+    assert guidance_normal_form(kept) == kept
+    assert drop_unknown_formats({"format": "email"}) == {"format": "email"}

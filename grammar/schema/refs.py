@@ -64,10 +64,34 @@ def resolve_local_ref(root: Any, ref: str) -> Any:
         return None
 
 
+def ref_target_paths(schema: Any) -> set[tuple[str, ...]]:
+    """The reference tokens of every local ``$ref`` target in ``schema`` (a rewrite that moves
+    what lies below one of them would break the reference)."""
+    found: set[tuple[str, ...]] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if is_local_ref(ref):
+                found.add(tuple(pointer_tokens(ref[1:])))
+            stack.extend(v for k, v in node.items() if k not in ("enum", "const", "default"))
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
+def inside_a_target(path: tuple[str, ...], targets: set[tuple[str, ...]]) -> bool:
+    """Whether some ``targets`` path lies strictly below ``path``."""
+    return any(len(t) > len(path) and t[: len(path)] == path for t in targets)
+
+
 __all__ = [
     "PointerNotFound",
+    "inside_a_target",
     "is_local_ref",
     "pointer_tokens",
+    "ref_target_paths",
     "resolve_local_ref",
     "resolve_pointer",
     "resolves",

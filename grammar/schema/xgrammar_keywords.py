@@ -13,7 +13,9 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from baton.grammar.schema.refs import is_local_ref, resolve_local_ref
+from baton.grammar.schema.disjoint import branches_disjoint
+from baton.grammar.schema.normalise import Path, integral_counts, map_schemas
+from baton.grammar.schema.refs import is_local_ref, ref_target_paths, resolve_local_ref
 from baton.grammar.schema.types import json_type_ok, raw_types, value_type, within
 
 # ---------------------------------------------------------------------------- enforcement table
@@ -34,8 +36,10 @@ XGRAMMAR_ENFORCED_KEYWORDS: Mapping[str, str] = {
     "maxProperties": "with properties or additionalProperties (or type object)",
     "propertyNames": "checked on additional keys, not on declared property names",
     "patternProperties": "keys must match a pattern in full (anchored), values its schema; "
-    "not beside properties plus a non-false additionalProperties (then ignored); a key that "
-    "JSON Schema matches by search against another pattern escapes that pattern's schema",
+    "not beside properties plus a non-false additionalProperties (then ignored); a key gets "
+    "one schema only (its declared property's, else one fully matching pattern's), so several "
+    "patterns with different schemas, or a pattern that may match a declared name, are "
+    "reported",
     "items": "a schema or false (an array of schemas, draft 4 tuples, fails to compile)",
     "prefixItems": "positional schemas; with strict mode no further items unless items allows",
     "unevaluatedItems": "false is what strict mode does anyway",
@@ -167,38 +171,15 @@ def _possible_types(node: Any, root: Any, depth: int) -> set[str] | None:
 
 
 def oneof_branches_disjoint(branches: list[Any], root: Any) -> bool:
-    """Whether no instance can match two ``oneOf`` branches, provably and cheaply.
+    """Whether no instance can match two ``oneOf`` branches, provably and cheaply
+    (``disjoint.branches_disjoint``, JSON Schema's semantics).
 
-    Backends build ``oneOf`` as an alternation (``anyOf``): exclusivity is
-    enforced only when the branches cannot overlap. Proven here when their
-    JSON types are pairwise disjoint, or when every branch is a ``const`` or
-    ``enum`` and no value repeats.
+    xgrammar builds ``oneOf`` as an alternation (``anyOf``): exclusivity is enforced only when
+    the branches cannot overlap. Not what xgrammar's grammar of each branch produces: it
+    writes an untyped branch with ``properties`` as objects only, yet under JSON Schema that
+    branch also matches every non-object, which another branch may match too.
     """
-    type_sets = [_possible_types(b, root, 0) for b in branches]
-    if all(t is not None for t in type_sets):
-        seen: set[str] = set()
-        disjoint = True
-        for types in type_sets:
-            norm = {"number" if t == "integer" else t for t in types}  # type: ignore[union-attr]
-            if norm & seen:
-                disjoint = False
-                break
-            seen |= norm
-        if disjoint:
-            return True
-    values: set[str] = set()
-    for branch in branches:
-        if not isinstance(branch, dict) or not ({"const", "enum"} & set(branch)):
-            return False
-        options = [branch["const"]] if "const" in branch else branch["enum"]
-        if not isinstance(options, list):
-            return False
-        for v in options:
-            key = json.dumps(v, sort_keys=True)
-            if key in values:
-                return False
-            values.add(key)
-    return True
+    return branches_disjoint(branches, root)
 
 
 def _values_satisfy(values: list[Any], siblings: dict[str, Any], root: Any) -> bool:
@@ -252,7 +233,8 @@ def xgrammar_unenforced_keywords(schema: Any) -> set[str]:
     without a type (``"minimum (no type)"``); ``"multipleOf (number)"``;
     ``"minLength (beside pattern/format)"``, ``"pattern (beside format)"``,
     ``"pattern (lookaround)"``; ``"patternProperties (lookaround)"``,
-    ``"patternProperties (beside additionalProperties)"``; ``"required
+    ``"patternProperties (beside additionalProperties)"``, ``"patternProperties (several
+    patterns)"``, ``"patternProperties (matches a declared property)"``; ``"required
     (undeclared property)"``; ``"propertyNames (declared properties)"``;
     ``"$ref (non-local)"``; ``"oneOf (overlapping branches)"`` when the
     branches are not provably disjoint (xgrammar builds ``oneOf`` as ``anyOf``).
@@ -359,9 +341,93 @@ def _check_typed(node: dict[str, Any], types: set[str], found: set[str]) -> None
         extra = node.get("additionalProperties", False)
         if props and "patternProperties" in node and extra is not False:
             found.add("patternProperties (beside additionalProperties)")
+        if isinstance(patterns, dict):
+            found.update(_pattern_overlaps(patterns, props))
         names = node.get("propertyNames")
         if props and isinstance(names, dict) and not _values_satisfy(list(props), names, None):
             found.add("propertyNames (declared properties)")
+
+
+def _may_search(pattern: str, text: str) -> bool:
+    """Whether the ECMA ``pattern`` may match inside ``text`` (Python's ``re`` as the
+    approximation; a pattern it cannot read counts as matching, the cautious answer)."""
+    try:
+        return re.search(pattern, text) is not None
+    except (re.error, TypeError):
+        return True
+
+
+def _pattern_overlaps(patterns: dict[str, Any], props: dict[str, Any]) -> set[str]:
+    """xgrammar gives a key one schema: its declared property's, else that of one pattern it
+    matches in full. JSON Schema applies every pattern that matches anywhere in the key."""
+    found: set[str] = set()
+    schemas = {json.dumps(v, sort_keys=True) for v in patterns.values()}
+    if len(schemas) > 1:
+        found.add("patternProperties (several patterns)")
+    strict = [p for p, v in patterns.items() if v not in ({}, True)]
+    if any(_may_search(p, name) for p in strict for name in props):
+        found.add("patternProperties (matches a declared property)")
+    return found
+
+
+# Every JSON type once ("number" covers "integer"), in the order the rest branch lists them.
+_JSON_TYPES = ("null", "boolean", "number", "string", "array", "object")
+_DEFINED_FORMATS = XGRAMMAR_ENFORCED_FORMATS | XGRAMMAR_UNENFORCED_FORMATS
+
+
+def _typed_split(node: dict[str, Any]) -> dict[str, Any] | None:
+    """An untyped schema with type-specific keywords as an ``anyOf`` of one branch per type
+    family that its keywords constrain, plus one for every other type; None when xgrammar
+    already reads ``node`` whole (a type, a dominant keyword, or a keyword it infers a type
+    from) or it has no type-specific keyword.
+
+    xgrammar builds such a schema as "any value" and drops those keywords (``"minLength (no
+    type)"``); JSON Schema applies each keyword to its own type only, which the branches say.
+    """
+    if _types_of(node) is not None or any(k in node for k in _DOMINANT_ORDER):
+        return None
+    families = [
+        family
+        for family, keywords in _TYPE_KEYWORDS.items()
+        if any(k in node and (k != "format" or node[k] in _DEFINED_FORMATS) for k in keywords)
+    ]
+    if not families:
+        return None
+    typed = {k for keywords in _TYPE_KEYWORDS.values() for k in keywords}
+    branches: list[Any] = [
+        {"type": family, **{k: node[k] for k in _TYPE_KEYWORDS[family] if k in node}}
+        for family in families
+    ]
+    rest = [t for t in _JSON_TYPES if t not in families]
+    if rest:
+        branches.append({"type": rest})
+    return {**{k: v for k, v in node.items() if k not in typed}, "anyOf": branches}
+
+
+def xgrammar_normal_form(schema: Any) -> Any:
+    """``schema`` in the shape baton hands xgrammar, with the same instances: integral counts
+    as ints, and every untyped subschema with type-specific keywords split by type
+    (``_typed_split``), unless a ``$ref`` points inside it. ``schema`` itself when nothing
+    changes."""
+    schema = integral_counts(schema)
+    if not isinstance(schema, dict):
+        return schema
+    targets = ref_target_paths(schema)
+    changed = False
+
+    def rewrite(node: dict[str, Any], path: Path) -> dict[str, Any]:
+        nonlocal changed
+        inner = any(len(t) > len(path) and t[: len(path)] == path for t in targets)
+        # Property names are strings: xgrammar reads propertyNames' keywords as string ones.
+        names = path[-1:] == ("propertyNames",)
+        split = None if inner or names else _typed_split(node)
+        if split is None:
+            return node
+        changed = True
+        return split
+
+    out = map_schemas(schema, rewrite)
+    return out if changed else schema
 
 
 __all__ = [
@@ -370,5 +436,6 @@ __all__ = [
     "XGRAMMAR_UNENFORCED_FORMATS",
     "XGRAMMAR_UNENFORCED_KEYWORDS",
     "oneof_branches_disjoint",
+    "xgrammar_normal_form",
     "xgrammar_unenforced_keywords",
 ]
