@@ -143,3 +143,32 @@ def test_guidance_normal_form() -> None:
     kept = {"oneOf": [{"type": "integer"}, {"type": "number", "format": "date"}]}
     assert guidance_normal_form(kept) == kept
     assert drop_unknown_formats({"format": "email"}) == {"format": "email"}
+
+
+def test_xgrammar_normal_form_merges_all_of() -> None:
+    schema = {
+        "$defs": {"base": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        "properties": {"b": {"type": "string"}},
+        "required": ["b"],
+        "allOf": [
+            {"$ref": "#/$defs/base"},
+            {"required": ["a"], "properties": {"a": {"minimum": 1}}},
+        ],
+    }
+    merged = xgrammar_normal_form(schema)
+    assert merged["type"] == "object" and merged["required"] == ["b", "a"]
+    # A property both sides define is their conjunction, merged in the next round.
+    assert merged["properties"] == {
+        "b": {"type": "string"},
+        "a": {"type": "integer", "minimum": 1},
+    }
+    assert "allOf" not in merged and xgrammar_unenforced_keywords(merged) == set()
+    # Not merged: a closed side would see the other's properties, items the other's prefix;
+    # conflicting types; a $ref into the allOf.
+    for unmergeable in (
+        {"additionalProperties": False, "allOf": [{"properties": {"x": {}}}, {"required": ["x"]}]},
+        {"allOf": [{"type": "string"}, {"type": "integer"}]},
+        {"allOf": [{"prefixItems": [{"minimum": 3}]}], "items": {"minimum": 5}},
+        {"allOf": [{"type": "string"}, {"minLength": 1}], "$defs": {"r": {"$ref": "#/allOf/1"}}},
+    ):
+        assert "allOf" in xgrammar_normal_form(unmergeable)

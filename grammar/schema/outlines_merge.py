@@ -84,8 +84,17 @@ def const_schema(value: Any) -> dict[str, Any]:
     return {"enum": [value]}
 
 
-def merge_schemas(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
-    """The conjunction of two schemas as one schema, or None when this merge cannot say it."""
+_OUTLINES_KEEP_ONE = OUTLINES_UNENFORCED_KEYWORDS - frozenset(OUTLINES_CONDITIONAL_KEYWORDS)
+
+
+def merge_schemas(
+    a: dict[str, Any], b: dict[str, Any], keep_one: frozenset[str] = _OUTLINES_KEEP_ONE
+) -> dict[str, Any] | None:
+    """The conjunction of two schemas as one schema, or None when this merge cannot say it.
+
+    ``keep_one``: keywords of which one copy may be kept when both sides differ (the backend
+    reports them as unenforced wherever they appear, so which copy is kept does not matter).
+    """
     out = dict(a)
     for key, value in b.items():
         if key not in out:
@@ -122,8 +131,8 @@ def merge_schemas(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None
             isinstance(x, (dict, bool)) for x in (mine, value)
         ):
             out[key] = {"allOf": [mine, value]}
-        elif key in OUTLINES_UNENFORCED_KEYWORDS and key not in OUTLINES_CONDITIONAL_KEYWORDS:
-            continue  # reported as unenforced anyway: which copy is kept does not matter
+        elif key in keep_one:
+            continue
         else:
             return None
     # additionalProperties (and kin) of one side only see that side's own properties.
@@ -134,7 +143,18 @@ def merge_schemas(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None
         extra = set(y.get("properties", {}) or {}) - set(x.get("properties", {}) or {})
         if closes and extra:
             return None
+        # items (draft 4-2019: additionalItems) applies past that side's own prefix only.
+        rest = any(k in x and x[k] is not True for k in ("items", "additionalItems"))
+        if rest and _prefix_length(y) > _prefix_length(x):
+            return None
     return out
+
+
+def _prefix_length(schema: dict[str, Any]) -> int:
+    prefix = schema.get("prefixItems")
+    if not isinstance(prefix, list):
+        prefix = schema.get("items") if isinstance(schema.get("items"), list) else []
+    return len(prefix)
 
 
 def _signature(schema: Any) -> tuple[frozenset[str] | None, set[str] | None, dict[str, set[str]]]:

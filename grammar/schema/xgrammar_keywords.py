@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from baton.grammar.schema.disjoint import branches_disjoint
 from baton.grammar.schema.normalise import Path, integral_counts, map_schemas
-from baton.grammar.schema.refs import is_local_ref, ref_target_paths, resolve_local_ref
+from baton.grammar.schema.outlines_merge import cousins_ok, merge_schemas
+from baton.grammar.schema.refs import (
+    inside_a_target,
+    is_local_ref,
+    ref_target_paths,
+    resolve_local_ref,
+)
 from baton.grammar.schema.types import json_type_ok, raw_types, value_type, within
 
 # ---------------------------------------------------------------------------- enforcement table
@@ -373,6 +379,7 @@ def _pattern_overlaps(patterns: dict[str, Any], props: dict[str, Any]) -> set[st
 # Every JSON type once ("number" covers "integer"), in the order the rest branch lists them.
 _JSON_TYPES = ("null", "boolean", "number", "string", "array", "object")
 _DEFINED_FORMATS = XGRAMMAR_ENFORCED_FORMATS | XGRAMMAR_UNENFORCED_FORMATS
+_TYPED = frozenset(k for keywords in _TYPE_KEYWORDS.values() for k in keywords)
 
 
 def _typed_split(node: dict[str, Any]) -> dict[str, Any] | None:
@@ -393,7 +400,6 @@ def _typed_split(node: dict[str, Any]) -> dict[str, Any] | None:
     ]
     if not families:
         return None
-    typed = {k for keywords in _TYPE_KEYWORDS.values() for k in keywords}
     branches: list[Any] = [
         {"type": family, **{k: node[k] for k in _TYPE_KEYWORDS[family] if k in node}}
         for family in families
@@ -401,33 +407,102 @@ def _typed_split(node: dict[str, Any]) -> dict[str, Any] | None:
     rest = [t for t in _JSON_TYPES if t not in families]
     if rest:
         branches.append({"type": rest})
-    return {**{k: v for k, v in node.items() if k not in typed}, "anyOf": branches}
+    return {**{k: v for k, v in node.items() if k not in _TYPED}, "anyOf": branches}
+
+
+# Keywords xgrammar's walk reports wherever they appear: a merge may keep either copy.
+_KEEP_ONE = frozenset(XGRAMMAR_UNENFORCED_KEYWORDS) | _DEPENDENT
+_APPLICATORS = ("anyOf", "oneOf", "allOf", "$ref", "$dynamicRef", "$recursiveRef")
+_MERGE_ROUNDS = 4
+
+
+def _merged_all_of(node: dict[str, Any], root: Any) -> dict[str, Any] | None:
+    """A schema with an ``allOf`` as the one schema its members and siblings say together
+    (``outlines_merge.merge_schemas``, a member that is only a local ``$ref`` read as its
+    target); None when they cannot be merged: xgrammar builds a several-member allOf from
+    its first member alone."""
+    members = node.get("allOf")
+    if not isinstance(members, list) or any(k in node for k in _APPLICATORS[:2]):
+        return None
+    parts: list[dict[str, Any]] = [{k: v for k, v in node.items() if k != "allOf"}]
+    for member in members:
+        if member is True:
+            continue
+        if isinstance(member, dict) and set(member) & {"$ref"}:
+            extra = {k for k in member if k in _VALIDATING} - {"$ref"}
+            target = (
+                resolve_local_ref(root, member["$ref"]) if is_local_ref(member["$ref"]) else None
+            )
+            if extra or not isinstance(target, dict):
+                return None
+            member = target
+        if not isinstance(member, dict) or any(k in member for k in _APPLICATORS):
+            return None
+        parts.append(member)
+    if any(
+        isinstance(p.get(k), bool) for p in parts for k in ("exclusiveMinimum", "exclusiveMaximum")
+    ) or not cousins_ok(parts):
+        return None  # draft 4's boolean bounds modify minimum/maximum; unevaluated* see cousins
+    merged: dict[str, Any] | None = parts[0]
+    for part in parts[1:]:
+        merged = merge_schemas(merged, part, _KEEP_ONE)
+        if merged is None:
+            return None
+    return merged
 
 
 def xgrammar_normal_form(schema: Any) -> Any:
     """``schema`` in the shape baton hands xgrammar, with the same instances: integral counts
-    as ints, and every untyped subschema with type-specific keywords split by type
-    (``_typed_split``), unless a ``$ref`` points inside it. ``schema`` itself when nothing
-    changes."""
+    as ints, every ``allOf`` merged into one schema where it can be (``_merged_all_of``,
+    repeated for the allOfs a merge writes), and every untyped subschema with type-specific
+    keywords split by type (``_typed_split``); a subschema a ``$ref`` points inside is left
+    alone. ``schema`` itself when nothing changes."""
     schema = integral_counts(schema)
     if not isinstance(schema, dict):
         return schema
     targets = ref_target_paths(schema)
+    root = schema
     changed = False
 
-    def rewrite(node: dict[str, Any], path: Path) -> dict[str, Any]:
+    def pointed_into(path: Path, keys: Iterable[str]) -> bool:
+        """Whether a $ref points at or below one of the node's ``keys``."""
+        return any(
+            inside_a_target((*path, key), targets) or (*path, key) in targets for key in keys
+        )
+
+    def merge(node: dict[str, Any], path: Path) -> dict[str, Any]:
         nonlocal changed
-        inner = any(len(t) > len(path) and t[: len(path)] == path for t in targets)
-        # Property names are strings: xgrammar reads propertyNames' keywords as string ones.
-        names = path[-1:] == ("propertyNames",)
-        split = None if inner or names else _typed_split(node)
-        if split is None:
+        # A merge moves what lies below the node, but its definitions: a $ref into it would
+        # break.
+        if "allOf" not in node or pointed_into(path, node.keys() - {"$defs", "definitions"}):
+            return node
+        merged = _merged_all_of(node, root)
+        if merged is None:
             return node
         changed = True
-        return split
+        return merged
 
-    out = map_schemas(schema, rewrite)
-    return out if changed else schema
+    def split(node: dict[str, Any], path: Path) -> dict[str, Any]:
+        nonlocal changed
+        # Property names are strings: xgrammar reads propertyNames' keywords as string ones.
+        if pointed_into(path, node.keys() & _TYPED) or path[-1:] == ("propertyNames",):
+            return node
+        typed = _typed_split(node)
+        if typed is None:
+            return node
+        changed = True
+        return typed
+
+    out, any_change = schema, False
+    for _ in range(_MERGE_ROUNDS):  # a merge may write new allOfs (a property in both)
+        changed = False
+        out = map_schemas(out, merge)
+        any_change = any_change or changed
+        if not changed:
+            break
+    changed = False
+    out = map_schemas(out, split)
+    return out if any_change or changed else schema
 
 
 __all__ = [
