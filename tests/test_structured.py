@@ -273,10 +273,10 @@ def test_guidance_backend_and_auto_fallback_to_it(llm):
     assert out.structured_output_backend == "guidance"
     assert out.outputs[0].finish_reason == "stop", out.outputs[0]
     jsonschema.validate(json.loads(out.outputs[0].text), schema)
-    # An untyped schema with a bound: xgrammar and outlines-core would leave the bound
-    # unenforced and refuse it; auto reaches llguidance, which enforces it.
-    bounded = {"maximum": 3.0}
-    out = _one(llm, StructuredOutputsParams(json=bounded), "A small number:")
+    # A pattern with a length bound: xgrammar would leave the bound unenforced, outlines-core
+    # the pattern, and both refuse it; auto reaches llguidance, which enforces both.
+    bounded = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}
+    out = _one(llm, StructuredOutputsParams(json=bounded), "A short word:")
     assert out.structured_output_backend == "guidance"
     reason = out.structured_output_fallback_reason or ""
     assert "xgrammar:" in reason and "outlines:" in reason, reason
