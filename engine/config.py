@@ -121,6 +121,8 @@ class EngineConfig:
             included (each for at most the time limit); None: grammar_compile_workers + 4.
         grammar_compile_queue_size: distinct specs that may wait for a compile worker;
             beyond it ``LLM.generate`` waits and the server answers 503 with Retry-After.
+        grammar_cache_bytes: size budget of the engine's cache of compiled grammars (an
+            outlines-core index can take tens of MB); least recently used go first.
         grammar_dynamic_compilation: let xgrammar compile JSON schemas lazily
             (much faster compiles, slower first mask fills).
         async_scheduling: plan step N+1 while the device runs step N. None
@@ -172,6 +174,7 @@ class EngineConfig:
     grammar_compile_workers: int | None = None
     grammar_compile_max_workers: int | None = None
     grammar_compile_queue_size: int = 64
+    grammar_cache_bytes: int = 1 << 30
     grammar_dynamic_compilation: bool = False
     async_scheduling: bool | None = None
     executor: str | None = None
@@ -197,6 +200,7 @@ class EngineConfig:
             "max_concurrent_batches",
             "tensor_parallel_size",
             "grammar_compile_queue_size",
+            "grammar_cache_bytes",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

@@ -109,10 +109,13 @@ class CompilePoolConfig:
 
 @dataclass(frozen=True)
 class Compiled:
-    """A compile's result: the engine's grammar and the compile's own seconds."""
+    """A compile's result: the engine's grammar, the compile's own seconds, and the size of
+    the compiled form the worker sent (outlines-core's index; xgrammar's and llguidance's
+    grammar text), the measure of what caching it costs."""
 
     grammar: CompiledGrammar
     seconds: float
+    nbytes: int = 0
 
 
 @dataclass(eq=False)
@@ -394,7 +397,7 @@ class CompileDispatcher:
             self._counts["grammar_compiles"] += 1
             self._loading.discard(job)
         with contextlib.suppress(InvalidStateError):  # failed by shutdown meanwhile
-            job.future.set_result(Compiled(grammar, total))
+            job.future.set_result(Compiled(grammar, total, len(payload)))
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -159,6 +159,10 @@ class CompileService:
         timeout_s: time limit of one compile's own running time (its worker's CPU time; not
             its wait in the queue).
         cache_size: compiled grammars kept in the engine process.
+        cache_bytes: and their total size at most (``Compiled.nbytes``): an outlines-core
+            index is up to tens of MB, so a count alone let a burst of distinct schemas hold
+            gigabytes. The least recently used go first; one bigger than the whole budget
+            serves its requests but is not kept.
         pool: worker counts, queue bound and memory cap.
 
     Worker processes start at the first compile, not here. ``shutdown`` stops them.
@@ -175,9 +179,10 @@ class CompileService:
         timeout_s: float = 10.0,
         cache_size: int = 256,
         pool: CompilePoolConfig | None = None,
+        cache_bytes: int = 1 << 30,
     ) -> None:
-        if timeout_s <= 0 or cache_size < 1:
-            raise ValueError("timeout_s must be > 0 and cache_size >= 1")
+        if timeout_s <= 0 or cache_size < 1 or cache_bytes < 1:
+            raise ValueError("timeout_s must be > 0, cache_size >= 1 and cache_bytes >= 1")
         self._recipes = dict(recipes)
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
@@ -188,6 +193,10 @@ class CompileService:
         self.pool = pool or CompilePoolConfig()
         self._cache: OrderedDict[tuple[object, ...], Future[Compiled]] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        # Sizes of the cached compiles that are done; in-flight ones count 0 until then.
+        self._sizes: dict[tuple[object, ...], int] = {}
+        self._cached_bytes = 0
         self._candidates: OrderedDict[tuple[object, ...], tuple[list[str], dict[str, str]]]
         self._candidates = OrderedDict()
         self._lock = threading.Lock()
@@ -332,19 +341,41 @@ class CompileService:
             if not full:
                 job = CompileJob(key, name, _portable(spec))
                 self._cache[key] = job.future
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+                self._evict()
                 self._counts["grammar_cache_misses"] += 1
         if full:
             raise self.refuse()
+        job.future.add_done_callback(lambda f, key=key: self._sized(key, f))
         self._dispatcher.enqueue(job)
         return job.future, False
+
+    def _sized(self, key: tuple[object, ...], future: Future[Compiled]) -> None:
+        """Counts a finished compile's size against the cache budget (failures are dropped
+        from the cache by ``_forget``)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        with self._lock:
+            if self._cache.get(key) is not future:
+                return  # evicted while it compiled
+            nbytes = future.result().nbytes
+            self._sizes[key] = nbytes
+            self._cached_bytes += nbytes
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drops least recently used entries until both limits hold (caller holds the lock)."""
+        while self._cache and (
+            len(self._cache) > self._cache_size or self._cached_bytes > self._cache_bytes
+        ):
+            key, _ = self._cache.popitem(last=False)
+            self._cached_bytes -= self._sizes.pop(key, 0)
 
     def _forget(self, job: CompileJob) -> None:
         """Drops a failed compile from the cache: the next request for it compiles again."""
         with self._lock:
             if self._cache.get(job.key) is job.future:
                 del self._cache[job.key]
+                self._cached_bytes -= self._sizes.pop(job.key, 0)
 
     # ----------------------------------------------------------------- state
     def stats(self) -> dict[str, float | int]:
@@ -352,8 +383,9 @@ class CompileService:
 
         Gauges: ``grammar_compile_queue_length`` (specs waiting for a worker),
         ``grammar_compile_queue_limit``, ``grammar_compile_running``,
-        ``grammar_compile_workers`` (live worker processes). Counters: ``grammar_compiles``
-        (succeeded), ``grammar_compile_errors``, ``grammar_compile_timeouts``,
+        ``grammar_compile_workers`` (live worker processes), ``grammar_cache_entries`` and
+        ``grammar_cache_bytes`` (the cache's size against its budget). Counters:
+        ``grammar_compiles`` (succeeded), ``grammar_compile_errors``, ``grammar_compile_timeouts``,
         ``grammar_compile_worker_starts``, ``grammar_compile_worker_kills`` (stopped at the
         limit), ``grammar_compile_worker_deaths`` (ended on their own),
         ``grammar_cache_hits``, ``grammar_cache_misses`` (compiles queued),
@@ -364,6 +396,8 @@ class CompileService:
         """
         with self._lock:
             counts = dict(self._counts)
+            counts["grammar_cache_entries"] = len(self._cache)
+            counts["grammar_cache_bytes"] = self._cached_bytes
         return {**counts, **self._dispatcher.stats()}
 
     def worker_pids(self) -> list[int]:

@@ -152,6 +152,42 @@ def test_identical_specs_share_one_compile_and_repeats_are_cached(
     assert service.stats()["grammar_cache_hits"] > before["grammar_cache_hits"]
 
 
+def test_the_cache_keeps_to_its_byte_budget_least_recently_used_first(
+    tokenizer: Tokenizer, service: CompileService
+) -> None:
+    before = service.stats()["grammar_cache_bytes"]
+    wait(service.submit(simple(40)))
+    size = service.stats()["grammar_cache_bytes"] - before
+    assert size > 0
+    # Room for two grammars of this size, not three.
+    small = CompileService(
+        RECIPES, tokenizer, tokenizer.vocab_size, LIMIT_S, cache_bytes=2 * size + size // 2
+    )
+    try:
+        for i in (41, 42, 43):
+            result, _ = wait(small.submit(simple(i)))
+            assert result.error is None
+        stats = small.stats()
+        assert stats["grammar_cache_entries"] == 2
+        assert 0 < stats["grammar_cache_bytes"] <= 2 * size + size // 2
+        assert wait(small.submit(simple(43)))[0].cache_hit  # kept: used last
+        misses = small.stats()["grammar_cache_misses"]
+        again, _ = wait(small.submit(simple(41)))  # dropped: used first
+        assert not again.cache_hit and again.error is None
+        assert small.stats()["grammar_cache_misses"] == misses + 1
+        # A grammar bigger than the whole budget serves its request but is not kept.
+        tiny = CompileService(RECIPES, tokenizer, tokenizer.vocab_size, LIMIT_S, cache_bytes=1)
+        try:
+            result, _ = wait(tiny.submit(simple(44)))
+            assert result.error is None and result.grammar is not None
+            assert tiny.stats()["grammar_cache_entries"] == 0
+            assert tiny.stats()["grammar_cache_bytes"] == 0
+        finally:
+            tiny.shutdown()
+    finally:
+        small.shutdown()
+
+
 def test_auto_falls_back_on_a_compile_error_and_says_why(service: CompileService) -> None:
     result, _ = wait(service.submit(Spec(regex=r"(?i)abc")))  # xgrammar has no flag groups
     assert result.backend == "outlines" and result.error is None

@@ -133,6 +133,7 @@ def test_models_health_and_metrics_format(server: Server) -> None:
         "baton_grammar_compile_timeouts_total",
         "baton_grammar_compile_worker_kills_total",
         "baton_grammar_cache_hits_total",
+        "baton_grammar_cache_bytes",
         "baton_structured_fraction",
         "baton_device_busy_fraction",
         "baton_deferred_steps_total",
@@ -643,6 +644,7 @@ def test_metrics_render() -> None:
         "num_running": 2,
         "kv_usage": 0.25,
         "grammar_compile_queue_length": 4,
+        "grammar_cache_bytes": 123456,
         "grammar_compile_timeouts": 1,
         "grammar_compile_seconds_count": 3,
         "grammar_compile_seconds_sum": 0.5,
@@ -670,6 +672,7 @@ def test_metrics_render() -> None:
     assert metric(text, "baton_grammar_compile_seconds_bucket", 'le="0.5"') == 3
     assert metric(text, "baton_grammar_compile_seconds_bucket", 'le="+Inf"') == 3
     assert metric(text, "baton_grammar_compile_queue_length") == 4
+    assert metric(text, "baton_grammar_cache_bytes") == 123456
     assert metric(text, "baton_grammar_compile_timeouts_total") == 1
     assert metric(text, "baton_grammar_compile_worker_kills_total") == 0
     assert metric(text, "baton_healthy") == 1

@@ -38,6 +38,7 @@ class StructuredOutputManager:
         fill_threads: threads of xgrammar's batched mask fills (and compiles);
             1 when the model's worker process needs every core.
         compile_pool: compile worker processes, queue bound and memory cap.
+        cache_bytes: size budget of the compiled-grammar cache (see ``CompileService``).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class StructuredOutputManager:
         dynamic_compilation: bool = False,
         fill_threads: int = 2,
         compile_pool: CompilePoolConfig | None = None,
+        cache_bytes: int = 1 << 30,
     ) -> None:
         self.vocab_size = vocab_size
         recipes = {
@@ -70,7 +72,7 @@ class StructuredOutputManager:
             ),
         }
         self.service = CompileService(
-            recipes, tokenizer, vocab_size, compile_timeout_s, cache_size, compile_pool
+            recipes, tokenizer, vocab_size, compile_timeout_s, cache_size, compile_pool, cache_bytes
         )
         self._bitmask = allocate_bitmask(max_rows, vocab_size)
         self._validated: OrderedDict[tuple[object, ...], None] = OrderedDict()

@@ -88,6 +88,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         help="new grammars that may wait for a compile worker; beyond it 503 (default: 64)",
     )
     parser.add_argument(
+        "--grammar-cache-mb",
+        type=int,
+        default=None,
+        help="size budget of the compiled-grammar cache in MiB (default: 1024)",
+    )
+    parser.add_argument(
         "--speculative-config",
         default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "auto", "num_speculative_tokens": '
@@ -125,4 +131,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     ):
         if getattr(args, flag) is not None:
             engine_args[field] = getattr(args, flag)
+    if args.grammar_cache_mb is not None:
+        engine_args["grammar_cache_bytes"] = args.grammar_cache_mb * (1 << 20)
     return engine_config(args.model, dtype=args.dtype, **engine_args)

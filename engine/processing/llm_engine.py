@@ -86,6 +86,7 @@ class LLMEngine:
                 ),
                 max_queued=config.grammar_compile_queue_size,
             ),
+            cache_bytes=config.grammar_cache_bytes,
         )
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         drafter = Drafter(spec, self.tokenizer) if spec is not None else None

@@ -142,6 +142,18 @@ _GRAMMAR_METRICS = (
         "gauge",
         "Grammar compile worker processes alive.",
     ),
+    (
+        "grammar_cache_entries",
+        "grammar_cache_entries",
+        "gauge",
+        "Compiled grammars kept in the engine's cache.",
+    ),
+    (
+        "grammar_cache_bytes",
+        "grammar_cache_bytes",
+        "gauge",
+        "Size of the compiled grammars in the cache (bounded by its byte budget).",
+    ),
     ("grammar_compiles", "grammar_compiles_total", "counter", "Grammar compiles that succeeded."),
     (
         "grammar_compile_errors",
