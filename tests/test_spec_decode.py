@@ -340,3 +340,34 @@ def test_default_model_json_greedy_equal_with_drafts(default_checkpoint):
     llm.engine.shutdown()
     assert results[0] == results[1]
     assert stats["spec_accepted_tokens"] > 0
+
+
+def test_async_llm_streams_accepted_tokens_only(tiny_model_dir, engine):
+    import asyncio
+
+    from baton.engine.entrypoints.async_llm import AsyncLLM
+
+    prompt = "the cat the cat the cat the cat"
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    _use(engine, None)
+    want = _run(engine, [(prompt, sp)])["r0"]
+    llm = AsyncLLM.from_engine_args(
+        str(tiny_model_dir),
+        max_model_len=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+
+    async def stream() -> list:
+        return [out async for out in llm.generate(prompt, sp, "s0")]
+
+    try:
+        outs = asyncio.run(stream())
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    counts = [len(o.outputs[0].token_ids) for o in outs]
+    final = outs[-1].outputs[0]
+    assert (final.token_ids, final.finish_reason, final.text) == want
+    assert counts == sorted(counts) and counts[-1] == 30
+    # Fewer outputs than tokens: some steps kept drafts.
+    assert len(outs) < 30 and stats["spec_accepted_tokens"] > 0

@@ -247,7 +247,11 @@ class Scheduler:
         )
         if room <= 0:
             return ()
-        return drafter.propose(req, room)
+        try:
+            return drafter.propose(req, room)
+        except Exception:  # noqa: BLE001 - a drafter's bug costs this request its drafts only
+            logger.exception("request %s: drafting failed; no drafts this step", req.request_id)
+            return ()
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens_with_placeholders - req.num_computed_tokens

@@ -241,8 +241,8 @@ class StructuredOutputManager:
                     if counts[i] <= j:
                         continue
                     row = starts[i] + j
-                    if advanced[i] == j - 1 and req.structured.matcher.accept_tokens(
-                        [drafts[req.request_id][j - 1]]
+                    if advanced[i] == j - 1 and _accepts(
+                        req.structured.matcher, drafts[req.request_id][j - 1]
                     ):
                         advanced[i] = j
                         live.append(req)
@@ -300,3 +300,13 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.service.shutdown()
+
+
+def _accepts(matcher: GrammarMatcher, token: int) -> bool:
+    """Advances ``matcher`` by a draft token; False when the grammar rejects it or the matcher
+    fails (the draft is then masked out at its own row, so it is never kept)."""
+    try:
+        return matcher.accept_tokens([token])
+    except Exception:  # noqa: BLE001 - a broken matcher costs its request the draft only
+        logger.exception("advancing a matcher over a draft token failed")
+        return False
