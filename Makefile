@@ -34,6 +34,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two pytest workers (one per core of the 2-core target), each with one torch/OpenMP thread:
+# two OpenMP threads per process on cores another process holds barrier-wait, which made the
+# suite ~10x slower beside a busy process. Whole files go to one worker (--dist loadfile), so a
+# module's fixtures are built once. A crashed worker is not replaced: with --dist loadfile a
+# replaced one left the run waiting forever (seen twice, after an out-of-memory kill).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile --max-worker-restart 0

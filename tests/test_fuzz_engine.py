@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,9 @@ ENGINE_ARGS = {
     "max_num_batched_tokens": 32,
     "max_num_seqs": 8,
 }
-MAX_DRAIN_STEPS = 3000
+# Draining is bounded by wall time, not steps: a step while only a grammar compiles idles for
+# 2 ms, and on a loaded machine a compile (in a worker process) can outlast thousands of them.
+DRAIN_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -204,9 +207,8 @@ def drive(engine: LLMEngine, ops: list[Add | Abort | Step]) -> None:
         else:
             for _ in range(op.count):
                 step()
-    for _ in range(MAX_DRAIN_STEPS):
-        if not engine.has_unfinished_requests():
-            break
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
         step()
     assert not engine.has_unfinished_requests(), "the engine did not drain"
 
