@@ -150,8 +150,8 @@ def test_every_shared_schema_with_the_tiny_model(tiny_llm, shared_data):
 
 
 def test_sample_of_schemas_with_the_default_model(llm, shared_data):
-    # The 20 smallest SchemaStore schemas that a backend enforces: a 135M model
-    # can finish those within the token limit.
+    # The 12 smallest SchemaStore schemas that a backend enforces: a 135M model
+    # can finish those within the token limit (the tiny-model burst covers every schema).
     schemas = sorted(
         (s for s in load_schemas(shared_data) if s[0].startswith("schemastore")),
         key=lambda s: len(json.dumps(s[1])),
@@ -164,7 +164,7 @@ def test_sample_of_schemas_with_the_default_model(llm, shared_data):
         except ValueError:
             continue
         picked.append((name, schema, spec))
-        if len(picked) == 20:
+        if len(picked) == 12:
             break
     prompts = [
         [{"role": "user", "content": f"Write a JSON document for this schema: {json.dumps(s)}"}]
@@ -176,7 +176,7 @@ def test_sample_of_schemas_with_the_default_model(llm, shared_data):
     outs = llm.chat(prompts, params, use_tqdm=False)
     stopped = _check_outputs(outs, [(n, s) for n, s, _ in picked])
     print(f"\ndefault model: {stopped}/{len(picked)} finished with stop, all valid")
-    assert len(picked) == 20 and stopped >= 5
+    assert len(picked) == 12 and stopped >= 3
 
 
 class Person(BaseModel):
