@@ -10,6 +10,7 @@ import signal
 import jsonschema
 import pytest
 import torch
+from engine_testing import run_to_end
 
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.config import EngineConfig
@@ -67,24 +68,6 @@ def mixed_requests(stop_ids: list[int]) -> list[tuple[str, SamplingParams]]:
     return list(zip(PROMPTS, params, strict=True))
 
 
-def run(engine: LLMEngine, requests, abort: dict[str, int] | None = None) -> dict:
-    """Runs requests to the end; aborts ``abort[rid]`` once it has shown that many tokens."""
-    abort = dict(abort or {})
-    for i, (prompt, sp) in enumerate(requests):
-        engine.add_request(f"r{i}", prompt, sp)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            c = out.outputs[0]
-            if out.finished:
-                final[out.request_id] = (c.token_ids, c.finish_reason, c.text)
-            elif out.request_id in abort and len(c.token_ids) >= abort[out.request_id]:
-                engine.abort_request(out.request_id)
-                final[out.request_id] = (c.token_ids, "abort", c.text)
-                del abort[out.request_id]
-    return final
-
-
 def build(tiny_model_dir, **kw) -> LLMEngine:
     kw.setdefault("max_model_len", 256)
     return LLMEngine(EngineConfig(model=str(tiny_model_dir), **kw))
@@ -106,8 +89,8 @@ def _stop_ids(engine: LLMEngine) -> list[int]:
 def test_async_and_sync_give_the_same_tokens(engines):
     sync, asy = engines
     reqs = mixed_requests(_stop_ids(sync))
-    a = run(sync, reqs, abort={"r7": 5})
-    b = run(asy, reqs, abort={"r7": 5})
+    a = run_to_end(sync, reqs, abort={"r7": 5})
+    b = run_to_end(asy, reqs, abort={"r7": 5})
     assert a == b
     reasons = {v[1] for v in a.values()}
     assert {"stop", "length", "abort"} <= reasons
@@ -129,7 +112,7 @@ def test_parity_under_preemption_and_chunked_prefill(tiny_model_dir):
             num_kv_blocks=24,
             max_num_batched_tokens=16,
         )
-        results.append(run(engine, reqs))
+        results.append(run_to_end(engine, reqs))
         preemptions = engine.core.scheduler.num_preemptions
         engine.shutdown()
         assert preemptions > 0
@@ -140,7 +123,7 @@ def test_deferral_happens_iff_a_structured_token_is_in_flight(engines):
     sync, asy = engines
     free = [(p, SamplingParams(max_tokens=8, temperature=0.0)) for p in PROMPTS[:4]]
     before = asy.stats()["deferred_steps"]
-    run(asy, free)
+    run_to_end(asy, free)
     assert asy.stats()["deferred_steps"] == before  # free requests never defer
     json_sp = SamplingParams(
         max_tokens=8,
@@ -148,18 +131,18 @@ def test_deferral_happens_iff_a_structured_token_is_in_flight(engines):
         structured_outputs=StructuredOutputsParams(json=SCHEMA),
     )
     steps0 = asy.stats()["steps"]
-    run(asy, [(PROMPTS[0], json_sp)])
+    run_to_end(asy, [(PROMPTS[0], json_sp)])
     stats = asy.stats()
     # Every decode step of a lone structured request has its previous token in flight.
     assert stats["deferred_steps"] - before == stats["steps"] - steps0 - 1
     sync_before = sync.stats()["deferred_steps"]
-    run(sync, [(PROMPTS[0], json_sp)])
+    run_to_end(sync, [(PROMPTS[0], json_sp)])
     assert sync.stats()["deferred_steps"] == sync_before == 0
 
 
 def test_stats_report_every_phase(engines):
     _, asy = engines
-    run(asy, [(p, SamplingParams(max_tokens=6, temperature=0.0)) for p in PROMPTS[:3]])
+    run_to_end(asy, [(p, SamplingParams(max_tokens=6, temperature=0.0)) for p in PROMPTS[:3]])
     stats = asy.stats()
     for key in ("steps", "deferred_steps", "device_busy_fraction", "schedule_s", "bitmask_s"):
         assert key in stats
@@ -171,7 +154,9 @@ def test_stats_report_every_phase(engines):
 def test_max_tokens_takes_no_extra_step(engines):
     for engine in engines:
         steps = engine.stats()["steps"]
-        run(engine, [(PROMPTS[0], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))])
+        run_to_end(
+            engine, [(PROMPTS[0], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))]
+        )
         assert engine.stats()["steps"] - steps == 9
 
 
@@ -184,7 +169,9 @@ def test_sync_check_catches_a_planted_item(tiny_model_dir, monkeypatch):
             max_tokens=6, temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA)
         )
         reqs = [(PROMPTS[0], sp), (PROMPTS[1], json_sp)]
-        assert len(run(engine, reqs)) == 2  # the step itself never waits outside get_output()
+        assert (
+            len(run_to_end(engine, reqs)) == 2
+        )  # the step itself never waits outside get_output()
         real = engine.core.scheduler.schedule
 
         def planted():
@@ -241,7 +228,7 @@ def test_large_messages_both_ways_do_not_deadlock(tiny_model_dir):
     try:
         prompt = list(range(1000, 2900))
         sp = SamplingParams(max_tokens=4, temperature=0.0, logprobs=20, ignore_eos=True)
-        final = run(engine, [(prompt, sp)] * 24)
+        final = run_to_end(engine, [(prompt, sp)] * 24)
         assert len(final) == 24 and all(len(v[0]) == 4 for v in final.values())
     finally:
         engine.shutdown()

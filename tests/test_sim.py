@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from engine_testing import run_to_end
 
 from baton.engine import SamplingParams, StructuredOutputsParams
 from baton.engine.config import EngineConfig
@@ -97,23 +98,6 @@ def _engine(tiny_model_dir: Path, traces: Path, **kw) -> LLMEngine:
     )
 
 
-def _run(engine: LLMEngine, requests, abort: dict[str, int] | None = None) -> dict:
-    abort = dict(abort or {})
-    for i, (prompt, sp) in enumerate(requests):
-        engine.add_request(f"r{i}", prompt, sp)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            c = out.outputs[0]
-            if out.finished:
-                final[out.request_id] = (c.token_ids, c.finish_reason, c.text, c.error)
-            elif out.request_id in abort and len(c.token_ids) >= abort[out.request_id]:
-                engine.abort_request(out.request_id)
-                final[out.request_id] = (c.token_ids, "abort", c.text, None)
-                del abort[out.request_id]
-    return final
-
-
 def _json_sp(**kw) -> SamplingParams:
     return SamplingParams(
         max_tokens=96,
@@ -128,7 +112,7 @@ def test_traces_end_requests_where_they_end(tiny_model_dir, tokenizer, tmp_path)
     engine = _engine(tiny_model_dir, tmp_path / "t.jsonl")
     try:
         story = tokenizer.encode(STORY, add_special_tokens=False)
-        final = _run(
+        final = run_to_end(
             engine,
             [
                 (free_prompts[3], SamplingParams(max_tokens=200, temperature=0.0)),
@@ -163,10 +147,10 @@ def test_a_token_the_mask_forbids_fails_the_step(tiny_model_dir, tokenizer, tmp_
     ).save(tmp_path / "t.jsonl")
     engine = _engine(tiny_model_dir, tmp_path / "t.jsonl", async_scheduling=mode, max_model_len=512)
     try:
-        assert _run(engine, [(good, _json_sp())])["r0"][1] == "stop"  # compiles the schema
+        assert run_to_end(engine, [(good, _json_sp())])["r0"][1] == "stop"  # compiles the schema
         engine.add_request("free", other, SamplingParams(max_tokens=len(story)))
         engine.step()  # the free request is running when the JSON one first samples
-        final = _run(engine, [(bad, _json_sp())])
+        final = run_to_end(engine, [(bad, _json_sp())])
     finally:
         engine.shutdown()
     # The whole step fails: the request whose token the mask forbids and the one beside it.
@@ -195,7 +179,7 @@ def test_sync_and_async_give_the_same_outputs_with_preemption(
             max_num_batched_tokens=24,
         )
         try:
-            results.append(_run(engine, requests, abort))
+            results.append(run_to_end(engine, requests, abort))
             preemptions.append(engine.core.scheduler.num_preemptions)
         finally:
             engine.shutdown()
@@ -225,7 +209,7 @@ def test_the_engine_reads_no_device_state_outside_get_output(
         requests += [
             (free_prompts[i], SamplingParams(max_tokens=20, logprobs=None)) for i in range(4)
         ]
-        final = _run(engine, requests)
+        final = run_to_end(engine, requests)
         assert all(v[1] in ("stop", "length") for v in final.values())
         # The check is live on the simulator: a planted read is caught.
         real = engine.core.scheduler.schedule
@@ -249,7 +233,7 @@ def test_the_device_timeline_runs_in_order_and_waits_are_real(tiny_model_dir, to
     engine = _engine(tiny_model_dir, tmp_path / "t.jsonl", async_scheduling=True)
     try:
         t0 = time.perf_counter()
-        _run(engine, [(p, SamplingParams(max_tokens=30)) for p in free_prompts[:6]])
+        run_to_end(engine, [(p, SamplingParams(max_tokens=30)) for p in free_prompts[:6]])
         wall = time.perf_counter() - t0
         executor = engine.core.executor
         assert isinstance(executor, SimExecutor)

@@ -10,6 +10,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from engine_testing import run_to_end
 
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.config import EngineConfig
@@ -200,23 +201,6 @@ def _requests(stop_ids: list[int]) -> list[tuple[str, SamplingParams]]:
     return list(zip(PROMPTS, params, strict=True))
 
 
-def _run(engine: LLMEngine, requests, abort: dict[str, int] | None = None) -> dict:
-    abort = dict(abort or {})
-    for i, (prompt, sp) in enumerate(requests):
-        engine.add_request(f"r{i}", prompt, sp)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            c = out.outputs[0]
-            if out.finished:
-                final[out.request_id] = (c.token_ids, c.finish_reason, c.text)
-            elif out.request_id in abort and len(c.token_ids) >= abort[out.request_id]:
-                engine.abort_request(out.request_id)
-                final[out.request_id] = (c.token_ids, "abort", c.text)
-                del abort[out.request_id]
-    return final
-
-
 def _build(model_dir, spec=None, **kw) -> LLMEngine:
     kw.setdefault("max_model_len", 256)
     return LLMEngine(
@@ -246,7 +230,7 @@ def engine(tiny_model_dir):
 def reference(engine):
     _use(engine, None)
     reqs = _requests(_stop_ids(engine))
-    return reqs, _run(engine, reqs, abort={"r3": 5})
+    return reqs, run_to_end(engine, reqs, abort={"r3": 5})
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -255,7 +239,7 @@ def test_drafts_change_no_token(engine, reference, method):
     _use(engine, method)
     sched = engine.core.scheduler
     drafted, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
-    got = _run(engine, reqs, abort={"r3": 5})
+    got = run_to_end(engine, reqs, abort={"r3": 5})
     assert got == expected
     assert sched.num_draft_tokens > drafted and sched.num_accepted_tokens > accepted
     assert sched.kv.num_used_blocks == 0
@@ -275,7 +259,7 @@ def test_drafts_under_preemption_and_small_budgets(tiny_model_dir, reference):
         num_kv_blocks=14,
         max_num_batched_tokens=12,
     )
-    got = _run(engine, [reqs[i] for i in free], abort={"r2": 5})
+    got = run_to_end(engine, [reqs[i] for i in free], abort={"r2": 5})
     sched = engine.core.scheduler
     preemptions, accepted = sched.num_preemptions, sched.num_accepted_tokens
     sched.kv.check_invariants()
@@ -287,14 +271,14 @@ def test_drafts_under_preemption_and_small_budgets(tiny_model_dir, reference):
 def test_seeded_requests_alone_and_in_a_batch_of_16(engine):
     sp = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
     _use(engine, None)
-    want = _run(engine, [("the cat the cat the", sp)])["r0"]
+    want = run_to_end(engine, [("the cat the cat the", sp)])["r0"]
     _use(engine, "auto")
-    alone = _run(engine, [("the cat the cat the", sp)])["r0"]
+    alone = run_to_end(engine, [("the cat the cat the", sp)])["r0"]
     others = [
         (f"{i} {i} {i} {i}", SamplingParams(max_tokens=16, temperature=1.0, seed=i))
         for i in range(15)
     ]
-    batch = _run(engine, [*others, ("the cat the cat the", sp)])["r15"]
+    batch = run_to_end(engine, [*others, ("the cat the cat the", sp)])["r15"]
     assert alone == want and batch == want
 
 
@@ -350,7 +334,7 @@ def test_async_llm_streams_accepted_tokens_only(tiny_model_dir, engine):
     prompt = "the cat the cat the cat the cat"
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     _use(engine, None)
-    want = _run(engine, [(prompt, sp)])["r0"]
+    want = run_to_end(engine, [(prompt, sp)])["r0"]
     llm = AsyncLLM.from_engine_args(
         str(tiny_model_dir),
         max_model_len=256,
