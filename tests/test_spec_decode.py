@@ -351,7 +351,7 @@ def test_async_llm_streams_accepted_tokens_only(tiny_model_dir, engine):
         llm.shutdown()
     counts = [len(o.outputs[0].token_ids) for o in outs]
     final = outs[-1].outputs[0]
-    assert (final.token_ids, final.finish_reason, final.text) == want
+    assert (final.token_ids, final.finish_reason, final.text) == want[:3]
     assert counts == sorted(counts) and counts[-1] == 30
     # Fewer outputs than tokens: some steps kept drafts.
     assert len(outs) < 30 and stats["spec_accepted_tokens"] > 0
