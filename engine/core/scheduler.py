@@ -213,11 +213,9 @@ class Scheduler:
             for rid in so.structured_request_ids
             if (req := self.requests.get(rid)) is not None and req.status == RequestStatus.RUNNING
         ]
-        drafts = so.scheduled_spec_decode_tokens
-        if drafts:
-            grammar, broken = self.structured.grammar_bitmask(sampling, out, drafts)
-        else:
-            grammar, broken = self.structured.grammar_bitmask(sampling, out)
+        grammar, broken = self.structured.grammar_bitmask(
+            sampling, out, so.scheduled_spec_decode_tokens
+        )
         failed = []
         for req, message in broken:
             logger.error("request %s failed: %s", req.request_id, message)
