@@ -164,6 +164,15 @@ def judge_goal(
     return {"goal": name, "target": target, "value": value, "met": met, "values": values}
 
 
+def print_goals(goals: list[dict[str, Any]]) -> None:
+    """Prints judged goals (``judge_goal``'s entries), one line each with every value."""
+    print("\ngoals:")
+    for g in goals:
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[g["met"]]
+        values = ", ".join(f"{k}: {fmt(v, '.3f')}" for k, v in g["values"].items())
+        print(f"  [{verdict}] {g['goal']} {g['target']}: {fmt(g['value'], '.3f')}  ({values})")
+
+
 def require_positive_ints(config: object, *names: str) -> None:
     """For a config's ``__post_init__``: each named field must be an int >= 1.
 

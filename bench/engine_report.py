@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from baton.bench.common import fmt, judge_goal, ratio
+from baton.bench.common import fmt, judge_goal, print_goals, ratio
 from baton.bench.plotting import pyplot
 
 # Goal thresholds (targets, not measurements).
@@ -133,11 +133,7 @@ def print_report(result: dict[str, Any]) -> None:
         print(
             f"  {t['regime']} batch {t['batch']:>3}: {fmt(t['structured_over_free_tpot'], '.3f')}"
         )
-    print("\ngoals:")
-    for g in result["goals"]:
-        verdict = {True: "met", False: "MISSED", None: "not measured"}[g["met"]]
-        values = ", ".join(f"{k}: {fmt(v, '.3f')}" for k, v in g["values"].items())
-        print(f"  [{verdict}] {g['goal']} {g['target']}: {fmt(g['value'], '.3f')}  ({values})")
+    print_goals(result["goals"])
     invalid = sum(r["json_invalid"] for r in result["rows"])
     checked = sum(r["json_checked"] for r in result["rows"])
     print(f"\ninvalid JSON outputs: {invalid} of {checked} that stopped by themselves")

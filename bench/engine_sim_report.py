@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from baton.bench.common import fmt, print_goals
 from baton.bench.plotting import pyplot
 
 PHASE_COLORS = {
@@ -17,10 +18,6 @@ PHASE_COLORS = {
     "output": "tab:green",
 }
 DEVICE_COLORS = {"forward": "tab:red", "sample": "gold"}
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -35,30 +32,26 @@ def print_report(result: dict[str, Any]) -> None:
         ph = r.get("phase_ms_per_step") or {}
         print(
             f"{'on' if r['async'] else 'off':<5} {r['json_fraction']:>4.0%} {r['batch']:>5} "
-            f"{r['tok_per_s']:>8.0f} {_fmt(r.get('steady_tok_per_s'), '.0f'):>8} "
-            f"{_fmt(r.get('steady_idle'), '.1%'):>6} {_fmt(r.get('step_ms'), '.2f'):>7} "
-            f"{_fmt(r.get('device_ms_per_step'), '.2f'):>7} "
-            f"{_fmt(r.get('host_ms_per_step'), '.2f'):>7} "
-            f"{_fmt(r.get('host_us_per_request_step'), '.1f'):>7} {r['deferred_steps']:>5} "
+            f"{r['tok_per_s']:>8.0f} {fmt(r.get('steady_tok_per_s'), '.0f'):>8} "
+            f"{fmt(r.get('steady_idle'), '.1%'):>6} {fmt(r.get('step_ms'), '.2f'):>7} "
+            f"{fmt(r.get('device_ms_per_step'), '.2f'):>7} "
+            f"{fmt(r.get('host_ms_per_step'), '.2f'):>7} "
+            f"{fmt(r.get('host_us_per_request_step'), '.1f'):>7} {r['deferred_steps']:>5} "
             + " ".join(
-                f"{_fmt(ph.get(p), '.2f'):>6}"
+                f"{fmt(ph.get(p), '.2f'):>6}"
                 for p in ("schedule", "bitmask", "launch", "update", "output")
             )
-            + f" {_fmt(r.get('wake_late_ms_per_step'), '.2f'):>5}"
+            + f" {fmt(r.get('wake_late_ms_per_step'), '.2f'):>5}"
             + f" {r['errors']:>3} {r['json_invalid']:>3}"
         )
     print("\nasync/sync and structured/free (async) throughput:")
     for x in result["ratios"]:
         print(
             f"  batch {x['batch']:>4} json {x['json_fraction']:.0%}: async/sync "
-            f"{_fmt(x['async_over_sync'], '.2f')}, structured/free "
-            f"{_fmt(x['structured_over_free'], '.2f')}"
+            f"{fmt(x['async_over_sync'], '.2f')}, structured/free "
+            f"{fmt(x['structured_over_free'], '.2f')}"
         )
-    print("\ngoals:")
-    for g in result["goals"]:
-        verdict = {True: "met", False: "MISSED", None: "not measured"}[g["met"]]
-        values = ", ".join(f"{k}: {_fmt(v, '.3f')}" for k, v in g["values"].items())
-        print(f"  [{verdict}] {g['goal']} {g['target']}: {_fmt(g['value'], '.3f')}  ({values})")
+    print_goals(result["goals"])
 
 
 def timeline_path(path: Path) -> Path:
