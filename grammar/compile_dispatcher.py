@@ -215,11 +215,15 @@ class CompileDispatcher:
         now = time.monotonic()
         waits = []
         with self._lock:
-            for job in self._running.values():
-                elapsed = now - job.started_at
-                pace = job.used_s / elapsed if elapsed >= _PACE_AFTER_S else 1.0
-                pace = min(1.0, max(_MIN_PACE, pace))
-                waits.append(max(0.0, self.timeout_s - job.used_s) / pace)
+            running = list(self._running.items())
+        for worker, job in running:
+            # Read now: the dispatcher refreshes ``used_s`` only when it wakes (up to a
+            # second apart), and a stale value would make the pace look near zero.
+            used = self._used_s(worker, job, now)
+            elapsed = now - job.started_at
+            pace = used / elapsed if elapsed >= _PACE_AFTER_S else 1.0
+            pace = min(1.0, max(_MIN_PACE, pace))
+            waits.append(max(0.0, self.timeout_s - used) / pace)
         # A busy machine's pace drifts: a quarter more, and half a second, to be safe.
         return max(1.0, 1.25 * min(waits, default=1.0) + _RETRY_MARGIN_S)
 
@@ -405,11 +409,7 @@ class CompileDispatcher:
             running = list(self._running.items())
         late = []
         for worker, job in running:
-            cpu = worker.cpu_seconds()
-            if cpu is None or job.cpu_start is None:
-                job.used_s = now - job.started_at
-            else:
-                job.used_s = cpu - job.cpu_start
+            job.used_s = self._used_s(worker, job, now)
             if job.used_s >= self.timeout_s or now >= job.deadline:
                 late.append((worker, job))
         with self._lock:
@@ -441,6 +441,14 @@ class CompileDispatcher:
                     f"{wall:.0f} s, and its worker was stopped"
                 ),
             )
+
+    @staticmethod
+    def _used_s(worker: CompileWorker, job: CompileJob, now: float) -> float:
+        """``job``'s running time so far: its worker's CPU time, or wall time where unknown."""
+        cpu = worker.cpu_seconds()
+        if cpu is None or job.cpu_start is None:
+            return now - job.started_at
+        return cpu - job.cpu_start
 
     def _observe(self, seconds: float) -> None:
         with self._lock:
