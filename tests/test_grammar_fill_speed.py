@@ -85,6 +85,14 @@ FAMILIES: dict[str, tuple[dict[str, Any], Any]] = {
             "ip": "192.168.0.1",
         },
     ),
+    "uri templates": (
+        {
+            "type": "object",
+            "properties": {"link": {"type": "string", "format": "uri-template"}},
+            "required": ["link"],
+        },
+        {"link": "http://example.com/dictionary/{term:1}/{term}{?q,lang*}"},
+    ),
     "enums and consts": (
         {
             "type": "object",

@@ -4,6 +4,8 @@ unescaped) that validation and every backend's schema walk use; the normalisatio
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from baton.grammar.guidance_backend import guidance_normal_form
@@ -18,6 +20,7 @@ from baton.grammar.schema.refs import (
     resolves,
 )
 from baton.grammar.schema.xgrammar_keywords import (
+    URI_TEMPLATE_PATTERN,
     xgrammar_normal_form,
     xgrammar_unenforced_keywords,
 )
@@ -105,6 +108,50 @@ def test_xgrammar_normal_form_splits_untyped_keywords_by_type() -> None:
     # The walk then refuses what the split still cannot say ("minLength" is now enforced).
     assert xgrammar_unenforced_keywords(xgrammar_normal_form({"minLength": 2})) == set()
     assert xgrammar_unenforced_keywords(xgrammar_normal_form({"format": "iri"})) == {"format (iri)"}
+
+
+def test_xgrammar_normal_form_writes_uri_template_as_its_pattern() -> None:
+    assert xgrammar_normal_form({"type": "string", "format": "uri-template"}) == {
+        "type": "string",
+        "pattern": URI_TEMPLATE_PATTERN,
+    }
+    # The untyped form is split by type, the string branch with the pattern.
+    untyped = xgrammar_normal_form({"format": "uri-template"})
+    assert untyped["anyOf"][0] == {"type": "string", "pattern": URI_TEMPLATE_PATTERN}
+    # A pattern already there: both must hold, so the format stays.
+    both = {"type": "string", "format": "uri-template", "pattern": "^a"}
+    assert xgrammar_normal_form(both) == both
+    # RFC 6570's examples (levels 1-4) and malformed templates.
+    for text in (
+        "http://example.com/dictionary/{term:1}/{term}",
+        "http://example.com/dictionary",
+        "dictionary/{term:1}/{term}",
+        "{var}",
+        "{+path:6}/here",
+        "{#keys*}",
+        "X{.list*}",
+        "{/var:1,var}",
+        "{;x,y,empty}",
+        "{?x,y,undef}",
+        "?fixed=yes{&x}",
+        "{a.b%20c}",
+        "caf%C3%A9/ünïcode",
+        "",
+    ):
+        assert re.fullmatch(URI_TEMPLATE_PATTERN[1:-1], text), text
+    for text in (
+        "http://example.com/dictionary/{term:1}/{term",
+        "{}",
+        "{var:0}",
+        "{var:10000}",
+        "{a..b}",
+        "a b",
+        "100%",
+        "{x}}",
+        "<tag>",
+        'say "hi"',
+    ):
+        assert not re.fullmatch(URI_TEMPLATE_PATTERN[1:-1], text), text
 
 
 def test_branches_disjoint() -> None:
