@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
@@ -59,6 +58,49 @@ def guidance_normal_form(schema: Any) -> Any:
     would refuse as unknown), and provably disjoint ``oneOf`` as ``anyOf`` (llguidance refuses
     every ``oneOf`` it cannot prove exclusive itself)."""
     return disjoint_one_of_as_any_of(drop_unknown_formats(integral_counts(schema)))
+
+
+# llguidance.torch's fill helpers, without importing that module: it decorates a function
+# with torch.compile at import, which imports dynamo and inductor (about 3 s of CPU in every
+# process that loads this backend: the engine, each compile-worker template).
+def _check_layout(bitmask: torch.Tensor) -> None:
+    """llguidance writes through a raw pointer: the tensor must be what it assumes.
+
+    Raises:
+        ValueError: not a contiguous 2-D int32 CPU tensor.
+    """
+    if not (
+        bitmask.dtype == torch.int32
+        and bitmask.device.type == "cpu"
+        and bitmask.dim() == 2
+        and bitmask.is_contiguous()
+    ):
+        raise ValueError(
+            "bitmask must be a contiguous 2-D int32 CPU tensor, got "
+            f"{bitmask.dtype} {list(bitmask.shape)} on {bitmask.device}"
+        )
+
+
+def _fill_row(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """Writes ``matcher``'s mask into row ``row`` of the contiguous int32 CPU ``bitmask``."""
+    _check_layout(bitmask)
+    view = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+
+
+def _fill_rows(
+    executor: llguidance.LLExecutor,
+    matchers: list[tuple[llguidance.LLMatcher, int]],
+    bitmask: torch.Tensor,
+) -> None:
+    """Writes each (matcher, row)'s mask into the contiguous int32 CPU ``bitmask``, on the
+    executor's threads."""
+    _check_layout(bitmask)
+    if any(not 0 <= row < bitmask.shape[0] for _, row in matchers):
+        raise IndexError(f"a bitmask row is outside [0, {bitmask.shape[0]})")
+    executor.unsafe_compute_mask_ptr(
+        matchers, bitmask.data_ptr(), bitmask.shape[1] * bitmask.element_size(), bitmask.shape[0]
+    )
 
 
 class GuidanceCompiledGrammar(CompiledGrammar):
@@ -142,7 +184,7 @@ class GuidanceMatcher(GrammarMatcher):
         if self._terminated:
             bitmask[row].copy_(self._backend.eos_row)
             return
-        llg_torch.fill_next_token_bitmask(self.ll, bitmask, row)
+        _fill_row(self.ll, bitmask, row)
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -358,10 +400,10 @@ class GuidanceBackend(GrammarBackend):
                 live.append((matcher.ll, row))
         if len(live) < self._parallel_min_rows or self._fill_threads == 1:
             for ll, row in live:
-                llg_torch.fill_next_token_bitmask(ll, bitmask, row)
+                _fill_row(ll, bitmask, row)
             return
         with self._lock:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(num_threads=self._fill_threads)
             executor = self._executor
-        llg_torch.fill_next_token_bitmask_par(executor, live, bitmask)
+        _fill_rows(executor, live, bitmask)
