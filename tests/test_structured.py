@@ -89,10 +89,12 @@ def _compile_alone(llm, spec):
     return result
 
 
-def test_every_shared_schema_with_the_tiny_model(tiny_llm, shared_data):
-    # Every schema at once, each once, beside two busy processes: the way a batch of
-    # schemas reaches a loaded machine. No request may fail whose schema compiles alone.
-    schemas = load_schemas(shared_data)
+def test_a_burst_of_shared_schemas_with_the_tiny_model(tiny_llm, shared_data):
+    # Every other shared schema (about 370) at once, each once, beside two busy processes:
+    # the way a batch of schemas reaches a loaded machine, many times more than the compile
+    # workers and their queue hold. No request may fail whose schema compiles alone. (Half
+    # keeps the suite within its time; `baton bench compile_burst` sends all of them.)
+    schemas = load_schemas(shared_data)[::2]
     accepted, specs = [], []
     rejected = 0
     for name, schema in schemas:
@@ -146,7 +148,7 @@ def test_every_shared_schema_with_the_tiny_model(tiny_llm, shared_data):
     for name, error in sorted(failed.items()):
         print(f"  {name}: {error[:160]}")
     assert stopped > len(accepted) // 4
-    assert len(failed) <= 20 and len(borderline) <= 5
+    assert len(failed) <= 10 and len(borderline) <= 3
 
 
 def test_sample_of_schemas_with_the_default_model(llm, shared_data):
