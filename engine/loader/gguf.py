@@ -13,6 +13,7 @@ import torch
 from baton.engine.loader.checkpoint import Checkpoint
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import gguf_sampling_defaults
+from baton.engine.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor, read_gguf_file
 from baton.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from baton.engine.tokenizer import Tokenizer
 
@@ -62,40 +63,20 @@ _GLOBAL_TENSORS = {
 _IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
 
 
-def read_gguf(path: Path) -> Any:
-    """Open ``path`` with ``gguf.GGUFReader`` and check that every tensor's data lies inside the
-    file. Raises ``ModelLoadError`` for an unreadable, corrupt or truncated file."""
-    import gguf
-
+def read_gguf(path: Path) -> GGUFFile:
+    """Read ``path``'s metadata and map its tensors (``gguf_reader``). Raises
+    ``ModelLoadError`` for an unreadable, corrupt or truncated file."""
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # the reader surfaces corruption as numpy/struct/index errors
+        return read_gguf_file(path)
+    except (GGUFFormatError, OSError) as exc:
         raise ModelLoadError(
-            f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
-            "expected a complete GGUF v2/v3 file"
+            f"{path}: not a readable GGUF file ({exc}); expected a complete GGUF v2/v3 file"
         ) from exc
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > size:
-            raise ModelLoadError(
-                f"{path}: tensor {tensor.name} ends at byte {end} but the file has {size} bytes; "
-                "the file is truncated"
-            )
-    return reader
 
 
-def gguf_metadata(reader: Any, path: Path) -> dict[str, Any]:
-    """Every metadata key of the file as a plain Python value (lists for arrays).
-
-    Raises ``ModelLoadError`` naming the key when a value cannot be decoded."""
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        try:
-            metadata[key] = field.contents()
-        except Exception as exc:
-            raise ModelLoadError(f"{path}: metadata key {key!r} cannot be decoded ({exc})") from exc
-    return metadata
+def gguf_metadata(reader: GGUFFile, path: Path) -> dict[str, Any]:
+    """Every metadata key of the file as a plain Python value (lists for arrays); a copy."""
+    return dict(reader.metadata)
 
 
 def load_gguf_tokenizer(path: Path, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -148,7 +129,7 @@ def _rope_scaling_from_freqs(
 
 
 def config_from_gguf(
-    path: Path, metadata: Mapping[str, Any], reader: Any, tokenizer: Tokenizer
+    path: Path, metadata: Mapping[str, Any], reader: GGUFFile, tokenizer: Tokenizer
 ) -> ModelConfig:
     """The ``ModelConfig`` a GGUF file describes.
 
@@ -241,7 +222,7 @@ def config_from_gguf(
         raise ModelLoadError(f"{path}: invalid model hyper-parameters: {exc}") from exc
 
 
-def _dequantize(path: Path, tensor: Any) -> np.ndarray:
+def _dequantize(path: Path, tensor: GGUFTensor) -> np.ndarray:
     """The values of one GGUF tensor as float32 numpy, in row-major HF order of dims."""
     from gguf import quants
 
@@ -252,7 +233,7 @@ def _dequantize(path: Path, tensor: Any) -> np.ndarray:
             f"of {', '.join(SUPPORTED_TENSOR_TYPES)}"
         )
     # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = tuple(reversed(tensor.shape))
     try:
         values = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         values = values.reshape(shape)
