@@ -198,7 +198,7 @@ def test_compile_errors_name_the_kind(backend: XGrammarBackend) -> None:
     cases = [
         ({"regex": "(?=a)b"}, "regex spec: .*Lookahead"),
         ({"grammar": "root ::= undefined_rule"}, "grammar spec: .*undefined_rule"),
-        ({"json": {"type": "array", "items": [{"type": "integer"}]}}, "json spec: .*items"),
+        ({"json": {"enum": []}}, "json spec: .*enum"),
         ({"json": "{not json"}, "json spec: .*not valid JSON"),
         ({"json": {"type": "string", "pattern": "\\p{L}"}}, "json spec: .*Unicode"),
         ({"structural_tag": {"type": "nope"}}, "structural_tag spec"),
@@ -1043,3 +1043,48 @@ def test_patterns_counting_past_128_are_rebuilt_and_keep_their_language(
         # Narrower only: where xgrammar allows a token with an escape, baton may not.
         assert torch.equal(a & b, a)
         assert mine.accept_tokens([token]) and ref.accept_token(token)
+
+
+DRAFT_FORMS = [
+    # (schema, draft, valid instances, invalid instances)
+    ({"type": "object", "propertyNames": True}, "2020-12", [{"a": 1}, {}], []),
+    ({"type": "object", "propertyNames": False}, "2020-12", [{}], [{"a": 1}]),
+    (
+        {"type": "array", "items": [{"type": "integer"}, {"enum": ["x", "y"]}]},
+        "7",
+        [[1, "x"], [1], [], [2, "y", "anything", None]],
+        [["x"], [1, "z"]],
+    ),
+    (
+        {"type": "array", "items": [{"type": "integer"}], "additionalItems": {"type": "string"}},
+        "7",
+        [[1, "a", "b"], [1]],
+        [[1, 2], ["a"]],
+    ),
+    (
+        {"type": "array", "items": [{"type": "integer"}], "additionalItems": False},
+        "2019-09",
+        [[1], []],
+        [[1, 2]],
+    ),
+]
+
+
+@pytest.mark.parametrize(("schema", "draft", "valid", "invalid"), DRAFT_FORMS, ids=str)
+def test_boolean_property_names_and_tuple_items_are_enforced(
+    backend: XGrammarBackend,
+    tokenizer: Tokenizer,
+    schema: dict[str, Any],
+    draft: str,
+    valid: list[Any],
+    invalid: list[Any],
+) -> None:
+    # xgrammar refuses both forms ("propertyNames must be an object", "items must be a boolean
+    # or an object"): baton hands it the 2020-12 forms that mean the same.
+    validator = VALIDATORS[draft](schema)
+    assert xgrammar_unenforced_keywords(xgrammar_normal_form(schema)) == set()
+    for value in valid:
+        assert validator.is_valid(value) and accepts(backend, tokenizer, schema, value), value
+    for value in invalid:
+        assert not validator.is_valid(value), value
+        assert not accepts(backend, tokenizer, schema, value), value

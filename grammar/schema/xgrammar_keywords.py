@@ -471,7 +471,8 @@ def _merged_all_of(node: dict[str, Any], root: Any) -> dict[str, Any] | None:
 def xgrammar_normal_form(schema: Any) -> Any:
     """``schema`` in the shape baton hands xgrammar, with the same instances: integral counts
     as ints, every ``allOf`` merged into one schema where it can be (``_merged_all_of``,
-    repeated for the allOfs a merge writes), formats xgrammar fills slowly written as the
+    repeated for the allOfs a merge writes), a boolean ``propertyNames`` and drafts 4-2019's
+    tuple ``items`` in the forms xgrammar takes, formats xgrammar fills slowly written as the
     equivalent ``pattern`` (``_FORMAT_PATTERNS``, where no pattern is there already), and
     every untyped subschema with type-specific keywords split by type (``_typed_split``); a
     subschema a ``$ref`` points inside is left alone. ``schema`` itself when nothing
@@ -500,6 +501,29 @@ def xgrammar_normal_form(schema: Any) -> Any:
             return node
         changed = True
         return merged
+
+    def draft_forms(node: dict[str, Any], path: Path) -> dict[str, Any]:
+        nonlocal changed
+        out = node
+        names = node.get("propertyNames")
+        if isinstance(names, bool):
+            # xgrammar takes only a schema here. true: any name; false: no property at all.
+            out = {k: v for k, v in node.items() if k != "propertyNames"}
+            if names is False:
+                out["maxProperties"] = 0
+        items = node.get("items")
+        if isinstance(items, list) and "prefixItems" not in node:
+            # Drafts 4-2019's tuple form, which xgrammar refuses: items as a list is 2020-12's
+            # prefixItems, additionalItems its items. Without additionalItems more items are
+            # allowed, which strict mode would forbid unless items says so.
+            if pointed_into(path, ("items", "additionalItems")):
+                return out
+            out = {k: v for k, v in out.items() if k not in ("items", "additionalItems")}
+            out["prefixItems"] = items
+            out["items"] = node.get("additionalItems", True)
+        if out is not node:
+            changed = True
+        return out
 
     def fast_format(node: dict[str, Any], _: Path) -> dict[str, Any]:
         nonlocal changed
@@ -530,6 +554,9 @@ def xgrammar_normal_form(schema: Any) -> Any:
         any_change = any_change or changed
         if not changed:
             break
+    changed = False
+    out = map_schemas(out, draft_forms)
+    any_change = any_change or changed
     changed = False
     out = map_schemas(out, fast_format)
     any_change = any_change or changed
