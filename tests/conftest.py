@@ -7,8 +7,12 @@ Everything expensive is session-scoped so the whole suite pays for it once.
 from __future__ import annotations
 
 import contextlib
+import copy
+import fcntl
+import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -302,28 +306,121 @@ def default_checkpoint(default_model_path: Path) -> Checkpoint:
     return load_checkpoint(default_model_path)
 
 
+def run_shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+    """The folder that every xdist worker of this test run shares (the parent of each worker's
+    base temporary folder, new for every run); None when pytest runs without xdist."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return None
+    return tmp_path_factory.getbasetemp().parent
+
+
+def built_once_per_run(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]
+) -> tuple[Path, Any]:
+    """``build(folder)`` run once per test run: under xdist the first worker that asks builds
+    ``name`` in the run's shared folder under a file lock and the others wait for it and reuse
+    the folder (each worker would otherwise pay for the same build); without xdist it builds
+    in a fresh temporary folder. Returns the folder and what ``build`` returned (None in a
+    worker that found the folder already built). A build that raises leaves no folder, so the
+    next worker tries again and sees the same error."""
+    shared = run_shared_folder(tmp_path_factory)
+    if shared is None:
+        folder = tmp_path_factory.mktemp(name)
+        return folder, build(folder)
+    folder = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if folder.is_dir():
+            return folder, None
+        partial = shared / f"{name}.partial-{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        try:
+            built = build(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        partial.rename(folder)
+        return folder, built
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> Path:
     """A tiny random-weight Llama (2 layers, hidden 64, 4 heads / 2 kv heads, head_dim 16, tied
-    embeddings, SmolLM2's tokenizer and chat template) saved as a Hugging Face folder."""
-    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama"), tokenizer, "llama")
+    embeddings, SmolLM2's tokenizer and chat template) saved as a Hugging Face folder, built
+    once per test run (read-only: copy it to change it)."""
+    folder, _ = built_once_per_run(
+        tmp_path_factory,
+        "tiny_llama",
+        lambda folder: build_tiny_model_dir(folder, tokenizer, "llama"),
+    )
+    return folder
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> Path:
     """Like ``tiny_model_dir`` but Qwen2: q/k/v biases and an untied lm_head."""
-    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen2"), tokenizer, "qwen2")
+    folder, _ = built_once_per_run(
+        tmp_path_factory,
+        "tiny_qwen2",
+        lambda folder: build_tiny_model_dir(folder, tokenizer, "qwen2"),
+    )
+    return folder
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """transformers' GGUF import, unchanged but for two repeats it makes: it parses the file's
+    metadata twice (for the config, then for the tensors; 3-7 s each for the default model's 49k
+    tokens and merges) and rebuilds gguf's tensor-name table once per module of the model (~400
+    times, 4-7 s). Inside this context ``gguf.GGUFReader`` and ``gguf.get_tensor_name_map``
+    (which transformers looks up at each call) return the first result for the same arguments:
+    gguf's reader is read-only and the name table is only read."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    @functools.cache
+    def cached_reader(path: Any, mode: str = "r") -> Any:
+        return reader(path, mode)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", cached_reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(name_map))
+        yield
 
 
 @pytest.fixture(scope="session")
-def hf_default_model(default_model_path: Path) -> Iterator[Any]:
+def hf_default_model(
+    default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
     """transformers' ``LlamaForCausalLM`` of the default GGUF (float32, eval mode): the reference
-    for weights and logits. Loading takes several seconds, so it happens once per session."""
+    for weights and logits, from transformers' own GGUF import (its reader, names and
+    dequantisation; never baton's).
+
+    That import takes 7-25 s (see ``gguf_parsed_once``), so it runs once per test run: under
+    xdist the worker that runs it saves the model as a float32 safetensors folder, which the
+    other workers load in under a second (float32 round-trips exactly)."""
+    from safetensors.torch import save_model
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
-    )
+    def convert(folder: Path) -> Any:
+        with gguf_parsed_once():
+            model = LlamaForCausalLM.from_pretrained(
+                default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+            )
+        if run_shared_folder(tmp_path_factory) is not None:
+            # save_pretrained refuses a model loaded from GGUF; its weights are plain float32
+            # tensors by now, so the config without the GGUF entry describes them.
+            config = copy.deepcopy(model.config)
+            del config.quantization_config
+            config.save_pretrained(folder)
+            save_model(model, str(folder / "model.safetensors"))  # the tied head stored once
+        return model
+
+    folder, model = built_once_per_run(tmp_path_factory, "hf_default_model", convert)
+    if model is None:
+        model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.eval()
     yield model
 

@@ -24,20 +24,6 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(default_checkpoint, hf_default_model):
-    """transformers' greedy continuation of every prompt, one prompt at a time."""
-    refs = []
-    for text in PROMPTS:
-        ids = torch.tensor([default_checkpoint.tokenizer.encode(text)])
-        with torch.no_grad():
-            out = hf_default_model.generate(
-                ids, max_new_tokens=32, do_sample=False, eos_token_id=2, pad_token_id=2
-            )
-        refs.append(out[0, ids.shape[1] :].tolist())
-    return refs
-
-
-@pytest.fixture(scope="module")
 def llm(default_checkpoint):
     return LLM.from_checkpoint(default_checkpoint, dtype="float32", max_model_len=512)
 
@@ -46,30 +32,52 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_greedy_equals_transformers(llm, reference_tokens):
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert _tokens(outs) == reference_tokens
-    for o in outs:
+@pytest.fixture(scope="module")
+def greedy_outputs(llm):
+    """The engine's greedy continuation of every prompt, batched (checked against transformers
+    by test_greedy_equals_transformers)."""
+    return llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+def test_greedy_equals_transformers(llm, greedy_outputs, default_checkpoint, hf_default_model):
+    # Teacher-forced: transformers' argmax after every prefix of prompt + output is the next
+    # output token, and EOS where the output stopped. That is its greedy continuation, token
+    # for token, from one forward pass per prompt instead of 32 decode steps (each of which
+    # reads all 540 MB of float32 weights: 15 s for the 8 prompts).
+    tokens = _tokens(greedy_outputs)
+    for text, out in zip(PROMPTS, tokens, strict=True):
+        prompt = default_checkpoint.tokenizer.encode(text)
+        with torch.no_grad():
+            logits = hf_default_model(torch.tensor([prompt + out])).logits[0]
+        assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == out, text
+        assert out[-1] == 2 or len(out) == GREEDY.max_tokens
+    assert any(out[-1] == 2 for out in tokens) and any(len(t) == 32 for t in tokens)
+    for o in greedy_outputs:
         c = o.outputs[0]
         assert c.finish_reason in ("stop", "length")
         assert c.text == llm.get_tokenizer().decode(c.token_ids)
         assert o.metrics.time_to_first_token is not None
 
 
-def test_greedy_with_tiny_budget_chunks_prefill(default_checkpoint, reference_tokens):
+def test_greedy_with_tiny_budget_chunks_prefill(default_checkpoint, greedy_outputs):
     llm = LLM.from_checkpoint(
         default_checkpoint, dtype="float32", max_model_len=512, max_num_batched_tokens=7
     )
-    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference_tokens
+    # Prompts of up to 16 tokens, 7 tokens a step: the longer ones are prefilled in chunks.
+    assert max(len(o.prompt_token_ids) for o in greedy_outputs) > 7
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(greedy_outputs)
 
 
-def test_greedy_with_preemption(default_checkpoint, reference_tokens):
-    # 12 usable blocks of 4 tokens cannot hold 8 growing sequences at once.
+def test_greedy_with_preemption(default_checkpoint, greedy_outputs):
+    # 29 usable blocks of 4 tokens cannot hold the 8 growing sequences at once (about 75 at
+    # their longest). Not much fewer: with 12, the requests ran nearly one at a time, each step
+    # reading all the weights for one or two rows (twice as long for the same check).
     llm = LLM.from_checkpoint(
-        default_checkpoint, dtype="float32", max_model_len=512, block_size=4, num_kv_blocks=13
+        default_checkpoint, dtype="float32", max_model_len=512, block_size=4, num_kv_blocks=30
     )
-    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference_tokens
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(greedy_outputs)
     sched = llm.engine.core.scheduler
+    assert sched.num_preemptions > 0
     assert not sched.has_unfinished_requests()
     assert sched.kv.num_used_blocks == 0
 
@@ -121,28 +129,27 @@ def test_logprobs_equal_log_softmax_of_reference(llm, default_checkpoint, hf_def
 
 
 def test_stop_string_is_cut_and_min_tokens_hold(llm):
-    base = llm.generate("1, 2, 3, 4, 5,", GREEDY, use_tqdm=False)[0].outputs[0].text
-    assert " 7" in base
-    out = llm.generate(
-        "1, 2, 3, 4, 5,",
-        SamplingParams(max_tokens=32, temperature=0.0, stop=[" 7"]),
-        use_tqdm=False,
-    )[0].outputs[0]
-    assert out.finish_reason == "stop" and out.stop_reason == " 7"
-    assert out.text == base[: base.index(" 7")]
-    kept = llm.generate(
-        "1, 2, 3, 4, 5,",
-        SamplingParams(
-            max_tokens=32, temperature=0.0, stop=[" 7"], include_stop_str_in_output=True
-        ),
-        use_tqdm=False,
-    )[0].outputs[0]
-    assert kept.text == base[: base.index(" 7") + 2]
-    forced = llm.generate(
-        "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n",
-        SamplingParams(max_tokens=40, temperature=0.0, min_tokens=30),
-        use_tqdm=False,
-    )[0].outputs[0]
+    # One batch: a decode step reads all the weights whether it has one row or four.
+    count = "1, 2, 3, 4, 5,"
+    base, cut, kept, forced = (
+        o.outputs[0]
+        for o in llm.generate(
+            [count, count, count, "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n"],
+            [
+                GREEDY,
+                SamplingParams(max_tokens=32, temperature=0.0, stop=[" 7"]),
+                SamplingParams(
+                    max_tokens=32, temperature=0.0, stop=[" 7"], include_stop_str_in_output=True
+                ),
+                SamplingParams(max_tokens=40, temperature=0.0, min_tokens=30),
+            ],
+            use_tqdm=False,
+        )
+    )
+    assert " 7" in base.text
+    assert cut.finish_reason == "stop" and cut.stop_reason == " 7"
+    assert cut.text == base.text[: base.text.index(" 7")]
+    assert kept.text == base.text[: base.text.index(" 7") + 2]
     assert len(forced.token_ids) >= 30
 
 
