@@ -70,6 +70,10 @@ def mixed_requests(stop_ids: list[int]) -> list[tuple[str, SamplingParams]]:
 
 def build(tiny_model_dir, **kw) -> LLMEngine:
     kw.setdefault("max_model_len", 256)
+    # One torch thread in the model worker: with two, on a 2-core machine that also runs the
+    # engine thread (and, in the suite, another test process), every parallel op waits for a
+    # descheduled thread; the async run took 5-25 s instead of 6-8 s. Tokens do not change.
+    kw.setdefault("worker_threads", 1)
     return LLMEngine(EngineConfig(model=str(tiny_model_dir), **kw))
 
 
