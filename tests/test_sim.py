@@ -158,31 +158,45 @@ def test_a_token_the_mask_forbids_fails_the_step(tiny_model_dir, tokenizer, tmp_
     assert "forbidden by the bitmask" in final["r0"][3]
 
 
+@pytest.fixture(scope="module")
+def small_kv_engines(tiny_model_dir, tokenizer, tmp_path_factory):
+    """A sync and an async engine on the simulator with KV and token budgets small enough to
+    preempt and chunk, and the JSON and free prompts of their traces. Shared by the parity
+    runs: a new engine's first compile (its compile workers' start) is most of a run here."""
+    traces = tmp_path_factory.mktemp("sim_traces") / "t.jsonl"
+    json_prompts, free_prompts = _traces(tokenizer, traces)
+    engines = [
+        _engine(
+            tiny_model_dir,
+            traces,
+            async_scheduling=mode,
+            block_size=4,
+            num_kv_blocks=40,
+            max_num_batched_tokens=24,
+        )
+        for mode in (False, True)
+    ]
+    yield engines, json_prompts, free_prompts
+    for engine in engines:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("aborts", [False, True])
-def test_sync_and_async_give_the_same_outputs_with_preemption(
-    tiny_model_dir, tokenizer, tmp_path, aborts
-):
-    json_prompts, free_prompts = _traces(tokenizer, tmp_path / "t.jsonl")
+def test_sync_and_async_give_the_same_outputs_with_preemption(small_kv_engines, aborts):
+    engines, json_prompts, free_prompts = small_kv_engines
     requests = []
     for i in range(len(INSTANCES)):
         requests.append((json_prompts[i], _json_sp()))
         requests.append((free_prompts[i], SamplingParams(max_tokens=40, temperature=0.0)))
     abort = {"r3": 4, "r8": 2, "r13": 6} if aborts else None
     results, preemptions = [], []
-    for mode in (False, True):
-        engine = _engine(
-            tiny_model_dir,
-            tmp_path / "t.jsonl",
-            async_scheduling=mode,
-            block_size=4,
-            num_kv_blocks=40,
-            max_num_batched_tokens=24,
-        )
-        try:
-            results.append(run_to_end(engine, requests, abort))
-            preemptions.append(engine.core.scheduler.num_preemptions)
-        finally:
-            engine.shutdown()
+    for engine in engines:
+        sched = engine.core.scheduler
+        # Each run starts from an empty prefix cache, whichever ran before on the engine.
+        assert sched.kv.reset_prefix_cache()
+        before = sched.num_preemptions
+        results.append(run_to_end(engine, requests, abort))
+        preemptions.append(sched.num_preemptions - before)
     assert results[0] == results[1]
     assert min(preemptions) > 0
     final = results[0]
