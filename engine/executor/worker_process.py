@@ -21,9 +21,12 @@ import sys
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-# Runs in the fresh interpreter. An import failure is sent to the engine as the reason.
+# Runs in the fresh interpreter. An import failure is sent to the engine as the reason. After
+# serving it leaves with os._exit: tearing down an interpreter that imported torch took ~0.6 s,
+# which every engine shutdown waited for, and nothing is left to finalise (the shared buffers
+# are the engine's, mapped through inherited descriptors; everything was sent).
 _BOOTSTRAP = """\
-import sys, json, traceback
+import os, sys, json, traceback
 from multiprocessing.connection import Connection
 conn = Connection(int(sys.argv[1]))
 try:
@@ -32,7 +35,10 @@ try:
 except BaseException:
     conn.send(("error", "cannot import the model worker:\\n" + traceback.format_exc()))
     raise SystemExit(1)
-raise SystemExit(serve(conn))
+code = serve(conn)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
 """
 _STOP_S = 5.0
 
