@@ -145,7 +145,8 @@ class EngineConfig:
             construction.
         worker_threads: torch threads of the model worker process ("mp"; of each rank's
             under tensor parallelism); None leaves one core to the engine thread when there
-            are more than two, and uses every core otherwise (shared out among the ranks).
+            are more than two, and uses every core otherwise (shared out among the ranks),
+            at most $OMP_NUM_THREADS per worker when that is set.
         tensor_parallel_size: worker processes the model is cut over, one shard of every
             layer each (heads, MLP and vocabulary split; all-reduces through
             ``torch.distributed``, gloo on the CPU). Needs the "mp" executor (None picks it)

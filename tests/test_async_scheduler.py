@@ -243,3 +243,20 @@ def test_engine_config_resolves_async_scheduling(caplog, monkeypatch):
         EngineConfig(max_concurrent_batches=3)
     with pytest.raises(ValueError, match="executor"):
         EngineConfig(executor="thread")
+
+
+def test_worker_threads_keep_to_the_cores_and_to_omp_num_threads(monkeypatch):
+    from baton.engine.processing import model_setup
+
+    monkeypatch.setattr(model_setup, "num_cpu_cores", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert model_setup._worker_threads(EngineConfig(executor="mp")) == 7  # one for the engine
+    assert model_setup._worker_threads(EngineConfig(executor="mp", worker_threads=3)) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert model_setup._worker_threads(EngineConfig(executor="mp")) == 2
+    assert model_setup._worker_threads(EngineConfig(executor="mp", worker_threads=5)) == 5
+    monkeypatch.setenv("OMP_NUM_THREADS", "junk")
+    assert model_setup._worker_threads(EngineConfig(executor="mp")) == 7
+    monkeypatch.setattr(model_setup, "num_cpu_cores", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert model_setup._worker_threads(EngineConfig(executor="mp")) == 1
