@@ -13,7 +13,7 @@ validated against the schema. Prints a table, the ratios the goals need and
 whether each goal was met (it asserts nothing); writes JSON and a PNG.
 
     python -m baton.bench.engine [--regimes a,b] [--batches 1,8,32,64]
-        [--output-len 64] [--json-fractions 0,1] [--repeats 2]
+        [--output-len 64] [--json-fractions 0,1] [--repeats 2] [--worker-threads N]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import jsonschema
 import torch
 
-from baton.bench.common import csv_of, write_results
+from baton.bench.common import csv_of, require_positive_ints, write_results
 from baton.bench.engine_report import compute_ratios, evaluate_goals, plot, print_report
 from baton.bench.engine_sim import add_sim_args, main_sim
 from baton.bench.forward import RESULTS
@@ -98,7 +98,11 @@ class TinyModelShape:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What one benchmark run measures; raises ``ValueError`` naming a bad field."""
+    """What one benchmark run measures; raises ``ValueError`` naming a bad field.
+
+    ``worker_threads`` is the torch threads of the model worker process (None: the engine's
+    default, every core on a 2-core machine and one left to the engine thread above that).
+    """
 
     regimes: tuple[str, ...] = ("a", "b")
     batches: tuple[int, ...] = (1, 8, 32, 64)
@@ -108,6 +112,7 @@ class BenchConfig:
     goal_batch: int = 32
     model: str | None = None
     device: str = "cpu"
+    worker_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device.startswith(("cpu", "cuda")):
@@ -132,6 +137,12 @@ class BenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.goal_batch <= 0:
             raise ValueError(f"goal_batch must be a positive int, got {self.goal_batch}")
+        if self.worker_threads is not None:
+            require_positive_ints(self, "worker_threads")
+            if self.device != "cpu":
+                raise ValueError(
+                    f"worker_threads applies to the CPU model worker, not to device {self.device}"
+                )
 
 
 @dataclass
@@ -328,9 +339,11 @@ def build_llm(
     max_len: int,
     warm: list[list[int]],
     device: str = "cpu",
+    worker_threads: int | None = None,
 ) -> LLM:
-    """An engine over ``ckpt`` sized for the benchmark, warmed up on ``warm`` (first-call
-    costs, the schema's grammar compile)."""
+    """An engine over ``ckpt`` sized for the benchmark (``worker_threads`` torch threads in
+    its model worker, None: the engine's default), warmed up on ``warm`` (first-call costs,
+    the schema's grammar compile)."""
     blocks_per_seq = math.ceil(max_len / BLOCK_SIZE) + 1
     llm = LLM.from_checkpoint(
         ckpt,
@@ -340,6 +353,7 @@ def build_llm(
         # in-process executor would also change the engine's mask-fill threads, 2 vs 1), so
         # the difference is the scheduling alone.
         executor="mp" if device == "cpu" else None,
+        worker_threads=worker_threads,
         max_num_seqs=max_batch,
         max_model_len=max_len,
         block_size=BLOCK_SIZE,
@@ -373,7 +387,9 @@ def run_regime(
     runs: dict[tuple[bool, int, float], list[RunMeasure]] = {}
     try:
         for mode in (True, False):
-            llms[mode] = build_llm(ckpt, mode, max(cfg.batches), max_len, warm, cfg.device)
+            llms[mode] = build_llm(
+                ckpt, mode, max(cfg.batches), max_len, warm, cfg.device, cfg.worker_threads
+            )
         for batch, fraction, rep in cases:
             params = request_params(batch, fraction, cfg.output_len)
             # Alternate which mode goes first, so drift in machine load hits both alike.
@@ -443,6 +459,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--repeats", type=int, default=2, help="runs per case, interleaved")
     p.add_argument(
+        "--worker-threads",
+        type=int,
+        default=None,
+        help="torch threads of the CPU model worker process (default: the engine's, every "
+        "core on a 2-core machine, one left to the engine thread above that); 1 keeps a smoke "
+        "run from stalling beside other busy processes",
+    )
+    p.add_argument(
         "--goal-batch",
         type=int,
         default=32,
@@ -454,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     add_sim_args(p)
     a = p.parse_args(argv)
     if a.device.startswith("sim:"):
+        if a.worker_threads is not None:
+            p.error("--worker-threads applies to the CPU model worker, not to a simulated device")
         return main_sim(p, a)
     try:
         cfg = BenchConfig(
@@ -465,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             goal_batch=a.goal_batch,
             model=a.model,
             device=a.device,
+            worker_threads=a.worker_threads,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -501,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         "steady_trim_steps": STEADY_TRIM,
         "device": cfg.device,
         "threads": torch.get_num_threads(),
+        "worker_threads": cfg.worker_threads,
         "torch": torch.__version__,
         "schema": SCHEMA,
         "rows": rows,

@@ -37,8 +37,12 @@ def test_bench_engine_smallest_run_writes_every_row(tmp_path: Path) -> None:
 
     out = tmp_path / "engine.json"
     argv = ["--regimes", "b", "--batches", "1,2", "--output-len", "4", "--repeats", "1"]
+    # One torch thread in each model worker: with two, beside another busy process on a
+    # 2-core machine, every parallel op waits for a descheduled thread.
+    argv += ["--worker-threads", "1"]
     assert main([*argv, "--goal-batch", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["worker_threads"] == 1
     rows = result["rows"]
     cases = {(r["async"], r["json_fraction"], r["batch"]) for r in rows}
     assert cases == {(a, f, b) for a in (True, False) for f in (0.0, 1.0) for b in (1, 2)}
@@ -63,6 +67,18 @@ def test_bench_engine_smallest_run_writes_every_row(tmp_path: Path) -> None:
     trace = result["step_trace"]
     assert trace["batch"] == 2 and trace["json_fraction"] == 1.0
     assert len(trace["async"]["wall_ms"]) > 0 and len(trace["sync"]["device_ms"]) > 0
+
+
+def test_worker_threads_is_a_positive_int_for_the_cpu_model_worker() -> None:
+    from baton.bench.engine import BenchConfig, main
+
+    with pytest.raises(ValueError, match="worker_threads"):
+        BenchConfig(worker_threads=0)
+    with pytest.raises(ValueError, match="CPU model worker"):
+        BenchConfig(worker_threads=1, device="cuda")
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "sim:h200", "--worker-threads", "1"])
+    assert exc.value.code == 2
 
 
 def test_cli_bench_engine_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
