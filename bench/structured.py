@@ -22,7 +22,8 @@ constrained run's prompts). Goal: structured / free <= 1.05 at every batch size,
 workload and mode. Writes JSON and a PNG.
 
     baton bench structured [--batches 1,8,32] [--max-tokens 64] [--rounds 3] [--sample 16]
-        [--modes sync,async] [--workloads peers,shared] [--out bench/results/structured.json]
+        [--modes sync,async] [--workloads peers,shared] [--worker-threads N]
+        [--out bench/results/structured.json]
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class StructuredConfig:
         data: the shared schema data (maskbench files).
         model: GGUF file or Hugging Face folder (None: the default model).
         dtype: "float32" or "bfloat16".
+        worker_threads: torch threads of the async mode's model worker process (None: the
+            engine's default, every core on a 2-core machine and one left to the engine
+            thread above that).
     """
 
     batches: tuple[int, ...] = (1, 8, 32)
@@ -77,11 +81,14 @@ class StructuredConfig:
     data: Path | None = None
     model: str | None = None
     dtype: str = "float32"
+    worker_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
             raise ValueError(f"batches must be positive ints, got {self.batches!r}")
         common.require_positive_ints(self, "max_tokens", "rounds", "sample")
+        if self.worker_threads is not None:
+            common.require_positive_ints(self, "worker_threads")
         if not self.modes or any(m not in MODES for m in self.modes):
             raise ValueError(f"modes must be some of {', '.join(MODES)}, got {self.modes!r}")
         if not self.workloads or any(w not in WORKLOADS for w in self.workloads):
@@ -238,6 +245,7 @@ def run_mode(
         max_model_len=1024,
         enable_prefix_caching=False,
         grammar_compile_timeout_s=COMPILE_TIMEOUT_S,
+        worker_threads=cfg.worker_threads,
     )
     rows, dropped_all = [], []
     try:
@@ -329,6 +337,7 @@ def run(cfg: StructuredConfig) -> dict[str, Any]:
             "workloads": list(cfg.workloads),
             "sample": sample,
             "dtype": cfg.dtype,
+            "worker_threads": cfg.worker_threads,
             "load_avg": load_avg,
             "wall_s": time.perf_counter() - t0,
         },
@@ -383,6 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="sync,async", help="sync and/or async")
     p.add_argument("--workloads", default="peers,shared", help="peers and/or shared")
     p.add_argument("--data", type=Path, default=None, help="default: ../shared/data")
+    p.add_argument(
+        "--worker-threads",
+        type=int,
+        default=None,
+        help="torch threads of the async mode's model worker process (default: the engine's, "
+        "every core on a 2-core machine, one left to the engine thread above that); 1 keeps a "
+        "smoke run from stalling beside other busy processes",
+    )
     a = p.parse_args(argv)
     try:
         cfg = StructuredConfig(
@@ -395,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             data=a.data,
             model=a.model,
             dtype=a.dtype,
+            worker_threads=a.worker_threads,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -30,6 +30,8 @@ def test_config_names_a_bad_field() -> None:
         StructuredConfig(modes=("fast",))
     with pytest.raises(ValueError, match="workloads"):
         StructuredConfig(workloads=("toy",))
+    with pytest.raises(ValueError, match="worker_threads"):
+        StructuredConfig(worker_threads=0)
 
 
 def test_one_goal_per_workload_and_mode_at_its_worst_batch() -> None:
@@ -52,8 +54,12 @@ def test_smallest_run_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path) ->
     out = tmp_path / "structured.json"
     argv = ["--model", str(tiny_model_dir), "--batches", "1,3", "--max-tokens", "6"]
     argv += ["--rounds", "1", "--sample", "5", "--data", str(data), "--out", str(out)]
+    # One torch thread in the async mode's model worker: with two, beside another busy process
+    # on a 2-core machine, every parallel op waits for a descheduled thread.
+    argv += ["--worker-threads", "1"]
     assert main(argv) == 0
     result = json.loads(out.read_text())
+    assert result["config"]["worker_threads"] == 1
     assert out.with_suffix(".png").stat().st_size > 0
     # The schema no backend enforces is not sampled; the others are.
     assert result["config"]["sample"] == ["a-person.json", "c-color.json"]
