@@ -114,12 +114,12 @@ class _CheckingExecutor(UniExecutor):
 def test_mirrors_follow_the_device_through_preemption_under_async_scheduling(tiny_model_dir):
     small = {"block_size": 4, "num_kv_blocks": 24, "max_num_batched_tokens": 16}
     reqs = _requests() * 2
-    reference = _engine(tiny_model_dir, async_scheduling=False, **small)
-    expected = _run(reference, reqs)
-    reference.shutdown()
-
     engine = _engine(tiny_model_dir, async_scheduling=False, **small)
+    # The reference: the same engine's synchronous run (a second engine would compile the
+    # grammar again, in compile workers of its own).
+    expected = _run(engine, reqs)
     sync_core = engine.core
+    assert sync_core.scheduler.kv.reset_prefix_cache()  # the async run starts cold too
     executor = _CheckingExecutor(sync_core.executor.runner)
     scheduler = AsyncScheduler(
         engine.config, sync_core.scheduler.kv, engine.max_model_len, engine.structured
