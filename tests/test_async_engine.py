@@ -79,8 +79,12 @@ def build(tiny_model_dir, **kw) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
+    """A sync and an async engine; the async one is built with BATON_SYNC_CHECK=error, so every
+    run on it also checks that the engine thread reads no device value outside get_output()."""
     sync = build(tiny_model_dir, async_scheduling=False)
-    asy = build(tiny_model_dir, async_scheduling=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATON_SYNC_CHECK", "error")
+        asy = build(tiny_model_dir, async_scheduling=True)
     yield sync, asy
     sync.shutdown()
     asy.shutdown()
@@ -164,30 +168,30 @@ def test_max_tokens_takes_no_extra_step(engines):
         assert engine.stats()["steps"] - steps == 9
 
 
-def test_sync_check_catches_a_planted_item(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("BATON_SYNC_CHECK", "error")
-    engine = build(tiny_model_dir, async_scheduling=True)
-    try:
-        sp = SamplingParams(max_tokens=6, temperature=0.0)
-        json_sp = SamplingParams(
-            max_tokens=6, temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA)
-        )
-        reqs = [(PROMPTS[0], sp), (PROMPTS[1], json_sp)]
-        assert (
-            len(run_to_end(engine, reqs)) == 2
-        )  # the step itself never waits outside get_output()
-        real = engine.core.scheduler.schedule
+def test_sync_check_catches_a_planted_item(engines, monkeypatch):
+    _, engine = engines
+    assert engine.core.checker.mode == "error"
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    json_sp = SamplingParams(
+        max_tokens=6, temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
+    reqs = [(PROMPTS[0], sp), (PROMPTS[1], json_sp)]
+    assert len(run_to_end(engine, reqs)) == 2  # the step itself never waits outside get_output()
+    real = engine.core.scheduler.schedule
 
-        def planted():
-            torch.ones(1).sum().item()
-            return real()
+    def planted():
+        torch.ones(1).sum().item()
+        return real()
 
-        monkeypatch.setattr(engine.core.scheduler, "schedule", planted)
-        engine.add_request("x", PROMPTS[2], sp)
-        with pytest.raises(SyncCheckError, match="planted"):
-            engine.step()
-    finally:
-        engine.shutdown()
+    monkeypatch.setattr(engine.core.scheduler, "schedule", planted)
+    engine.add_request("x", PROMPTS[2], sp)
+    with pytest.raises(SyncCheckError, match="planted"):
+        engine.step()
+    # The engine it failed in goes on: the request is dropped and the next run completes.
+    monkeypatch.undo()
+    engine.abort_request("x")
+    assert not engine.has_unfinished_requests()
+    assert run_to_end(engine, reqs[:1])["r0"][1] == "length"
 
 
 def test_worker_crash_fails_requests_instead_of_hanging(tiny_model_dir):
