@@ -107,23 +107,39 @@ def _json_sp(**kw) -> SamplingParams:
     )
 
 
-def test_traces_end_requests_where_they_end(tiny_model_dir, tokenizer, tmp_path):
-    json_prompts, free_prompts = _traces(tokenizer, tmp_path / "t.jsonl")
-    engine = _engine(tiny_model_dir, tmp_path / "t.jsonl")
-    try:
-        story = tokenizer.encode(STORY, add_special_tokens=False)
-        final = run_to_end(
-            engine,
-            [
-                (free_prompts[3], SamplingParams(max_tokens=200, temperature=0.0)),
-                (free_prompts[4], SamplingParams(max_tokens=5, temperature=0.0)),
-                (json_prompts[2], _json_sp()),
-                (free_prompts[5], SamplingParams(max_tokens=200, ignore_eos=True)),
-                (tokenizer.encode("a prompt with no trace"), SamplingParams(max_tokens=4)),
-            ],
-        )
-    finally:
-        engine.shutdown()
+@pytest.fixture(scope="module")
+def sim_traces(tokenizer, tmp_path_factory):
+    """The module's trace book (see ``_traces``): its path, the JSON prompts, the free ones."""
+    path = tmp_path_factory.mktemp("sim_traces") / "t.jsonl"
+    return (path, *_traces(tokenizer, path))
+
+
+@pytest.fixture(scope="module")
+def checked_engine(tiny_model_dir, sim_traces):
+    """An engine on the simulator (async scheduling, its default there) built with
+    BATON_SYNC_CHECK=error: every run on it also checks that the engine thread reads no device
+    state outside get_output(). Shared, as a new engine's first compile (its compile workers'
+    start) is most of a test's time here."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATON_SYNC_CHECK", "error")
+        engine = _engine(tiny_model_dir, sim_traces[0])
+    yield engine
+    engine.shutdown()
+
+
+def test_traces_end_requests_where_they_end(checked_engine, tokenizer, sim_traces):
+    _, json_prompts, free_prompts = sim_traces
+    story = tokenizer.encode(STORY, add_special_tokens=False)
+    final = run_to_end(
+        checked_engine,
+        [
+            (free_prompts[3], SamplingParams(max_tokens=200, temperature=0.0)),
+            (free_prompts[4], SamplingParams(max_tokens=5, temperature=0.0)),
+            (json_prompts[2], _json_sp()),
+            (free_prompts[5], SamplingParams(max_tokens=200, ignore_eos=True)),
+            (tokenizer.encode("a prompt with no trace"), SamplingParams(max_tokens=4)),
+        ],
+    )
     assert final["r0"][:2] == ([*story[:16], tokenizer.eos_token_id], "stop")  # trace, EOS
     assert final["r1"][:2] == (story[:5], "length")
     assert json.loads(final["r2"][2]) == INSTANCES[2] and final["r2"][1] == "stop"
@@ -159,12 +175,11 @@ def test_a_token_the_mask_forbids_fails_the_step(tiny_model_dir, tokenizer, tmp_
 
 
 @pytest.fixture(scope="module")
-def small_kv_engines(tiny_model_dir, tokenizer, tmp_path_factory):
+def small_kv_engines(tiny_model_dir, sim_traces):
     """A sync and an async engine on the simulator with KV and token budgets small enough to
     preempt and chunk, and the JSON and free prompts of their traces. Shared by the parity
     runs: a new engine's first compile (its compile workers' start) is most of a run here."""
-    traces = tmp_path_factory.mktemp("sim_traces") / "t.jsonl"
-    json_prompts, free_prompts = _traces(tokenizer, traces)
+    traces, json_prompts, free_prompts = sim_traces
     engines = [
         _engine(
             tiny_model_dir,
@@ -213,33 +228,33 @@ def test_sync_and_async_give_the_same_outputs_with_preemption(small_kv_engines, 
 
 
 def test_the_engine_reads_no_device_state_outside_get_output(
-    tiny_model_dir, tokenizer, tmp_path, monkeypatch
+    checked_engine, sim_traces, monkeypatch
 ):
-    monkeypatch.setenv("BATON_SYNC_CHECK", "error")
-    json_prompts, free_prompts = _traces(tokenizer, tmp_path / "t.jsonl")
-    engine = _engine(tiny_model_dir, tmp_path / "t.jsonl", async_scheduling=True)
-    try:
-        requests = [(json_prompts[i], _json_sp()) for i in range(4)]
-        requests += [
-            (free_prompts[i], SamplingParams(max_tokens=20, logprobs=None)) for i in range(4)
-        ]
-        final = run_to_end(engine, requests)
-        assert all(v[1] in ("stop", "length") for v in final.values())
-        # The check is live on the simulator: a planted read is caught.
-        real = engine.core.scheduler.schedule
+    engine = checked_engine
+    assert engine.core.checker.mode == "error"
+    _, json_prompts, free_prompts = sim_traces
+    requests = [(json_prompts[i], _json_sp()) for i in range(4)]
+    requests += [(free_prompts[i], SamplingParams(max_tokens=20, logprobs=None)) for i in range(4)]
+    final = run_to_end(engine, requests)
+    assert all(v[1] in ("stop", "length") for v in final.values())
+    # The check is live on the simulator: a planted read is caught.
+    real = engine.core.scheduler.schedule
 
-        def planted():
-            import torch
+    def planted():
+        import torch
 
-            torch.ones(1).sum().item()
-            return real()
+        torch.ones(1).sum().item()
+        return real()
 
-        monkeypatch.setattr(engine.core.scheduler, "schedule", planted)
-        engine.add_request("x", free_prompts[5], SamplingParams(max_tokens=4))
-        with pytest.raises(SyncCheckError, match="planted"):
-            engine.step()
-    finally:
-        engine.shutdown()
+    monkeypatch.setattr(engine.core.scheduler, "schedule", planted)
+    engine.add_request("x", free_prompts[5], SamplingParams(max_tokens=4))
+    with pytest.raises(SyncCheckError, match="planted"):
+        engine.step()
+    # The engine it failed in goes on: the request is dropped and the next run completes.
+    monkeypatch.undo()
+    engine.abort_request("x")
+    assert not engine.has_unfinished_requests()
+    assert run_to_end(engine, requests[4:5])["r0"][1] in ("stop", "length")
 
 
 def test_the_device_timeline_runs_in_order_and_waits_are_real(tiny_model_dir, tokenizer, tmp_path):
