@@ -138,19 +138,22 @@ def test_logprobs_equal_log_softmax_of_reference(llm, default_checkpoint, hf_def
 
 
 def test_stop_string_is_cut_and_min_tokens_hold(llm):
-    # One batch: a decode step reads all the weights whether it has one row or four.
+    # One batch, as short as the checks allow: a decode step reads all the weights whether it
+    # has one row or five.
     count = "1, 2, 3, 4, 5,"
-    base, cut, kept, forced = (
+    say_ok = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n"
+    base, cut, kept, natural, forced = (
         o.outputs[0]
         for o in llm.generate(
-            [count, count, count, "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n"],
+            [count, count, count, say_ok, say_ok],
             [
-                GREEDY,
-                SamplingParams(max_tokens=32, temperature=0.0, stop=[" 7"]),
+                SamplingParams(max_tokens=12, temperature=0.0),
+                SamplingParams(max_tokens=12, temperature=0.0, stop=[" 7"]),
                 SamplingParams(
-                    max_tokens=32, temperature=0.0, stop=[" 7"], include_stop_str_in_output=True
+                    max_tokens=12, temperature=0.0, stop=[" 7"], include_stop_str_in_output=True
                 ),
-                SamplingParams(max_tokens=40, temperature=0.0, min_tokens=30),
+                SamplingParams(max_tokens=20, temperature=0.0),
+                SamplingParams(max_tokens=20, temperature=0.0, min_tokens=16),
             ],
             use_tqdm=False,
         )
@@ -159,7 +162,9 @@ def test_stop_string_is_cut_and_min_tokens_hold(llm):
     assert cut.finish_reason == "stop" and cut.stop_reason == " 7"
     assert cut.text == base.text[: base.text.index(" 7")]
     assert kept.text == base.text[: base.text.index(" 7") + 2]
-    assert len(forced.token_ids) >= 30
+    # Left alone the answer ends (EOS) before 16 tokens; min_tokens keeps it going.
+    assert natural.finish_reason == "stop" and len(natural.token_ids) < 16
+    assert len(forced.token_ids) >= 16
 
 
 def test_chat_batch_and_single(llm):
