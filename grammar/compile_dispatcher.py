@@ -59,7 +59,15 @@ _COUNTERS = (
 
 
 class CompileTimeout(GrammarError):
-    """A compile ran longer than the time limit; its worker was stopped."""
+    """A compile ran longer than the time limit; its worker was stopped.
+
+    ``over_limit`` is True when it used up its running time (the same spec would again),
+    False when the wall-clock backstop stopped it (a starved worker: it might not).
+    """
+
+    def __init__(self, message: str, over_limit: bool = True) -> None:
+        super().__init__(message)
+        self.over_limit = over_limit
 
 
 class SpecRejected(GrammarError):
@@ -145,8 +153,8 @@ class CompileDispatcher:
         timeout_s: time limit of a compile's own running time (its worker's CPU time).
         config: worker counts, queue bound, memory cap.
         rebuild: (backend name, spec, worker bytes) -> the engine's grammar.
-        on_failed: called with each job that failed, before its future is set (outside
-            every lock of the dispatcher).
+        on_failed: called with each job that failed and its error, before its future is set
+            (outside every lock of the dispatcher).
     """
 
     def __init__(
@@ -157,7 +165,7 @@ class CompileDispatcher:
         timeout_s: float,
         config: CompilePoolConfig,
         rebuild: Rebuild,
-        on_failed: Callable[[CompileJob], None],
+        on_failed: Callable[[CompileJob, BaseException], None],
     ) -> None:
         self._recipes = tuple(r.for_workers() for r in recipes)
         self._vocab = vocab
@@ -431,14 +439,16 @@ class CompileDispatcher:
                 worker.pid,
             )
             self._observe(job.used_s)
+            over_limit = now < job.deadline
             self._fail(
                 job,
                 CompileTimeout(
                     f"grammar compilation timed out: it ran longer than the limit of "
                     f"{self.timeout_s:g} s, and its worker was stopped"
-                    if now < job.deadline
+                    if over_limit
                     else f"grammar compilation timed out: it made too little progress in "
-                    f"{wall:.0f} s, and its worker was stopped"
+                    f"{wall:.0f} s, and its worker was stopped",
+                    over_limit,
                 ),
             )
 
@@ -461,7 +471,7 @@ class CompileDispatcher:
     def _fail(self, job: CompileJob, error: BaseException) -> None:
         with self._lock:
             self._loading.discard(job)
-        self._on_failed(job)
+        self._on_failed(job, error)
         with contextlib.suppress(InvalidStateError):  # already resolved
             job.future.set_exception(error)
 

@@ -16,6 +16,10 @@ grammar is still compiling waits without holding up anyone.
   never block the ones behind them.
 * A worker sends back bytes that the engine's own backend rebuilds (``export_compiled`` /
   ``import_compiled``); the result is cached in the engine process.
+* A failure that would repeat (the backend refused the spec, or its compile used up the
+  time limit) is cached too: the next request for that spec falls back (or fails) at once
+  instead of paying for the same failed compile, and a hostile spec sent again costs
+  nothing. Crashes, memory failures and wall-clock stops are not kept: those compile again.
 """
 
 from __future__ import annotations
@@ -350,8 +354,8 @@ class CompileService:
         return job.future, False
 
     def _sized(self, key: tuple[object, ...], future: Future[Compiled]) -> None:
-        """Counts a finished compile's size against the cache budget (failures are dropped
-        from the cache by ``_forget``)."""
+        """Counts a finished compile's size against the cache budget (a failure kept in the
+        cache by ``_forget`` counts as an entry of no bytes)."""
         if future.cancelled() or future.exception() is not None:
             return
         with self._lock:
@@ -370,8 +374,15 @@ class CompileService:
             key, _ = self._cache.popitem(last=False)
             self._cached_bytes -= self._sizes.pop(key, 0)
 
-    def _forget(self, job: CompileJob) -> None:
-        """Drops a failed compile from the cache: the next request for it compiles again."""
+    def _forget(self, job: CompileJob, error: BaseException) -> None:
+        """Drops a failed compile from the cache, so the next request for it compiles again;
+        unless the failure would repeat (the backend refused the spec, or the compile used up
+        its running time): that failure stays cached, and later requests for the spec go
+        straight to the next backend (or fail) instead of compiling it again."""
+        if isinstance(error, SpecRejected) or (
+            isinstance(error, CompileTimeout) and error.over_limit
+        ):
+            return
         with self._lock:
             if self._cache.get(job.key) is job.future:
                 del self._cache[job.key]

@@ -123,6 +123,10 @@ def test_a_compile_past_the_limit_fails_alone_and_its_worker_is_replaced(
     assert not [pid for pid in pids - set(service.worker_pids()) if alive(pid)]
     again, _ = wait(service.submit(simple(1)))
     assert again.error is None and again.grammar is not None
+    # The same spec again fails at once from the cache: it would use up the limit again.
+    repeat, seconds = wait(service.submit(hostile(0)))
+    assert "timed out" in str(repeat.error) and seconds < 0.5, (repeat.error, seconds)
+    assert service.stats()["grammar_compile_worker_kills"] == after["grammar_compile_worker_kills"]
 
 
 def test_four_hostile_specs_do_not_delay_a_simple_one(service: CompileService) -> None:
@@ -189,9 +193,19 @@ def test_the_cache_keeps_to_its_byte_budget_least_recently_used_first(
 
 
 def test_auto_falls_back_on_a_compile_error_and_says_why(service: CompileService) -> None:
-    result, _ = wait(service.submit(Spec(regex=r"(?i)abc")))  # xgrammar has no flag groups
+    spec = Spec(regex=r"(?i)abc")  # xgrammar has no flag groups
+    result, _ = wait(service.submit(spec))
     assert result.backend == "outlines" and result.error is None
     assert result.fallback_reason and "xgrammar" in result.fallback_reason
+    # xgrammar's refusal is kept: the next request goes straight to outlines' cached grammar
+    # (a request that compiled its refusal again would miss its batch's first step).
+    before = service.stats()
+    repeat, seconds = wait(service.submit(spec))
+    after = service.stats()
+    assert repeat.backend == "outlines" and repeat.cache_hit and seconds < 0.05, seconds
+    assert repeat.fallback_reason == result.fallback_reason
+    assert after["grammar_cache_misses"] == before["grammar_cache_misses"]
+    assert after["grammar_compile_errors"] == before["grammar_compile_errors"]
 
 
 def test_the_queue_is_bounded_but_cached_and_running_specs_always_pass(
@@ -256,6 +270,11 @@ def test_a_worker_that_dies_fails_its_compile_only(tokenizer: Tokenizer) -> None
         assert svc.stats()["grammar_compile_worker_deaths"] == 1
         ok, _ = wait(svc.submit(simple(31)))
         assert ok.error is None
+        # A crash is not kept as the spec's answer: the same spec compiles again.
+        misses = svc.stats()["grammar_cache_misses"]
+        retry = svc.submit(hostile(30))
+        assert svc.stats()["grammar_cache_misses"] == misses + 1
+        assert retry.result() is None  # compiling, not failed from the cache
     finally:
         svc.shutdown()
 
