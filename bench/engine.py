@@ -31,6 +31,7 @@ from typing import Any
 import jsonschema
 import torch
 
+from baton.bench import common
 from baton.bench.common import csv_of, require_positive_ints, write_results
 from baton.bench.engine_report import compute_ratios, evaluate_goals, plot, print_report
 from baton.bench.engine_sim import add_sim_args, main_sim
@@ -481,20 +482,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.worker_threads is not None:
             p.error("--worker-threads applies to the CPU model worker, not to a simulated device")
         return main_sim(p, a)
-    try:
-        cfg = BenchConfig(
-            regimes=a.regimes,
-            batches=a.batches or (1, 8, 32, 64),
-            json_fractions=a.json_fractions or (0.0, 1.0),
-            output_len=a.output_len,
-            repeats=a.repeats,
-            goal_batch=a.goal_batch,
-            model=a.model,
-            device=a.device,
-            worker_threads=a.worker_threads,
-        )
-    except ValueError as exc:
-        p.error(str(exc))
+    cfg = common.config_from_args(
+        p,
+        a,
+        BenchConfig,
+        batches=a.batches or BenchConfig.batches,
+        json_fractions=a.json_fractions or BenchConfig.json_fractions,
+    )
 
     trace_regime = "b" if "b" in cfg.regimes else cfg.regimes[0]
     trace_batch = cfg.goal_batch if cfg.goal_batch in cfg.batches else max(cfg.batches)

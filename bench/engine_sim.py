@@ -29,6 +29,7 @@ from typing import Any
 
 import jsonschema
 
+from baton.bench import common
 from baton.bench.common import RESULTS_DIR, judge_goal, write_results
 from baton.bench.engine_sim_report import plot, print_report, timeline_path
 from baton.bench.grammar import default_data_dir
@@ -427,19 +428,13 @@ def main_sim(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """Runs the simulated-device benchmark from ``baton bench engine``'s parsed options
     (``--device sim:<gpu>``); writes ``bench/results/engine_sim.json`` and its plots unless
     ``--out`` names another file. A bad option is the parser's usage error."""
-    try:
-        cfg = SimBenchConfig(
-            device=a.device,
-            shape=a.shape,
-            batches=a.batches or SimBenchConfig.batches,
-            json_fractions=a.json_fractions or SimBenchConfig.json_fractions,
-            waves=a.waves,
-            schemas=a.schemas,
-            model=a.model,
-            data_dir=a.data_dir,
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
+    cfg = common.config_from_args(
+        parser,
+        a,
+        SimBenchConfig,
+        batches=a.batches or SimBenchConfig.batches,
+        json_fractions=a.json_fractions or SimBenchConfig.json_fractions,
+    )
     result = run(cfg)
     print_report(result)
     out = a.out if a.out != RESULTS_DIR / "engine.json" else RESULTS_DIR / "engine_sim.json"

@@ -401,21 +401,14 @@ def main(argv: list[str] | None = None) -> int:
         "smoke run from stalling beside other busy processes",
     )
     a = p.parse_args(argv)
-    try:
-        cfg = StructuredConfig(
-            batches=tuple(int(b) for b in _names(a.batches)),
-            max_tokens=a.max_tokens,
-            rounds=a.rounds,
-            sample=a.sample,
-            modes=_names(a.modes),
-            workloads=_names(a.workloads),
-            data=a.data,
-            model=a.model,
-            dtype=a.dtype,
-            worker_threads=a.worker_threads,
-        )
-    except ValueError as exc:
-        p.error(str(exc))
+    cfg = common.config_from_args(
+        p,
+        a,
+        StructuredConfig,
+        batches=tuple(int(b) for b in _names(a.batches)),
+        modes=_names(a.modes),
+        workloads=_names(a.workloads),
+    )
     result = run(cfg)
     for g in result["goals"]:
         print(f"{'met' if g['met'] else 'MISSED'}: {g['goal']} {g['target']}: {g['value']:.3f}")
