@@ -149,6 +149,17 @@ FAMILIES: dict[str, tuple[dict[str, Any], Any]] = {
         },
         {"points": [1, 22, 333], "pairs": [["x", "y"], ["z"]]},
     ),
+    "arrays without items": (
+        {
+            "type": "object",
+            "properties": {
+                "any": {"type": "array", "minItems": 1, "maxItems": 4},
+                "more": {"type": "array"},
+            },
+            "required": ["any", "more"],
+        },
+        {"any": [1, "a b\\c", {"k": [None, True]}], "more": [[2.5], {}]},
+    ),
     "anyOf/oneOf": (
         {
             "type": "object",

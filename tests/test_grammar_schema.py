@@ -88,10 +88,13 @@ def test_xgrammar_normal_form_splits_untyped_keywords_by_type() -> None:
     others = ["null", "boolean", "number", "array", "object"]
     assert xgrammar_normal_form({"minLength": 2, "title": "t"}) == {
         "title": "t",
-        "anyOf": [{"type": "string", "minLength": 2}, {"type": others}],
+        "anyOf": [{"type": "string", "minLength": 2}, {"type": others, "items": {}}],
     }
     both = xgrammar_normal_form({"minimum": 1, "maxItems": 3})
-    assert both["anyOf"][:2] == [{"type": "number", "minimum": 1}, {"type": "array", "maxItems": 3}]
+    assert both["anyOf"][:2] == [
+        {"type": "number", "minimum": 1},
+        {"type": "array", "maxItems": 3, "items": {}},  # no items: any item
+    ]
     # Left alone: typed, inferred (properties), a format no one defines, property names
     # (always strings), and a node a $ref points inside.
     for schema in (

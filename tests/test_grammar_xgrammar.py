@@ -1067,11 +1067,17 @@ DRAFT_FORMS = [
         [[1], []],
         [[1, 2]],
     ),
+    # No items: any item (xgrammar's strict mode alone allowed [] only, and with minItems
+    # refused to compile).
+    ({"type": "array", "minItems": 1}, "2020-12", [[1], ["a", {"b": [None]}, 2.5]], [[]]),
+    ({"type": "array", "maxItems": 2}, "2020-12", [[], [{"k": "v"}, [1]]], [[1, 2, 3]]),
+    ({"type": ["array", "null"], "minItems": 2}, "2020-12", [None, [1, "x"]], [[1], "x"]),
+    ({"minItems": 2}, "2020-12", [[True, False], "text", 3], [[1]]),
 ]
 
 
 @pytest.mark.parametrize(("schema", "draft", "valid", "invalid"), DRAFT_FORMS, ids=str)
-def test_boolean_property_names_and_tuple_items_are_enforced(
+def test_draft_forms_and_arrays_without_items_are_enforced(
     backend: XGrammarBackend,
     tokenizer: Tokenizer,
     schema: dict[str, Any],
@@ -1079,8 +1085,9 @@ def test_boolean_property_names_and_tuple_items_are_enforced(
     valid: list[Any],
     invalid: list[Any],
 ) -> None:
-    # xgrammar refuses both forms ("propertyNames must be an object", "items must be a boolean
-    # or an object"): baton hands it the 2020-12 forms that mean the same.
+    # xgrammar refuses the draft forms ("propertyNames must be an object", "items must be a
+    # boolean or an object") and narrows an array without items: baton hands it forms that mean
+    # what the schema says.
     validator = VALIDATORS[draft](schema)
     assert xgrammar_unenforced_keywords(xgrammar_normal_form(schema)) == set()
     for value in valid:

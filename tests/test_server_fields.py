@@ -162,9 +162,13 @@ def tool_with(parameters: Any, name: str = "f") -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
 
-# Valid JSON Schema that xgrammar's strict mode cannot compile (an array with a minimum
-# length and no "items"); outlines-core can.
-NO_ITEMS_ARRAY = {"type": "array", "minItems": 1}
+# Valid JSON Schema that xgrammar cannot compile (a property that must be absent: a false
+# subschema); outlines-core can.
+FALSE_PROPERTY = {
+    "type": "object",
+    "properties": {"foo": {"type": "integer"}, "bar": False},
+    "required": ["foo"],
+}
 
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     # (endpoint, fields, the param the 400 names, a word of its message)
@@ -249,9 +253,9 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     (
         "completions",
-        {"guided_json": NO_ITEMS_ARRAY, "guided_decoding_backend": "xgrammar"},
+        {"guided_json": FALSE_PROPERTY, "guided_decoding_backend": "xgrammar"},
         "guided_json",
-        "minItems is greater than the number of prefixItems",
+        "cannot accept any value",
     ),
     ("completions", {"echo": True}, "echo", "echo"),
     ("completions", {"suffix": "x"}, "suffix", "suffix"),
@@ -327,14 +331,14 @@ def test_a_spec_that_cannot_compile_is_a_400_when_streamed_too(
 
 
 def test_auto_falls_back_where_one_backend_cannot_compile(default_model_server: str) -> None:
-    body = COMPLETION | {"guided_json": NO_ITEMS_ARRAY, "max_tokens": 12}
+    body = COMPLETION | {"guided_json": FALSE_PROPERTY, "max_tokens": 12}
     r = httpx.post(f"{default_model_server}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     (out,) = r.json()["choices"]
     if out["finish_reason"] == "stop":
-        jsonschema.validate(json.loads(out["text"]), NO_ITEMS_ARRAY)
+        jsonschema.validate(json.loads(out["text"]), FALSE_PROPERTY)
     else:
-        assert out["finish_reason"] == "length" and out["text"].startswith("[")
+        assert out["finish_reason"] == "length" and out["text"].startswith("{")
 
 
 @pytest.mark.parametrize("endpoint", PATHS)
