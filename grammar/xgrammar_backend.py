@@ -30,9 +30,9 @@ from baton.grammar.schema.xgrammar_keywords import (
     XGRAMMAR_ENFORCED_KEYWORDS,
     XGRAMMAR_UNENFORCED_FORMATS,
     XGRAMMAR_UNENFORCED_KEYWORDS,
-    xgrammar_normal_form,
     xgrammar_unenforced_keywords,
 )
+from baton.grammar.schema.xgrammar_normal_form import xgrammar_normal_form
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.structural_tag import (
     json_schema_formats,

@@ -19,11 +19,8 @@ from baton.grammar.schema.refs import (
     resolve_pointer,
     resolves,
 )
-from baton.grammar.schema.xgrammar_keywords import (
-    URI_TEMPLATE_PATTERN,
-    xgrammar_normal_form,
-    xgrammar_unenforced_keywords,
-)
+from baton.grammar.schema.xgrammar_keywords import xgrammar_unenforced_keywords
+from baton.grammar.schema.xgrammar_normal_form import URI_TEMPLATE_PATTERN, xgrammar_normal_form
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.validation import validate_spec
 

@@ -16,7 +16,7 @@ from grammar_testing import EOS, IM_START, VOCAB, allowed, compact, ids, schema_
 
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask
-from baton.grammar.schema.xgrammar_keywords import xgrammar_normal_form
+from baton.grammar.schema.xgrammar_normal_form import xgrammar_normal_form
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.xgrammar_backend import (
     XGRAMMAR_ENFORCED_FORMATS,
@@ -1073,6 +1073,14 @@ DRAFT_FORMS = [
     ({"type": "array", "maxItems": 2}, "2020-12", [[], [{"k": "v"}, [1]]], [[1, 2, 3]]),
     ({"type": ["array", "null"], "minItems": 2}, "2020-12", [None, [1, "x"]], [[1], "x"]),
     ({"minItems": 2}, "2020-12", [[True, False], "text", 3], [[1]]),
+    # A property whose schema is false may not appear (xgrammar refuses a false schema).
+    (
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": False}},
+        "2020-12",
+        [{"a": 1}, {}],
+        [{"a": 1, "b": 2}, {"b": None}],
+    ),
+    ({"properties": {"a": True, "b": False}}, "2020-12", [{"a": [1]}, {}], [{"b": 1}]),
 ]
 
 

@@ -163,11 +163,13 @@ def tool_with(parameters: Any, name: str = "f") -> dict[str, Any]:
 
 
 # Valid JSON Schema that xgrammar cannot compile (a property that must be absent: a false
-# subschema); outlines-core can.
+# subschema, where other names are allowed, so baton cannot leave it undeclared); outlines-core
+# can.
 FALSE_PROPERTY = {
     "type": "object",
     "properties": {"foo": {"type": "integer"}, "bar": False},
     "required": ["foo"],
+    "additionalProperties": {"type": "integer"},
 }
 
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [

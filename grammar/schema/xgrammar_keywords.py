@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from baton.grammar.schema.disjoint import branches_disjoint
-from baton.grammar.schema.normalise import Path, integral_counts, map_schemas
-from baton.grammar.schema.outlines_merge import cousins_ok, merge_schemas
 from baton.grammar.schema.refs import (
-    inside_a_target,
     is_local_ref,
-    ref_target_paths,
     resolve_local_ref,
 )
 from baton.grammar.schema.types import json_type_ok, raw_types, value_type, within
@@ -106,18 +102,18 @@ XGRAMMAR_UNENFORCED_FORMATS: frozenset[str] = frozenset(
 )
 
 # Keywords that only act through another one (if, contains), reported under that one.
-_DEPENDENT = frozenset({"then", "else", "minContains", "maxContains"})
-_VALIDATING = (
+DEPENDENT_KEYWORDS = frozenset({"then", "else", "minContains", "maxContains"})
+VALIDATING_KEYWORDS = (
     frozenset(XGRAMMAR_ENFORCED_KEYWORDS)
     | frozenset(XGRAMMAR_UNENFORCED_KEYWORDS)
-    | _DEPENDENT
+    | DEPENDENT_KEYWORDS
     | {"additionalItems"}
 )
 # Anything else (title, description, default, $defs, $id, x-..., unknown words) is an annotation.
 # When a schema holds several of these, xgrammar builds it from the first alone.
-_DOMINANT_ORDER = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+DOMINANT_ORDER = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
 
-_TYPE_KEYWORDS: dict[str, tuple[str, ...]] = {
+TYPE_KEYWORDS: dict[str, tuple[str, ...]] = {
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
     "string": ("minLength", "maxLength", "pattern", "format"),
     "array": ("minItems", "maxItems"),
@@ -126,7 +122,7 @@ _TYPE_KEYWORDS: dict[str, tuple[str, ...]] = {
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 
 
-def _types_of(node: Mapping[str, Any]) -> set[str] | None:
+def built_types(node: Mapping[str, Any]) -> set[str] | None:
     """The types xgrammar builds ``node`` for; None when it accepts any value."""
     t = node.get("type")
     if isinstance(t, str):
@@ -170,7 +166,7 @@ def _possible_types(node: Any, root: Any, depth: int) -> set[str] | None:
                     return None
                 out |= types
             return out
-    types = _types_of(node)
+    types = built_types(node)
     if types is None:
         return None
     return raw_types(node["type"]) if "type" in node else types
@@ -191,7 +187,7 @@ def oneof_branches_disjoint(branches: list[Any], root: Any) -> bool:
 def _values_satisfy(values: list[Any], siblings: dict[str, Any], root: Any) -> bool:
     """Whether every enum/const value is valid under the sibling keywords xgrammar drops."""
     if set(siblings) == {"type"}:
-        types = _types_of(siblings)
+        types = built_types(siblings)
         return types is not None and all(json_type_ok(v, types) for v in values)
     try:
         import jsonschema  # a dev dependency: without it, be conservative
@@ -266,14 +262,14 @@ def _check_node(node: dict[str, Any], root: Any, found: set[str], stack: list[An
         if kw == "uniqueItems" and node[kw] is not True:
             continue
         found.add(kw)
-    dominant = next((k for k in _DOMINANT_ORDER if k in keys), None)
+    dominant = next((k for k in DOMINANT_ORDER if k in keys), None)
     siblings = {
         k: node[k]
         for k in keys
-        if k in _VALIDATING
+        if k in VALIDATING_KEYWORDS
         and k != dominant
         and k not in XGRAMMAR_UNENFORCED_KEYWORDS
-        and k not in _DEPENDENT
+        and k not in DEPENDENT_KEYWORDS
     }
     if dominant is not None:
         if dominant in ("const", "enum"):
@@ -303,9 +299,9 @@ def _check_node(node: dict[str, Any], root: Any, found: set[str], stack: list[An
                     found.add("oneOf (overlapping branches)")
                 stack.extend(node[dominant])
         return
-    types = _types_of(node)
+    types = built_types(node)
     if types is None:
-        for kws in _TYPE_KEYWORDS.values():
+        for kws in TYPE_KEYWORDS.values():
             for kw in kws:
                 if kw in keys and not (
                     kw == "format" and node[kw] not in XGRAMMAR_ENFORCED_FORMATS
@@ -376,220 +372,16 @@ def _pattern_overlaps(patterns: dict[str, Any], props: dict[str, Any]) -> set[st
     return found
 
 
-# RFC 6570 URI templates, levels 1-4: literals (any character but controls, space and
-# "'%<>\\^`{|}, or a %XX escape) and {expressions}. xgrammar's own uri-template grammar is
-# nullable rules nested in a loop whose masks it cannot precompute: 25-43 ms per row inside
-# an expression (``baton bench masks``), against 10 us for this pattern, which it builds as
-# one automaton. Both keywords apply to strings only, so one stands for the other anywhere.
-_VARCHAR = r"(?:[A-Za-z0-9_]|%[0-9A-Fa-f]{2})"
-_VARSPEC = _VARCHAR + r"(?:\.?" + _VARCHAR + r")*(?::[1-9][0-9]{0,3}|\*)?"
-URI_TEMPLATE_PATTERN = (
-    r"""^(?:[^\x00-\x20"'%<>\\^`{|}\x7f]|%[0-9A-Fa-f]{2}"""
-    + r"|\{[+#./;?&=,!@|]?"
-    + _VARSPEC
-    + r"(?:,"
-    + _VARSPEC
-    + r")*\})*$"
-)
-_FORMAT_PATTERNS = {"uri-template": URI_TEMPLATE_PATTERN}
-
-# Every JSON type once ("number" covers "integer"), in the order the rest branch lists them.
-_JSON_TYPES = ("null", "boolean", "number", "string", "array", "object")
-_DEFINED_FORMATS = XGRAMMAR_ENFORCED_FORMATS | XGRAMMAR_UNENFORCED_FORMATS
-_TYPED = frozenset(k for keywords in _TYPE_KEYWORDS.values() for k in keywords)
-
-
-def _typed_split(node: dict[str, Any]) -> dict[str, Any] | None:
-    """An untyped schema with type-specific keywords as an ``anyOf`` of one branch per type
-    family that its keywords constrain, plus one for every other type; None when xgrammar
-    already reads ``node`` whole (a type, a dominant keyword, or a keyword it infers a type
-    from) or it has no type-specific keyword.
-
-    xgrammar builds such a schema as "any value" and drops those keywords (``"minLength (no
-    type)"``); JSON Schema applies each keyword to its own type only, which the branches say.
-    """
-    if _types_of(node) is not None or any(k in node for k in _DOMINANT_ORDER):
-        return None
-    families = [
-        family
-        for family, keywords in _TYPE_KEYWORDS.items()
-        if any(k in node and (k != "format" or node[k] in _DEFINED_FORMATS) for k in keywords)
-    ]
-    if not families:
-        return None
-    branches: list[Any] = [
-        {"type": family, **{k: node[k] for k in _TYPE_KEYWORDS[family] if k in node}}
-        for family in families
-    ]
-    rest = [t for t in _JSON_TYPES if t not in families]
-    if rest:
-        branches.append({"type": rest})
-    return {**{k: v for k, v in node.items() if k not in _TYPED}, "anyOf": branches}
-
-
-# Keywords xgrammar's walk reports wherever they appear: a merge may keep either copy.
-_KEEP_ONE = frozenset(XGRAMMAR_UNENFORCED_KEYWORDS) | _DEPENDENT
-_APPLICATORS = ("anyOf", "oneOf", "allOf", "$ref", "$dynamicRef", "$recursiveRef")
-_MERGE_ROUNDS = 4
-
-
-def _merged_all_of(node: dict[str, Any], root: Any) -> dict[str, Any] | None:
-    """A schema with an ``allOf`` as the one schema its members and siblings say together
-    (``outlines_merge.merge_schemas``, a member that is only a local ``$ref`` read as its
-    target); None when they cannot be merged: xgrammar builds a several-member allOf from
-    its first member alone."""
-    members = node.get("allOf")
-    if not isinstance(members, list) or any(k in node for k in _APPLICATORS[:2]):
-        return None
-    parts: list[dict[str, Any]] = [{k: v for k, v in node.items() if k != "allOf"}]
-    for member in members:
-        if member is True:
-            continue
-        if isinstance(member, dict) and set(member) & {"$ref"}:
-            extra = {k for k in member if k in _VALIDATING} - {"$ref"}
-            target = (
-                resolve_local_ref(root, member["$ref"]) if is_local_ref(member["$ref"]) else None
-            )
-            if extra or not isinstance(target, dict):
-                return None
-            member = target
-        if not isinstance(member, dict) or any(k in member for k in _APPLICATORS):
-            return None
-        parts.append(member)
-    if any(
-        isinstance(p.get(k), bool) for p in parts for k in ("exclusiveMinimum", "exclusiveMaximum")
-    ) or not cousins_ok(parts):
-        return None  # draft 4's boolean bounds modify minimum/maximum; unevaluated* see cousins
-    merged: dict[str, Any] | None = parts[0]
-    for part in parts[1:]:
-        merged = merge_schemas(merged, part, _KEEP_ONE)
-        if merged is None:
-            return None
-    return merged
-
-
-def xgrammar_normal_form(schema: Any) -> Any:
-    """``schema`` in the shape baton hands xgrammar, with the same instances: integral counts
-    as ints, every ``allOf`` merged into one schema where it can be (``_merged_all_of``,
-    repeated for the allOfs a merge writes), a boolean ``propertyNames`` and drafts 4-2019's
-    tuple ``items`` in the forms xgrammar takes, formats xgrammar fills slowly written as the
-    equivalent ``pattern`` (``_FORMAT_PATTERNS``, where no pattern is there already), and
-    every untyped subschema with type-specific keywords split by type (``_typed_split``), and
-    an array without ``items`` given ``items: {}`` (strict mode would allow no item); a
-    subschema a ``$ref`` points inside is left alone. ``schema`` itself when nothing
-    changes."""
-    schema = integral_counts(schema)
-    if not isinstance(schema, dict):
-        return schema
-    targets = ref_target_paths(schema)
-    root = schema
-    changed = False
-
-    def pointed_into(path: Path, keys: Iterable[str]) -> bool:
-        """Whether a $ref points at or below one of the node's ``keys``."""
-        return any(
-            inside_a_target((*path, key), targets) or (*path, key) in targets for key in keys
-        )
-
-    def merge(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        nonlocal changed
-        # A merge moves what lies below the node, but its definitions: a $ref into it would
-        # break.
-        if "allOf" not in node or pointed_into(path, node.keys() - {"$defs", "definitions"}):
-            return node
-        merged = _merged_all_of(node, root)
-        if merged is None:
-            return node
-        changed = True
-        return merged
-
-    def draft_forms(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        nonlocal changed
-        out = node
-        names = node.get("propertyNames")
-        if isinstance(names, bool):
-            # xgrammar takes only a schema here. true: any name; false: no property at all.
-            out = {k: v for k, v in node.items() if k != "propertyNames"}
-            if names is False:
-                out["maxProperties"] = 0
-        items = node.get("items")
-        if isinstance(items, list) and "prefixItems" not in node:
-            # Drafts 4-2019's tuple form, which xgrammar refuses: items as a list is 2020-12's
-            # prefixItems, additionalItems its items. Without additionalItems more items are
-            # allowed, which strict mode would forbid unless items says so.
-            if pointed_into(path, ("items", "additionalItems")):
-                return out
-            out = {k: v for k, v in out.items() if k not in ("items", "additionalItems")}
-            out["prefixItems"] = items
-            out["items"] = node.get("additionalItems", True)
-        if out is not node:
-            changed = True
-        return out
-
-    def fast_format(node: dict[str, Any], _: Path) -> dict[str, Any]:
-        nonlocal changed
-        fmt = node.get("format")
-        if not isinstance(fmt, str) or fmt not in _FORMAT_PATTERNS or "pattern" in node:
-            return node
-        changed = True
-        return {
-            **{k: v for k, v in node.items() if k != "format"},
-            "pattern": _FORMAT_PATTERNS[fmt],
-        }
-
-    def split(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        nonlocal changed
-        # Property names are strings: xgrammar reads propertyNames' keywords as string ones.
-        if pointed_into(path, node.keys() & _TYPED) or path[-1:] == ("propertyNames",):
-            return node
-        typed = _typed_split(node)
-        if typed is None:
-            return node
-        changed = True
-        return typed
-
-    def open_items(node: dict[str, Any], _: Path) -> dict[str, Any]:
-        nonlocal changed
-        # Without items any item is allowed, but xgrammar's strict mode reads it as no item at
-        # all: [] only, and no grammar at all beside minItems. items: {} is what the schema
-        # says (it fills fast: 12 us per row at worst, measured). Not beside unevaluatedItems,
-        # which items would switch off.
-        types = node.get("type")
-        if (types != "array" and not (isinstance(types, list) and "array" in types)) or (
-            node.keys() & {"items", "prefixItems", "unevaluatedItems"}
-        ):
-            return node
-        changed = True
-        return {**node, "items": {}}
-
-    out, any_change = schema, False
-    for _ in range(_MERGE_ROUNDS):  # a merge may write new allOfs (a property in both)
-        changed = False
-        out = map_schemas(out, merge)
-        any_change = any_change or changed
-        if not changed:
-            break
-    changed = False
-    out = map_schemas(out, draft_forms)
-    any_change = any_change or changed
-    changed = False
-    out = map_schemas(out, fast_format)
-    any_change = any_change or changed
-    changed = False
-    out = map_schemas(out, split)
-    any_change = any_change or changed
-    changed = False
-    out = map_schemas(out, open_items)
-    return out if any_change or changed else schema
-
-
 __all__ = [
-    "URI_TEMPLATE_PATTERN",
+    "DEPENDENT_KEYWORDS",
+    "DOMINANT_ORDER",
+    "TYPE_KEYWORDS",
+    "VALIDATING_KEYWORDS",
     "XGRAMMAR_ENFORCED_FORMATS",
     "XGRAMMAR_ENFORCED_KEYWORDS",
     "XGRAMMAR_UNENFORCED_FORMATS",
     "XGRAMMAR_UNENFORCED_KEYWORDS",
+    "built_types",
     "oneof_branches_disjoint",
-    "xgrammar_normal_form",
     "xgrammar_unenforced_keywords",
 ]
