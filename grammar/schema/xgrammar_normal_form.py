@@ -255,21 +255,11 @@ def xgrammar_normal_form(schema: Any) -> Any:
         any_change = any_change or changed
         if not changed:
             break
-    changed = False
-    out = map_schemas(out, draft_forms)
-    any_change = any_change or changed
-    changed = False
-    out = map_schemas(out, absent_properties)
-    any_change = any_change or changed
-    changed = False
-    out = map_schemas(out, fast_format)
-    any_change = any_change or changed
-    changed = False
-    out = map_schemas(out, split)
-    any_change = any_change or changed
-    changed = False
-    out = map_schemas(out, open_items)
-    return out if any_change or changed else schema
+    for rewrite in (draft_forms, absent_properties, fast_format, split, open_items):
+        changed = False
+        out = map_schemas(out, rewrite)
+        any_change = any_change or changed
+    return out if any_change else schema
 
 
 __all__ = ["URI_TEMPLATE_PATTERN", "xgrammar_normal_form"]
