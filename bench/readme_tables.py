@@ -89,7 +89,13 @@ def structured_table(d: dict[str, Any]) -> str:
     caption = (
         f"Model {Path(cfg['model']).name}, greedy, at most {cfg['max_tokens']} tokens, "
         f"median of {cfg['rounds']} rounds; each round's free run decodes as many tokens per "
-        "request as its structured run. `peers`: the schema of `baton bench peers`; `shared`: "
+        "request as its structured run"
+        + (
+            ", and the structured TPOT is the mean of a run before and a run after the free one"
+            if all("repeat_same" in r for r in d["rows"])
+            else ""
+        )
+        + ". `peers`: the schema of `baton bench peers`; `shared`: "
         f"{len(cfg['sample'])} schemas of the shared data, mixed in each batch; {cfg['dtype']}. "
         f"Load average at the start: {cfg['load_avg'][0]:.1f}.\n\n"
     )

@@ -71,6 +71,8 @@ def test_smallest_run_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path) ->
     for row in result["rows"]:
         assert row["ratio"] > 0 and row["bitmask_ms_per_step"] >= 0
         assert row["invalid"] == [] and row["errors"] == []
+        # The structured repeat (after the free run) decodes what the first run did.
+        assert row["repeat_same"] == row["requests"]
         # Free runs decode as many tokens as the structured ones (at least 2 per request).
         assert (
             row["structured_tokens"]
