@@ -81,13 +81,9 @@ def _check_layout(bitmask: torch.Tensor) -> None:
         )
 
 
-def _fill_row(
-    matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int, checked: bool = False
-) -> None:
-    """Writes ``matcher``'s mask into row ``row`` of the contiguous int32 CPU ``bitmask``
-    (``checked``: the caller has run ``_check_layout`` on it already)."""
-    if not checked:
-        _check_layout(bitmask)
+def _fill_row(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """Writes ``matcher``'s mask into row ``row`` of ``bitmask``, which the caller has checked
+    with ``_check_layout`` (once per fill call, not once per row)."""
     view = bitmask[row]
     matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
 
@@ -188,6 +184,7 @@ class GuidanceMatcher(GrammarMatcher):
         if self._terminated:
             bitmask[row].copy_(self._backend.eos_row)
             return
+        _check_layout(bitmask)
         _fill_row(self.ll, bitmask, row)
 
     def is_terminated(self) -> bool:
@@ -403,10 +400,9 @@ class GuidanceBackend(GrammarBackend):
             else:
                 live.append((matcher.ll, row))
         if len(live) < self._parallel_min_rows or self._fill_threads == 1:
-            # One layout check for the batch, not one per row.
             _check_layout(bitmask)
             for ll, row in live:
-                _fill_row(ll, bitmask, row, checked=True)
+                _fill_row(ll, bitmask, row)
             return
         with self._lock:
             if self._executor is None:

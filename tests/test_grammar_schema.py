@@ -219,3 +219,17 @@ def test_xgrammar_normal_form_merges_all_of() -> None:
         {"allOf": [{"type": "string"}, {"minLength": 1}], "$defs": {"r": {"$ref": "#/allOf/1"}}},
     ):
         assert "allOf" in xgrammar_normal_form(unmergeable)
+
+
+def test_xgrammar_normal_form_keeps_a_rewrite_of_a_node_it_partly_leaves() -> None:
+    # The tuple items stay (a $ref points inside them); the boolean propertyNames on the same
+    # node is still rewritten (a pass once dropped that when it returned early).
+    schema = {
+        "type": ["object", "array"],
+        "propertyNames": False,
+        "items": [{"type": "integer"}],
+        "properties": {"a": {"$ref": "#/items/0"}},
+    }
+    out = xgrammar_normal_form(schema)
+    assert "propertyNames" not in out and out["maxProperties"] == 0
+    assert out["items"] == [{"type": "integer"}]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from baton.grammar.schema.normalise import Path, integral_counts, map_schemas
+from baton.grammar.schema.normalise import Path, Rewrite, integral_counts, map_schemas
 from baton.grammar.schema.outlines_merge import cousins_ok, merge_schemas
 from baton.grammar.schema.refs import (
     inside_a_target,
@@ -147,7 +147,6 @@ def xgrammar_normal_form(schema: Any) -> Any:
         return schema
     targets = ref_target_paths(schema)
     root = schema
-    changed = False
 
     def pointed_into(path: Path, keys: Iterable[str]) -> bool:
         """Whether a $ref points at or below one of the node's ``keys``."""
@@ -156,19 +155,14 @@ def xgrammar_normal_form(schema: Any) -> Any:
         )
 
     def merge(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        nonlocal changed
         # A merge moves what lies below the node, but its definitions: a $ref into it would
         # break.
         if "allOf" not in node or pointed_into(path, node.keys() - {"$defs", "definitions"}):
             return node
         merged = _merged_all_of(node, root)
-        if merged is None:
-            return node
-        changed = True
-        return merged
+        return node if merged is None else merged
 
     def draft_forms(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        nonlocal changed
         out = node
         names = node.get("propertyNames")
         if isinstance(names, bool):
@@ -186,34 +180,25 @@ def xgrammar_normal_form(schema: Any) -> Any:
             out = {k: v for k, v in out.items() if k not in ("items", "additionalItems")}
             out["prefixItems"] = items
             out["items"] = node.get("additionalItems", True)
-        if out is not node:
-            changed = True
         return out
 
     def fast_format(node: dict[str, Any], _: Path) -> dict[str, Any]:
-        nonlocal changed
         fmt = node.get("format")
         if not isinstance(fmt, str) or fmt not in _FORMAT_PATTERNS or "pattern" in node:
             return node
-        changed = True
         return {
             **{k: v for k, v in node.items() if k != "format"},
             "pattern": _FORMAT_PATTERNS[fmt],
         }
 
     def split(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        nonlocal changed
         # Property names are strings: xgrammar reads propertyNames' keywords as string ones.
         if pointed_into(path, node.keys() & _TYPED) or path[-1:] == ("propertyNames",):
             return node
         typed = _typed_split(node)
-        if typed is None:
-            return node
-        changed = True
-        return typed
+        return node if typed is None else typed
 
     def absent_properties(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        nonlocal changed
         # A property whose schema is false may not appear; xgrammar refuses a false schema
         # ("Schema 'false' cannot accept any value"). Where nothing else could admit that name
         # (no additionalProperties but false - strict mode reads absent as false - and no
@@ -231,11 +216,9 @@ def xgrammar_normal_form(schema: Any) -> Any:
             or pointed_into(path, ("properties",))
         ):
             return node
-        changed = True
         return {**node, "properties": {k: v for k, v in props.items() if v is not False}}
 
     def open_items(node: dict[str, Any], _: Path) -> dict[str, Any]:
-        nonlocal changed
         # Without items any item is allowed, but xgrammar's strict mode reads it as no item at
         # all: [] only, and no grammar at all beside minItems. items: {} is what the schema
         # says (it fills fast: 12 us per row at worst, measured). Not beside unevaluatedItems,
@@ -245,19 +228,29 @@ def xgrammar_normal_form(schema: Any) -> Any:
             node.keys() & {"items", "prefixItems", "unevaluatedItems"}
         ):
             return node
-        changed = True
         return {**node, "items": {}}
+
+    def apply(rewrite: Rewrite, tree: Any) -> tuple[Any, bool]:
+        """``tree`` with ``rewrite`` applied to every subschema, and whether any changed (a
+        rewrite returns the node itself where it changes nothing)."""
+        changed = False
+
+        def tracked(node: dict[str, Any], path: Path) -> dict[str, Any]:
+            nonlocal changed
+            out = rewrite(node, path)
+            changed = changed or out is not node
+            return out
+
+        return map_schemas(tree, tracked), changed
 
     out, any_change = schema, False
     for _ in range(_MERGE_ROUNDS):  # a merge may write new allOfs (a property in both)
-        changed = False
-        out = map_schemas(out, merge)
+        out, changed = apply(merge, out)
         any_change = any_change or changed
         if not changed:
             break
     for rewrite in (draft_forms, absent_properties, fast_format, split, open_items):
-        changed = False
-        out = map_schemas(out, rewrite)
+        out, changed = apply(rewrite, out)
         any_change = any_change or changed
     return out if any_change else schema
 
