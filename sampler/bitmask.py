@@ -1,5 +1,5 @@
-"""Apply a grammar's token bitmask to logits: the Triton kernel on CUDA, the torch reference
-elsewhere (both live in baton.kernels.bitmask)."""
+"""Apply a grammar's token bitmask to logits: the Triton kernel on CUDA, the CPU kernel on the
+CPU, the torch reference elsewhere (all in baton.kernels.bitmask)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from baton.kernels.bitmask import (
     HAS_TRITON,
+    apply_token_bitmask_inplace_cpu,
     apply_token_bitmask_inplace_torch,
     apply_token_bitmask_inplace_triton,
     unpack_bitmask,
@@ -27,7 +28,8 @@ def apply_token_bitmask_(
     `apply_token_bitmask_inplace`, `indices` names logits rows only: the bitmask
     is already compacted to the rows it covers. CUDA logits go through the Triton
     kernel when triton is installed (index values unchecked there, see
-    `apply_token_bitmask_inplace_triton`); anything else through the torch reference.
+    `apply_token_bitmask_inplace_triton`), CPU logits through the CPU kernel, anything
+    else through the torch reference.
 
     Raises:
         ValueError: if `logits` is not 2-D floating point, `bitmask` not 2-D int32
@@ -37,5 +39,7 @@ def apply_token_bitmask_(
     """
     if HAS_TRITON and isinstance(logits, torch.Tensor) and logits.is_cuda:
         apply_token_bitmask_inplace_triton(logits, bitmask, indices)
+    elif isinstance(logits, torch.Tensor) and logits.device.type == "cpu":
+        apply_token_bitmask_inplace_cpu(logits, bitmask, indices)
     else:
         apply_token_bitmask_inplace_torch(logits, bitmask, indices)

@@ -109,6 +109,10 @@ def _cases() -> dict[str, Case]:
     cases["block32_indices_f32"] = _case(
         6, logit_rows=4, vocab=100, words=4, dtype=torch.float32, rows=[2, 3, 1], block_size=32
     )
+    # Few listed rows: the CPU kernel gathers them instead of widening the bitmask.
+    cases["sparse_indices_f64"] = _case(
+        9, logit_rows=8, vocab=100, words=4, dtype=torch.float64, rows=[6, 1]
+    )
     cases["zero_words_f32"] = _case(7, logit_rows=3, vocab=70, words=0, dtype=torch.float32)
     cases["empty_indices_f32"] = _case(8, logit_rows=3, vocab=64, words=2, dtype=torch.float32)
     cases["empty_indices_f32"]["bitmask"] = torch.zeros((0, 2), dtype=torch.int32)
@@ -176,6 +180,33 @@ def test_torch_reference_matches_numpy_oracle(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(_cases()))
+def test_cpu_kernel_matches_torch_reference(name: str) -> None:
+    case = _cases()[name]
+    base = case["base"].clone()
+    kb.apply_token_bitmask_inplace_cpu(_view(base, case), case["bitmask"], case["indices"])
+    assert torch.equal(base, _reference(case))
+
+
+@pytest.mark.parametrize("rows", [None, [2, 0, 1], [1]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_cpu_kernel_keeps_the_reference_bits_for_special_values(
+    dtype: torch.dtype, rows: list[int] | None
+) -> None:
+    """NaN, infinities and -0.0, allowed and disallowed: the same bits as masked_fill."""
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1.5])
+    logits = special.repeat(3, 11)[:, :64].to(dtype)
+    bitmask = torch.tensor([[0x5555_5555, -0x3333_3334]] * (3 if rows is None else len(rows)))
+    bitmask = bitmask.to(torch.int32)
+    indices = None if rows is None else torch.tensor(rows)
+    expected, got = logits.clone(), logits.clone()
+    kb.apply_token_bitmask_inplace_torch(expected, bitmask, indices)
+    kb.apply_token_bitmask_inplace_cpu(got, bitmask, indices)
+    width = {8: torch.int64, 4: torch.int32, 2: torch.int16}[logits.element_size()]
+    assert torch.equal(got.view(width), expected.view(width))
+    assert not torch.equal(got.view(width), logits.view(width))
+
+
+@pytest.mark.parametrize("name", list(_cases()))
 def test_interpreted_kernel_matches_torch_reference(
     name: str, interpreted: dict[str, torch.Tensor]
 ) -> None:
@@ -215,7 +246,12 @@ _BAD_ARGUMENTS = [
 
 
 @pytest.mark.parametrize(
-    "apply", [kb.apply_token_bitmask_inplace_torch, kb.apply_token_bitmask_inplace_triton]
+    "apply",
+    [
+        kb.apply_token_bitmask_inplace_torch,
+        kb.apply_token_bitmask_inplace_cpu,
+        kb.apply_token_bitmask_inplace_triton,
+    ],
 )
 @pytest.mark.parametrize(("logits", "bitmask", "indices", "named"), _BAD_ARGUMENTS)
 def test_bad_arguments_raise_value_error_naming_them(
@@ -264,12 +300,21 @@ def _forbid_triton(*args: Any, **kwargs: Any) -> None:
     raise AssertionError("the sampler used the Triton kernel on CPU logits")
 
 
-def test_sampler_uses_the_torch_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampler_uses_the_cpu_kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sampler_bitmask, "apply_token_bitmask_inplace_triton", _forbid_triton)
+    used: list[str] = []
+    cpu_kernel = kb.apply_token_bitmask_inplace_cpu
+
+    def spy(*args: Any) -> None:
+        used.append("cpu")
+        cpu_kernel(*args)
+
+    monkeypatch.setattr(sampler_bitmask, "apply_token_bitmask_inplace_cpu", spy)
     case = _cases()["block32_indices_f32"]
     base = case["base"].clone()
     sampler_bitmask.apply_token_bitmask_(_view(base, case), case["bitmask"], case["indices"])
     assert torch.equal(base, _reference(case))
+    assert used == ["cpu"]
 
 
 _TRITON_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
