@@ -1,22 +1,18 @@
 """The outlines-core backend: regex, choice and JSON-schema constraints as a token-level DFA index.
 
 outlines-core turns a JSON schema into one regular expression and that regex into an ``Index``
-(DFA state x token -> state) over the model's vocabulary. Before conversion the schema is
-rewritten into a shape outlines' converter reads faithfully
-(``grammar/schema/outlines_prepare.py``), which also lists every assertion keyword still
-ignored; ``unsupported_reason`` names those keywords unless the request sets
-``allow_unenforced``. The enforcement table is ``grammar/schema/outlines_keywords.py``;
-patterns are translated by ``grammar/schema/pattern_regex.py``.
+(DFA state x token -> state) over the model's vocabulary. It takes the schemas its converter
+writes faithfully: ``grammar/schema/outlines_faithful.py`` walks a schema as the converter does,
+names what it would ignore (refused unless the request sets ``allow_unenforced``) and refuses
+what it cannot write; ``auto`` then passes the schema on to the next backend. The enforcement
+table is ``grammar/schema/outlines_keywords.py``.
 
 Choices made here:
-  * Sound before complete: where outlines cannot say a constraint exactly it writes a narrower
-    one (only listed properties, in schema order; an object schema without "type" writes
-    objects; bounded strings and pattern classes never hold escape sequences, which inside a
-    counted repetition make the index build exponential).
+  * Sound before complete: where outlines writes fewer instances than a schema has (only listed
+    properties, in schema order; string text without \\u escapes; nested any-values at most
+    three levels deep) the schema is taken.
   * json_object is outlines' own depth-bounded "any object" regex: containers nest at most three
     levels deep (deeper objects are rejected, never produced); compiling it takes seconds.
-  * ``format`` is an annotation in JSON Schema 2020-12: date-time, date, time (RFC 3339) and
-    uuid are enforced, other formats are ignored rather than refused.
   * Specs whose regex or DFA would be huge are refused (memory: about 1 MB per DFA state).
 """
 
@@ -41,20 +37,15 @@ from baton.grammar.backend import (
     GrammarMatcher,
     bitmask_width,
 )
+from baton.grammar.schema.outlines_faithful import check_outlines_schema
 from baton.grammar.schema.outlines_keywords import (
     OUTLINES_CONDITIONAL_KEYWORDS,
     OUTLINES_ENFORCED_KEYWORDS,
     OUTLINES_UNENFORCED_KEYWORDS,
 )
-from baton.grammar.schema.outlines_prepare import (
-    PreparedSchema,
-    outlines_unenforced_keywords,
-    prepare_schema,
-)
 from baton.grammar.schema.pattern_regex import (
     choice_regex,
     estimate_dfa_states,
-    json_string_pattern,
     regex_literal,
     strip_anchors,
 )
@@ -77,80 +68,6 @@ def whitespace_pattern(whitespace: str, max_whitespace_cnt: int) -> str:
     return f"[ \\n\\t]{{0,{max_whitespace_cnt}}}"
 
 
-@lru_cache(maxsize=4)
-def _base_sizes(ws: str) -> dict[str, int]:
-    """Lengths of the regexes outlines writes for unconstrained values, for ``ws``."""
-    return {
-        name: len(build_regex_from_schema(json.dumps(schema), ws))
-        for name, schema in (
-            ("any", {}),
-            ("object", {"type": "object"}),
-            ("array", {"type": "array"}),
-            ("string", {"type": "string"}),
-            ("number", {"type": "number"}),
-            ("integer", {"type": "integer"}),
-            ("uuid", {"type": "string", "format": "uuid"}),
-        )
-    }
-
-
-def predict_regex_chars(schema: Any, ws: str = "") -> int:
-    """The length of the regex outlines would write for a prepared (``$ref``-free) schema,
-    computed without writing it: outlines repeats subregexes (array items twice, optional
-    properties once per later property), so a schema of a few kilobytes can become a regex of
-    gigabytes."""
-    base = _base_sizes(ws)
-    w = len(ws)
-
-    def size(node: Any) -> int:
-        if not isinstance(node, dict) or not node:
-            return base["any"]
-        if "anyOf" in node:
-            return sum(size(b) + 3 for b in node["anyOf"]) + 2
-        if "properties" in node:
-            parts = [len(k) + 8 + 3 * w + size(v) for k, v in node["properties"].items()]
-            if node.get("required"):
-                return sum(p + w + 4 for p in parts) + 4 + w
-            total, prefix = 0, 0
-            for p in parts:
-                total += prefix + p + 2
-                prefix += p + w + 4
-            return total + 8 + w
-        if "prefixItems" in node:
-            return sum(size(i) + 2 * w + 1 for i in node["prefixItems"]) + 6 + 2 * w
-        if "enum" in node:
-            return sum(2 * len(json.dumps(v)) + 1 for v in node["enum"]) + 2
-        kinds = node.get("type")
-        total = 0
-        for kind in [kinds] if isinstance(kinds, str) else kinds or []:
-            if kind == "string":
-                pattern = node.get("pattern")
-                total += (
-                    len(pattern) + 6 if pattern else base.get(node.get("format"), base["string"])
-                )
-            elif kind in ("number", "integer"):
-                total += base[kind]
-            elif kind in ("array", "object") and 0 in (
-                node.get("maxItems"),
-                node.get("maxProperties"),
-            ):
-                total += 6 + w
-            elif kind == "array":
-                items = node.get("items")
-                total += 2 * size(items) + 30 + 3 * w if items is not None else base["array"]
-            elif kind == "object":
-                extra = node.get("additionalProperties")
-                if extra is None:
-                    total += base["object"]
-                else:
-                    total += 2 * (size(extra) + base["string"]) + 30 + 6 * w
-            else:
-                total += 12
-        return total + 4
-
-    return size(schema)
-
-
 DEFAULT_MAX_REGEX_CHARS = 1 << 20
 """Refuse schemas whose regex would be longer (outlines would spend seconds and gigabytes
 writing it before the DFA size check could even run)."""
@@ -167,23 +84,22 @@ def _spec_regex(kind: str, spec_text: str, options: tuple[Any, ...], allow_unenf
     if kind == "json_object":
         return build_regex_from_schema('{"type": "object"}', ws)
     if kind == "json":
-        prepared = prepare_schema(json.loads(spec_text), disable_additional)
-        if prepared.error is not None:
-            raise GrammarError(f"outlines-core cannot take this schema: {prepared.error}")
-        if prepared.unenforced and not allow_unenforced:
+        checked = check_outlines_schema(json.loads(spec_text), ws, disable_additional)
+        if checked.error is not None:
+            raise GrammarError(f"outlines-core cannot take this schema: {checked.error}")
+        if checked.unenforced and not allow_unenforced:
             raise GrammarError(
                 "outlines-core would not enforce these schema keywords: "
-                + ", ".join(prepared.unenforced)
+                + ", ".join(checked.unenforced)
                 + " (set allow_unenforced to accept the schema with them ignored)"
             )
-        chars = predict_regex_chars(prepared.schema, ws)
-        if chars > DEFAULT_MAX_REGEX_CHARS:
+        if checked.regex_chars > DEFAULT_MAX_REGEX_CHARS:
             raise GrammarError(
-                f"outlines-core would write a regex of about {chars} characters for this schema "
-                f"(limit {DEFAULT_MAX_REGEX_CHARS}); use the xgrammar backend"
+                f"outlines-core would write a regex of about {checked.regex_chars} characters "
+                f"for this schema (limit {DEFAULT_MAX_REGEX_CHARS}); use another backend"
             )
         try:
-            return build_regex_from_schema(json.dumps(prepared.schema), ws)
+            return build_regex_from_schema(json.dumps(checked.schema), ws)
         except Exception as exc:  # outlines raises ValueError and PyO3 errors
             raise GrammarError(f"outlines-core cannot convert this schema: {exc}") from None
     raise GrammarError(
@@ -532,13 +448,8 @@ __all__ = [
     "OutlinesBackend",
     "OutlinesCompiledGrammar",
     "OutlinesMatcher",
-    "PreparedSchema",
     "choice_regex",
     "estimate_dfa_states",
-    "json_string_pattern",
-    "outlines_unenforced_keywords",
-    "predict_regex_chars",
-    "prepare_schema",
     "regex_literal",
     "whitespace_pattern",
 ]

@@ -1,8 +1,6 @@
-"""JSON-schema ``pattern`` (ECMA-262) to Rust-regex translation for outlines-core, and the
-regex helpers of the outlines backend: literals, choices, anchors, a DFA-size estimate.
-
-A schema pattern is searched in the decoded string; outlines matches regexes against the JSON
-text between the quotes, so ``json_string_pattern`` writes the pattern at that level.
+"""Regex helpers of the outlines backend: literals, choices, anchors, a DFA-size estimate, and
+the JSON-schema ``pattern`` (ECMA-262) as the Rust regex outlines-core matches against the text
+between a JSON string's quotes (``outlines_pattern``), where that can be said exactly.
 """
 
 from __future__ import annotations
@@ -11,19 +9,18 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from baton.grammar.backend import GrammarError
+# What outlines-core itself writes for free string text, and ECMA's "." in the JSON text (no
+# character JSON escapes, no line terminator).
+FREE_TEXT = r'(?:[^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])*'
+_DOT = r'[^"\\\x00-\x1F\x{2028}\x{2029}]'
+_JSON_RAW = r'[^"\\\x00-\x1F]'
+_CONTROL_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v"}
+_CLASS_ESCAPES = {"d": "0-9", "w": "0-9A-Za-z_"}  # ASCII, as ECMA-262 reads them
+_QUANTIFIER = re.compile(r"\{\d+(?:,\d*)?\}")
 
-# One character of JSON string text, no escapes: escapes inside a counted repetition make the
-# outlines index build exponential in the count, so bounded strings are produced unescaped.
-SAFE_CHAR = r'[^"\\\x00-\x1F]'
-SAFE_ANY = rf"(?:{SAFE_CHAR}|\\[\"\\/bfnrt])"
-_SAFE_SET = r'[^"\\\x00-\x1F]'
-_JSON_SHORT_ESCAPES = {"\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t"}
-_ECMA_SPACE = r"[ \x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\x{FEFF}]"
 
-
-class Unsupported(Exception):
-    """A schema or pattern outlines cannot represent (never merely unenforced)."""
+class PatternRefused(Exception):
+    """A pattern construct that outlines-core cannot be handed exactly (the message names it)."""
 
 
 def regex_literal(text: str) -> str:
@@ -54,22 +51,6 @@ def strip_anchors(regex: str) -> str:
     return regex
 
 
-def _json_char(ch: str) -> str:
-    """Regex for the JSON-string text of one character (quotes, backslashes, controls escaped)."""
-    if ch == '"':
-        return r'(?:\\")'
-    if ch == "\\":
-        return r"(?:\\\\)"
-    if ord(ch) < 0x20:
-        short = _JSON_SHORT_ESCAPES.get(ch)
-        if short is not None:
-            return rf"(?:\\{short})"
-        hi, lo = f"{ord(ch):04X}"[2], f"{ord(ch):04X}"[3]
-        lo_re = f"[{lo}{lo.lower()}]" if lo.isalpha() else lo
-        return rf"(?:\\u00{hi}{lo_re})"
-    return regex_literal(ch)
-
-
 def _split_top_level(pattern: str) -> list[str]:
     """Splits a pattern at its top-level ``|``."""
     parts, depth, start, i, in_class = [], 0, 0, 0, False
@@ -96,240 +77,126 @@ def _split_top_level(pattern: str) -> list[str]:
     return parts
 
 
-def _read_escape(pattern: str, i: int) -> tuple[str, str | None, int]:
-    """Reads the escape at ``pattern[i] == '\\'``: (kind, value, next index).
+def _literal(ch: str, negated: bool = False) -> str:
+    """One pattern character as a literal in the JSON text (in a negated class, where it
+    excludes, any character will do)."""
+    if not negated and (ch in '"\\' or ord(ch) < 0x20):
+        raise PatternRefused("it matches a quote, backslash or control character")
+    return regex_literal(ch)
 
-    kind is "char" (value: the character), "class" (value: the class letter or a \\p{..} text),
-    or "error" (value: why).
-    """
-    if i + 1 >= len(pattern):
-        return "error", "pattern ends with a lone backslash", i + 1
-    nxt = pattern[i + 1]
+
+def _escape(
+    pattern: str, i: int, in_class: bool, negated: bool = False
+) -> tuple[str, str | None, int]:
+    """The escape at ``pattern[i] == "\\"``: (Rust text, the character it stands for or None
+    for a class, next index)."""
+    ch = pattern[i + 1 : i + 2]
+    if ch in _CLASS_ESCAPES and ch:
+        inner = _CLASS_ESCAPES[ch]
+        return (inner if in_class else f"[{inner}]"), None, i + 2
     j = i + 2
-    if nxt in "dDwWsS":
-        return "class", nxt, j
-    if nxt in "pP":
-        if j < len(pattern) and pattern[j] == "{":
-            end = pattern.find("}", j)
-            if end < 0:
-                return "error", "unterminated \\p{...}", len(pattern)
-            return "class", pattern[i : end + 1], end + 1
-        return "class", pattern[i : j + 1], j + 1
-    if nxt in "bB":
-        return "error", "word boundaries (\\b, \\B) are not supported", j
-    if nxt in "123456789" or nxt == "k":
-        return "error", "backreferences are not supported", j
-    simple = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v"}
-    if nxt in simple:
-        return "char", simple[nxt], j
-    if nxt == "0" and not (j < len(pattern) and pattern[j].isdigit()):
-        return "char", "\0", j
-    if nxt == "c" and j < len(pattern) and pattern[j].isalpha():
-        return "char", chr(ord(pattern[j]) % 32), j + 1
-    if nxt in "xu":
-        if j < len(pattern) and pattern[j] == "{":
-            end = pattern.find("}", j)
-            digits = pattern[j + 1 : end] if end > 0 else ""
-            j = end + 1
-        else:
-            width = 2 if nxt == "x" else 4
-            digits = pattern[j : j + width]
-            j += width
-        try:
-            code = int(digits, 16)
-            if not 0 <= code <= 0x10FFFF:
-                raise ValueError
-        except ValueError:
-            return "error", f"bad \\{nxt} escape", j
-        if 0xD800 <= code < 0xDC00 and pattern.startswith("\\u", j):
-            low = pattern[j + 2 : j + 6]
-            if re.fullmatch(r"[dD][c-fC-F][0-9a-fA-F]{2}", low):
-                code = 0x10000 + ((code - 0xD800) << 10) + (int(low, 16) - 0xDC00)
-                j += 6
-        return "char", chr(code), j
-    return "char", nxt, j
+    width = {"x": 2, "u": 4}.get(ch, 0)
+    if ch in _CONTROL_ESCAPES and ch:
+        ch = _CONTROL_ESCAPES[ch]
+    elif width and re.fullmatch(f"[0-9a-fA-F]{{{width}}}", pattern[j : j + width]):
+        ch, j = chr(int(pattern[j : j + width], 16)), j + width
+        if 0xD800 <= ord(ch) < 0xE000:
+            raise PatternRefused("surrogate escapes are not supported")
+    elif not ch or ch.isalnum() or not ch.isascii():
+        raise PatternRefused(f"escape \\{ch} is not supported")
+    return _literal(ch, negated), ch, j
 
 
-_ASCII_CLASSES = {"d": "[0-9]", "w": "[0-9A-Za-z_]"}
-_NEGATED_ASCII = {"D": "[^0-9]", "W": "[^0-9A-Za-z_]"}
-
-
-def _class_item(kind: str, value: str) -> str:
-    """A class escape as an item inside a Rust bracket class (ECMA semantics: ASCII \\d, \\w)."""
-    if kind == "class":
-        if value in _ASCII_CLASSES:
-            return _ASCII_CLASSES[value]
-        if value in _NEGATED_ASCII:
-            return _NEGATED_ASCII[value]
-        if value in "sS":
-            return "\\" + value
-        return value  # \p{..} / \P{..}
-    return f"\\x{{{ord(value):X}}}"
-
-
-def _read_class(pattern: str, i: int) -> tuple[str, int]:
-    """Reads the bracket class at ``pattern[i] == '['``; returns a Rust class intersected with
-    the characters a JSON string may hold unescaped, and the next index."""
+def _class(pattern: str, i: int) -> tuple[str, int]:
+    """The bracket class at ``pattern[i] == "["`` and the next index, less the characters JSON
+    escapes (which a string's text never holds raw)."""
     j = i + 1
-    negated = j < len(pattern) and pattern[j] == "^"
-    if negated:
-        j += 1
-    if j < len(pattern) and pattern[j] == "]":
-        raise Unsupported("empty character classes ([] or [^]) are not supported")
+    negated = pattern.startswith("^", j)
+    j += negated
     items: list[str] = []
-    safe = not negated  # every member is a character JSON writes unescaped
+    first, safe = j, not negated  # safe: no member is a character JSON escapes
     while True:
         if j >= len(pattern):
-            raise Unsupported("unterminated character class")
+            raise PatternRefused("unterminated character class")
         ch = pattern[j]
         if ch == "]":
-            j += 1
+            if j == first:
+                raise PatternRefused("empty character class")
             break
         if ch == "\\":
-            kind, value, j = _read_escape(pattern, j)
-            if kind == "error":
-                if value and value.startswith("word boundaries"):
-                    kind, value = "char", "\b"  # ECMA: [\b] is a backspace
-                else:
-                    raise Unsupported(value or "bad escape")
-            assert value is not None
-            lo_item = _class_item(kind, value)
-            lo_char = value if kind == "char" else None
-            safe = safe and (lo_char is not None or value in _ASCII_CLASSES)
-        elif ch == "[" and pattern.startswith("[:", j):
-            end = pattern.find(":]", j)
-            if end < 0:
-                raise Unsupported("unterminated [: :] class")
-            lo_item, lo_char, j = "[" + pattern[j : end + 2] + "]", None, end + 2
-            safe = False
+            text, lo, j = _escape(pattern, j, True, True)
         else:
-            lo_item, lo_char, j = f"\\x{{{ord(ch):X}}}", ch, j + 1
-        if (
-            lo_char is not None
-            and j + 1 < len(pattern)
-            and pattern[j] == "-"
-            and pattern[j + 1] != "]"
-        ):
-            if pattern[j + 1] == "\\":
-                kind, value, k = _read_escape(pattern, j + 1)
-                if kind != "char" or value is None:
-                    raise Unsupported("a class range must end with a character")
-                hi_char = value
+            text, lo, j = _literal(ch, True), ch, j + 1
+        if lo is not None and pattern.startswith("-", j) and pattern[j + 1 : j + 2] not in "]":
+            hi: str | None = pattern[j + 1]
+            if hi == "\\":
+                hi_text, hi, j = _escape(pattern, j + 1, True, True)
             else:
-                hi_char, k = pattern[j + 1], j + 2
-            if ord(hi_char) < ord(lo_char):
-                raise Unsupported(f"class range out of order: {lo_char!r}-{hi_char!r}")
-            items.append(f"\\x{{{ord(lo_char):X}}}-\\x{{{ord(hi_char):X}}}")
-            safe = safe and _safe_range(lo_char, hi_char)
-            j = k
-            continue
-        if lo_char is not None:
-            safe = safe and _safe_range(lo_char, lo_char)
-        items.append(lo_item)
+                hi_text, j = _literal(pattern[j + 1], True), j + 2
+            if hi is None or ord(hi) < ord(lo):
+                raise PatternRefused("a class range must run upwards between two characters")
+            text = f"{text}-{hi_text}"
+            safe = safe and not (ord(lo) <= 0x22 <= ord(hi) or ord(lo) <= 0x5C <= ord(hi))
+        if lo is not None:
+            safe = safe and lo not in '"\\' and ord(lo) >= 0x20
+        items.append(text)
     inner = "".join(items)
     if safe:
-        return f"[{inner}]", j
-    return f"[[{'^' if negated else ''}{inner}]&&{_SAFE_SET}]", j
+        return f"[{inner}]", j + 1
+    return f"[[{'^' if negated else ''}{inner}]&&{_JSON_RAW}]", j + 1
 
 
-def _safe_range(lo: str, hi: str) -> bool:
-    """Whether every character in lo..hi appears unescaped in JSON text."""
-    a, b = ord(lo), ord(hi)
-    return a >= 0x20 and not (a <= 0x22 <= b) and not (a <= 0x5C <= b)
-
-
-def json_string_pattern(pattern: str) -> str:
-    """Translates a JSON-schema ``pattern`` into a regex over the text between a JSON string's
-    quotes, for outlines-core (Rust regex syntax).
-
-    The schema pattern is an ECMA-262 regex searched in the decoded string: an unanchored side
-    gets free text, a quote or backslash or control character is matched in its escaped JSON
-    form, wildcards and classes exclude the characters JSON would need to escape (sound: such
-    characters are never produced by them), and \\d, \\w are ASCII as in ECMA-262.
-
-    Raises:
-        GrammarError: a construct outlines' DFA cannot represent (lookaround, backreference,
-            word boundary, an anchor inside the pattern) or a syntax error.
-    """
-    try:
-        branches = []
-        for branch in _split_top_level(pattern):
-            anchored_start = branch.startswith("^")
-            if anchored_start:
-                branch = branch[1:]
-            anchored_end = False
-            if branch.endswith("$"):
-                backslashes = len(branch) - 1 - len(branch[:-1].rstrip("\\"))
-                if backslashes % 2 == 0:
-                    anchored_end, branch = True, branch[:-1]
-            body = _pattern_body(branch)
-            free = f"{SAFE_ANY}*"  # escapes are cheap outside counted repetitions
-            branches.append(
-                ("" if anchored_start else free) + f"(?:{body})" + ("" if anchored_end else free)
-            )
-        return "(?:" + "|".join(branches) + ")"
-    except Unsupported as exc:
-        raise GrammarError(f"pattern {pattern!r}: {exc}") from None
-
-
-def _pattern_body(body: str) -> str:
+def _body(pattern: str) -> str:
     out: list[str] = []
     i = 0
-    while i < len(body):
-        ch = body[i]
+    while i < len(pattern):
+        ch = pattern[i]
         if ch == "\\":
-            kind, value, i = _read_escape(body, i)
-            if kind == "error":
-                raise Unsupported(value or "bad escape")
-            assert value is not None
-            if kind == "char":
-                out.append(_json_char(value))
-            elif value in _ASCII_CLASSES:
-                out.append(_ASCII_CLASSES[value])
-            elif value == "s":
-                out.append(rf"(?:{_ECMA_SPACE}|\\[tnrf]|\\u000[bB])")
-            else:
-                out.append(f"[{_class_item(kind, value)}&&{_SAFE_SET}]")
+            text, _, i = _escape(pattern, i, False)
         elif ch == "[":
-            text, i = _read_class(body, i)
-            out.append(text)
+            text, i = _class(pattern, i)
         elif ch == ".":
-            out.append(r'[^"\\\x00-\x1F\x{2028}\x{2029}]')
-            i += 1
+            text, i = _DOT, i + 1
         elif ch in "^$":
-            raise Unsupported("anchors (^, $) are supported only at the ends of the pattern")
+            raise PatternRefused("an anchor inside the pattern")
         elif ch == "(":
-            if body.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
-                raise Unsupported("lookaround assertions are not supported")
-            if body.startswith("(?<", i) or body.startswith("(?P<", i):
-                end = body.find(">", i)
-                if end < 0:
-                    raise Unsupported("unterminated group name")
-                out.append("(?:")
-                i = end + 1
-            elif body.startswith("(?:", i):
-                out.append("(?:")
-                i += 3
-            elif body.startswith("(?", i):
-                raise Unsupported("inline flags and other (?...) groups are not supported")
+            if pattern.startswith("(?:", i):
+                text, i = "(?:", i + 3
+            elif pattern.startswith("(?", i):
+                raise PatternRefused("lookaround and other (?...) groups are not supported")
             else:
-                out.append("(?:")
-                i += 1
-        elif ch == "{":
-            m = re.compile(r"\{\d+(?:,\d*)?\}").match(body, i)
-            if m:
-                out.append(m.group())
-                i = m.end()
-            else:
-                out.append(_json_char(ch))
-                i += 1
+                text, i = "(", i + 1
         elif ch in "*+?)|":
-            out.append(ch)
-            i += 1
+            text, i = ch, i + 1
+        elif ch == "{" and (m := _QUANTIFIER.match(pattern, i)):
+            text, i = m.group(), m.end()
         else:
-            out.append(_json_char(ch))
-            i += 1
+            text, i = _literal(ch), i + 1
+        out.append(text)
     return "".join(out)
+
+
+def outlines_pattern(pattern: str) -> str:
+    """A JSON-schema ``pattern`` as outlines-core takes it (``^...$``, which it unwraps) for the
+    text between a JSON string's quotes: a search in the decoded string, so an unanchored side
+    gets free text; ``\\d``, ``\\w`` and ``.`` mean what they mean in ECMA-262 (Rust reads
+    ``\\d``, ``\\w`` as Unicode classes); literals are written as Rust literals. What it writes
+    can only match characters JSON writes unescaped; a pattern needing anything else is refused.
+
+    Raises:
+        PatternRefused: lookaround, backreferences, \\s, \\b, \\p, hex escapes, an inner
+            anchor, or a literal quote, backslash or control character.
+    """
+    branches = []
+    for branch in _split_top_level(pattern):
+        start = branch.startswith("^")
+        branch = branch[1:] if start else branch
+        end = False
+        if branch.endswith("$") and (len(branch) - 1 - len(branch[:-1].rstrip("\\"))) % 2 == 0:
+            end, branch = True, branch[:-1]
+        body = _body(branch)
+        branches.append(("" if start else FREE_TEXT) + f"(?:{body})" + ("" if end else FREE_TEXT))
+    return "^(?:" + "|".join(branches) + ")$"
 
 
 def estimate_dfa_states(regex: str) -> int:
@@ -410,12 +277,11 @@ def estimate_dfa_states(regex: str) -> int:
 
 
 __all__ = [
-    "SAFE_ANY",
-    "SAFE_CHAR",
-    "Unsupported",
+    "FREE_TEXT",
+    "PatternRefused",
     "choice_regex",
     "estimate_dfa_states",
-    "json_string_pattern",
+    "outlines_pattern",
     "regex_literal",
     "strip_anchors",
 ]

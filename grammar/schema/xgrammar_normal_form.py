@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from baton.grammar.schema.merge import cousins_ok, merge_schemas
 from baton.grammar.schema.normalise import Path, Rewrite, integral_counts, map_schemas
-from baton.grammar.schema.outlines_merge import cousins_ok, merge_schemas
 from baton.grammar.schema.refs import (
     inside_a_target,
     is_local_ref,
@@ -86,7 +86,7 @@ _MERGE_ROUNDS = 4
 
 def _merged_all_of(node: dict[str, Any], root: Any) -> dict[str, Any] | None:
     """A schema with an ``allOf`` as the one schema its members and siblings say together
-    (``outlines_merge.merge_schemas``, a member that is only a local ``$ref`` read as its
+    (``merge.merge_schemas``, a member that is only a local ``$ref`` read as its
     target); None when they cannot be merged: xgrammar builds a several-member allOf from
     its first member alone."""
     members = node.get("allOf")
