@@ -1,5 +1,6 @@
 """grammar/schema: the one $ref resolver (JSON pointers percent-decoded, then ~1 and ~0
-unescaped) that validation and every backend's schema walk use; the normalisation passes
+unescaped) that validation and the backends' schema walks use (outlines-core's converter
+resolves pointers itself, undecoded: such a $ref is refused for it); the normalisation passes
 (same instances, in shapes a backend reads whole) and the oneOf disjointness proof."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 from baton.grammar.guidance_backend import guidance_normal_form
 from baton.grammar.schema.disjoint import branches_disjoint
 from baton.grammar.schema.normalise import drop_unknown_formats, integral_counts
-from baton.grammar.schema.outlines_prepare import prepare_schema
+from baton.grammar.schema.outlines_faithful import check_outlines_schema
 from baton.grammar.schema.refs import (
     PointerNotFound,
     is_local_ref,
@@ -56,13 +57,14 @@ def test_every_walk_follows_an_escaped_pointer() -> None:
     validate_spec(StructuredOutputsParams(json=SCHEMA))  # the reference resolves
     with pytest.raises(ValueError, match="resolves to nothing"):
         validate_spec(StructuredOutputsParams(json={**SCHEMA, "$ref": "#/$defs/a~1b"}))
-    # Both walks reach the target: xgrammar sees its keywords, outlines inlines it.
+    # xgrammar's walk reaches the target and sees its keywords; outlines-core does not decode
+    # pointers, so it refuses the schema rather than follow another one.
     assert xgrammar_unenforced_keywords(SCHEMA) == set()
     assert xgrammar_unenforced_keywords({**SCHEMA, "$defs": {NAME: {"not": {}}}}) == {"not"}
-    prepared = prepare_schema(SCHEMA)
-    assert prepared.error is None
-    assert prepared.unenforced == ("minimum",)
-    assert prepared.schema == {"type": "integer"}
+    checked = check_outlines_schema(SCHEMA)
+    assert checked.error is not None and "does not decode" in checked.error
+    plain = check_outlines_schema({"$defs": {"n": SCHEMA["$defs"][NAME]}, "$ref": "#/$defs/n"})
+    assert plain.error is None and plain.unenforced == ("minimum",)
 
 
 def test_integral_counts() -> None:
