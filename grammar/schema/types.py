@@ -176,13 +176,6 @@ def type_intersection(a: Any, b: Any) -> list[str]:
     return [t for t in order if t in out]
 
 
-def count_value(value: Any) -> int | None:
-    """A count keyword's value as an int (JSON Schema allows 2.0), or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return int(value) if float(value).is_integer() else None
-
-
 __all__ = [
     "ALL_TYPES",
     "ARRAY",
@@ -192,7 +185,6 @@ __all__ = [
     "OBJECT",
     "STRING",
     "canon",
-    "count_value",
     "declared_types",
     "json_type_ok",
     "raw_types",
