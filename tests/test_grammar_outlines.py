@@ -580,6 +580,11 @@ UNENFORCED_CASES: list[Any] = [
     ("minProperties", {"type": "object", "properties": AB, "minProperties": 1}, {}),
     ("maxProperties", {"type": "object", "properties": AB, "maxProperties": 1}, {"a": 1, "b": 2}),
     (
+        "maxProperties",
+        {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1},
+        {"a": 1, "b": 2},
+    ),
+    (
         "$dynamicRef",
         {
             "$defs": {"s": {"$dynamicAnchor": "s", "type": "string"}},

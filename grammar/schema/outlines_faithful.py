@@ -440,14 +440,18 @@ class _Walk:
                 return base["array"]
             return 2 * self.walk(node["items"], depth)[0] + 30 + 3 * w
         if name == "object":
-            honoured.update({"additionalProperties", "maxProperties"})
+            honoured.add("additionalProperties")
             if "additionalProperties" in node:
                 honoured.add("unevaluatedProperties")  # it sees no other property
             low, high = _count(node, "minProperties"), _count(node, "maxProperties", None)
             if high is not None and high < low:
                 raise _Refused("minProperties above maxProperties (outlines-core cannot write it)")
-            if low <= 1:  # outlines writes any keys, perhaps one twice: one is all it promises
+            # outlines reads only maxProperties 0 and whether minProperties is 0, and may write
+            # a key twice: at least one property is all it promises.
+            if low <= 1:
                 honoured.add("minProperties")
+            if high in (None, 0):
+                honoured.add("maxProperties")
             extra = node.get("additionalProperties", True)
             if high == 0:
                 return 6 + w

@@ -78,8 +78,8 @@ OUTLINES_CONDITIONAL_KEYWORDS: dict[str, str] = {
     "maxItems": "beside prefixItems: reported when below the tuple's length",
     "minProperties": "enforced when no larger than the number of required properties, or 1 on "
     "an object without listed properties (outlines may write a key twice)",
-    "maxProperties": "enforced when no smaller than the number of listed properties, or on an "
-    "object without listed properties",
+    "maxProperties": "enforced when no smaller than the number of listed properties, or 0 on "
+    "an object without listed properties (outlines reads no other bound there)",
     "patternProperties": "enforced where outlines writes only listed properties and none of "
     "their names matches a pattern",
     "unevaluatedItems": "enforced beside items or prefixItems (it then sees no item)",
