@@ -4,6 +4,13 @@ With async scheduling the step in flight is a value handed from one call to the 
 (mini-sglang's ``overlap_loop(last) -> ongoing``): ``step(last)`` plans and queues step N+1,
 then waits for step N (``last``) and applies its tokens, and returns N+1 as the step now in
 flight. Failures come back as outputs of the call that found them.
+
+A step whose structured requests still wait for step N's tokens (deferred) is handed on
+with its forward queued and its sampling not: the next call applies step N's tokens, fills
+the step's bitmask, plans the step after it, and then queues the sampling and that next
+forward back to back. So the device runs forward after sampling after forward with no host
+gap between them, and output processing and scheduling overlap a forward instead of
+standing between a sampling and the next forward.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from baton.engine.core.request import Request, RequestStatus
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.stats import EngineStats
 from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
-from baton.engine.scheduler_output import EngineCoreOutput, SchedulerOutput
+from baton.engine.scheduler_output import EngineCoreOutput, GrammarOutput, SchedulerOutput
 from baton.engine.sync_check import SyncChecker
 
 logger = logging.getLogger(__name__)
@@ -29,11 +36,21 @@ Outputs = list[EngineCoreOutput]
 
 
 @dataclass(frozen=True)
-class InFlight:
+class SampledStep:
     """A step queued on the device (forward and sampling) whose tokens are not applied yet."""
 
     so: SchedulerOutput
     output: AsyncOutput
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What the async loop leaves on the device between two calls: the last step whose
+    sampling is queued (``sampled``) and, when the step after it was deferred, that step
+    (``unsampled``: its forward is queued, its sampling waits for ``sampled``'s tokens)."""
+
+    sampled: SampledStep | None
+    unsampled: SchedulerOutput | None = None
 
 
 class EngineCore:
@@ -118,24 +135,32 @@ class EngineCore:
 
     def _overlap_step(self, last: InFlight | None) -> tuple[Outputs, InFlight | None]:
         outputs = self.scheduler.poll_grammars()
+        sampled = None if last is None else last.sampled
+        ready: tuple[SchedulerOutput, GrammarOutput | None] | None = None
+        if last is not None and last.unsampled is not None:
+            # The deferred step's grammars wait for these tokens; its forward is running.
+            assert sampled is not None, "a deferred step waits for a sampled one"
+            outputs += self._update(sampled)
+            sampled = None
+            bitmask, failed = self._fill(last.unsampled)
+            outputs += failed
+            ready = (last.unsampled, bitmask)
         so = self._schedule() if self.scheduler.has_unfinished_requests() else None
+        if ready is not None:  # its sampling, then the next forward, back to back
+            sampled = self._sample(*ready)
         if so is None or not _has_work(so):
-            if last is None:
+            if sampled is None:
                 return outputs + (self._idle() if so is not None else []), None
-            return outputs + self._update(last), None
+            return outputs + self._update(sampled), None
         self._execute(so)  # step N+1's forward is queued behind step N
-        deferred = so.pending_structured_output_tokens
-        if deferred:  # a grammar in it still waits for its step-N token
+        if so.pending_structured_output_tokens:  # a grammar in it waits for step N's token
             self.stats.deferred_steps += 1
-        else:
-            ongoing, failed = self._queue_sampling(so)  # the bitmask overlaps the forwards
-            outputs += failed
-        if last is not None:
-            outputs += self._update(last)
-        if deferred:  # step N's tokens are applied: every grammar is up to date
-            ongoing, failed = self._queue_sampling(so)
-            outputs += failed
-        return outputs, ongoing
+            return outputs, InFlight(sampled, so)
+        ongoing, failed = self._queue_sampling(so)  # the bitmask overlaps the forwards
+        outputs += failed
+        if sampled is not None:
+            outputs += self._update(sampled)
+        return outputs, InFlight(ongoing)
 
     # ---------------------------------------------------------------- phases
     def _schedule(self) -> SchedulerOutput:
@@ -151,18 +176,27 @@ class EngineCore:
         self.executor.execute_model(so)
         self.stats.add("launch", t0, time.perf_counter(), so.step_id)
 
-    def _queue_sampling(self, so: SchedulerOutput) -> tuple[InFlight, Outputs]:
+    def _queue_sampling(self, so: SchedulerOutput) -> tuple[SampledStep, Outputs]:
         """Fills the step's bitmask and queues its sampling; returns the step in flight and
         the requests that failed in the fill."""
+        grammar, failed = self._fill(so)
+        return self._sample(so, grammar), failed
+
+    def _fill(self, so: SchedulerOutput) -> tuple[GrammarOutput | None, Outputs]:
+        """The step's grammar bitmask, and the requests that failed in the fill."""
         t0 = time.perf_counter()
         grammar, failed = self.scheduler.get_grammar_bitmask(so, self.executor.bitmask_buffer())
-        t1 = time.perf_counter()
-        self.stats.add("bitmask", t0, t1, so.step_id)
-        output = self.executor.sample_tokens(so.step_id, grammar)
-        self.stats.add("launch", t1, time.perf_counter(), so.step_id)
-        return InFlight(so, output), failed
+        self.stats.add("bitmask", t0, time.perf_counter(), so.step_id)
+        return grammar, failed
 
-    def _update(self, step: InFlight) -> Outputs:
+    def _sample(self, so: SchedulerOutput, grammar: GrammarOutput | None) -> SampledStep:
+        """Queues the step's sampling with ``grammar``."""
+        t0 = time.perf_counter()
+        output = self.executor.sample_tokens(so.step_id, grammar)
+        self.stats.add("launch", t0, time.perf_counter(), so.step_id)
+        return SampledStep(so, output)
+
+    def _update(self, step: SampledStep) -> Outputs:
         """Waits for the step's tokens (the one wait) and applies them."""
         t0 = time.perf_counter()
         out = step.output.get_output()
