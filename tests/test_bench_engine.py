@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from baton.engine.config import EngineConfig
+from baton.engine.entrypoints.args import config_from_args
 from baton.engine.entrypoints.cli import build_parser
 from baton.engine.entrypoints.cli import main as cli_main
 
@@ -97,6 +99,12 @@ def test_cli_passes_bench_flags_through_and_rejects_unknown_ones() -> None:
         build_parser().parse_args(["generate", "hi", "--no-async-scheduling"]).no_async_scheduling
     )
     assert not build_parser().parse_args(["generate", "hi"]).no_async_scheduling
+    forced = build_parser().parse_args(["generate", "hi", "--async-scheduling"])
+    assert forced.async_scheduling and config_from_args(forced).async_scheduling is True
+    plain = config_from_args(build_parser().parse_args(["generate", "hi"]))
+    assert plain.async_scheduling == EngineConfig().async_scheduling  # the engine's own choice
+    with pytest.raises(SystemExit):  # one or the other
+        build_parser().parse_args(["generate", "hi", "--async-scheduling", "--no-async-scheduling"])
     with pytest.raises(SystemExit) as exc:
         cli_main(["generate", "hi", "--bogus"])
     assert exc.value.code == 2

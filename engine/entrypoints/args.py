@@ -99,7 +99,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         help='speculative decoding as JSON, e.g. \'{"method": "auto", "num_speculative_tokens": '
         "4}' (method: grammar, ngram or auto); implies synchronous scheduling",
     )
-    parser.add_argument(
+    scheduling = parser.add_mutually_exclusive_group()
+    scheduling.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="plan the next step while the model runs even where the engine would not by "
+        "default (a CPU with fewer than 3 cores); an option it cannot run with is an error",
+    )
+    scheduling.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="run each step to completion instead of planning the next one while the model runs",
@@ -108,7 +115,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` of options added by ``add_engine_args``; unset options keep
-    the engine's defaults (async scheduling: decided by the engine unless turned off).
+    the engine's defaults (async scheduling: decided by the engine unless turned on or off).
 
     Raises:
         ValueError: a value ``EngineConfig`` refuses.
@@ -122,6 +129,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
     if args.no_async_scheduling:
         engine_args["async_scheduling"] = False
+    if getattr(args, "async_scheduling", False):
+        engine_args["async_scheduling"] = True
     if getattr(args, "speculative_config", None) is not None:
         engine_args["speculative_config"] = args.speculative_config
     for flag, field in (
