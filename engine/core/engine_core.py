@@ -139,7 +139,7 @@ class EngineCore:
         ready: tuple[SchedulerOutput, GrammarOutput | None] | None = None
         if last is not None and last.unsampled is not None:
             # The deferred step's grammars wait for these tokens; its forward is running.
-            assert sampled is not None, "a deferred step waits for a sampled one"
+            assert sampled is not None, "InFlight defers a step only behind a sampled one"
             outputs += self._update(sampled)
             sampled = None
             bitmask, failed = self._fill(last.unsampled)
@@ -153,7 +153,9 @@ class EngineCore:
                 return outputs + (self._idle() if so is not None else []), None
             return outputs + self._update(sampled), None
         self._execute(so)  # step N+1's forward is queued behind step N
-        if so.pending_structured_output_tokens:  # a grammar in it waits for step N's token
+        if so.pending_structured_output_tokens and sampled is not None:
+            # A grammar in it waits for step N's token (with no step in flight there is
+            # nothing to wait for: a placeholder count gone stale must not stall it).
             self.stats.deferred_steps += 1
             return outputs, InFlight(sampled, so)
         ongoing, failed = self._queue_sampling(so)  # the bitmask overlaps the forwards
