@@ -222,6 +222,34 @@ def test_worker_round_trip(backend: GuidanceBackend, tokenizer: Tokenizer) -> No
         GuidanceBackend(bare, VOCAB).compile(spec).new_matcher()
 
 
+def test_matchers_are_copies_of_one_built_on_import(
+    backend: GuidanceBackend, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parser is built once, when the engine imports a worker's grammar (a loader thread),
+    not each time a request starts; each request's matcher is an independent copy."""
+    spec = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}})
+    data = backend.export_compiled(backend.compile(spec))
+    built: list[str] = []
+    real = backend.new_llmatcher
+    monkeypatch.setattr(backend, "new_llmatcher", lambda g: built.append(g) or real(g))
+    grammar = backend.import_compiled(spec, data)
+    assert len(built) == 1
+    first, second = grammar.new_matcher(), grammar.new_matcher()
+    assert len(built) == 1
+    start = allowed(second)
+    assert first.accept_tokens(ids(tokenizer, "[1,"))
+    assert allowed(second) == start  # the copy did not move with the first
+    assert walk(tokenizer, grammar, "[7,8]") and not walk(tokenizer, grammar, "[7,x]")
+
+
+def test_import_of_a_grammar_llguidance_cannot_parse_fails_there(
+    backend: GuidanceBackend,
+) -> None:
+    spec = StructuredOutputsParams(grammar='root ::= "x"')
+    with pytest.raises(GrammarError, match="llguidance cannot use the grammar"):
+        backend.import_compiled(spec, b"start: undefined_rule")
+
+
 @pytest.mark.parametrize("parallel_from", [1, 1000], ids=["threads", "one-thread"])
 def test_batch_fill_equals_single_fills(tokenizer: Tokenizer, parallel_from: int) -> None:
     backend = GuidanceBackend(tokenizer, VOCAB, parallel_fill_min_rows=parallel_from)
