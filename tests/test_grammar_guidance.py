@@ -242,6 +242,13 @@ def test_matchers_are_copies_of_one_built_on_import(
     assert walk(tokenizer, grammar, "[7,8]") and not walk(tokenizer, grammar, "[7,x]")
 
 
+def test_memory_size_counts_the_parser(backend: GuidanceBackend) -> None:
+    """The compile cache's byte budget must see the parser each cached grammar holds, not
+    only its text (the parser measured up to ~20x the text)."""
+    grammar = compile_spec(backend, json={"type": "array", "items": {"type": "integer"}})
+    assert grammar.memory_size_bytes() >= 20 * len(grammar.grammar)
+
+
 def test_import_of_a_grammar_llguidance_cannot_parse_fails_there(
     backend: GuidanceBackend,
 ) -> None:
