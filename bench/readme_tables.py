@@ -402,7 +402,7 @@ def soak_table(d: dict[str, Any]) -> str:
         ["clients that hung up, ended cleanly", f"{f['disconnect_clean']} / {f['disconnect']}"],
         ["5xx responses", str(f["http_5xx"])],
         ["KV blocks free after", f"{f['kv_free_blocks']:.0f} / {f['kv_total_blocks']:.0f}"],
-        ["RSS growth, first to last quarter", f"{f['rss_growth']:.1%}"],
+        ["RSS growth (server + workers), first to last quarter", f"{f['rss_growth']:.1%}"],
         ["/health after, SIGTERM exit code", f"{f['health_after']}, {f['sigterm_exit_code']}"],
     ]
     failed = [name for name, ok in d["criteria"].items() if not ok]

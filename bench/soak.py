@@ -3,14 +3,15 @@
 Starts ``baton serve`` as a subprocess on a free loopback port and sends ``--requests``
 requests at ``--concurrency``: free text, JSON schema, regex and choice constraints (chat and
 text completions, streamed or not), 10% invalid constraints and 10% streaming clients that hang
-up mid-stream. It samples the server's resident memory (VmRSS) as it goes, then checks and
-prints the pass criteria:
+up mid-stream. It samples the resident memory (VmRSS) of the server and its worker processes
+(model worker, grammar compile workers) as it goes, then checks and prints the pass criteria:
 
 - every valid request completes (finish_reason stop or length) and, when it stopped by
   itself, its output matches its constraint (schema, regex, choice);
 - every invalid request gets a 400; no response is a 5xx;
 - every KV block is free and nothing runs or waits once the load is over (from /metrics);
-- the server's VmRSS grows less than 10% from the first quarter of the run to the last;
+- that VmRSS (server plus workers) grows less than 10% from the first quarter of the run to
+  the last;
 - /health answers 200 afterwards, and SIGTERM stops the server with exit status 0.
 
 The run is bounded: it sends no new request after ``--time-limit`` seconds and every request
@@ -136,6 +137,37 @@ def read_rss_kb(pid: int) -> int | None:
     return None
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # The parent pid is the 2nd field after the ")" that ends the command name.
+            stat = (entry / "stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def read_tree_rss_kb(pid: int) -> tuple[int, int] | None:
+    """VmRSS in kB of process ``pid`` and the sum over its descendants (the model worker and
+    the grammar compile workers of ``baton serve``), or None once ``pid`` is gone."""
+    own = read_rss_kb(pid)
+    if own is None:
+        return None
+    return own, sum(read_rss_kb(child) or 0 for child in descendants(pid))
+
+
 def wait_idle(base: str, timeout_s: float = 30.0) -> dict[str, float]:
     """/metrics once nothing runs or waits and every KV block is free (or at the timeout);
     empty when the server does not answer."""
@@ -169,7 +201,8 @@ class LoadRun:
 async def run_load(
     base: str, pid: int, requests: Sequence[SoakRequest], config: SoakConfig
 ) -> LoadRun:
-    """Sends ``requests`` at ``config.concurrency``, sampling the server's VmRSS meanwhile."""
+    """Sends ``requests`` at ``config.concurrency``, sampling the VmRSS of the server and its
+    workers meanwhile."""
     outcomes: list[Outcome] = []
     samples: list[dict[str, float]] = []
     pending = iter(requests)
@@ -179,12 +212,15 @@ async def run_load(
     limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=None)
 
     def sample() -> None:
-        rss = read_rss_kb(pid)
+        rss = read_tree_rss_kb(pid)
         if rss is not None:
             samples.append(
                 {
                     "t": round(time.monotonic() - t0, 3),
-                    "rss_mb": rss / 1024,
+                    # Judged: the server with its worker processes (with async scheduling the
+                    # model and its KV cache live in the worker).
+                    "rss_mb": (rss[0] + rss[1]) / 1024,
+                    "server_rss_mb": rss[0] / 1024,
                     "in_flight": in_flight,
                     "done": len(outcomes),
                 }
@@ -291,6 +327,9 @@ def summarize(
         "rss_growth": None if growth is None else round(growth, 4),
         "rss_growth_mb": None if growth is None else round(last_mb - first_mb, 1),
         "rss_peak_mb": round(max(s["rss_mb"] for s in load.samples), 1) if load.samples else None,
+        "server_rss_peak_mb": (
+            round(max(s["server_rss_mb"] for s in load.samples), 1) if load.samples else None
+        ),
         "health_after": health_status,
         "sigterm_exit_code": exit_code,
         "sigterm_exit_s": round(exit_s, 2),
@@ -374,14 +413,16 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
-    """Server VmRSS and requests in flight over time."""
+    """VmRSS (server plus workers, and the server alone) and requests in flight over time."""
     plt = pyplot()
     if plt is None or not result["samples"]:
         return
     t = [s["t"] for s in result["samples"]]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    ax1.plot(t, [s["rss_mb"] for s in result["samples"]])
-    ax1.set_ylabel("server VmRSS (MB)")
+    ax1.plot(t, [s["rss_mb"] for s in result["samples"]], label="server + workers")
+    ax1.plot(t, [s["server_rss_mb"] for s in result["samples"]], label="server process")
+    ax1.set_ylabel("VmRSS (MB)")
+    ax1.legend(loc="lower right")
     growth = result["figures"]["rss_growth"]
     ax1.set_title(f"baton serve soak (RSS growth {growth if growth is None else f'{growth:+.1%}'})")
     ax2.plot(t, [s["in_flight"] for s in result["samples"]], color="tab:orange")

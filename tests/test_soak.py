@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +20,7 @@ import pytest
 from conftest import serve_in_thread
 
 from baton.bench.server_process import ServerProcess, parse_metrics
-from baton.bench.soak import SoakConfig, run_soak
+from baton.bench.soak import SoakConfig, descendants, read_tree_rss_kb, run_soak
 from baton.bench.soak_requests import INVALID_SPECS, plan_requests, verify_output
 from baton.engine.entrypoints.async_llm import AsyncLLM
 from baton.engine.executor.base import ExecutorError
@@ -62,6 +64,27 @@ def test_verify_output_catches_each_kind_of_violation() -> None:
     assert verify_output(regex_req, "12345-abc") is not None
     assert verify_output(choice_req, "red") is None
     assert verify_output(choice_req, "purple") is not None
+
+
+def test_tree_rss_counts_the_worker_processes() -> None:
+    """With async scheduling the model lives in a worker process: its memory must count."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "b = bytearray(64 << 20); import time; time.sleep(60)"]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            own, workers = read_tree_rss_kb(os.getpid()) or (0, 0)
+            if workers >= 64 << 10 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert own > 0 and workers >= 64 << 10, (own, workers)
+        assert child.pid in descendants(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in descendants(os.getpid())
+    assert read_tree_rss_kb(child.pid) is None  # gone
 
 
 # ------------------------------------------------------------------- soak
