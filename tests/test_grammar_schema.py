@@ -85,31 +85,88 @@ def test_integral_counts() -> None:
 
 def test_xgrammar_normal_form_splits_untyped_keywords_by_type() -> None:
     others = ["null", "boolean", "number", "array", "object"]
+    # The other types' branch as JSON Schema has it: any item, any property.
+    rest = {"type": others, "additionalProperties": {}, "items": {}}
     assert xgrammar_normal_form({"minLength": 2, "title": "t"}) == {
         "title": "t",
-        "anyOf": [{"type": "string", "minLength": 2}, {"type": others, "items": {}}],
+        "anyOf": [{"type": "string", "minLength": 2}, rest],
     }
     both = xgrammar_normal_form({"minimum": 1, "maxItems": 3})
     assert both["anyOf"][:2] == [
         {"type": "number", "minimum": 1},
         {"type": "array", "maxItems": 3, "items": {}},  # no items: any item
     ]
-    # Left alone: typed, inferred (properties), a format no one defines, property names
-    # (always strings), and a node a $ref points inside.
+    # Keywords xgrammar infers a type from (it built them for that type alone).
+    assert xgrammar_normal_form({"properties": {"a": {}}, "required": ["a"]}) == {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"a": {}},
+                "required": ["a"],
+                "additionalProperties": {},
+            },
+            {"type": ["null", "boolean", "number", "string", "array"], "items": {}},
+        ]
+    }
+    assert xgrammar_normal_form({"unevaluatedItems": False})["anyOf"][0] == {
+        "type": "array",
+        "unevaluatedItems": False,
+    }
+    # Left alone: typed, a format no one defines, property names (always strings), and a
+    # node a $ref points inside.
     for schema in (
         {"type": "string", "minLength": 2},
-        {"properties": {"a": {}}, "required": ["a"]},
         {"format": "my-own"},
         {"type": "object", "propertyNames": {"maxLength": 3}},
         {
             "$defs": {"p": {"patternProperties": {"^a": {"type": "integer"}}}},
+            "type": "object",
             "properties": {"x": {"$ref": "#/$defs/p/patternProperties/^a"}},
+            "additionalProperties": False,
         },
     ):
         assert xgrammar_normal_form(schema) == schema
     # The walk then refuses what the split still cannot say ("minLength" is now enforced).
     assert xgrammar_unenforced_keywords(xgrammar_normal_form({"minLength": 2})) == set()
     assert xgrammar_unenforced_keywords(xgrammar_normal_form({"format": "iri"})) == {"format (iri)"}
+
+
+def test_xgrammar_normal_form_opens_objects_only_where_that_says_the_same() -> None:
+    opened = {"type": "object", "properties": {"a": {}}, "additionalProperties": {}}
+    assert xgrammar_normal_form({"type": "object", "properties": {"a": {}}}) == opened
+    assert xgrammar_normal_form({"type": "array", "prefixItems": [{}]}) == {
+        "type": "array",
+        "prefixItems": [{}],
+        "items": {},
+    }
+    # Left closed, as strict mode reads them (narrower than the schema, never wider).
+    for schema in (
+        {"type": "object", "additionalProperties": {"type": "integer"}},
+        {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
+        {"type": "object", "propertyNames": {"maxLength": 3}},
+        {"type": "object", "properties": {'a"b': {}}},  # an escaped name
+        {
+            "type": "object",
+            "properties": {"a": {}},
+            "anyOf": [{"type": "object", "additionalProperties": {}}],
+        },
+        # Any unevaluatedProperties / unevaluatedItems could see the added keyword.
+        {
+            "type": "object",
+            "properties": {"a": {"type": "object"}},
+            "unevaluatedProperties": False,
+        },
+        {
+            "type": "array",
+            "prefixItems": [{"type": "array", "prefixItems": [{}]}],
+            "unevaluatedItems": False,
+        },
+    ):
+        assert xgrammar_normal_form(schema) == schema, schema
+    # A property whose schema is false keeps the object closed: leaving it undeclared (what
+    # xgrammar compiles) says the same only there.
+    closed = xgrammar_normal_form({"type": "object", "properties": {"a": {}, "b": False}})
+    assert closed == {"type": "object", "properties": {"a": {}}}
 
 
 def test_xgrammar_normal_form_writes_uri_template_as_its_pattern() -> None:

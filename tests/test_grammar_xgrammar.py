@@ -178,7 +178,12 @@ def test_accept_validate_rollback_reset(backend: XGrammarBackend, tokenizer: Tok
 
 
 def test_jump_forward_string(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
-    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
     matcher = compile_spec(backend, json=schema).new_matcher()
     assert matcher.jump_forward_string() == '{"name":"'
     assert matcher.accept_tokens(ids(tokenizer, '{"name":"x"'))
@@ -920,10 +925,13 @@ def test_structural_tag_json_contents_compile_like_json_specs(
     grammar = compile_spec(backend, structural_tag=tag)
     assert walk(tokenizer, grammar, 'hi <call>{"name":"Nik"}</call> bye')
     # Compact by default, as a json spec: no free whitespace, no raw control characters in a
-    # bounded string, and strict mode (no extra keys).
+    # bounded string, and other keys as the schema says (any, unless the request closes
+    # objects).
     assert not walk(tokenizer, grammar, '<call>{"name": "Nik"}</call>')
     assert not walk(tokenizer, grammar, '<call>{"name":"N\x15"}</call>')
-    assert not walk(tokenizer, grammar, '<call>{"name":"N","x":1}</call>')
+    assert walk(tokenizer, grammar, '<call>{"name":"N","x":1}</call>')
+    closed = compile_spec(backend, structural_tag=tag, disable_additional_properties=True)
+    assert not walk(tokenizer, closed, '<call>{"name":"N","x":1}</call>')
     assert not walk(tokenizer, grammar, '<call>{"name":"Nikos"}</call>')
     loose = compile_spec(backend, structural_tag=tag, whitespace="any", max_whitespace_cnt=2)
     assert walk(tokenizer, loose, '<call>{ "name": "Nik" }</call>')
@@ -1023,6 +1031,7 @@ def test_patterns_counting_past_128_are_rebuilt_and_keep_their_language(
             "dotted": {"type": "string", "pattern": "^([a-z]+\\.){1,3}[a-z]{1,300}$"},
         },
         "required": ["id", "mail", "dotted"],
+        "additionalProperties": False,  # as xgrammar's strict mode reads it, for the masks below
     }
     grammar = compile_spec(backend, json=schema)
     value = {"id": "a" + "b" * 254, "mail": "ada@example.org", "dotted": "a.bc.def"}
@@ -1080,7 +1089,53 @@ DRAFT_FORMS = [
         [{"a": 1}, {}],
         [{"a": 1, "b": 2}, {"b": None}],
     ),
-    ({"properties": {"a": True, "b": False}}, "2020-12", [{"a": [1]}, {}], [{"b": 1}]),
+    ({"properties": {"a": True, "b": False}}, "2020-12", [{"a": [1]}, {}, 7], [{"b": 1}]),
+    # No additionalProperties: any other name, with any value (strict mode alone allowed the
+    # declared properties only, and {} for an object that declares none).
+    (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        "2020-12",
+        [{"a": 1}, {"a": 1, "b": "x", "c": [None]}],
+        [{"a": "x"}, {"b": 1}, []],
+    ),
+    ({"type": "object", "maxProperties": 1}, "2020-12", [{}, {"k": [1]}], [{"k": 1, "l": 2}]),
+    # Untyped object and array keywords apply to objects and arrays only (xgrammar built
+    # such a schema for that type alone).
+    (
+        {"properties": {"a": {"type": "integer"}}, "additionalProperties": False},
+        "2020-12",
+        [{"a": 1}, {}, "text", 2.5, None, [1, "x"], True],
+        [{"a": "x"}, {"b": 1}],
+    ),
+    ({"items": {"type": "integer"}}, "2020-12", [[1, 2], {"a": "x"}, "s", 0], [["x"]]),
+    ({"unevaluatedItems": False}, "2020-12", [[], 1, "s", {"a": [1]}], [[1]]),
+    ({"unevaluatedProperties": False}, "2020-12", [{}, [1], "s", None], [{"a": 1}]),
+    # Items past prefixItems: any, unless items says otherwise.
+    (
+        {"type": "array", "prefixItems": [{"type": "integer"}]},
+        "2020-12",
+        [[], [1], [1, "x", None]],
+        [["x"], ["x", 1]],
+    ),
+    # Left closed (a narrowing, never a widening): a declared name JSON escapes (xgrammar
+    # keeps declared names out of the other names by their raw text only), and an object
+    # whose unevaluatedProperties an additionalProperties would switch off.
+    (
+        {"type": "object", "properties": {"foo\nbar": {"type": "number"}}},
+        "2020-12",
+        [{"foo\nbar": 1}, {}],
+        [{"foo\nbar": "1"}],
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "object", "properties": {"b": {}}}},
+            "unevaluatedProperties": False,
+        },
+        "2020-12",
+        [{"a": {"b": 1}}, {}],
+        [{"a": 1}, {"c": 1}],
+    ),
 ]
 
 

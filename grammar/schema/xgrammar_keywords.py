@@ -29,10 +29,13 @@ XGRAMMAR_ENFORCED_KEYWORDS: Mapping[str, str] = {
     "type": "all seven types and type lists",
     "enum": "exact values; wins over sibling keywords (see xgrammar_unenforced_keywords)",
     "const": "exact value; wins over enum and other siblings",
-    "properties": "in the schema's declared order only; implies type object when type is absent",
+    "properties": "in the schema's declared order only; xgrammar reads an untyped schema "
+    "with properties as objects only (the normal form splits it by type first)",
     "required": "for declared properties only",
-    "additionalProperties": "false or a schema; with strict mode an object that declares "
-    "properties allows no other keys unless additionalProperties says so",
+    "additionalProperties": "false or a schema; strict mode reads it absent as false, so the "
+    "normal form writes {} there, except beside patternProperties, a false property, a "
+    "property name JSON escapes, or anywhere unevaluatedProperties appears: such an object "
+    "stays closed to other names (stricter than JSON Schema)",
     "unevaluatedProperties": "false is what strict mode does anyway",
     "minProperties": "with properties or additionalProperties (or type object)",
     "maxProperties": "with properties or additionalProperties (or type object)",

@@ -5,6 +5,7 @@ decides what xgrammar enforces is ``xgrammar_keywords``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,7 +25,6 @@ from baton.grammar.schema.xgrammar_keywords import (
     XGRAMMAR_ENFORCED_FORMATS,
     XGRAMMAR_UNENFORCED_FORMATS,
     XGRAMMAR_UNENFORCED_KEYWORDS,
-    built_types,
 )
 
 # RFC 6570 URI templates, levels 1-4: literals (any character but controls, space and
@@ -47,35 +47,48 @@ _FORMAT_PATTERNS = {"uri-template": URI_TEMPLATE_PATTERN}
 # Every JSON type once ("number" covers "integer"), in the order the rest branch lists them.
 _JSON_TYPES = ("null", "boolean", "number", "string", "array", "object")
 _DEFINED_FORMATS = XGRAMMAR_ENFORCED_FORMATS | XGRAMMAR_UNENFORCED_FORMATS
-_TYPED = frozenset(k for keywords in TYPE_KEYWORDS.values() for k in keywords)
+
+
+# Keywords from which xgrammar infers a type when a schema has none: it then builds the
+# schema for that type alone (``{"properties": ...}`` only as objects), where JSON Schema
+# applies them to that type and lets every other value through.
+_INFERRING: dict[str, tuple[str, ...]] = {
+    "object": ("properties", "additionalProperties", "unevaluatedProperties"),
+    "array": ("items", "prefixItems", "unevaluatedItems"),
+}
+_SPLIT_KEYWORDS: dict[str, tuple[str, ...]] = {
+    family: (*keywords, *_INFERRING.get(family, ())) for family, keywords in TYPE_KEYWORDS.items()
+}
+_SPLIT = frozenset(k for keywords in _SPLIT_KEYWORDS.values() for k in keywords)
 
 
 def _typed_split(node: dict[str, Any]) -> dict[str, Any] | None:
     """An untyped schema with type-specific keywords as an ``anyOf`` of one branch per type
-    family that its keywords constrain, plus one for every other type; None when xgrammar
-    already reads ``node`` whole (a type, a dominant keyword, or a keyword it infers a type
-    from) or it has no type-specific keyword.
+    family that its keywords constrain, plus one for every other type; None when it has a
+    type or a dominant keyword, or no type-specific keyword.
 
     xgrammar builds such a schema as "any value" and drops those keywords (``"minLength (no
-    type)"``); JSON Schema applies each keyword to its own type only, which the branches say.
+    type)"``), or, for the object and array keywords it infers a type from (``_INFERRING``),
+    as that type alone; JSON Schema applies each keyword to its own type only, which the
+    branches say.
     """
-    if built_types(node) is not None or any(k in node for k in DOMINANT_ORDER):
+    if "type" in node or any(k in node for k in DOMINANT_ORDER):
         return None
     families = [
         family
-        for family, keywords in TYPE_KEYWORDS.items()
+        for family, keywords in _SPLIT_KEYWORDS.items()
         if any(k in node and (k != "format" or node[k] in _DEFINED_FORMATS) for k in keywords)
     ]
     if not families:
         return None
     branches: list[Any] = [
-        {"type": family, **{k: node[k] for k in TYPE_KEYWORDS[family] if k in node}}
+        {"type": family, **{k: node[k] for k in _SPLIT_KEYWORDS[family] if k in node}}
         for family in families
     ]
     rest = [t for t in _JSON_TYPES if t not in families]
     if rest:
         branches.append({"type": rest})
-    return {**{k: v for k, v in node.items() if k not in _TYPED}, "anyOf": branches}
+    return {**{k: v for k, v in node.items() if k not in _SPLIT}, "anyOf": branches}
 
 
 # Keywords xgrammar's walk reports wherever they appear: a merge may keep either copy.
@@ -131,6 +144,32 @@ _OTHER_NAME_KEYWORDS = frozenset(
 )
 
 
+# Keywords beside which an object without additionalProperties is left as strict mode reads it.
+_CLOSED_OBJECT_KEYWORDS = frozenset(
+    {"additionalProperties", "unevaluatedProperties", "patternProperties", "propertyNames"}
+)
+
+
+def _escaped(name: Any) -> bool:
+    """Whether JSON writes the property name ``name`` with an escape sequence."""
+    return not isinstance(name, str) or json.dumps(name, ensure_ascii=False)[1:-1] != name
+
+
+def _mentions(tree: Any, keyword: str) -> bool:
+    """Whether ``keyword`` is a key anywhere in ``tree`` (a property named so counts too: the
+    cautious answer)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if keyword in node:
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
 def xgrammar_normal_form(schema: Any) -> Any:
     """``schema`` in the shape baton hands xgrammar, with the same instances: integral counts
     as ints, every ``allOf`` merged into one schema where it can be (``_merged_all_of``,
@@ -138,10 +177,12 @@ def xgrammar_normal_form(schema: Any) -> Any:
     tuple ``items`` in the forms xgrammar takes, a property whose schema is false left
     undeclared where nothing else admits its name, formats xgrammar fills slowly written as the
     equivalent ``pattern`` (``_FORMAT_PATTERNS``, where no pattern is there already), and
-    every untyped subschema with type-specific keywords split by type (``_typed_split``), and
-    an array without ``items`` given ``items: {}`` (strict mode would allow no item); a
-    subschema a ``$ref`` points inside is left alone. ``schema`` itself when nothing
-    changes."""
+    every untyped subschema with type-specific keywords (or keywords xgrammar infers a type
+    from) split by type (``_typed_split``), an object without ``additionalProperties`` given
+    ``additionalProperties: {}`` where that says the same (``open_objects``; strict mode would
+    allow no other name), and an array without ``items`` given ``items: {}`` (strict mode
+    would allow no item); a subschema a ``$ref`` points inside is left alone. ``schema``
+    itself when nothing changes."""
     schema = integral_counts(schema)
     if not isinstance(schema, dict):
         return schema
@@ -193,7 +234,7 @@ def xgrammar_normal_form(schema: Any) -> Any:
 
     def split(node: dict[str, Any], path: Path) -> dict[str, Any]:
         # Property names are strings: xgrammar reads propertyNames' keywords as string ones.
-        if pointed_into(path, node.keys() & _TYPED) or path[-1:] == ("propertyNames",):
+        if pointed_into(path, node.keys() & _SPLIT) or path[-1:] == ("propertyNames",):
             return node
         typed = _typed_split(node)
         return node if typed is None else typed
@@ -218,14 +259,46 @@ def xgrammar_normal_form(schema: Any) -> Any:
             return node
         return {**node, "properties": {k: v for k, v in props.items() if v is not False}}
 
-    def open_items(node: dict[str, Any], _: Path) -> dict[str, Any]:
-        # Without items any item is allowed, but xgrammar's strict mode reads it as no item at
-        # all: [] only, and no grammar at all beside minItems. items: {} is what the schema
-        # says (it fills fast: 12 us per row at worst, measured). Not beside unevaluatedItems,
-        # which items would switch off.
+    # unevaluatedProperties sees which names its cousins evaluated: an additionalProperties
+    # written below it would evaluate every name and switch it off.
+    cousins_judge_names = _mentions(schema, "unevaluatedProperties")
+
+    def open_objects(node: dict[str, Any], _: Path) -> dict[str, Any]:
+        # Without additionalProperties any other name is allowed, with any value, but
+        # xgrammar's strict mode reads it as false: only the declared properties ({} when
+        # none). additionalProperties: {} is what the schema says. Left closed (a narrowing,
+        # never a widening): beside patternProperties (xgrammar would then ignore the
+        # patterns), propertyNames (strict mode already admits other names there), a dominant
+        # keyword (xgrammar ignores its siblings), a property whose schema is false
+        # (absent_properties leaves it undeclared, which only a closed object keeps out), a
+        # property name JSON writes with an escape (xgrammar keeps declared names out of the
+        # other names by their unescaped text only: "foo\nbar" came in as another name, with
+        # any value), and wherever unevaluatedProperties could see the change.
         types = node.get("type")
-        if (types != "array" and not (isinstance(types, list) and "array" in types)) or (
-            node.keys() & {"items", "prefixItems", "unevaluatedItems"}
+        if (
+            cousins_judge_names
+            or (types != "object" and not (isinstance(types, list) and "object" in types))
+            or node.keys() & _CLOSED_OBJECT_KEYWORDS
+            or any(k in node for k in DOMINANT_ORDER)
+            or (isinstance(node.get("properties"), dict) and False in node["properties"].values())
+            or any(_escaped(name) for name in node.get("properties") or ())
+        ):
+            return node
+        return {**node, "additionalProperties": {}}
+
+    cousins_judge_items = _mentions(schema, "unevaluatedItems")
+
+    def open_items(node: dict[str, Any], _: Path) -> dict[str, Any]:
+        # Without items any item is allowed (past the prefixItems, if any), but xgrammar's
+        # strict mode reads it as no item at all: [] only (the prefix only), and no grammar at
+        # all beside minItems. items: {} is what the schema says (it fills fast: 12 us per row
+        # at worst, measured). Not beside unevaluatedItems, which items would switch off, nor
+        # after prefixItems where an unevaluatedItems elsewhere could see the change.
+        types = node.get("type")
+        if (
+            (types != "array" and not (isinstance(types, list) and "array" in types))
+            or node.keys() & {"items", "unevaluatedItems"}
+            or ("prefixItems" in node and cousins_judge_items)
         ):
             return node
         return {**node, "items": {}}
@@ -249,7 +322,7 @@ def xgrammar_normal_form(schema: Any) -> Any:
         any_change = any_change or changed
         if not changed:
             break
-    for rewrite in (draft_forms, absent_properties, fast_format, split, open_items):
+    for rewrite in (draft_forms, fast_format, split, open_objects, absent_properties, open_items):
         out, changed = apply(rewrite, out)
         any_change = any_change or changed
     return out if any_change else schema
