@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -30,7 +31,7 @@ from baton.bench.grammar import (
     run_benchmark,
 )
 from baton.bench.grammar_report import auto_rows
-from baton.bench.grammar_worker import serialize_instance
+from baton.bench.grammar_worker import fed_as_written, serialize_instance
 from baton.grammar.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import VocabSource
@@ -216,6 +217,20 @@ def test_instances_are_serialised_as_the_whitespace_mode_expects() -> None:
     data = {"a": [1, "é"], "b": None}
     assert serialize_instance(data, "compact") == '{"a":[1,"é"],"b":null}'
     assert serialize_instance(data, "any") == '{"a": [1, "é"], "b": null}'
+
+
+def test_instances_are_fed_as_the_grammar_writes_the_value() -> None:
+    schema = {"properties": {"b": {}, "a": {"enum": [1]}}}
+    data = {"a": 1.0, "b": [0.0, 2.5, -2.0, float(2**53)], "c": True}
+    fed = fed_as_written(schema, data)
+    assert serialize_instance(fed, "compact") == '{"b":[0,2.5,-2,9007199254740992],"a":1,"c":true}'
+    # The same value, so the same verdict (draft 6 on), valid and invalid alike.
+    validator = jsonschema.Draft202012Validator(schema)
+    for value in (data, {"a": 2.0}):
+        assert validator.is_valid(fed_as_written(schema, value)) == validator.is_valid(value)
+    # Drafts 3 and 4 did not count 1.0 as an integer: left as it is.
+    draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer"}
+    assert serialize_instance(fed_as_written(draft4, 1.0), "compact") == "1.0"
 
 
 def test_config_rejects_bad_values() -> None:
