@@ -21,7 +21,11 @@ from baton.grammar.schema.refs import (
     resolves,
 )
 from baton.grammar.schema.xgrammar_keywords import xgrammar_unenforced_keywords
-from baton.grammar.schema.xgrammar_normal_form import URI_TEMPLATE_PATTERN, xgrammar_normal_form
+from baton.grammar.schema.xgrammar_normal_form import (
+    URI_TEMPLATE_PATTERN,
+    anchored_search,
+    xgrammar_normal_form,
+)
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.validation import validate_spec
 
@@ -142,7 +146,7 @@ def test_xgrammar_normal_form_opens_objects_only_where_that_says_the_same() -> N
     # Left closed, as strict mode reads them (narrower than the schema, never wider).
     for schema in (
         {"type": "object", "additionalProperties": {"type": "integer"}},
-        {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
+        {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x$": {}}},
         {"type": "object", "propertyNames": {"maxLength": 3}},
         {"type": "object", "properties": {'a"b': {}}},  # an escaped name
         {
@@ -169,6 +173,29 @@ def test_xgrammar_normal_form_opens_objects_only_where_that_says_the_same() -> N
     assert closed == {"type": "object", "properties": {"a": {}}}
 
 
+def test_anchored_search_gives_unanchored_sides_any_text() -> None:
+    anything = "[\\s\\S]*"
+    assert anchored_search("^https?://") == f"^(?:(?:https?://){anything})$"
+    assert anchored_search("a+") == f"^(?:{anything}(?:a+){anything})$"
+    assert anchored_search("^a|b$") == f"^(?:(?:a){anything}|{anything}(?:b))$"
+    assert anchored_search("[^$]x\\$") == f"^(?:{anything}(?:[^$]x\\$){anything})$"
+    # Nothing to do, or left as written: anchored at both ends, a lookaround, an inner anchor,
+    # a count past 128 (rebuilt from the pattern as written).
+    for pattern in ("^a$", "^a$|^b$", "^(?!x)a", "a(^b)", "x{1,300}"):
+        assert anchored_search(pattern) is None, pattern
+    # The same strings match, as a search before and in full after.
+    for pattern in ("^https?://", "a+|^z$", "[a-z0-9-_]", "^_", "1.0"):
+        full = re.compile(anchored_search(pattern) or "")
+        for text in ("https://x", "xxaayy", "z", "zz", "!!_!!", "_x", "v1.0.2", "", "A\nB"):
+            assert bool(full.fullmatch(text)) == bool(re.search(pattern, text)), (pattern, text)
+    # In the normal form: pattern, and patternProperties keys unless a $ref points there.
+    assert xgrammar_normal_form({"type": "string", "pattern": "^v"})["pattern"] == (
+        f"^(?:(?:v){anything})$"
+    )
+    keys = xgrammar_normal_form({"type": "object", "patternProperties": {"^v": {}}})
+    assert list(keys["patternProperties"]) == [f"^(?:(?:v){anything})$"]
+
+
 def test_xgrammar_normal_form_writes_uri_template_as_its_pattern() -> None:
     assert xgrammar_normal_form({"type": "string", "format": "uri-template"}) == {
         "type": "string",
@@ -178,7 +205,7 @@ def test_xgrammar_normal_form_writes_uri_template_as_its_pattern() -> None:
     untyped = xgrammar_normal_form({"format": "uri-template"})
     assert untyped["anyOf"][0] == {"type": "string", "pattern": URI_TEMPLATE_PATTERN}
     # A pattern already there: both must hold, so the format stays.
-    both = {"type": "string", "format": "uri-template", "pattern": "^a"}
+    both = {"type": "string", "format": "uri-template", "pattern": "^a$"}
     assert xgrammar_normal_form(both) == both
     # RFC 6570's examples (levels 1-4) and malformed templates.
     for text in (

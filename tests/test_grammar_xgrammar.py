@@ -1117,6 +1117,21 @@ DRAFT_FORMS = [
         [[], [1], [1, "x", None]],
         [["x"], ["x", 1]],
     ),
+    # A pattern (and a patternProperties key) is a search: an unanchored side takes any text
+    # (xgrammar matched it against the whole string).
+    (
+        {"type": "string", "pattern": "^https?://"},
+        "2020-12",
+        ["https://example.org/a?b=c", "http://"],
+        ["ftp://x", "xhttps://"],
+    ),
+    ({"type": "string", "pattern": "a+|^z$"}, "2020-12", ["xxaayy", "a", "z"], ["xyz", "", "zz"]),
+    (
+        {"type": "object", "patternProperties": {"^v": {"type": "integer"}}},
+        "2020-12",
+        [{"vroom": 1}, {"v": 2}, {}],
+        [{"vroom": "x"}],
+    ),
     # Left closed (a narrowing, never a widening): a declared name JSON escapes (xgrammar
     # keeps declared names out of the other names by their raw text only), and an object
     # whose unevaluatedProperties an additionalProperties would switch off.

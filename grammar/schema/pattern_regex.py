@@ -1,4 +1,5 @@
-"""Regex helpers of the outlines backend: literals, choices, anchors, a DFA-size estimate, and
+"""Regex helpers of the outlines backend (the top-level split serves xgrammar's normal form
+too): literals, choices, anchors, a DFA-size estimate, and
 the JSON-schema ``pattern`` (ECMA-262) as the Rust regex outlines-core matches against the text
 between a JSON string's quotes (``outlines_pattern``), where that can be said exactly.
 """
@@ -51,7 +52,7 @@ def strip_anchors(regex: str) -> str:
     return regex
 
 
-def _split_top_level(pattern: str) -> list[str]:
+def split_top_level(pattern: str) -> list[str]:
     """Splits a pattern at its top-level ``|``."""
     parts, depth, start, i, in_class = [], 0, 0, 0, False
     while i < len(pattern):
@@ -188,7 +189,7 @@ def outlines_pattern(pattern: str) -> str:
             anchor, or a literal quote, backslash or control character.
     """
     branches = []
-    for branch in _split_top_level(pattern):
+    for branch in split_top_level(pattern):
         start = branch.startswith("^")
         branch = branch[1:] if start else branch
         end = False
@@ -283,5 +284,6 @@ __all__ = [
     "estimate_dfa_states",
     "outlines_pattern",
     "regex_literal",
+    "split_top_level",
     "strip_anchors",
 ]

@@ -40,7 +40,8 @@ XGRAMMAR_ENFORCED_KEYWORDS: Mapping[str, str] = {
     "minProperties": "with properties or additionalProperties (or type object)",
     "maxProperties": "with properties or additionalProperties (or type object)",
     "propertyNames": "checked on additional keys, not on declared property names",
-    "patternProperties": "keys must match a pattern in full (anchored), values its schema; "
+    "patternProperties": "keys must match a pattern in full (the normal form gives an "
+    "unanchored side any text, as JSON Schema searches), values its schema; "
     "not beside properties plus a non-false additionalProperties (then ignored); a key gets "
     "one schema only (its declared property's, else one fully matching pattern's), so several "
     "patterns with different schemas, or a pattern that may match a declared name, are "
@@ -54,7 +55,9 @@ XGRAMMAR_ENFORCED_KEYWORDS: Mapping[str, str] = {
     "characters only, no escape sequence (stricter than JSON Schema)",
     "maxLength": "unless beside pattern or format (then ignored); such a string holds plain "
     "characters only, no escape sequence (stricter than JSON Schema)",
-    "pattern": "anchored: an unanchored pattern must match the whole string; "
+    "pattern": "matched against the whole string (the normal form gives an unanchored side "
+    "any text, as JSON Schema searches, except beside an inner anchor, a (?...) group or a "
+    "count past 128); such a string holds no escape sequence (stricter than JSON Schema); "
     "lookarounds are ignored; one that counts a repetition past 128 holds plain characters "
     "only, no escape sequence (stricter than JSON Schema)",
     "format": "the formats in XGRAMMAR_ENFORCED_FORMATS, syntax only (no calendar checks)",

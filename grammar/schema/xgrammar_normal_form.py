@@ -6,11 +6,13 @@ decides what xgrammar enforces is ``xgrammar_keywords``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
 from baton.grammar.schema.merge import cousins_ok, merge_schemas
 from baton.grammar.schema.normalise import Path, Rewrite, integral_counts, map_schemas
+from baton.grammar.schema.pattern_regex import split_top_level
 from baton.grammar.schema.refs import (
     inside_a_target,
     is_local_ref,
@@ -170,6 +172,61 @@ def _mentions(tree: Any, keyword: str) -> bool:
     return False
 
 
+# Any text at all (ECMA's "." leaves out line terminators), for a pattern's unanchored side.
+_ANY_TEXT = r"[\s\S]*"
+_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def _inner_anchor(branch: str) -> bool:
+    """Whether ``branch`` has a ``^`` or ``$`` outside a class (escapes skipped)."""
+    i, in_class = 0, False
+    while i < len(branch):
+        ch = branch[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            i += 2 if branch.startswith("[^", i) else 1
+            continue
+        elif ch in "^$":
+            return True
+        i += 1
+    return False
+
+
+def anchored_search(pattern: str) -> str | None:
+    r"""JSON Schema's ``pattern`` (an ECMA-262 search: it may match anywhere in the string) as
+    the regex xgrammar reads (which must match the whole string): each unanchored side of a
+    top-level branch gets any text (``^a`` as ``^(?:(?:a)[\s\S]*)$``). None when there is
+    nothing to do (every branch anchored at both ends) or the pattern is left as it is: a
+    ``(?`` group other than ``(?:`` (lookarounds are reported), an anchor inside a branch, or
+    a count past 128 (``xgrammar_patterns`` rebuilds those from the pattern as written).
+    """
+    if "(?" in pattern.replace("(?:", "") or any(
+        int(n) > 128 for m in _COUNT.finditer(pattern) for n in m.groups() if n
+    ):
+        return None
+    branches = []
+    for branch in split_top_level(pattern):
+        start = branch.startswith("^")
+        branch = branch[1:] if start else branch
+        end = branch.endswith("$") and (len(branch) - 1 - len(branch[:-1].rstrip("\\"))) % 2 == 0
+        branch = branch[:-1] if end else branch
+        if _inner_anchor(branch):
+            return None
+        branches.append((start, branch, end))
+    if all(start and end for start, _, end in branches):
+        return None
+    written = [
+        ("" if start else _ANY_TEXT) + f"(?:{branch})" + ("" if end else _ANY_TEXT)
+        for start, branch, end in branches
+    ]
+    return "^(?:" + "|".join(written) + ")$"
+
+
 def xgrammar_normal_form(schema: Any) -> Any:
     """``schema`` in the shape baton hands xgrammar, with the same instances: integral counts
     as ints, every ``allOf`` merged into one schema where it can be (``_merged_all_of``,
@@ -231,6 +288,20 @@ def xgrammar_normal_form(schema: Any) -> Any:
             **{k: v for k, v in node.items() if k != "format"},
             "pattern": _FORMAT_PATTERNS[fmt],
         }
+
+    def search_patterns(node: dict[str, Any], path: Path) -> dict[str, Any]:
+        # xgrammar matches a pattern (and a patternProperties key) against the whole string;
+        # JSON Schema searches for it anywhere ("^v" admits "vroom").
+        out = node
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and (anchored := anchored_search(pattern)) is not None:
+            out = {**out, "pattern": anchored}
+        patterns = node.get("patternProperties")
+        if isinstance(patterns, dict) and not pointed_into(path, ("patternProperties",)):
+            keys = {p: anchored_search(p) or p for p in patterns}
+            if keys != {p: p for p in patterns} and len(set(keys.values())) == len(keys):
+                out = {**out, "patternProperties": {keys[p]: v for p, v in patterns.items()}}
+        return out
 
     def split(node: dict[str, Any], path: Path) -> dict[str, Any]:
         # Property names are strings: xgrammar reads propertyNames' keywords as string ones.
@@ -322,10 +393,19 @@ def xgrammar_normal_form(schema: Any) -> Any:
         any_change = any_change or changed
         if not changed:
             break
-    for rewrite in (draft_forms, fast_format, split, open_objects, absent_properties, open_items):
+    rewrites = (
+        draft_forms,
+        fast_format,
+        search_patterns,
+        split,
+        open_objects,
+        absent_properties,
+        open_items,
+    )
+    for rewrite in rewrites:
         out, changed = apply(rewrite, out)
         any_change = any_change or changed
     return out if any_change else schema
 
 
-__all__ = ["URI_TEMPLATE_PATTERN", "xgrammar_normal_form"]
+__all__ = ["URI_TEMPLATE_PATTERN", "anchored_search", "xgrammar_normal_form"]
