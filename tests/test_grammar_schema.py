@@ -103,12 +103,7 @@ def test_xgrammar_normal_form_splits_untyped_keywords_by_type() -> None:
     # Keywords xgrammar infers a type from (it built them for that type alone).
     assert xgrammar_normal_form({"properties": {"a": {}}, "required": ["a"]}) == {
         "anyOf": [
-            {
-                "type": "object",
-                "properties": {"a": {}},
-                "required": ["a"],
-                "additionalProperties": {},
-            },
+            {"type": "object", "properties": {"a": {}}, "required": ["a"]},
             {"type": ["null", "boolean", "number", "string", "array"], "items": {}},
         ]
     }
@@ -136,8 +131,8 @@ def test_xgrammar_normal_form_splits_untyped_keywords_by_type() -> None:
 
 
 def test_xgrammar_normal_form_opens_objects_only_where_that_says_the_same() -> None:
-    opened = {"type": "object", "properties": {"a": {}}, "additionalProperties": {}}
-    assert xgrammar_normal_form({"type": "object", "properties": {"a": {}}}) == opened
+    opened = {"type": "object", "maxProperties": 2, "additionalProperties": {}}
+    assert xgrammar_normal_form({"type": "object", "maxProperties": 2}) == opened
     assert xgrammar_normal_form({"type": "array", "prefixItems": [{}]}) == {
         "type": "array",
         "prefixItems": [{}],
@@ -148,7 +143,7 @@ def test_xgrammar_normal_form_opens_objects_only_where_that_says_the_same() -> N
         {"type": "object", "additionalProperties": {"type": "integer"}},
         {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x$": {}}},
         {"type": "object", "propertyNames": {"maxLength": 3}},
-        {"type": "object", "properties": {'a"b': {}}},  # an escaped name
+        {"type": "object", "properties": {"a": {}}},  # declared properties (compile cost)
         {
             "type": "object",
             "properties": {"a": {}},
@@ -171,6 +166,11 @@ def test_xgrammar_normal_form_opens_objects_only_where_that_says_the_same() -> N
     # xgrammar compiles) says the same only there.
     closed = xgrammar_normal_form({"type": "object", "properties": {"a": {}, "b": False}})
     assert closed == {"type": "object", "properties": {"a": {}}}
+    # An untyped branch under a typed parent takes the parent's type instead of a split.
+    assert xgrammar_normal_form({"type": "object", "anyOf": [{"properties": {"a": {}}}]}) == {
+        "type": "object",
+        "anyOf": [{"type": "object", "properties": {"a": {}}}],
+    }
 
 
 def test_anchored_search_gives_unanchored_sides_any_text() -> None:

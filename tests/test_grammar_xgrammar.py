@@ -925,13 +925,10 @@ def test_structural_tag_json_contents_compile_like_json_specs(
     grammar = compile_spec(backend, structural_tag=tag)
     assert walk(tokenizer, grammar, 'hi <call>{"name":"Nik"}</call> bye')
     # Compact by default, as a json spec: no free whitespace, no raw control characters in a
-    # bounded string, and other keys as the schema says (any, unless the request closes
-    # objects).
+    # bounded string, and strict mode (no extra keys beside declared properties).
     assert not walk(tokenizer, grammar, '<call>{"name": "Nik"}</call>')
     assert not walk(tokenizer, grammar, '<call>{"name":"N\x15"}</call>')
-    assert walk(tokenizer, grammar, '<call>{"name":"N","x":1}</call>')
-    closed = compile_spec(backend, structural_tag=tag, disable_additional_properties=True)
-    assert not walk(tokenizer, closed, '<call>{"name":"N","x":1}</call>')
+    assert not walk(tokenizer, grammar, '<call>{"name":"N","x":1}</call>')
     assert not walk(tokenizer, grammar, '<call>{"name":"Nikos"}</call>')
     loose = compile_spec(backend, structural_tag=tag, whitespace="any", max_whitespace_cnt=2)
     assert walk(tokenizer, loose, '<call>{ "name": "Nik" }</call>')
@@ -1090,13 +1087,13 @@ DRAFT_FORMS = [
         [{"a": 1, "b": 2}, {"b": None}],
     ),
     ({"properties": {"a": True, "b": False}}, "2020-12", [{"a": [1]}, {}, 7], [{"b": 1}]),
-    # No additionalProperties: any other name, with any value (strict mode alone allowed the
-    # declared properties only, and {} for an object that declares none).
+    # No additionalProperties and no declared property: any name, with any value (strict
+    # mode alone allowed {} only).
     (
-        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "minProperties": 1},
         "2020-12",
-        [{"a": 1}, {"a": 1, "b": "x", "c": [None]}],
-        [{"a": "x"}, {"b": 1}, []],
+        [{"k": 1}, {"a": [1], "b": None}],
+        [{}, []],
     ),
     ({"type": "object", "maxProperties": 1}, "2020-12", [{}, {"k": [1]}], [{"k": 1, "l": 2}]),
     # Untyped object and array keywords apply to objects and arrays only (xgrammar built
@@ -1108,6 +1105,13 @@ DRAFT_FORMS = [
         [{"a": "x"}, {"b": 1}],
     ),
     ({"items": {"type": "integer"}}, "2020-12", [[1, 2], {"a": "x"}, "s", 0], [["x"]]),
+    # An untyped branch under a typed parent keeps the parent's type (not split again).
+    (
+        {"type": "object", "anyOf": [{"properties": {"a": {"type": "integer"}}}]},
+        "2020-12",
+        [{"a": 1}, {}],
+        [{"a": "x"}, 1],
+    ),
     ({"unevaluatedItems": False}, "2020-12", [[], 1, "s", {"a": [1]}], [[1]]),
     ({"unevaluatedProperties": False}, "2020-12", [{}, [1], "s", None], [{"a": 1}]),
     # Items past prefixItems: any, unless items says otherwise.
@@ -1132,9 +1136,9 @@ DRAFT_FORMS = [
         [{"vroom": 1}, {"v": 2}, {}],
         [{"vroom": "x"}],
     ),
-    # Left closed (a narrowing, never a widening): a declared name JSON escapes (xgrammar
-    # keeps declared names out of the other names by their raw text only), and an object
-    # whose unevaluatedProperties an additionalProperties would switch off.
+    # Left closed (a narrowing, never a widening): declared properties (a declared name JSON
+    # escapes would come in again as another name), and an object whose
+    # unevaluatedProperties an additionalProperties would switch off.
     (
         {"type": "object", "properties": {"foo\nbar": {"type": "number"}}},
         "2020-12",

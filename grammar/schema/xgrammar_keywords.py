@@ -32,9 +32,9 @@ XGRAMMAR_ENFORCED_KEYWORDS: Mapping[str, str] = {
     "properties": "in the schema's declared order only; xgrammar reads an untyped schema "
     "with properties as objects only (the normal form splits it by type first)",
     "required": "for declared properties only",
-    "additionalProperties": "false or a schema; strict mode reads it absent as false, so the "
-    "normal form writes {} there, except beside patternProperties, a false property, a "
-    "property name JSON escapes, or anywhere unevaluatedProperties appears: such an object "
+    "additionalProperties": "false or a schema; strict mode reads it absent as false: the "
+    "normal form writes {} for an object that declares no property (and no patternProperties, "
+    "propertyNames or unevaluatedProperties anywhere); an object with declared properties "
     "stays closed to other names (stricter than JSON Schema)",
     "unevaluatedProperties": "false is what strict mode does anyway",
     "minProperties": "with properties or additionalProperties (or type object)",
