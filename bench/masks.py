@@ -51,9 +51,10 @@ from baton.bench.grammar_worker import (
     Task,
     TestInstance,
     WorkerConfig,
+    fed_as_written,
     serialize_instance,
 )
-from baton.bench.mask_families import FAMILIES, PLAIN, in_schema_order, state_families
+from baton.bench.mask_families import FAMILIES, PLAIN, state_families
 from baton.bench.plotting import pyplot
 from baton.grammar.vocab import VocabSource, build_vocab
 
@@ -109,9 +110,11 @@ class _State:
 
 
 def schema_ordered(case: SchemaCase) -> SchemaCase:
-    """The case with each test's keys in its schema's declared property order."""
+    """The case with each test as the worker feeds it (``fed_as_written``: keys in its
+    schema's declared property order, integral numbers without a fraction), so that the
+    states labelled here are the states the worker walked."""
     tests = tuple(
-        dataclasses.replace(t, data=in_schema_order(case.schema, t.data)) for t in case.tests
+        dataclasses.replace(t, data=fed_as_written(case.schema, t.data)) for t in case.tests
     )
     return dataclasses.replace(case, tests=tests)
 
