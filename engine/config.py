@@ -147,6 +147,12 @@ class EngineConfig:
             under tensor parallelism); None leaves one core to the engine thread when there
             are more than two, and uses every core otherwise (shared out among the ranks),
             at most $OMP_NUM_THREADS per worker when that is set.
+        adapt_cpu_threads: on a CPU, run fewer torch threads than that (never more) while
+            other processes keep this machine's cores busy, and give them back when the
+            cores are free again (``worker/cpu_threads.py``: with one busy process beside
+            it, a 2-core machine decoded 3-8x slower on 2 threads than on 1). Changes are
+            logged at INFO; ``stats()`` shows ``cpu_threads``. False: the thread count stays
+            as set.
         tensor_parallel_size: worker processes the model is cut over, one shard of every
             layer each (heads, MLP and vocabulary split; all-reduces through
             ``torch.distributed``, gloo on the CPU). Needs the "mp" executor (None picks it)
@@ -182,6 +188,7 @@ class EngineConfig:
     max_concurrent_batches: int = 2
     worker_threads: int | None = None
     int8_small_batches: bool | None = None
+    adapt_cpu_threads: bool = True
     tensor_parallel_size: int = 1
     # Why ``dtype`` is what it is; set at construction.
     dtype_reason: str = field(default="", init=False, compare=False)
@@ -246,6 +253,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.worker_threads must be a positive int or None, "
                 f"got {self.worker_threads!r}"
+            )
+        if not isinstance(self.adapt_cpu_threads, bool):
+            raise ValueError(
+                "EngineConfig.adapt_cpu_threads must be True or False, "
+                f"got {self.adapt_cpu_threads!r}"
             )
         if self.async_scheduling not in (None, True, False):
             raise ValueError(

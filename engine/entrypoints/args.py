@@ -99,6 +99,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         help='speculative decoding as JSON, e.g. \'{"method": "auto", "num_speculative_tokens": '
         "4}' (method: grammar, ngram or auto); implies synchronous scheduling",
     )
+    parser.add_argument(
+        "--no-adapt-cpu-threads",
+        action="store_true",
+        help="keep torch's thread count fixed on a CPU instead of dropping threads while "
+        "other processes keep the cores busy",
+    )
     scheduling = parser.add_mutually_exclusive_group()
     scheduling.add_argument(
         "--async-scheduling",
@@ -127,6 +133,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         engine_args["max_model_len"] = args.max_model_len
     if args.tensor_parallel_size is not None:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
+    if getattr(args, "no_adapt_cpu_threads", False):
+        engine_args["adapt_cpu_threads"] = False
     if args.no_async_scheduling:
         engine_args["async_scheduling"] = False
     if getattr(args, "async_scheduling", False):

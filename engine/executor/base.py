@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from baton.engine.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from baton.engine.worker.cpu_threads import ThreadState
 
 
 class ExecutorError(RuntimeError):
@@ -59,6 +60,11 @@ class Executor(ABC):
     @abstractmethod
     def device_seconds(self) -> float:
         """Time the device spent on forwards and sampling, for steps already returned."""
+
+    def thread_state(self) -> ThreadState | None:
+        """What the CPU thread governor (``worker/cpu_threads.py``) has done where the model
+        runs, as of the last returned step; None where there is none."""
+        return None
 
     def failure(self) -> str | None:
         """Why this executor can no longer run steps (e.g. its worker process died), or None

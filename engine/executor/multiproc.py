@@ -36,6 +36,7 @@ from baton.engine.models.sharding import check_tensor_parallel, shard_weights
 from baton.engine.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from baton.engine.sync_check import SyncChecker
 from baton.engine.worker.build import RunnerSpec
+from baton.engine.worker.cpu_threads import ThreadState
 from baton.engine.worker.model_runner import runner_output
 from baton.engine.worker.shared_memory import SharedBuffer, pack_layouts
 from baton.engine.worker.step_broadcast import StepBroadcaster
@@ -103,6 +104,7 @@ class MultiprocExecutor(Executor):
         self._slot = 0
         self._device_s = 0.0
         self._collective_s = 0.0
+        self._threads: ThreadState | None = None
         self._replies: dict[int, Reply] = {}
         self._dead: str | None = None
         self._workers: list[WorkerProcess] = []
@@ -278,6 +280,7 @@ class MultiprocExecutor(Executor):
             reply = self._replies.pop(step_id)
             self._device_s = reply.device_seconds
             self._collective_s = reply.collective_seconds
+            self._threads = reply.threads
             if reply.error is not None:  # this step's requests fail; the others go on
                 return ModelRunnerOutput(
                     request_ids=list(reply.request_ids),
@@ -315,6 +318,10 @@ class MultiprocExecutor(Executor):
     @property
     def device_seconds(self) -> float:
         return self._device_s
+
+    def thread_state(self) -> ThreadState | None:
+        """Rank 0's thread governor, as of its last reply."""
+        return self._threads
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -15,6 +15,7 @@ import torch
 from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
 from baton.engine.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from baton.engine.sync_check import SyncChecker
+from baton.engine.worker.cpu_threads import ThreadGovernor, ThreadState
 from baton.engine.worker.device_buffers import DeviceIO
 from baton.engine.worker.model_runner import ForwardOutput, ModelRunner, SampledTokens
 
@@ -30,10 +31,18 @@ class UniExecutor(Executor):
     stream, so async scheduling overlaps; the runner then runs under the engine's sync-check
     guard, where any host read of a device value is reported. Device time comes from the
     host clock on the CPU and from CUDA events on CUDA, read when an output is collected.
+    On the CPU a ``governor`` (``worker/cpu_threads.py``) may change the torch thread count
+    before each forward.
     """
 
-    def __init__(self, runner: ModelRunner, checker: SyncChecker | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        checker: SyncChecker | None = None,
+        governor: ThreadGovernor | None = None,
+    ) -> None:
         self.runner = runner
+        self._governor = governor if runner.io.is_host else None
         self._io: DeviceIO = runner.io
         self._pending: deque[tuple[ForwardOutput, _Span]] = deque()
         self._device_s = 0.0
@@ -45,6 +54,8 @@ class UniExecutor(Executor):
         return self._checker.allow() if self._io.is_host else contextlib.nullcontext()
 
     def execute_model(self, so: SchedulerOutput) -> None:
+        if self._governor is not None:
+            self._governor.before_step()
         start = self._io.mark()
         with self._device_work():
             fwd = self.runner.execute_model(so)
@@ -74,6 +85,9 @@ class UniExecutor(Executor):
     @property
     def device_seconds(self) -> float:
         return self._device_s
+
+    def thread_state(self) -> ThreadState | None:
+        return self._governor.state() if self._governor is not None else None
 
 
 class _UniOutput(AsyncOutput):

@@ -274,6 +274,8 @@ class LLMEngine:
         ``kv_usage``; how the model computes: ``dtype`` (e.g. "bfloat16"),
         ``dtype_reason`` (why: "asked for", or what ``dtype="auto"`` saw), and
         ``int8_small_batches`` (1 when small steps use int8 weight-only GEMMs, else 0);
+        ``cpu_threads``, ``cpu_max_threads``, ``cpu_thread_changes`` and
+        ``cpu_others_busy_cores`` where a CPU thread governor runs (``adapt_cpu_threads``);
         ``tensor_parallel_size``, and with it above 1 ``tp_collective_s``: of ``device_s``,
         rank 0's seconds inside collectives (all-reduces, logits gather, token broadcast); and
         the grammar compile service's counters, gauges and compile-time histogram
@@ -293,6 +295,14 @@ class LLMEngine:
             kv_usage=sched.kv.usage,
             tensor_parallel_size=self.config.tensor_parallel_size,
         )
+        threads = self._executor.thread_state()
+        if threads is not None:
+            stats.update(
+                cpu_threads=threads.threads,
+                cpu_max_threads=threads.max_threads,
+                cpu_thread_changes=threads.changes,
+                cpu_others_busy_cores=threads.others_cores,
+            )
         if isinstance(self._executor, MultiprocExecutor) and self.config.tensor_parallel_size > 1:
             stats["tp_collective_s"] = self._executor.collective_seconds
         if self.config.speculative_config is not None:

@@ -19,6 +19,7 @@ from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
 from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
 from baton.engine.worker.build import RunnerSpec, build_runner
+from baton.engine.worker.cpu_threads import ThreadGovernor
 
 # A simulated device keeps this share of its memory, after the weights, for the KV cache.
 _SIM_KV_MEMORY_SHARE = 0.9
@@ -75,12 +76,14 @@ def setup_model(
         device=config.device,
         int8_small_batches=bool(config.int8_small_batches),
         tensor_parallel_size=config.tensor_parallel_size,
+        adapt_threads=config.adapt_cpu_threads and config.device == "cpu",
     )
     executor: Executor
     if config.executor == "mp":
         executor = MultiprocExecutor(spec, ckpt.weights, checker)
     else:
-        executor = UniExecutor(build_runner(spec, ckpt.weights), checker)
+        governor = ThreadGovernor() if spec.adapt_threads else None
+        executor = UniExecutor(build_runner(spec, ckpt.weights), checker, governor)
     return ModelSetup(
         str(ckpt.path),
         c.vocab_size,

@@ -114,6 +114,18 @@ _ENGINE_METRICS = (
     ),
     ("steps", "engine_steps_total", "counter", "Engine steps that ran a batch."),
     (
+        "cpu_threads",
+        "cpu_threads",
+        "gauge",
+        "Torch threads the model runs on now (0 where no CPU thread governor runs).",
+    ),
+    (
+        "cpu_thread_changes",
+        "cpu_thread_changes_total",
+        "counter",
+        "Times the thread governor changed the thread count for other processes' load.",
+    ),
+    (
         "deferred_steps",
         "deferred_steps_total",
         "counter",

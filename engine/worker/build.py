@@ -33,6 +33,8 @@ class RunnerSpec:
     int8_small_batches: bool = False
     # Ranks the model is cut over (one worker process each); 1: the whole model in one place.
     tensor_parallel_size: int = 1
+    # Drop torch threads while other processes keep the cores busy (CPU; cpu_threads.py).
+    adapt_threads: bool = False
 
 
 def build_runner(

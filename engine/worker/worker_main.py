@@ -33,6 +33,7 @@ import torch
 
 from baton.engine.scheduler_output import GrammarOutput, Logprobs, SchedulerOutput
 from baton.engine.worker.build import RunnerSpec, build_runner
+from baton.engine.worker.cpu_threads import ThreadGovernor, ThreadState
 from baton.engine.worker.model_runner import ForwardOutput, ModelRunner
 from baton.engine.worker.shared_memory import SharedBuffer, TensorLayout
 from baton.engine.worker.step_broadcast import BroadcastLayout, StepReader
@@ -70,6 +71,7 @@ class Reply:
     error: str | None
     device_seconds: float = 0.0  # the worker's forward + sampling time so far
     collective_seconds: float = 0.0  # of which inside tensor-parallel collectives
+    threads: ThreadState | None = None  # the thread governor's state, where there is one
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ def serve(conn: Connection) -> int:
         return 1
     conn.send(("ready", None))
     try:
-        _run_steps(conn, runner, bitmasks, sampled, reader, driver=init.rank == 0)
+        governor = ThreadGovernor() if init.spec.adapt_threads and runner.io.is_host else None
+        _run_steps(conn, runner, bitmasks, sampled, reader, init.rank == 0, governor)
     except Exception:  # noqa: BLE001 - a tensor-parallel step failed: reported, then exit
         conn.send(("error", traceback.format_exc()))
         return 1
@@ -120,10 +123,12 @@ def _run_steps(
     sampled: torch.Tensor,
     reader: StepReader | None = None,
     driver: bool = True,
+    governor: ThreadGovernor | None = None,
 ) -> None:
     """Serves steps until "shutdown" or the connection closes. With tensor parallelism
     (``runner.model.tp`` set) a failed step raises instead of failing its requests: the other
-    ranks could not go on without this one."""
+    ranks could not go on without this one. ``governor`` adjusts the torch threads before
+    each forward."""
     tp = runner.model.tp
     outbox: queue.SimpleQueue[Reply | None] = queue.SimpleQueue()
     sender = threading.Thread(target=_send_replies, args=(conn, outbox), daemon=True)
@@ -142,6 +147,8 @@ def _run_steps(
             t0 = time.perf_counter()
             if kind == "execute":
                 so: SchedulerOutput = message[1]
+                if governor is not None:
+                    governor.before_step()
                 try:
                     pending.append(runner.execute_model(so))
                 except Exception:  # noqa: BLE001 - fails this step's requests, not the worker
@@ -159,7 +166,9 @@ def _run_steps(
                     raise RuntimeError(reply.error)
                 if driver:
                     comm = 0.0 if tp is None else tp.collective_seconds
-                    outbox.put(replace(reply, device_seconds=busy, collective_seconds=comm))
+                    threads = governor.state() if governor is not None else None
+                    reply = replace(reply, device_seconds=busy, collective_seconds=comm)
+                    outbox.put(replace(reply, threads=threads))
             elif kind == "shutdown":
                 break
     finally:

@@ -1,0 +1,263 @@
+"""The CPU thread governor: fewer torch threads while other processes hold the cores."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from baton.engine.config import EngineConfig, num_cpu_cores
+from baton.engine.entrypoints.args import add_engine_args, config_from_args
+from baton.engine.entrypoints.llm import LLM
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.worker.cpu_threads import CpuReading, ThreadGovernor, read_cpu
+
+
+class FakeMachine:
+    """A clock and ``/proc/stat``: ``run(seconds, others)`` passes time while other processes
+    keep ``others`` cores busy and this one ``own`` cores."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.busy = 0.0
+        self.own = 0.0
+        self.set_calls: list[int] = []
+        self.reads = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def read(self) -> CpuReading:
+        self.reads += 1
+        return CpuReading(self.now, self.busy, self.own)
+
+    def run(self, seconds: float, others: float, own: float = 1.0) -> None:
+        self.now += seconds
+        self.busy += (others + own) * seconds
+        self.own += own * seconds
+
+    def governor(self, max_threads: int = 2, cores: int = 2, **kw: object) -> ThreadGovernor:
+        return ThreadGovernor(
+            max_threads,
+            cores=cores,
+            read=self.read,
+            set_threads=self.set_calls.append,
+            clock=self.clock,
+            period_s=0.5,
+            **kw,
+        )
+
+
+def readings(gov: ThreadGovernor, machine: FakeMachine, count: int, others: float) -> None:
+    """``count`` readings, each after half a second (the period) of others keeping ``others``
+    cores busy; steps between readings read nothing."""
+    gov.before_step()  # starts the governor on its first call
+    for _ in range(count):
+        for _ in range(4):
+            machine.run(0.125, others)
+            gov.before_step()
+
+
+def test_quiet_machine_keeps_every_thread() -> None:
+    m = FakeMachine()
+    gov = m.governor()
+    readings(gov, m, 10, others=0.05)
+    assert m.set_calls == [2]  # the start only
+    assert gov.state().threads == 2 and gov.state().changes == 0
+
+
+def test_a_busy_core_drops_a_thread_at_once_and_a_free_one_gives_it_back_later() -> None:
+    m = FakeMachine()
+    gov = m.governor()
+    readings(gov, m, 2, others=0.0)
+    readings(gov, m, 1, others=1.0)  # one reading covering the load is enough to drop
+    assert gov.state().threads == 1 and m.set_calls == [2, 1]
+    assert gov.state().others_cores == pytest.approx(1.0, abs=0.01)
+    readings(gov, m, 1, others=0.0)  # one quiet reading is not enough to raise
+    assert gov.state().threads == 1
+    readings(gov, m, 1, others=0.0)
+    assert gov.state().threads == 2 and m.set_calls == [2, 1, 2]
+    assert gov.state().changes == 2
+
+
+@pytest.mark.parametrize(
+    ("others", "threads"),
+    # Measured crossover (worker/cpu_threads.py): a quarter core of others' load keeps 2
+    # threads ahead, three quarters put 1 ahead.
+    [(0.0, 2), (0.25, 2), (0.5, 2), (0.75, 1), (1.0, 1), (2.0, 1)],
+)
+def test_threads_follow_the_cores_others_leave(others: float, threads: int) -> None:
+    m = FakeMachine()
+    gov = m.governor()
+    readings(gov, m, 4, others=others)
+    assert gov.state().threads == threads
+
+
+def test_many_cores_keep_to_the_starting_count_and_drop_by_the_load() -> None:
+    m = FakeMachine()
+    gov = m.governor(max_threads=6, cores=8)
+    readings(gov, m, 4, others=1.0)  # 7 cores free: still only 6 threads
+    assert gov.state().threads == 6
+    readings(gov, m, 1, others=4.0)  # 4 free
+    assert gov.state().threads == 4
+    readings(gov, m, 1, others=9.0)  # more busy than there are cores: at least one thread
+    assert gov.state().threads == 1
+
+
+def test_a_noisy_load_does_not_raise_until_it_stays_low() -> None:
+    m = FakeMachine()
+    gov = m.governor(raise_after=3)
+    readings(gov, m, 1, others=1.0)
+    assert gov.state().threads == 1
+    for others in (0.0, 0.0, 1.0, 0.0, 0.0):  # the busy reading resets the count
+        readings(gov, m, 1, others=others)
+        assert gov.state().threads == 1
+    readings(gov, m, 1, others=0.0)
+    assert gov.state().threads == 2
+
+
+def test_readings_are_rate_limited() -> None:
+    m = FakeMachine()
+    gov = m.governor()
+    for _ in range(100):  # 100 steps within 0.4 s: only the start reads
+        gov.before_step()
+        m.run(0.004, 0.0)
+    assert m.reads == 1
+    readings(gov, m, 3, others=0.0)
+    assert m.reads == 4
+
+
+def test_one_thread_or_no_proc_stat_turns_it_off() -> None:
+    m = FakeMachine()
+    gov = m.governor(max_threads=1)
+    readings(gov, m, 4, others=1.0)
+    assert m.reads == 0 and m.set_calls == [1]
+    calls: list[int] = []
+    gov = ThreadGovernor(2, cores=2, read=lambda: None, set_threads=calls.append)
+    for _ in range(5):
+        gov.before_step()
+    assert calls == [2] and gov.state().threads == 2
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_threads"):
+        ThreadGovernor(0)
+    with pytest.raises(ValueError, match="period_s"):
+        ThreadGovernor(2, period_s=0)
+
+
+def test_proc_stat_reading_counts_busy_time() -> None:
+    first = read_cpu()
+    if first is None:
+        pytest.skip("no /proc/stat here")
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.2:  # this process burns 0.2 s of CPU
+        pass
+    second = read_cpu()
+    assert second is not None
+    assert second.own - first.own >= 0.15
+    # The machine-wide busy time includes this process's (ticks are coarse: 10 ms).
+    assert second.busy - first.busy >= 0.1
+    assert second.wall > first.wall
+
+
+def _hogs(n: int) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+
+
+@pytest.mark.skipif(num_cpu_cores() < 2, reason="needs 2 cores")
+def test_real_busy_processes_drop_the_threads() -> None:
+    if read_cpu() is None:
+        pytest.skip("no /proc/stat here")
+    calls: list[int] = []
+    gov = ThreadGovernor(2, set_threads=calls.append, period_s=0.2)
+    hogs = _hogs(num_cpu_cores())
+    try:
+        deadline = time.monotonic() + 30
+        gov.before_step()
+        while gov.state().threads == 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gov.before_step()
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert calls[-1] == 1 and gov.state().others_cores >= 1.0
+
+
+def test_engine_option_and_flag() -> None:
+    assert EngineConfig().adapt_cpu_threads is True
+    with pytest.raises(ValueError, match="adapt_cpu_threads"):
+        EngineConfig(adapt_cpu_threads="no")  # type: ignore[arg-type]
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert config_from_args(p.parse_args([])).adapt_cpu_threads is True
+    assert config_from_args(p.parse_args(["--no-adapt-cpu-threads"])).adapt_cpu_threads is False
+
+
+@pytest.mark.parametrize("executor", ["uni", "mp"])
+def test_engine_reports_its_threads(tiny_model_dir: Path, executor: str) -> None:
+    kw: dict[str, object] = {"worker_threads": 1} if executor == "mp" else {}
+    llm = LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        executor=executor,
+        async_scheduling=executor == "mp",
+        max_model_len=64,
+        num_kv_blocks=16,
+        **kw,
+    )
+    off = LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        max_model_len=64,
+        num_kv_blocks=16,
+        adapt_cpu_threads=False,
+    )
+    try:
+        llm.generate("hello", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        stats = llm.stats()
+        assert stats["cpu_threads"] >= 1 and stats["cpu_max_threads"] >= stats["cpu_threads"]
+        assert stats["cpu_thread_changes"] >= 0 and stats["cpu_others_busy_cores"] >= 0
+        if executor == "mp":
+            assert stats["cpu_max_threads"] == 1
+        off.generate("hello", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        assert "cpu_threads" not in off.stats()
+    finally:
+        llm.shutdown()
+        off.shutdown()
+
+
+@pytest.mark.skipif(num_cpu_cores() < 2, reason="needs 2 cores")
+def test_model_worker_drops_a_thread_beside_busy_processes(tiny_model_dir: Path) -> None:
+    if read_cpu() is None:
+        pytest.skip("no /proc/stat here")
+    llm = LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        async_scheduling=True,
+        worker_threads=2,
+        max_model_len=256,
+        num_kv_blocks=64,
+    )
+    hogs = _hogs(num_cpu_cores())
+    try:
+        deadline = time.monotonic() + 60
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        while time.monotonic() < deadline:
+            llm.generate(["a", "b"], params, use_tqdm=False)
+            if llm.stats()["cpu_threads"] == 1:
+                break
+        stats = llm.stats()
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+        llm.shutdown()
+    assert stats["cpu_max_threads"] == 2
+    assert stats["cpu_threads"] == 1 and stats["cpu_thread_changes"] >= 1
