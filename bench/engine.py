@@ -157,6 +157,8 @@ class RunMeasure:
     invalid: int
     stats: dict[str, float]
     records: list[StepRecord] = field(default_factory=list)
+    # torch threads at the end of the run where a CPU thread governor runs (None: none).
+    cpu_threads: int | None = None
 
 
 # ------------------------------------------------------------------ models
@@ -261,6 +263,7 @@ def measure(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) ->
         invalid=invalid,
         stats=delta,
         records=list(core_stats.recent),
+        cpu_threads=int(after["cpu_threads"]) if "cpu_threads" in after else None,
     )
 
 
@@ -318,6 +321,10 @@ def summarize(
         "step_over_bound": mean_wall / bound if mean_wall is not None and bound > 0 else None,
         "json_checked": sum(r.checked for r in runs),
         "json_invalid": sum(r.invalid for r in runs),
+        # The thread governor (engine/worker/cpu_threads.py): a change in a run means other
+        # processes took cores during it, and the row measured fewer threads.
+        "cpu_threads": [r.cpu_threads for r in runs],
+        "cpu_thread_changes": sum(int(r.stats.get("cpu_thread_changes", 0)) for r in runs),
     }
 
 

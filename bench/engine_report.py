@@ -104,12 +104,20 @@ def evaluate_goals(
     ]
 
 
+def _threads(row: dict[str, Any]) -> str:
+    """The thread governor's count after the row's runs ("2", "1*" where it changed)."""
+    counts = [c for c in row.get("cpu_threads", []) if c is not None]
+    if not counts:
+        return "-"
+    return f"{min(counts)}{'*' if row.get('cpu_thread_changes') else ''}"
+
+
 def print_report(result: dict[str, Any]) -> None:
     """The rows, the ratios and the goals, as text."""
     head = (
         f"{'reg':<3} {'async':<5} {'json':>4} {'batch':>5} {'tok/s':>8} {'TPOT ms':>8} "
         f"{'busy':>5} {'steady':>6} {'defer':>5} {'wall ms':>8} {'cpu ms':>7} {'dev ms':>7} "
-        f"{'wall/max':>8} {'bad json':>8}"
+        f"{'wall/max':>8} {'bad json':>8} {'thr':>3}"
     )
     print(head)
     for r in result["rows"]:
@@ -120,7 +128,7 @@ def print_report(result: dict[str, Any]) -> None:
             f"{r['deferred_steps']:>5} {fmt(r['step_wall_ms'], '.2f'):>8} "
             f"{fmt(r['step_cpu_ms'], '.2f'):>7} {fmt(r['step_device_ms'], '.2f'):>7} "
             f"{fmt(r['step_over_bound'], '.2f'):>8} "
-            f"{r['json_invalid']:>3}/{r['json_checked']:<4}"
+            f"{r['json_invalid']:>3}/{r['json_checked']:<4} {_threads(r):>3}"
         )
     print("\nasync/sync throughput:")
     for s in result["ratios"]["async_over_sync"]:

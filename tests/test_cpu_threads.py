@@ -51,13 +51,15 @@ class FakeMachine:
         )
 
 
-def readings(gov: ThreadGovernor, machine: FakeMachine, count: int, others: float) -> None:
+def readings(
+    gov: ThreadGovernor, machine: FakeMachine, count: int, others: float, own: float = 1.0
+) -> None:
     """``count`` readings, each after half a second (the period) of others keeping ``others``
     cores busy; steps between readings read nothing."""
     gov.before_step()  # starts the governor on its first call
     for _ in range(count):
         for _ in range(4):
-            machine.run(0.125, others)
+            machine.run(0.125, others, own)
             gov.before_step()
 
 
@@ -69,11 +71,13 @@ def test_quiet_machine_keeps_every_thread() -> None:
     assert gov.state().threads == 2 and gov.state().changes == 0
 
 
-def test_a_busy_core_drops_a_thread_at_once_and_a_free_one_gives_it_back_later() -> None:
+def test_a_busy_core_drops_a_thread_and_a_free_one_gives_it_back_two_readings_on() -> None:
     m = FakeMachine()
     gov = m.governor()
     readings(gov, m, 2, others=0.0)
-    readings(gov, m, 1, others=1.0)  # one reading covering the load is enough to drop
+    readings(gov, m, 1, others=1.0)  # one reading may be another process's last burst
+    assert gov.state().threads == 2
+    readings(gov, m, 1, others=1.0)
     assert gov.state().threads == 1 and m.set_calls == [2, 1]
     assert gov.state().others_cores == pytest.approx(1.0, abs=0.01)
     readings(gov, m, 1, others=0.0)  # one quiet reading is not enough to raise
@@ -101,22 +105,55 @@ def test_many_cores_keep_to_the_starting_count_and_drop_by_the_load() -> None:
     gov = m.governor(max_threads=6, cores=8)
     readings(gov, m, 4, others=1.0)  # 7 cores free: still only 6 threads
     assert gov.state().threads == 6
-    readings(gov, m, 1, others=4.0)  # 4 free
+    readings(gov, m, 2, others=4.0)  # 4 free
     assert gov.state().threads == 4
-    readings(gov, m, 1, others=9.0)  # more busy than there are cores: at least one thread
+    readings(gov, m, 2, others=9.0)  # more busy than there are cores: at least one thread
     assert gov.state().threads == 1
 
 
-def test_a_noisy_load_does_not_raise_until_it_stays_low() -> None:
+def test_a_noisy_load_changes_nothing_until_it_settles() -> None:
     m = FakeMachine()
-    gov = m.governor(raise_after=3)
-    readings(gov, m, 1, others=1.0)
+    gov = m.governor(settle=3)
+    for others in (1.0, 1.0, 0.0, 1.0, 1.0, 0.3):  # a different reading resets the count
+        readings(gov, m, 1, others=others)
+        assert gov.state().threads == 2
+    readings(gov, m, 3, others=1.0)
     assert gov.state().threads == 1
-    for others in (0.0, 0.0, 1.0, 0.0, 0.0):  # the busy reading resets the count
+    for others in (0.0, 0.0, 1.0, 0.0, 0.0):
         readings(gov, m, 1, others=others)
         assert gov.state().threads == 1
     readings(gov, m, 1, others=0.0)
     assert gov.state().threads == 2
+
+
+def test_readings_while_idle_are_not_judged() -> None:
+    m = FakeMachine()
+    gov = m.governor()
+    gov.before_step()
+    for _ in range(5):  # this engine idle, another process busy: no reading counts
+        m.run(2.0, others=2.0, own=0.0)
+        gov.before_step()
+    assert gov.state().threads == 2 and m.reads == 6
+    readings(gov, m, 2, others=2.0)  # the same load while it computes drops a thread
+    assert gov.state().threads == 1
+
+
+def test_a_reading_never_spans_an_idle_gap() -> None:
+    m = FakeMachine()
+    gov = m.governor(settle=1)
+    readings(gov, m, 2, others=0.0)
+    m.run(2.0, others=2.0, own=0.5)  # no step for 2 s while others ran
+    readings(gov, m, 3, others=0.0)
+    assert gov.state().threads == 2 and gov.state().changes == 0
+
+
+def test_waiting_on_others_is_not_judged() -> None:
+    m = FakeMachine()
+    gov = m.governor(settle=1)
+    readings(gov, m, 3, others=2.0, own=0.1)  # steps, but this process mostly waits
+    assert gov.state().threads == 2
+    readings(gov, m, 1, others=2.0, own=1.0)
+    assert gov.state().threads == 1
 
 
 def test_readings_are_rate_limited() -> None:
@@ -126,8 +163,10 @@ def test_readings_are_rate_limited() -> None:
         gov.before_step()
         m.run(0.004, 0.0)
     assert m.reads == 1
-    readings(gov, m, 3, others=0.0)
-    assert m.reads == 4
+    for _ in range(30):  # past 0.5 s: one more
+        gov.before_step()
+        m.run(0.004, 0.0)
+    assert m.reads == 2
 
 
 def test_one_thread_or_no_proc_stat_turns_it_off() -> None:
@@ -164,6 +203,23 @@ def test_proc_stat_reading_counts_busy_time() -> None:
     assert second.wall > first.wall
 
 
+def test_partner_processes_count_as_own_time() -> None:
+    if read_cpu() is None:
+        pytest.skip("no /proc/stat here")
+    (hog,) = _hogs(1)
+    try:
+        first = read_cpu(partners=(hog.pid, 999_999_999))  # a pid that is gone counts 0
+        time.sleep(0.5)
+        second = read_cpu(partners=(hog.pid,))
+    finally:
+        hog.kill()
+        hog.wait()
+    assert first is not None and second is not None
+    # The busy process's time is own time here (this process only slept): >= 0.1 s of CPU
+    # in 0.5 s even on a loaded 2-core machine.
+    assert second.own - first.own >= 0.1
+
+
 def _hogs(n: int) -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
 
@@ -179,7 +235,9 @@ def test_real_busy_processes_drop_the_threads() -> None:
         deadline = time.monotonic() + 30
         gov.before_step()
         while gov.state().threads == 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+            spin = time.perf_counter()  # a reading counts only while this process computes
+            while time.perf_counter() - spin < 0.05:
+                pass
             gov.before_step()
     finally:
         for h in hogs:
