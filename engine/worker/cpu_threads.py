@@ -129,9 +129,9 @@ class ThreadGovernor:
 
     Call ``before_step()`` on the thread that runs the forwards, before each one; it reads
     the clocks at most once per ``period_s`` (``read``'s ``wall`` and ``clock`` are the same
-    clock) and calls ``set_threads`` only on a change
-    (logged at INFO). ``max_threads`` defaults to the calling thread's torch thread count at
-    the first call; with 1 the governor never reads anything.
+    clock) and calls ``set_threads`` only on a change (logged at INFO). ``max_threads``
+    defaults to the calling thread's torch thread count at the first call; with 1 the governor
+    never reads anything. ``settle`` readings in a row must agree before a change.
     """
 
     def __init__(
