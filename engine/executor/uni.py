@@ -31,8 +31,8 @@ class UniExecutor(Executor):
     stream, so async scheduling overlaps; the runner then runs under the engine's sync-check
     guard, where any host read of a device value is reported. Device time comes from the
     host clock on the CPU and from CUDA events on CUDA, read when an output is collected.
-    On the CPU a ``governor`` (``worker/cpu_threads.py``) may change the torch thread count
-    before each forward.
+    On the CPU a ``governor`` (``worker/cpu_threads.py``; built only for device "cpu") may
+    change the torch thread count before each forward.
     """
 
     def __init__(
@@ -42,7 +42,7 @@ class UniExecutor(Executor):
         governor: ThreadGovernor | None = None,
     ) -> None:
         self.runner = runner
-        self._governor = governor if runner.io.is_host else None
+        self._governor = governor
         self._io: DeviceIO = runner.io
         self._pending: deque[tuple[ForwardOutput, _Span]] = deque()
         self._device_s = 0.0

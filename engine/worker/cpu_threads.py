@@ -56,7 +56,7 @@ class CpuReading:
 
     wall: float  # monotonic
     busy: float  # CPU time spent on this process's cores by every process, since boot
-    own: float  # this process's CPU time, all its threads
+    own: float  # this process's CPU time (all its threads), plus its partners'
 
 
 @dataclass(frozen=True)

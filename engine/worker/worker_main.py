@@ -110,7 +110,7 @@ def serve(conn: Connection) -> int:
     conn.send(("ready", None))
     try:
         governor = None
-        if init.spec.adapt_threads and runner.io.is_host:
+        if init.spec.adapt_threads:  # set only for device "cpu"
             # The engine process's host work overlaps this worker's forwards by design; on the
             # default model's tiny twin (bench engine, regime b) it measured 0.5-0.7 of a core,
             # and dropping a thread for it was slower than sharing. Only others count.
@@ -174,8 +174,11 @@ def _run_steps(
                 if driver:
                     comm = 0.0 if tp is None else tp.collective_seconds
                     threads = governor.state() if governor is not None else None
-                    reply = replace(reply, device_seconds=busy, collective_seconds=comm)
-                    outbox.put(replace(reply, threads=threads))
+                    outbox.put(
+                        replace(
+                            reply, device_seconds=busy, collective_seconds=comm, threads=threads
+                        )
+                    )
             elif kind == "shutdown":
                 break
     finally:
