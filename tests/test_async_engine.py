@@ -148,6 +148,47 @@ def test_deferral_happens_iff_a_structured_token_is_in_flight(engines):
     assert sync.stats()["deferred_steps"] == sync_before == 0
 
 
+def test_a_stop_is_returned_without_waiting_for_the_wasted_row(engines, monkeypatch):
+    """A lone structured request that stops (its grammar ends) in step N comes back before
+    the engine waits for the deferred step N+1 queued behind it, whose row is wasted."""
+    _, asy = engines
+    executor = asy.core.executor
+    sampled, waited = [], []
+    real_sample = executor.sample_tokens
+
+    def sample_tokens(step_id, grammar):
+        output = real_sample(step_id, grammar)
+        sampled.append(step_id)
+        real_get = output.get_output
+
+        def get_output():
+            waited.append(step_id)
+            return real_get()
+
+        monkeypatch.setattr(output, "get_output", get_output)
+        return output
+
+    monkeypatch.setattr(executor, "sample_tokens", sample_tokens)
+    sp = SamplingParams(
+        max_tokens=30,
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]),
+    )
+    asy.add_request("stop", PROMPTS[9], sp)
+    finished = None
+    while finished is None:
+        for out in asy.step():
+            if out.finished:
+                finished = out
+    assert finished.outputs[0].finish_reason == "stop"
+    assert finished.outputs[0].text in ("red", "green", "blue")
+    assert sampled[-1] not in waited  # the wasted row is still in flight
+    assert asy.has_unfinished_requests()  # ... and the engine drains it on the next call
+    while asy.has_unfinished_requests():
+        assert asy.step() == []
+    assert waited == sampled
+
+
 def test_stats_report_every_phase(engines):
     _, asy = engines
     run_to_end(asy, [(p, SamplingParams(max_tokens=6, temperature=0.0)) for p in PROMPTS[:3]])

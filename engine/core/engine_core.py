@@ -151,6 +151,11 @@ class EngineCore:
         if so is None or not _has_work(so):
             if sampled is None:
                 return outputs + (self._idle() if so is not None else []), None
+            if ready is not None:
+                # Step N's tokens are applied: return them now and leave the deferred step
+                # in flight. Waiting for it here held back the last token of a request that
+                # stopped in step N (the row after a stop is wasted) by one whole forward.
+                return outputs, InFlight(sampled)
             return outputs + self._update(sampled), None
         self._execute(so)  # step N+1's forward is queued behind step N
         if so.pending_structured_output_tokens and sampled is not None:
