@@ -15,10 +15,12 @@ from dataclasses import dataclass
 import torch
 
 # Most rows (tokens in the step, or sampling rows for the LM head) that take the int8 kernel.
-# Measured here (2 cores, AVX512-BF16, no AMX; the default model's linears, one step): M=1
-# int8 16.1 ms vs bfloat16 30.4 ms; M=16 int8 60.6 ms vs bfloat16 35.6 ms; see
-# ``bench/int8_crossover.py`` for the sweep that puts the crossover between these.
-INT8_MAX_ROWS = 4
+# ``baton bench linear_kernels`` (bench/results/linear_kernels.json: every linear of the
+# default model, LM head included, 2 cores with AMX): int8 beats dense bfloat16 through 6 rows
+# (M=1 9.9 vs 20.2 ms, M=5 20.1 vs 21.7, M=6 20.9 vs 21.3), ties at 7 and loses from 8 on
+# (M=16 38.4 vs 21.8). 6 keeps a batch-1 verification step with up to 5 drafts on the int8
+# kernel (measured `baton bench spec` at batch 1: auto/off 1.21 -> 1.29 on the peers workload).
+INT8_MAX_ROWS = 6
 
 
 @dataclass(frozen=True)
