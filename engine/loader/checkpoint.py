@@ -9,6 +9,7 @@ import torch
 
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.models.config import ModelConfig
+from baton.engine.models.sharding import ShardSpec, check_tensor_parallel, weight_slice
 from baton.engine.tokenizer import Tokenizer
 
 
@@ -44,10 +45,39 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+def shard_weight_shapes(config: ModelConfig, shard: ShardSpec) -> dict[str, tuple[int, ...]]:
+    """``expected_weight_shapes`` of rank ``shard.rank``'s part of the model (as
+    ``sharding.weight_slice`` cuts it). Pure function; ``ValueError`` when ``shard.size`` does not
+    fit the model (``sharding.check_tensor_parallel``)."""
+    return {
+        name: weight_slice(name, shape, config, shard).shape(shape)
+        for name, shape in expected_weight_shapes(config).items()
+    }
+
+
+def check_shard_fits(path: Path, config: ModelConfig, shard: ShardSpec) -> None:
+    """Raise ``ModelLoadError`` naming ``path`` when ``config``'s model cannot be cut into
+    ``shard.size`` shards (``sharding.check_tensor_parallel`` says which dimension)."""
+    try:
+        check_tensor_parallel(config, shard.size)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: cannot be cut into {shard.size} shards: {exc}") from exc
+
+
+def check_weights(
+    path: Path,
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    shard: ShardSpec | None = None,
+) -> None:
     """Raise ``ModelLoadError`` naming ``path`` unless ``weights`` holds exactly the expected names
-    and shapes for ``config`` (see ``expected_weight_shapes``)."""
-    expected = expected_weight_shapes(config)
+    and shapes for ``config`` (see ``expected_weight_shapes``), or for rank ``shard.rank``'s part
+    of it when ``shard`` is given (``shard_weight_shapes``)."""
+    if shard is None:
+        expected = expected_weight_shapes(config)
+    else:
+        check_shard_fits(path, config, shard)
+        expected = shard_weight_shapes(config, shard)
     missing = [name for name in expected if name not in weights]
     if missing:
         shown = ", ".join(missing[:5]) + (
@@ -69,9 +99,12 @@ class Checkpoint:
     """A model ready to build: where it came from, its config, its weights and its tokenizer.
 
     ``weights`` maps Hugging Face Llama names (see ``expected_weight_shapes``) to contiguous CPU
-    tensors, all of one floating dtype. ``sampling_defaults`` are the ``SamplingParams`` fields
-    the model ships defaults for (its generation config; see ``generation_config``). Construction
-    checks names and shapes and raises ``ModelLoadError`` when they do not fit ``config``.
+    tensors, all of one floating dtype. With ``shard`` they are only rank ``shard.rank``'s part
+    of each weight (``sharding.weight_slice``: what ``shard_weights`` would cut from the full
+    ones), while ``config`` stays the whole model's. ``sampling_defaults`` are the
+    ``SamplingParams`` fields the model ships defaults for (its generation config; see
+    ``generation_config``). Construction checks names and shapes and raises ``ModelLoadError``
+    when they do not fit ``config``.
     """
 
     path: Path
@@ -79,9 +112,10 @@ class Checkpoint:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    shard: ShardSpec | None = None
 
     def __post_init__(self) -> None:
-        check_weights(self.path, self.config, self.weights)
+        check_weights(self.path, self.config, self.weights, self.shard)
         dtypes = {tensor.dtype for tensor in self.weights.values()}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
             raise ModelLoadError(

@@ -9,12 +9,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 
-from baton.engine.loader.checkpoint import Checkpoint
+from baton.engine.loader.checkpoint import Checkpoint, check_shard_fits
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import gguf_sampling_defaults
 from baton.engine.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor, read_gguf_file
 from baton.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from baton.engine.models.sharding import (
+    ShardSpec,
+    WeightSlice,
+    weight_slice,
+)
 from baton.engine.tokenizer import Tokenizer
 
 # Tensor types this loader dequantises (gguf.quants implements each; the block formats are the
@@ -222,8 +228,10 @@ def config_from_gguf(
         raise ModelLoadError(f"{path}: invalid model hyper-parameters: {exc}") from exc
 
 
-def _dequantize(path: Path, tensor: GGUFTensor) -> np.ndarray:
-    """The values of one GGUF tensor as float32 numpy, in row-major HF order of dims."""
+def _dequantize(path: Path, tensor: GGUFTensor, part: WeightSlice | None = None) -> np.ndarray:
+    """The values of one GGUF tensor as float32 numpy, in row-major HF order of dims; with
+    ``part``, only indices ``[part.start, part.stop)`` of dimension ``part.dim`` (no padding),
+    decoded from those bytes of the memory map alone (see ``_select``)."""
     from gguf import quants
 
     kind = tensor.tensor_type.name
@@ -234,15 +242,58 @@ def _dequantize(path: Path, tensor: GGUFTensor) -> np.ndarray:
         )
     # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
     shape = tuple(reversed(tensor.shape))
+    data, decoded, trim = tensor.data, shape, None
+    if part is not None and part.dim is not None:
+        data, decoded, trim = _select(tensor, shape, part)
     try:
-        values = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        values = values.reshape(shape)
+        values = np.asarray(quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
+        values = values.reshape(decoded)
     except Exception as exc:  # bad block sizes surface as numpy errors
         raise ModelLoadError(
             f"{path}: tensor {tensor.name} ({kind}, shape {shape}) cannot be decoded: {exc}"
         ) from exc
-    # F32 data comes back as a read-only view of the memory-mapped file; own it instead.
-    return values if values.flags.writeable else values.copy()
+    if trim is not None:
+        values = values[..., trim]
+    # F32 data comes back as a read-only view of the memory-mapped file (and a trimmed slice
+    # as a strided view); own a contiguous copy instead.
+    if values.flags.writeable and values.flags.c_contiguous:
+        return values
+    return values.copy(order="C")
+
+
+def _select(
+    tensor: GGUFTensor, shape: tuple[int, ...], part: WeightSlice
+) -> tuple[np.ndarray, tuple[int, ...], slice | None]:
+    """The part of ``tensor.data`` (a view of the memory map) that holds ``part``: the array to
+    decode, its decoded shape, and the slice of the decoded last dimension to keep (None: all).
+
+    ``tensor.data`` is shaped like ``shape`` except that a block-quantised type stores its
+    last dimension as whole blocks of bytes (each block encodes ``block`` consecutive elements
+    of one row). A slice along any other dimension (output rows, vocabulary rows) is whole
+    rows: a plain index. A slice along the last dimension (the input columns of o_proj and
+    down_proj) is cut on block boundaries: when both ends fall on one (e.g. 192 of 576 columns
+    in Q4_1's 32-element blocks) exactly its blocks are decoded; otherwise (e.g. Q6_K's
+    256-element blocks) the blocks that cover it are decoded and the extra columns trimmed,
+    since a block can only be decoded whole. Nothing else of the tensor is read: the bytes come
+    straight from the map, so only the pages they lie on are touched (a column slice of rows
+    shorter than a page still touches every page of the tensor).
+    """
+    dim, start, stop = part.dim, part.start, part.stop
+    assert dim is not None
+    decoded = (*shape[:dim], stop - start, *shape[dim + 1 :])
+    index: list[slice] = [slice(None)] * len(shape)
+    last = len(shape) - 1
+    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    if dim < last or tensor.data.shape == shape:  # a whole-row slice, or plain numbers
+        index[dim] = slice(start, stop)
+        return tensor.data[tuple(index)], decoded, None
+    first, end = start // block, -(-stop // block)
+    index[last] = slice(first * type_size, end * type_size)
+    covered = (*shape[:last], (end - first) * block)
+    offset = start - first * block
+    trim = None if covered == decoded else slice(offset, offset + stop - start)
+    # The blocks of a column slice are strided in the map; decode them as one dense array.
+    return np.ascontiguousarray(tensor.data[tuple(index)]), covered, trim
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -259,12 +310,17 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_gguf(
+    path: Path, dtype: torch.dtype = torch.float32, shard: ShardSpec | None = None
+) -> Checkpoint:
     """Load a llama/mistral/qwen2 GGUF file as a ``Checkpoint`` with weights in ``dtype``.
 
-    Reads the whole file (memory-mapped) and dequantises every weight. Raises
-    ``ModelLoadError`` naming the path for an unreadable file, an unsupported architecture,
-    tokenizer or tensor type, and for missing or misshapen tensors.
+    Maps the file and dequantises every weight; with ``shard``, only rank ``shard.rank``'s part
+    of each (``sharding.weight_slice``), read and dequantised from those bytes of the map alone,
+    so no rank holds the whole model (the result equals ``shard_weights`` of the full load, bit
+    for bit). Raises ``ModelLoadError`` naming the path for an unreadable file, an unsupported
+    architecture, tokenizer or tensor type, missing or misshapen tensors, and a ``shard.size``
+    that does not fit the model.
     """
     reader = read_gguf(path)
     metadata = gguf_metadata(reader, path)
@@ -276,6 +332,8 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
         )
     tokenizer = load_gguf_tokenizer(path, metadata)
     config = config_from_gguf(path, metadata, reader, tokenizer)
+    if shard is not None:
+        check_shard_fits(path, config, shard)
 
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
@@ -291,20 +349,26 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
                 raise ModelLoadError(
                     f"{path}: unexpected tensor {name}; expected only {arch} decoder tensors"
                 )
-        value = torch.from_numpy(_dequantize(path, tensor))
+        shape = tuple(reversed(tensor.shape))
+        part = None if shard is None else weight_slice(hf_name, shape, config, shard)
+        value = torch.from_numpy(_dequantize(path, tensor, part))
         if arch in _PERMUTED_QK_ARCHITECTURES and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
-            if value.shape[0] % (2 * heads):
+            if shape[0] % (2 * heads):
                 raise ModelLoadError(
-                    f"{path}: tensor {name} has {value.shape[0]} rows, expected a multiple of "
+                    f"{path}: tensor {name} has {shape[0]} rows, expected a multiple of "
                     f"2 x {heads} heads"
                 )
-            value = unpermute_qk(value, heads)
-        weights[hf_name] = value.to(dtype).contiguous()
+            # The permutation stays inside each head and a shard holds whole heads (a run of
+            # head_dim-row blocks), so the shard's rows are unpermuted with its own head count.
+            value = unpermute_qk(value, heads * value.shape[0] // shape[0])
+        value = value.to(dtype).contiguous()
+        weights[hf_name] = value if part is None else part.pad(value)
     return Checkpoint(
         path=path,
         config=config,
         weights=weights,
         tokenizer=tokenizer,
         sampling_defaults=gguf_sampling_defaults(path, metadata),
+        shard=shard,
     )

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-from baton.engine.loader.checkpoint import Checkpoint, expected_weight_shapes
+from baton.engine.loader.checkpoint import Checkpoint, check_shard_fits, expected_weight_shapes
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import hf_sampling_defaults
 from baton.engine.models.config import ModelConfig
+from baton.engine.models.sharding import ShardSpec, weight_slice
 from baton.engine.tokenizer import Tokenizer
 
 # config.json "architectures" entry -> ModelConfig.architecture.
@@ -117,12 +118,15 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
         raise ModelLoadError(f"{config_file}: invalid model hyper-parameters: {exc}") from exc
 
 
-def _read_safetensors(path: Path, wanted: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_safetensors(
+    path: Path, config: ModelConfig, dtype: torch.dtype, shard: ShardSpec | None
+) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files; expected the model weights")
+    wanted = set(expected_weight_shapes(config))
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -133,13 +137,7 @@ def _read_safetensors(path: Path, wanted: set[str], dtype: torch.dtype) -> dict[
                         continue
                     if name in weights:
                         raise ModelLoadError(f"{path}: weight {name} appears in two files")
-                    tensor = handle.get_tensor(name)
-                    if not tensor.is_floating_point():
-                        raise ModelLoadError(
-                            f"{file}: weight {name} has dtype {tensor.dtype}, expected a floating "
-                            "dtype (quantized safetensors are not supported)"
-                        )
-                    weights[name] = tensor.to(dtype).contiguous()
+                    weights[name] = _read_weight(handle, file, name, config, dtype, shard)
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
@@ -147,12 +145,49 @@ def _read_safetensors(path: Path, wanted: set[str], dtype: torch.dtype) -> dict[
     return weights
 
 
-def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def _read_weight(
+    handle: Any,
+    file: Path,
+    name: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    shard: ShardSpec | None,
+) -> torch.Tensor:
+    """Weight ``name`` of an open safetensors file in ``dtype``: all of it, or with ``shard``
+    only that rank's part (``sharding.weight_slice``). safetensors maps the file and copies
+    out only the indexed elements, so the rest of the tensor is never read."""
+    part = None
+    if shard is None:
+        tensor = handle.get_tensor(name)
+    else:
+        view = handle.get_slice(name)
+        shape = tuple(view.get_shape())
+        part = weight_slice(name, shape, config, shard)
+        if part.dim is None:
+            tensor = handle.get_tensor(name)
+        else:
+            index = [slice(None)] * len(shape)
+            index[part.dim] = slice(part.start, part.stop)
+            tensor = view[tuple(index)]
+    if not tensor.is_floating_point():
+        raise ModelLoadError(
+            f"{file}: weight {name} has dtype {tensor.dtype}, expected a floating "
+            "dtype (quantized safetensors are not supported)"
+        )
+    tensor = tensor.to(dtype).contiguous()
+    return tensor if part is None else part.pad(tensor)
+
+
+def load_hf(
+    path: Path, dtype: torch.dtype = torch.float32, shard: ShardSpec | None = None
+) -> Checkpoint:
     """Load a Hugging Face Llama/Mistral/Qwen2 folder as a ``Checkpoint`` with weights in ``dtype``.
 
-    Reads config.json, every ``*.safetensors`` file and the tokenizer files. Raises
-    ``ModelLoadError`` naming the path for a missing or unsupported config, missing tokenizer,
-    unreadable weights, and missing or misshapen tensors.
+    Reads config.json, every ``*.safetensors`` file and the tokenizer files; with ``shard``,
+    only rank ``shard.rank``'s part of each weight (``sharding.weight_slice``), equal to
+    ``shard_weights`` of the full load. Raises ``ModelLoadError`` naming the path for a missing
+    or unsupported config, missing tokenizer, unreadable weights, missing or misshapen tensors,
+    and a ``shard.size`` that does not fit the model.
     """
     data = _read_config(path)
     try:
@@ -160,11 +195,14 @@ def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: cannot build the tokenizer: {exc}") from exc
     config = config_from_hf(path, data, tokenizer)
-    weights = _read_safetensors(path, set(expected_weight_shapes(config)), dtype)
+    if shard is not None:
+        check_shard_fits(path, config, shard)
+    weights = _read_safetensors(path, config, dtype, shard)
     return Checkpoint(
         path=path,
         config=config,
         weights=weights,
         tokenizer=tokenizer,
         sampling_defaults=hf_sampling_defaults(path),
+        shard=shard,
     )

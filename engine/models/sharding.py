@@ -7,11 +7,15 @@ columns, and the partial outputs are summed across ranks), the embedding and LM 
 vocabulary-parallel (each rank keeps ``ceil(vocab / N)`` rows, the last one padded with zeros),
 norms are replicated. Query heads and key/value heads are split in contiguous runs, so each
 rank's query heads still share their own key/value heads (grouped-query attention).
+
+``weight_slice`` states these rules once, per weight, as a ``WeightSlice`` (a dimension, a
+range, a padded length): ``shard_weights`` cuts loaded weights with it, and the loaders
+(``load_checkpoint(..., shard=ShardSpec(rank, size))``) read only that range from the file.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,6 +78,53 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
     )
 
 
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which shard to load: rank ``rank`` of ``size`` tensor-parallel ranks.
+
+    Raises:
+        ValueError: ``size`` below 1 or ``rank`` outside ``[0, size)``.
+    """
+
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {self.size!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank must be in [0, {self.size}), got {self.rank!r}")
+
+
+@dataclass(frozen=True)
+class WeightSlice:
+    """One rank's part of one weight: indices ``[start, stop)`` of dimension ``dim`` of the full
+    tensor, then zeros up to ``length`` (only the last rank's vocabulary rows are padded).
+    ``dim`` None: the whole tensor (replicated, or a single rank)."""
+
+    dim: int | None
+    start: int = 0
+    stop: int = 0
+    length: int = 0
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this slice of a tensor of shape ``full`` (padding included)."""
+        if self.dim is None:
+            return tuple(full)
+        return (*full[: self.dim], self.length, *full[self.dim + 1 :])
+
+    def pad(self, part: torch.Tensor) -> torch.Tensor:
+        """``part`` (indices ``[start, stop)`` along ``dim``, however they were read) with the
+        zero padding up to ``length``: ``part`` itself when there is none, else a new tensor."""
+        if self.dim is None or self.stop - self.start == self.length:
+            return part
+        shape = list(part.shape)
+        shape[self.dim] = self.length
+        padded = part.new_zeros(shape)
+        padded.narrow(self.dim, 0, self.stop - self.start).copy_(part)
+        return padded
+
+
 # Hugging Face names (inside ``model.layers.{i}.``) by how they are cut.
 _COLUMN = (
     "self_attn.q_proj",
@@ -86,6 +137,39 @@ _ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
+def weight_slice(
+    name: str, shape: tuple[int, ...], config: ModelConfig, shard: ShardSpec
+) -> WeightSlice:
+    """What rank ``shard.rank`` holds of the Hugging Face-named weight ``name`` of full shape
+    ``shape``: the one place the cutting rules live (``shard_weights`` and the loaders that
+    read only a rank's part both ask here). Pure function.
+
+    Column-parallel q/k/v/gate/up (weights and biases): its run of output rows; row-parallel
+    o_proj/down_proj: its run of input columns; embedding and LM head: its
+    ``vocab_shard_rows`` vocabulary rows, the last rank's padded with zeros; anything else
+    (norms): the whole tensor.
+
+    Raises:
+        ValueError: as ``check_tensor_parallel``.
+    """
+    size, rank = shard.size, shard.rank
+    check_tensor_parallel(config, size)
+    if size == 1:
+        return WeightSlice(None)
+    leaf = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+    if name in _VOCAB:
+        rows = vocab_shard_rows(config, size)
+        start = min(rank * rows, shape[0])
+        return WeightSlice(0, start, min(start + rows, shape[0]), rows)
+    if leaf.rsplit(".", 1)[0] in _COLUMN:
+        part = shape[0] // size
+        return WeightSlice(0, rank * part, (rank + 1) * part, part)
+    if leaf in _ROW:
+        part = shape[1] // size
+        return WeightSlice(1, rank * part, (rank + 1) * part, part)
+    return WeightSlice(None)  # norms: every rank needs all of them
+
+
 def shard_weights(
     weights: dict[str, torch.Tensor], config: ModelConfig, rank: int, size: int
 ) -> dict[str, torch.Tensor]:
@@ -93,37 +177,16 @@ def shard_weights(
 
     The slices are views of ``weights`` (no copy), except the last rank's vocabulary rows when
     ``size`` does not divide the vocabulary (a zero-padded copy of those rows only), so the
-    full model is never copied per rank.
+    full model is never copied per rank. (The loaders can also read a rank's part alone, from
+    the same ``weight_slice``, without the full weights: ``load_checkpoint(..., shard=)``.)
 
     Raises:
         ValueError: ``rank`` out of range, or as ``check_tensor_parallel``.
     """
     check_tensor_parallel(config, size)
-    if not 0 <= rank < size:
-        raise ValueError(f"rank must be in [0, {size}), got {rank}")
-    if size == 1:
-        return dict(weights)
-    rows = vocab_shard_rows(config, size)
+    shard = ShardSpec(rank, size)
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
-        leaf = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
-        if name in _VOCAB:
-            out[name] = _vocab_rows(w, rank * rows, rows)
-        elif leaf.rsplit(".", 1)[0] in _COLUMN:
-            part = w.shape[0] // size
-            out[name] = w.narrow(0, rank * part, part)
-        elif leaf in _ROW:
-            part = w.shape[1] // size
-            out[name] = w.narrow(1, rank * part, part)
-        else:
-            out[name] = w  # norms: every rank needs all of them
+        sl = weight_slice(name, tuple(w.shape), config, shard)
+        out[name] = w if sl.dim is None else sl.pad(w.narrow(sl.dim, sl.start, sl.stop - sl.start))
     return out
-
-
-def _vocab_rows(w: torch.Tensor, start: int, rows: int) -> torch.Tensor:
-    end = min(start + rows, w.shape[0])
-    if end - start == rows:
-        return w.narrow(0, start, rows)
-    padded = w.new_zeros(rows, *w.shape[1:])
-    padded[: end - start].copy_(w[start:end])
-    return padded
