@@ -16,11 +16,7 @@ from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import gguf_sampling_defaults
 from baton.engine.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor, read_gguf_file
 from baton.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from baton.engine.models.sharding import (
-    ShardSpec,
-    WeightSlice,
-    weight_slice,
-)
+from baton.engine.models.sharding import ShardSpec, WeightSlice, weight_slice
 from baton.engine.tokenizer import Tokenizer
 
 # Tensor types this loader dequantises (gguf.quants implements each; the block formats are the
@@ -284,7 +280,8 @@ def _select(
     index: list[slice] = [slice(None)] * len(shape)
     last = len(shape) - 1
     block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-    if dim < last or tensor.data.shape == shape:  # a whole-row slice, or plain numbers
+    # A whole-row slice, or plain numbers (F32/F16/...: the map is shaped like the tensor).
+    if dim < last or tensor.data.shape == shape:
         index[dim] = slice(start, stop)
         return tensor.data[tuple(index)], decoded, None
     first, end = start // block, -(-stop // block)
