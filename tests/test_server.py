@@ -713,7 +713,7 @@ def test_serve_parser_and_default_name(tmp_path: Path) -> None:
 
 
 class _BrokenEngine:
-    """Just enough of an AsyncLLM for the app: unhealthy, and its tokenizer access fails."""
+    """Just enough of a ServingEngine for the app: unhealthy, and its tokenizer access fails."""
 
     max_model_len = 128
 
@@ -725,6 +725,9 @@ class _BrokenEngine:
 
     def is_healthy(self) -> bool:
         return False
+
+    def replica_stats(self) -> list[dict[str, float | int | str]]:
+        return []
 
 
 def test_unexpected_failure_is_500_and_unhealthy_is_503() -> None:

@@ -285,6 +285,10 @@ class AsyncLLM:
         """
         return dict(self._snapshot)
 
+    def replica_stats(self) -> list[dict[str, float | int | str]]:
+        """Per-replica rows of a data-parallel front end; one engine has none: empty."""
+        return []
+
     def is_healthy(self) -> bool:
         """True while the engine thread runs and the model (worker) can still run steps."""
         if self._dead is not None or not self._thread.is_alive() or self._engine is None:

@@ -102,6 +102,7 @@ BENCHMARKS = {
     "tensor_parallel": "tensor parallel vs one worker: decode step time, collective share",
     "compile_burst": "every shared schema at once: failed requests and wall time of the burst",
     "spec": "speculative decoding off / grammar / ngram / auto on JSON workloads",
+    "data_parallel": "replicas on Ray vs one engine; grammar affinity and the compile cache",
 }
 
 

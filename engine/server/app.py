@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health`` (503 when the engine cannot serve), ``GET /metrics`` (Prometheus text).
-The app does not own the engine: whoever built the ``AsyncLLM`` shuts it down.
+The app does not own the engine: whoever built it shuts it down. Behind a data-parallel
+front end, ``/health`` lists every replica (503 only when none can serve) and ``/metrics``
+adds per-replica series.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from baton.engine.entrypoints.async_llm import AsyncLLM
+from baton.engine.entrypoints.serving import ServingEngine
 from baton.engine.server import chat, completions
 from baton.engine.server.config import ServerConfig
 from baton.engine.server.errors import APIError, install_error_handlers
@@ -23,8 +25,9 @@ from baton.engine.server.state import ServerState, get_state
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
-    """An app serving ``engine`` under ``config`` (API key, body limit, model name)."""
+def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
+    """An app serving ``engine`` (an ``AsyncLLM`` or a ``DataParallelLLM``) under ``config``
+    (API key, body limit, model name)."""
     app = FastAPI(title="baton", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics()
     app.state.baton = ServerState(engine, config, metrics)
@@ -47,14 +50,23 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        if not get_state(request).engine.is_healthy():
-            return APIError(503, "the engine is not running").response()
-        return JSONResponse({"status": "ok"})
+        engine = get_state(request).engine
+        replicas = [
+            {"replica": r["replica"], "healthy": bool(r["healthy"]), "restarts": r["restarts"]}
+            for r in engine.replica_stats()
+        ]
+        if not engine.is_healthy():
+            error = APIError(503, "the engine is not running")
+            if replicas:
+                return JSONResponse({**error.body(), "replicas": replicas}, status_code=503)
+            return error.response()
+        return JSONResponse({"status": "ok", **({"replicas": replicas} if replicas else {})})
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
         state = get_state(request)
-        text = state.metrics.render(state.engine.stats(), state.engine.is_healthy())
+        engine = state.engine
+        text = state.metrics.render(engine.stats(), engine.is_healthy(), engine.replica_stats())
         return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
     # The last added runs first: the key is checked before any body is read.

@@ -12,7 +12,8 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from baton.engine.entrypoints.async_llm import EngineDeadError, Prompt, RequestStream
+from baton.engine.entrypoints.async_llm import EngineDeadError, Prompt
+from baton.engine.entrypoints.serving import OutputStream
 from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.server.errors import APIError, bad_request
@@ -29,10 +30,10 @@ class ClientDisconnected(Exception):
 
 
 class TrackedStream:
-    """A ``RequestStream`` whose outcome (finished, aborted, error) is counted exactly once
+    """An ``OutputStream`` whose outcome (finished, aborted, error) is counted exactly once
     in the server metrics, when it ends or is closed."""
 
-    def __init__(self, stream: RequestStream, metrics: ServerMetrics, structured: bool) -> None:
+    def __init__(self, stream: OutputStream, metrics: ServerMetrics, structured: bool) -> None:
         self.stream = stream
         self.metrics = metrics
         self.structured = structured

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from baton.engine.outputs import RequestOutput
 from baton.grammar.compile_service import COMPILE_SECONDS_BUCKETS
@@ -291,8 +292,15 @@ class ServerMetrics:
             if tpot is not None:
                 self.tpot.observe(tpot)
 
-    def render(self, engine_stats: Mapping[str, float | int | str], healthy: bool) -> str:
-        """The whole exposition text (ends with a newline)."""
+    def render(
+        self,
+        engine_stats: Mapping[str, float | int | str],
+        healthy: bool,
+        replicas: Sequence[Mapping[str, float | int | str]] = (),
+    ) -> str:
+        """The whole exposition text (ends with a newline). ``replicas``: a data-parallel
+        front end's per-replica rows (``DataParallelLLM.replica_stats()``), rendered as
+        series labelled ``replica``, plus its routing counters from ``engine_stats``."""
         with self._lock:
             lines: list[str] = []
             for metric in (
@@ -335,4 +343,50 @@ class ServerMetrics:
         name = f"{PREFIX}healthy"
         lines += _header(name, "gauge", "1 while the engine can serve requests.")
         lines.append(f"{name} {1 if healthy else 0}")
+        if replicas:
+            lines += _replica_lines(engine_stats, replicas)
         return "\n".join(lines) + "\n"
+
+
+# Per-replica series of a data-parallel front end: (row key, metric, type, help).
+_REPLICA_METRICS = (
+    ("healthy", "replica_healthy", "gauge", "1 while the replica takes requests."),
+    ("restarts", "replica_restarts_total", "counter", "Times the replica was restarted."),
+    ("routed", "replica_requests_routed_total", "counter", "Requests routed to the replica."),
+    ("load_tokens", "replica_load_tokens", "gauge", "Outstanding tokens routed to the replica."),
+    ("num_running", "replica_requests_running", "gauge", "Requests running in the replica."),
+    ("num_waiting", "replica_requests_waiting", "gauge", "Requests waiting in the replica."),
+    ("grammar_compiles", "replica_grammar_compiles_total", "counter", "Grammars compiled."),
+    (
+        "grammar_cache_entries",
+        "replica_grammar_cache_entries",
+        "gauge",
+        "Compiled grammars in the replica's cache.",
+    ),
+)
+
+
+def _replica_lines(
+    engine_stats: Mapping[str, float | int | str], replicas: Sequence[Mapping[str, Any]]
+) -> list[str]:
+    lines: list[str] = []
+    for key, metric, kind, help_text in _REPLICA_METRICS:
+        name = PREFIX + metric
+        lines += _header(name, kind, help_text)
+        for row in replicas:
+            label = _labels({"replica": str(row["replica"])})
+            lines.append(f"{name}{label} {_num(float(row.get(key, 0)))}")
+    name = f"{PREFIX}dp_routed_by_affinity_total"
+    lines += _header(
+        name,
+        "counter",
+        "Structured requests by grammar affinity: hit (sent to the replica holding the "
+        "grammar), miss (that replica busy or down), new (grammar not seen before).",
+    )
+    for outcome in ("hit", "miss", "new"):
+        value = float(engine_stats.get(f"dp_affinity_{outcome}", 0))
+        lines.append(f'{name}{{outcome="{outcome}"}} {_num(value)}')
+    name = f"{PREFIX}dp_retried_requests_total"
+    lines += _header(name, "counter", "Requests sent again after their replica died.")
+    lines.append(f"{name} {_num(float(engine_stats.get('dp_retried_requests', 0)))}")
+    return lines

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from baton.engine.entrypoints.args import add_engine_args, config_from_args
+from baton.engine.entrypoints.dp_config import DataParallelConfig
+from baton.engine.entrypoints.serving import ServingEngine
 from baton.engine.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 from baton.grammar.spec import BACKENDS
 
@@ -72,6 +74,33 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, how long requests in flight may run before they are cancelled "
         f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}; a second Ctrl-C stops at once)",
     )
+    dp = p.add_argument_group("data parallel (engine replicas on Ray)")
+    dp.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="serve with N engine replicas, each a Ray actor with its own model (default 1)",
+    )
+    dp.add_argument(
+        "--distributed-executor-backend",
+        choices=("ray",),
+        default=None,
+        help="where replicas run: ray (the default, and the only one, when "
+        "--data-parallel-size > 1)",
+    )
+    dp.add_argument(
+        "--ray-address",
+        default=None,
+        help="an existing Ray cluster ('auto', host:port or ray://host:port); default: start "
+        "a local one",
+    )
+    dp.add_argument(
+        "--no-grammar-affinity",
+        action="store_true",
+        help="route structured requests by load alone instead of to the replica that already "
+        "compiled their grammar",
+    )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -106,7 +135,14 @@ def run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         structured_outputs_backend=args.structured_outputs_backend,
     )
-    engine = AsyncLLM(config_from_args(args))
+    engine: ServingEngine
+    dp_config = data_parallel_config(args)
+    if dp_config is None:
+        engine = AsyncLLM(config_from_args(args))
+    else:
+        from baton.engine.entrypoints.data_parallel import DataParallelLLM
+
+        engine = DataParallelLLM(config_from_args(args), dp_config)
     try:
         if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
             logger.warning("serving on %s without an API key", args.host)
@@ -128,6 +164,29 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def data_parallel_config(args: argparse.Namespace) -> DataParallelConfig | None:
+    """The replicas ``baton serve`` asked for; None for one engine in this process.
+
+    Raises:
+        ValueError: a Ray option without ``--data-parallel-size`` > 1, or a bad size.
+    """
+    size = getattr(args, "data_parallel_size", 1)
+    if size == 1:
+        for flag, value in (
+            ("--distributed-executor-backend", getattr(args, "distributed_executor_backend", None)),
+            ("--ray-address", getattr(args, "ray_address", None)),
+        ):
+            if value is not None:
+                raise ValueError(f"{flag} needs --data-parallel-size > 1")
+        return None
+    return DataParallelConfig(
+        size=size,
+        backend=args.distributed_executor_backend or "ray",
+        ray_address=args.ray_address,
+        grammar_affinity=not args.no_grammar_affinity,
+    )
 
 
 @contextlib.contextmanager

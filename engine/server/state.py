@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from baton.engine.entrypoints.async_llm import AsyncLLM
+from baton.engine.entrypoints.serving import ServingEngine
 from baton.engine.server.config import ServerConfig
 from baton.engine.server.metrics import ServerMetrics
 
@@ -15,7 +15,7 @@ from baton.engine.server.metrics import ServerMetrics
 class ServerState:
     """The objects one server's handlers use; kept on ``app.state.baton``."""
 
-    engine: AsyncLLM
+    engine: ServingEngine
     config: ServerConfig
     metrics: ServerMetrics
 
