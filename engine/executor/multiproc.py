@@ -24,6 +24,7 @@ import datetime
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -77,6 +78,9 @@ class MultiprocExecutor(Executor):
     """Runs the model runner in a worker process (one per tensor-parallel rank); every call
     returns at once.
 
+    ``weights``: the whole model's (cut here for each rank), or a function that gives rank
+    ``r``'s shard (called once per rank, in order).
+
     Raises:
         ExecutorError: a worker failed to start; the message says why (its traceback, or
             how it ended).
@@ -86,7 +90,7 @@ class MultiprocExecutor(Executor):
     def __init__(
         self,
         spec: RunnerSpec,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]],
         checker: SyncChecker | None = None,
     ) -> None:
         self._checker = checker or SyncChecker("off")
@@ -126,7 +130,15 @@ class MultiprocExecutor(Executor):
                 )
             rank_weights = []
             for rank in range(size):
-                buf, layouts = _share_weights(shard_weights(weights, spec.model_config, rank, size))
+                # A callable reads one rank's shard at a time (the loader's shard mode), so the
+                # whole model is never in this process at once.
+                shard = (
+                    weights(rank)
+                    if callable(weights)
+                    else shard_weights(weights, spec.model_config, rank, size)
+                )
+                buf, layouts = _share_weights(shard)
+                del shard
                 shared.append(buf)
                 rank_weights.append((buf, layouts))
         except (OSError, RuntimeError) as exc:

@@ -14,7 +14,7 @@ from baton.engine.executor.multiproc import MultiprocExecutor
 from baton.engine.executor.sim import SimExecutor, sim_model_config
 from baton.engine.executor.sim_traces import TraceBook
 from baton.engine.executor.uni import UniExecutor
-from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
+from baton.engine.loader import Checkpoint, ShardSpec, load_checkpoint, load_tokenizer
 from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
 from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
@@ -53,7 +53,14 @@ def setup_model(
     """
     if sim_gpu(config.device) is not None:
         return _setup_sim(config, checkpoint, checker)
-    ckpt = checkpoint or load_checkpoint(config.model, dtype=config.dtype)
+    size = config.tensor_parallel_size
+    # Under tensor parallelism from a file, each rank's shard is read on its own: the whole
+    # model is never in memory (rank 0's shard also gives the config and tokenizer).
+    sharded = checkpoint is None and size > 1
+    if sharded:
+        ckpt = _load_shard(config, 0)
+    else:
+        ckpt = checkpoint or load_checkpoint(config.model, dtype=config.dtype)
     c = ckpt.config
     max_model_len = min(
         config.max_model_len or c.max_position_embeddings, c.max_position_embeddings
@@ -80,7 +87,13 @@ def setup_model(
     )
     executor: Executor
     if config.executor == "mp":
-        executor = MultiprocExecutor(spec, ckpt.weights, checker)
+        rank0 = ckpt.weights
+        weights = (
+            (lambda rank: rank0 if rank == 0 else _load_shard(config, rank).weights)
+            if sharded
+            else ckpt.weights
+        )
+        executor = MultiprocExecutor(spec, weights, checker)
     else:
         governor = ThreadGovernor() if spec.adapt_threads else None
         executor = UniExecutor(build_runner(spec, ckpt.weights), checker, governor)
@@ -94,6 +107,17 @@ def setup_model(
         executor,
         threads,
         dict(ckpt.sampling_defaults),
+    )
+
+
+def _load_shard(config: EngineConfig, rank: int) -> Checkpoint:
+    """Tensor-parallel rank ``rank``'s shard of ``config.model``, read from the file alone.
+
+    Raises:
+        ModelLoadError: the model cannot be read or cut into ``tensor_parallel_size`` shards.
+    """
+    return load_checkpoint(
+        config.model, dtype=config.dtype, shard=ShardSpec(rank, config.tensor_parallel_size)
     )
 
 
