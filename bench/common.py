@@ -70,8 +70,42 @@ def git_commit() -> str:
     return f"{head}+dirty" if dirty else head
 
 
+def cpu_description() -> str:
+    """The CPU's model name and its bfloat16 matrix units (AMX, AVX512-BF16) from
+    /proc/cpuinfo; "unknown" where it cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in text.splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown",
+    )
+    flags = set(
+        next(
+            (
+                line.split(":", 1)[1].split()
+                for line in text.splitlines()
+                if line.startswith("flags")
+            ),
+            [],
+        )
+    )
+    units = [
+        name
+        for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"))
+        if flag in flags
+    ]
+    return f"{model} ({', '.join(units) or 'no bf16 units'})"
+
+
 def run_info(**extra: Any) -> dict[str, Any]:
-    """Where and when a run happened: commit, UTC date, machine, CPU cores, torch threads;
+    """Where and when a run happened: commit, UTC date, machine, CPU (model, bf16 units), cores,
+    torch threads;
     ``extra`` (e.g. the dtype) is merged in."""
     import torch
 
@@ -82,6 +116,7 @@ def run_info(**extra: Any) -> dict[str, Any]:
         "machine": platform.machine(),
         "platform": platform.platform(),
         "cpu_cores": cores,
+        "cpu": cpu_description(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

@@ -7,7 +7,8 @@ replicas' compile caches.
    ``DataParallelLLM`` with one replica per core (one torch thread each) on a local Ray
    cluster. A warm-up of a few requests runs first on each. Output tokens per second.
 2. Grammar affinity: ``--schemas`` schemas from the JSON-Schema test suite (the shared data,
-   evenly spaced by file name), each requested ``--repeats`` times in a shuffled order (fixed
+   evenly spaced by file name among those a probe request on the single engine served
+   without an error), each requested ``--repeats`` times in a shuffled order (fixed
    seed) at the same concurrency, ``--affinity-tokens`` tokens each, on two replicas with
    affinity on and then off (fresh replicas, empty caches each time). Reported: the replicas'
    compile-cache hit rate ((hits + joined compiles) / lookups, summed over replicas), grammars
@@ -83,14 +84,37 @@ def throughput(
     return {"output_tokens": tokens, "failures": failures, "wall_s": wall, "tok_s": tokens / wall}
 
 
-def test_suite_schemas(data: Path, count: int) -> list[tuple[str, Any]]:
-    """``count`` JSON-Schema test suite schemas, evenly spaced by file name."""
+def accepted_schemas(engine: ServingEngine, data: Path, count: int) -> list[tuple[str, Any]]:
+    """``count`` JSON-Schema test suite schemas, evenly spaced by file name among those one
+    request of ``engine`` serves without an error (refused or failed compiles left out, so
+    the affinity runs measure caching, not failures)."""
     files = sorted((data / "json-schema-test-suite").glob("*.json"))
-    if len(files) < count:
-        raise SystemExit(f"{data}/json-schema-test-suite holds {len(files)} files, need {count}")
-    step = len(files) / count
-    picked = [files[int(i * step)] for i in range(count)]
-    return [(p.name, json.loads(p.read_text())["schema"]) for p in picked]
+    cases = [(p.name, json.loads(p.read_text())["schema"]) for p in files]
+    ok = [False] * len(cases)
+
+    async def probe() -> None:
+        gate = asyncio.Semaphore(16)
+
+        async def one(i: int) -> None:
+            async with gate:
+                spec = StructuredOutputsParams(json=cases[i][1])
+                sp = SamplingParams(max_tokens=1, temperature=0.0, structured_outputs=spec)
+                last = None
+                try:
+                    async for out in await engine.add_request("Probe.", sp):
+                        last = out
+                except Exception:  # noqa: BLE001 - refused: left out
+                    return
+                ok[i] = last is not None and all(c.finish_reason != "error" for c in last.outputs)
+
+        await asyncio.gather(*(one(i) for i in range(len(cases))))
+
+    asyncio.run(probe())
+    accepted = [c for c, good in zip(cases, ok, strict=True) if good]
+    if len(accepted) < count:
+        raise SystemExit(f"only {len(accepted)} test-suite schemas are served, need {count}")
+    step = len(accepted) / count
+    return [accepted[int(i * step)] for i in range(count)]
 
 
 def affinity_run(
@@ -174,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     one = AsyncLLM(config)
     try:
         row = throughput(one, args.requests, args.concurrency, args.max_tokens)
+        schemas = accepted_schemas(one, args.data or default_data_dir(), args.schemas)
     finally:
         one.shutdown()
     rows.append({"label": f"1 engine, {cores} threads", "replicas": 1, **row})
@@ -187,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
             dp.shutdown()
         rows.append({"label": f"DP={cores} on Ray, 1 thread each", "replicas": cores, **row})
         print(f"{rows[-1]['label']}: {row['tok_s']:.1f} tok/s ({row['failures']} failed)")
-        schemas = test_suite_schemas(args.data or default_data_dir(), args.schemas)
         affinity_rows = []
         for affinity in (True, False):
             dp = DataParallelLLM(

@@ -19,6 +19,7 @@ from typing import Any
 from baton.bench.forward import RESULTS
 from baton.bench.readme_tables import (
     compile_burst_table,
+    data_parallel_table,
     engine_sim_table,
     engine_table,
     forward_table,
@@ -99,6 +100,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         tensor_parallel_table,
     ),
     (
+        "data_parallel.json",
+        "Data parallel on Ray",
+        "baton bench data_parallel",
+        data_parallel_table,
+    ),
+    (
         "compile_burst.json",
         "A burst of distinct schemas",
         "baton bench compile_burst --label NAME [--hog N]",
@@ -110,9 +117,9 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
 def render(results: Path = RESULTS) -> str:
     """The results section's body from the result files present in ``results``."""
     parts = [
-        "Measured on the development machine: x86_64 (AMD EPYC), 2 CPU cores with AVX-512 "
-        "and AVX512-BF16 (no AMX), 24 GiB, no GPU (the commit, date, dtype and threads of "
-        "each run are in its JSON file). "
+        "Measured on the development machine: x86_64, 2 CPU cores with AVX-512, 24 GiB, no "
+        "GPU (the commit, date, CPU model and its bfloat16 units (AMX, AVX512-BF16; recorded "
+        "from 2026-12-03 on), dtype and threads of each run are in its JSON file). "
         "`python -m baton.bench.readme_results` rewrites this section from "
         "`bench/results/*.json`.",
     ]

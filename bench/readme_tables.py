@@ -515,3 +515,28 @@ def spec_table(d: dict[str, Any]) -> str:
 
 
 # (file, title, command, renderer)
+
+
+def data_parallel_table(d: dict[str, Any]) -> str:
+    c = d["config"]
+    caption = (
+        f"Throughput: {c['requests']} greedy requests, {c['max_tokens']} tokens each, "
+        f"{c['concurrency']} at a time, default model and dtype. Grammar affinity: "
+        f"{c['schemas']} JSON-Schema test suite schemas x {c['repeats']} requests, shuffled, "
+        "2 replicas with empty caches; hit rate = (cache hits + joined compiles) / lookups over "
+        "both replicas.\n\n"
+    )
+    rows = [[r["label"], f"{r['tok_s']:.1f}", str(r["failures"])] for r in d["throughput"]]
+    table = _table(["engine", "output tok/s", "failed"], rows)
+    rows = [
+        [
+            r["label"],
+            f"{100 * r['cache_hit_rate']:.1f}%",
+            " + ".join(str(int(n)) for n in r["grammars_compiled"]),
+            str(r["failures"]),
+            f"{r['wall_s']:.1f}",
+        ]
+        for r in d["affinity"]
+    ]
+    header = ["routing", "cache hit rate", "grammars compiled", "failed", "wall s"]
+    return caption + table + "\n\n" + _table(header, rows)

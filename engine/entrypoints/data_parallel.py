@@ -18,6 +18,7 @@ Ray is imported only when a ``DataParallelLLM`` is built (``pip install 'baton[r
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -121,8 +122,17 @@ class DataParallelLLM:
         self._retried = 0
         self._ids = itertools.count()
         self._closed = threading.Event()
+        # Per replica: the streams of the requests it serves, by request id (the pump thread
+        # delivers to them; the event loop adds and removes them).
+        self._streams: list[dict[str, ReplicaStream]] = [{} for _ in range(dp.size)]
         self._monitor = threading.Thread(target=self._watch, name="baton-dp-monitor", daemon=True)
         self._monitor.start()
+        self._pumps = [
+            threading.Thread(target=self._pump, args=(i,), name=f"baton-dp-pump-{i}", daemon=True)
+            for i in range(dp.size)
+        ]
+        for pump in self._pumps:
+            pump.start()
         logger.info(
             "data parallel: %d replicas on Ray, %d CPUs each, grammar affinity %s",
             dp.size,
@@ -243,11 +253,15 @@ class DataParallelLLM:
             return
         self._closed.set()
         self._monitor.join(5)
+        for i in range(self.dp.size):
+            self._fail_streams(i, EngineDeadError("the engine has stopped: it was shut down"))
         for a in self._actors:
             # A dead replica has nothing to shut down.
             with contextlib.suppress(Exception):
                 self._ray.get(a.shutdown.remote(), timeout=10)
         self._kill_all()
+        for pump in self._pumps:
+            pump.join(5)
         if self._started_ray:
             self._ray.shutdown()
 
@@ -282,6 +296,48 @@ class DataParallelLLM:
     def actor(self, replica: int) -> Any:
         """The Ray actor handle of a replica."""
         return self._actors[replica]
+
+    def attach(self, replica: int, stream: ReplicaStream) -> None:
+        """Routes ``replica``'s outputs for ``stream.request_id`` to ``stream``."""
+        with self._lock:
+            self._streams[replica][stream.request_id] = stream
+
+    def detach(self, replica: int, request_id: str) -> None:
+        """Stops routing ``replica``'s outputs for ``request_id``."""
+        with self._lock:
+            self._streams[replica].pop(request_id, None)
+
+    def _pump(self, replica: int) -> None:
+        """Reads ``replica``'s output batches for as long as this runs and hands each output to
+        its request's stream. When the replica dies, its streams get the error; reading
+        resumes once the monitor has seen the restarted replica answer."""
+        ray = self._ray
+        while not self._closed.is_set():
+            gen = self._actors[replica].outputs.options(num_returns="streaming").remote()
+            try:
+                for ref in gen:
+                    batch = ray.get(ref)
+                    with self._lock:
+                        streams = self._streams[replica]
+                        targets = [(streams.get(rid), item) for rid, item in batch.items()]
+                    for stream, item in targets:
+                        if stream is not None:
+                            stream.deliver(item)
+            except ray.exceptions.RayError as exc:
+                if self._closed.is_set():
+                    return
+                self.replica_failed(replica, exc)
+                self._fail_streams(replica, _ReplicaDied(replica, exc))
+                while not self._closed.wait(0.2):
+                    with self._lock:
+                        if self._router.healthy(replica):
+                            break
+
+    def _fail_streams(self, replica: int, error: BaseException) -> None:
+        with self._lock:
+            streams, self._streams[replica] = self._streams[replica], {}
+        for stream in streams.values():
+            stream.deliver(error)
 
     def _watch(self) -> None:
         """Polls every replica's stats; a replica that fails to answer is taken out of
@@ -327,10 +383,20 @@ class DataParallelLLM:
                 self._ray.kill(a, no_restart=True)
 
 
+class _ReplicaDied(Exception):
+    """Delivered to a stream whose replica died: it moves or fails (``ReplicaStream``)."""
+
+    def __init__(self, replica: int, cause: BaseException) -> None:
+        super().__init__(f"data-parallel replica {replica} died: {_first_line(cause)}")
+        self.replica = replica
+
+
 class ReplicaStream:
     """The outputs of one request served by a replica; the ``RequestStream`` interface
-    (``async for``, ``finished``, ``close``). A replica that dies before the first output is
-    replaced once by another; after it, iteration raises ``EngineDeadError``."""
+    (``async for``, ``finished``, ``close``). The owner's pump thread delivers outputs; when
+    the consumer is slower, outputs merge (each is cumulative). A replica that dies before the
+    request's first output is replaced once by another; after it, iteration raises
+    ``EngineDeadError`` naming the replica."""
 
     def __init__(
         self, owner: DataParallelLLM, request_id: str, prompt: Prompt, params: SamplingParams
@@ -339,9 +405,12 @@ class ReplicaStream:
         self._owner = owner
         self._prompt = prompt
         self._params = params
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event = asyncio.Event()
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
         self._replica = -1
         self._cost = 0
-        self._gen: Any = None
         self._received = False
         self._retried = False
         self._finished = False
@@ -367,76 +436,84 @@ class ReplicaStream:
         """
         import ray  # installed: the owner could not exist without it
 
+        self._loop = asyncio.get_running_loop()
         while True:
             route, cost = self._owner.route(self._prompt, self._params)
             self._replica, self._cost = route.replica, cost
+            # Attached first: the replica may answer before ``add`` returns here.
+            self._owner.attach(route.replica, self)
             try:
                 await self._owner.actor(route.replica).add.remote(
                     self._prompt, self._params, self.request_id
                 )
             except ray.exceptions.RayTaskError as exc:
-                self._release()
+                self._detach()
                 raise _cause(exc) from None
             except ray.exceptions.RayError as exc:
-                self._release()
+                self._detach()
                 self._owner.replica_failed(route.replica, exc)
                 continue
             except BaseException:
                 # Cancelled while adding: the add may still land; abort it behind the add.
                 self._owner.actor(route.replica).abort.remote(self.request_id)
-                self._release()
+                self._detach()
                 raise
-            self._gen = (
-                self._owner.actor(route.replica)
-                .stream.options(num_returns="streaming")
-                .remote(self.request_id)
-            )
             return
 
+    # Pump-thread side.
+    def deliver(self, item: RequestOutput | BaseException) -> None:
+        """Hands an output or an error to the consumer's loop (from the pump thread)."""
+        loop = self._loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
+            loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            if isinstance(item, _ReplicaDied) and item.replica != self._replica:
+                return  # from a replica this request already left
+            self._error = item
+        elif self._latest is None or not self._latest.finished:
+            self._latest = item
+        self._event.set()
+
+    # Consumer side.
     def __aiter__(self) -> ReplicaStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
         if self._finished:
             raise StopAsyncIteration
-        import ray
-
         while True:
-            try:
-                out: RequestOutput = await (await self._gen.__anext__())
-            except StopAsyncIteration:
-                # The replica's stream ended without a final output: its engine stopped.
-                self._end()
-                raise EngineDeadError(
-                    f"data-parallel replica {self._replica} ended the request early"
-                ) from None
-            except ray.exceptions.RayTaskError as exc:
-                self._end()
-                raise _cause(exc) from None
-            except ray.exceptions.RayError as exc:
-                self._owner.replica_failed(self._replica, exc)
-                failed = self._replica
-                if self._received or self._retried:
+            while self._latest is None and self._error is None:
+                self._event.clear()
+                await self._event.wait()
+            if self._latest is not None:
+                out, self._latest = self._latest, None
+                self._received = True
+                if out.finished:
                     self._end()
-                    raise EngineDeadError(
-                        f"data-parallel replica {failed} died while serving the request: "
-                        f"{_first_line(exc)}"
-                    ) from None
-                self._retried = True
-                self._release()
-                self._owner.count_retry()
-                await self.start()
-                logger.info(
-                    "request %s: replica %d died before its first output; sent to replica %d",
-                    self.request_id,
-                    failed,
-                    self._replica,
-                )
-                continue
-            self._received = True
-            if out.finished:
+                return out
+            error, self._error = self._error, None
+            assert error is not None
+            if not isinstance(error, _ReplicaDied):
                 self._end()
-            return out
+                raise error
+            if self._received or self._retried:
+                self._end()
+                raise EngineDeadError(f"{error}; it was serving the request") from None
+            failed = self._replica
+            self._retried = True
+            self._release()
+            self._owner.count_retry()
+            await self.start()
+            logger.info(
+                "request %s: replica %d died before its first output; sent to replica %d",
+                self.request_id,
+                failed,
+                self._replica,
+            )
 
     def close(self) -> None:
         """Aborts the request on its replica unless it has finished; idempotent."""
@@ -445,10 +522,14 @@ class ReplicaStream:
         self._closed = True
         if not self._finished and self._replica >= 0:
             self._owner.actor(self._replica).abort.remote(self.request_id)
-            self._release()
+            self._detach()
 
     def _end(self) -> None:
         self._finished = True
+        self._detach()
+
+    def _detach(self) -> None:
+        self._owner.detach(self._replica, self.request_id)
         self._release()
 
     def _release(self) -> None:
