@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from baton.bench.common import add_common_args, write_results
 from baton.bench.grammar import default_data_dir
 from baton.bench.plotting import pyplot
@@ -195,13 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     config = engine_config(None, max_model_len=1024, enable_prefix_caching=False)
     rows = []
+    # Before Ray starts: a Ray driver's torch may be held to one thread.
+    threads = torch.get_num_threads()
     one = AsyncLLM(config)
     try:
         row = throughput(one, args.requests, args.concurrency, args.max_tokens)
         schemas = accepted_schemas(one, args.data or default_data_dir(), args.schemas)
     finally:
         one.shutdown()
-    rows.append({"label": f"1 engine, {cores} threads", "replicas": 1, **row})
+    rows.append({"label": f"1 engine, {threads} threads", "replicas": 1, "threads": threads, **row})
     print(f"{rows[-1]['label']}: {row['tok_s']:.1f} tok/s ({row['failures']} failed)")
     ray.init(num_cpus=cores, include_dashboard=False, object_store_memory=256 << 20)
     try:
@@ -210,7 +214,14 @@ def main(argv: list[str] | None = None) -> int:
             row = throughput(dp, args.requests, args.concurrency, args.max_tokens)
         finally:
             dp.shutdown()
-        rows.append({"label": f"DP={cores} on Ray, 1 thread each", "replicas": cores, **row})
+        rows.append(
+            {
+                "label": f"DP={cores} on Ray, 1 thread each",
+                "replicas": cores,
+                "threads": 1,
+                **row,
+            }
+        )
         print(f"{rows[-1]['label']}: {row['tok_s']:.1f} tok/s ({row['failures']} failed)")
         affinity_rows = []
         for affinity in (True, False):
@@ -243,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": rows,
         "affinity": affinity_rows,
     }
-    write_results(result, args.out, plot)
+    write_results(result, args.out, plot, torch_threads=threads)
     print(f"wrote {args.out}")
     return 0
 
