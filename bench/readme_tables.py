@@ -485,6 +485,7 @@ def spec_table(d: dict[str, Any]) -> str:
             _pct(r["acceptance_rate"]),
             _pct(r["valid_share"]),
             {True: "yes", False: "no", None: "-"}[r["same_tokens_as_off"]],
+            " -> ".join(f"{x:.1f}" for x in r["load_avg_1m"]) if "load_avg_1m" in r else "",
         ]
         for r in d["rows"]
     ]
@@ -498,6 +499,7 @@ def spec_table(d: dict[str, Any]) -> str:
         "acceptance",
         "valid JSON",
         "same tokens as off",
+        "load (1 min avg)",
     ]
     cfg = d["config"]
     caption = (

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +117,7 @@ class SpecBenchConfig:
     concurrency: tuple[int, ...] = (1, 16)
     num_prompts: int = 8
     max_tokens: int = 96
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 3
     modes: tuple[str, ...] = MODES
     workloads: tuple[str, ...] = WORKLOADS
 
@@ -165,6 +166,9 @@ def measure(
     before = llm.stats()
     tokens: list[list[int]] = []
     texts: list[str] = []
+    # The 1-minute load average beside each row: this machine's steps slow several-fold when
+    # another process holds a core, so a row measured beside one must be visible as such.
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     for start in range(0, count, concurrency):
         outs = llm.generate(prompts[start : start + concurrency], sp, use_tqdm=False)
@@ -193,6 +197,7 @@ def measure(
         "valid_share": (
             sum(_valid(t, schema) for t in texts) / len(texts) if schema is not None else None
         ),
+        "load_avg_1m": [load_before, os.getloadavg()[0]],
         "tokens": tokens,
     }
 
@@ -337,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=csv_of(int), default=(1, 16))
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--modes", type=csv_of(str), default=MODES)
     parser.add_argument("--workloads", type=csv_of(str), default=WORKLOADS)
     args = parser.parse_args(argv)

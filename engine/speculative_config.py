@@ -25,7 +25,7 @@ class SpeculativeConfig:
             requests only), "ngram" (prompt lookup: the tokens that followed the last
             occurrence of the sequence's final n-gram, trimmed to what the grammar accepts), or
             "auto" (the grammar's forced tokens, then n-gram lookup for the rest).
-        num_speculative_tokens: most draft tokens per request and step (1 to 16).
+        num_speculative_tokens: most draft tokens per request and step (1 to 16; default 3).
         prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first (vLLM's
             names), 1 <= min <= max <= 8.
 
@@ -38,7 +38,11 @@ class SpeculativeConfig:
     """
 
     method: str = "auto"
-    num_speculative_tokens: int = 4
+    # 3 by measurement (`baton bench spec`, batch 1, bfloat16, 2026-12-03): a verification step
+    # of 1 + 3 rows stays in the int8 kernel's first block of 4 rows (13.6 ms for the linears
+    # against 9.9 at one row; 5 rows take 20.1), and a 4th draft was rarely accepted: auto/off
+    # peers 1.31-1.37x at k=3 vs 1.33 at k=4, extraction 1.62-1.68x vs 1.49 (k=2: 1.26, 1.46).
+    num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
 
