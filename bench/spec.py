@@ -224,6 +224,8 @@ def run(cfg: SpecBenchConfig) -> dict[str, Any]:
             enable_prefix_caching=False,
             async_scheduling=False,
             speculative_config=spec,
+            # "off" means off: not the engine's default drafts for structured requests.
+            structured_drafts=False,
         )
         dtype_name = llm.stats()["dtype"]
         try:

@@ -21,8 +21,9 @@ TPOT is the mean time per output token after the first, per request; the ratio s
 free is the median over ``--rounds`` of each round's means. Every
 constrained output that stops must parse and validate against its schema (``jsonschema``
 with format checks); failures are counted. Prefix caching is off (the free run repeats the
-constrained run's prompts). Goal: structured / free <= 1.05 at every batch size, per
-workload and mode. Writes JSON and a PNG.
+constrained run's prompts). Speculative drafts stay off (``structured_drafts=False``): this
+measures the constraint's own cost per token. Goal: structured / free <= 1.05 at every batch
+size, per workload and mode. Writes JSON and a PNG.
 
     baton bench structured [--batches 1,8,32] [--max-tokens 64] [--rounds 3] [--sample 16]
         [--modes sync,async] [--workloads peers,shared] [--worker-threads N]
@@ -255,6 +256,9 @@ def run_mode(
         enable_prefix_caching=False,
         grammar_compile_timeout_s=COMPILE_TIMEOUT_S,
         worker_threads=cfg.worker_threads,
+        # The constraint's own cost per token: speculative drafts (on by default for
+        # structured requests in sync mode) would make structured steps yield more tokens.
+        structured_drafts=False,
     )
     rows, dropped_all = [], []
     try:

@@ -28,6 +28,8 @@ class SpeculativeConfig:
         num_speculative_tokens: most draft tokens per request and step (1 to 16; default 3).
         prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first (vLLM's
             names), 1 <= min <= max <= 8.
+        structured_only: draft for structured requests only (free text is served without
+            drafts); what the engine's default, ``EngineConfig.structured_drafts``, turns on.
 
     Requests that use repetition, presence or frequency penalties or ask for logprobs get no
     drafts (their sampling depends on every earlier token, or they need one logprobs entry per
@@ -45,8 +47,13 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    structured_only: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.structured_only, bool):
+            raise ValueError(
+                f"speculative_config.structured_only must be a bool, got {self.structured_only!r}"
+            )
         if self.method not in SPEC_METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {list(SPEC_METHODS)}, "

@@ -11,7 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import encode_tensor, gguf_from_hf_dir, llama_cpp_permute, write_gguf
+from conftest import (
+    encode_tensor,
+    gguf_from_hf_dir,
+    llama_cpp_permute,
+    mini_tokenizer_metadata,
+    write_gguf,
+)
 from safetensors.torch import load_file
 
 import baton.engine.loader as loader
@@ -42,28 +48,7 @@ def _reference_state_dict(model: Any, tied: bool) -> dict[str, torch.Tensor]:
     return state
 
 
-def _mini_tokenizer_metadata() -> dict[str, Any]:
-    """A 262-token byte-level BPE (3 specials, the 256 byte symbols, 3 merges): enough for the
-    loader, and a thousand times cheaper to write and parse than SmolLM2's 49152 tokens."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    symbols = {b: chr(b) for b in printable}
-    symbols.update(
-        {b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in symbols)}
-    )
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *symbols.values(), "Ġt", "he", "Ġthe"]
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
-        "tokenizer.ggml.merges": ["Ġ t", "h e", "Ġt he"],
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.add_bos_token": False,
-    }
-
-
-MINI_VOCAB = len(_mini_tokenizer_metadata()["tokenizer.ggml.tokens"])
+MINI_VOCAB = len(mini_tokenizer_metadata()["tokenizer.ggml.tokens"])
 
 
 # ---------------------------------------------------------------- default model (GGUF)
@@ -173,7 +158,7 @@ def tiny_gguf_path(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     """``tiny_model_dir`` converted to GGUF as llama.cpp would, its tensors spread over F32, F16,
     BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1."""
     path = tmp_path_factory.mktemp("tiny_gguf") / "tiny-llama.gguf"
-    return gguf_from_hf_dir(tiny_model_dir, path, _mini_tokenizer_metadata(), tiny_gguf_type)
+    return gguf_from_hf_dir(tiny_model_dir, path, mini_tokenizer_metadata(), tiny_gguf_type)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_qwen_dir"])
@@ -262,7 +247,7 @@ def test_tiny_qwen2_gguf_with_bias_equals_transformers(tiny_qwen_dir: Path, tmp_
     path = gguf_from_hf_dir(
         tiny_qwen_dir,
         tmp_path / "tiny-qwen2.gguf",
-        _mini_tokenizer_metadata(),
+        mini_tokenizer_metadata(),
         lambda name: "Q8_0" if name.endswith("attn_q.weight") else "F32",
     )
     checkpoint = load_checkpoint(path)
@@ -345,7 +330,7 @@ def _tiny_metadata(arch: str) -> dict[str, Any]:
         f"{arch}.attention.head_count_kv": 1,
         f"{arch}.rope.freq_base": 10000.0,
         f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
-        **_mini_tokenizer_metadata(),
+        **mini_tokenizer_metadata(),
     }
 
 
@@ -546,7 +531,7 @@ def test_bad_arguments(tiny_model_dir: Path, tmp_path: Path) -> None:
 def test_load_tokenizer_reads_gguf_metadata_only(tiny_gguf_path: Path) -> None:
     tokenizer = load_tokenizer(tiny_gguf_path)
     assert tokenizer.vocab_size == MINI_VOCAB
-    tokens = _mini_tokenizer_metadata()["tokenizer.ggml.tokens"]
+    tokens = mini_tokenizer_metadata()["tokenizer.ggml.tokens"]
     assert tokenizer.encode(" the") == [tokens.index("Ġthe")]  # both merges applied
     assert tokenizer.encode("the") == [tokens.index("t"), tokens.index("he")]
 

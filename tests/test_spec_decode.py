@@ -86,6 +86,30 @@ def test_engine_config_refuses_what_is_not_built_yet():
         EngineConfig(speculative_config={"method": "medusa"})
 
 
+def test_structured_drafts_are_on_by_default_where_they_can_run():
+    cfg = EngineConfig()  # this machine: sync in-process wherever the CPU has < 3 cores
+    if cfg.async_scheduling or cfg.executor != "uni":
+        pytest.skip("the default engine here schedules asynchronously")
+    assert cfg.speculative_config == SpeculativeConfig("auto", 3, structured_only=True)
+    assert EngineConfig(structured_drafts=False).speculative_config is None
+    # Where it cannot run, the default leaves it off; asking for it there is an error.
+    assert EngineConfig(executor="mp").speculative_config is None
+    assert EngineConfig(async_scheduling=True, executor="mp").speculative_config is None
+    with pytest.raises(ValueError, match="structured_drafts=True is not supported with"):
+        EngineConfig(structured_drafts=True, executor="mp")
+    with pytest.raises(ValueError, match="structured_drafts must be None, True or False"):
+        EngineConfig(structured_drafts="yes")
+    # An explicit config wins over the default.
+    explicit = EngineConfig(speculative_config={"method": "ngram"}, structured_drafts=False)
+    assert explicit.speculative_config == SpeculativeConfig("ngram")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--no-structured-drafts"])
+    assert config_from_args(args).speculative_config is None
+    with pytest.raises(ValueError, match="structured_only must be a bool"):
+        SpeculativeConfig(structured_only=1)
+
+
 def test_cli_flag_reaches_the_config():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -208,10 +232,10 @@ def _build(model_dir, spec=None, **kw) -> LLMEngine:
     )
 
 
-def _use(engine: LLMEngine, method: str | None, k: int = 4) -> None:
+def _use(engine: LLMEngine, method: str | None, k: int = 4, structured_only: bool = False) -> None:
     """Switches the engine's drafter (None: no drafts), so that every run shares one engine and
     its compiled grammars (a compile costs seconds on a loaded machine)."""
-    spec = SpeculativeConfig(method, k) if method else None
+    spec = SpeculativeConfig(method, k, structured_only=structured_only) if method else None
     engine.core.scheduler.drafter = Drafter(spec, engine.tokenizer) if spec else None
 
 
@@ -247,6 +271,19 @@ def test_drafts_change_no_token(engine, reference, method):
         if got[rid][1] == "stop":
             jsonschema.validate(json.loads(got[rid][2]), SCHEMA)
     assert got["r5"][2] in ("red", "green blue")
+
+
+def test_structured_only_drafts_skip_free_text(engine, reference):
+    reqs, expected = reference
+    _use(engine, "auto", structured_only=True)
+    sched = engine.core.scheduler
+    free = [i for i, (_, sp) in enumerate(reqs) if sp.structured_outputs is None]
+    drafted = sched.num_draft_tokens
+    got = run_to_end(engine, [reqs[i] for i in free])
+    assert sched.num_draft_tokens == drafted  # free text: no drafts at all
+    assert [got[f"r{j}"] for j in range(len(free))] == [expected[f"r{i}"] for i in free]
+    got = run_to_end(engine, reqs, abort={"r3": 5})
+    assert got == expected and sched.num_draft_tokens > drafted
 
 
 def test_drafts_under_preemption_and_small_budgets(tiny_model_dir, reference):

@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import encode_tensor, write_gguf
-from test_loader import _mini_tokenizer_metadata
+from conftest import encode_tensor, mini_tokenizer_metadata, write_gguf
 
 from baton.engine.loader import (
     ModelLoadError,
@@ -311,7 +310,7 @@ def all_types_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "llama.rope.freq_base": 10000.0,
         "llama.attention.layer_norm_rms_epsilon": 1e-5,
         "llama.vocab_size": s["vocab"],
-        **_mini_tokenizer_metadata(),
+        **mini_tokenizer_metadata(),
     }
     path = tmp_path_factory.mktemp("tp_gguf") / "all-types.gguf"
     return write_gguf(path, "llama", metadata, tensors)

@@ -77,10 +77,12 @@ class Drafter:
             extendable_tokens(codec.token_strings()) if config.uses_grammar and codec else None
         )
 
-    @staticmethod
-    def can_draft(req: Request) -> bool:
-        """Whether the request may get drafts at all: not with penalties or logprobs."""
+    def can_draft(self, req: Request) -> bool:
+        """Whether the request may get drafts at all: not with penalties or logprobs, and
+        not free text when the config drafts for structured requests only."""
         sp = req.sampling_params
+        if self.config.structured_only and req.structured is None:
+            return False
         return not sp.uses_penalties and sp.logprobs is None
 
     def propose(self, req: Request, max_drafts: int) -> tuple[int, ...]:

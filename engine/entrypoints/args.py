@@ -100,6 +100,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         "4}' (method: grammar, ngram or auto); implies synchronous scheduling",
     )
     parser.add_argument(
+        "--no-structured-drafts",
+        action="store_true",
+        help="serve structured requests without speculative decoding where the engine would "
+        "use it by default (synchronous scheduling in its own process)",
+    )
+    parser.add_argument(
         "--no-adapt-cpu-threads",
         action="store_true",
         help="keep torch's thread count fixed on a CPU instead of dropping threads while "
@@ -139,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         engine_args["async_scheduling"] = False
     if getattr(args, "async_scheduling", False):
         engine_args["async_scheduling"] = True
+    if getattr(args, "no_structured_drafts", False):
+        engine_args["structured_drafts"] = False
     if getattr(args, "speculative_config", None) is not None:
         engine_args["speculative_config"] = args.speculative_config
     for flag, field in (
