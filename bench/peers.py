@@ -62,7 +62,7 @@ from baton.bench.peer_runners import (
     unavailable,
 )
 from baton.bench.peers_report import compute_ratios, evaluate_goals, plot, print_report
-from baton.engine.config import auto_dtype, num_cpu_cores
+from baton.engine.config import EngineConfig, auto_dtype, num_cpu_cores
 from baton.engine.loader import load_checkpoint, load_tokenizer
 from baton.engine.tokenizer import Tokenizer
 
@@ -468,6 +468,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     cfg = config_from_args(p, a, PeersConfig, dtypes=resolve_dtypes(a.dtypes))
     result = run(cfg)
+    # What baton ran with by default here (BatonRunner leaves it to the engine): structured
+    # requests get speculative drafts where the engine schedules synchronously.
+    spec = EngineConfig().speculative_config
+    result["baton_speculative"] = (
+        "off"
+        if spec is None
+        else f"{spec.method}, {spec.num_speculative_tokens} drafts per step"
+        + (", structured requests only" if spec.structured_only else "")
+    )
     print_report(result)
     write_results(result, a.out, plot, dtype=",".join(cfg.dtypes))
     return 0

@@ -353,7 +353,13 @@ def peers_table(d: dict[str, Any]) -> str:
     caption = (
         f"The same JSON-schema workload (same token ids, greedy, at most {d['max_tokens']} "
         f"tokens) on every engine, measured in one run; baton and its Python peers in the same "
-        f"dtype, llama-cpp-python on the GGUF's own quantized weights.{runs}\n\n"
+        f"dtype, llama-cpp-python on the GGUF's own quantized weights.{runs}"
+        + (
+            f" baton with its defaults: speculative decoding {d['baton_speculative']}."
+            if "baton_speculative" in d
+            else ""
+        )
+        + "\n\n"
     )
     notes = _goal_lines(d.get("goals") or []) + skipped
     return caption + table + ("\n\n" + "\n".join(notes) if notes else "")
