@@ -113,6 +113,14 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
         ray.shutdown()
 
 
+def test_a_model_that_cannot_be_read_fails_before_any_replica_starts(tmp_path: Path) -> None:
+    from baton.engine.loader import ModelLoadError
+
+    missing = tmp_path / "missing.gguf"
+    with pytest.raises(ModelLoadError, match="missing.gguf"):
+        DataParallelLLM(engine_config(str(missing)), DataParallelConfig(size=2))
+
+
 def _request(client: openai.OpenAI, i: int) -> tuple[str, str]:
     """Request ``i`` of the mix; returns (kind, output text) after checking the output."""
     kind = ("text", "json", "regex", "choice")[i % 4]

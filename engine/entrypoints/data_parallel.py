@@ -87,6 +87,8 @@ class DataParallelLLM:
         self._ray = ray
         self.config = config
         self.dp = dp
+        # First, and here: a model that cannot be read fails before any replica starts.
+        self.tokenizer: Tokenizer = load_tokenizer(config.model)
         self._started_ray = False
         if not ray.is_initialized():
             cores = os.cpu_count() or 1
@@ -95,7 +97,8 @@ class DataParallelLLM:
                 kwargs.update(num_cpus=cores, object_store_memory=256 << 20)
             ray.init(address=dp.ray_address, **kwargs)
             self._started_ray = True
-        cpus = dp.cpus_per_replica or max(1, (os.cpu_count() or 1) // dp.size)
+        cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
+        cpus = dp.cpus_per_replica or max(1, cluster_cpus // dp.size)
         actor = ray.remote(EngineReplica)
         self._actors = [
             actor.options(num_cpus=cpus, max_restarts=dp.max_restarts, max_task_retries=0).remote(
@@ -109,8 +112,9 @@ class DataParallelLLM:
                 infos.append(ray.get(a.info.remote()))
             except ray.exceptions.RayError as exc:
                 self._kill_all()
+                if self._started_ray:
+                    ray.shutdown()
                 raise EngineDeadError(f"data-parallel replica {i} failed to start: {exc}") from None
-        self.tokenizer: Tokenizer = load_tokenizer(config.model)
         self.max_model_len: int = int(infos[0]["max_model_len"])
         self._sampling_defaults: dict[str, float | int] = dict(infos[0]["sampling_defaults"])
         self._pids = [int(info["pid"]) for info in infos]

@@ -18,7 +18,7 @@ class DataParallelConfig:
         ray_address: an existing cluster ("auto", "host:port" or "ray://host:port"); None
             starts a local one sized to this machine's cores, unless Ray is already started.
         cpus_per_replica: CPUs Ray reserves for each replica and its torch threads; None:
-            this machine's cores / size, at least 1.
+            the cluster's CPUs / size, at least 1 (a local cluster has this machine's cores).
         grammar_affinity: route requests with the same grammar to one replica.
         balance_tokens: how many outstanding tokens the replica holding a grammar may be
             above the least loaded one and still get its requests.
