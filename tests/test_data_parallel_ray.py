@@ -188,6 +188,58 @@ def test_64_mixed_requests_with_grammar_affinity(cluster: Cluster) -> None:
     assert [r["healthy"] for r in body["replicas"]] == [True, True]
 
 
+def test_streams_and_disconnects_through_replicas(cluster: Cluster) -> None:
+    client = cluster.client()
+    # A streamed structured request: its chunks add up to a valid instance.
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Streamed item as JSON."}],
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "item", "schema": SCHEMAS[1]},
+        },
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMAS[1])
+    # A client that goes away mid-stream: its request is aborted on its replica.
+    before = cluster.metrics()
+    aborted0 = metric(before, "baton_requests_total", 'status="aborted"')
+    steps0 = metric(before, "baton_engine_steps_total")
+    with httpx.stream(
+        "POST",
+        f"{cluster.base}/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "A long story:",
+            "max_tokens": 1000,
+            "ignore_eos": True,
+            "stream": True,
+        },
+        timeout=60,
+    ) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 3:
+                break
+    # The replicas' stats are polled twice a second: wait until they show the request's
+    # steps, give its replica time to go on if it had not been told, then look.
+    deadline = time.monotonic() + 30
+    while metric(cluster.metrics(), "baton_engine_steps_total") <= steps0:
+        assert time.monotonic() < deadline, "the replicas' stats never showed the request"
+        time.sleep(0.1)
+    time.sleep(2.0)
+    text = cluster.metrics()
+    assert metric(text, "baton_requests_total", 'status="aborted"') == aborted0 + 1
+    running = sum(metric(text, "baton_replica_requests_running", f'replica="{i}"') for i in (0, 1))
+    assert running == 0
+    # The replica stopped decoding when the client left: far fewer steps than 1000 tokens.
+    assert metric(text, "baton_engine_steps_total") - steps0 < 500
+
+
 def _plain(client: openai.OpenAI, i: int) -> str:
     try:
         r = client.completions.create(
