@@ -25,6 +25,7 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.entrypoints.args import engine_config
+from baton.engine.entrypoints.output_slot import OutputSlot
 from baton.engine.errors import EngineBusyError
 from baton.engine.loader import Checkpoint
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -89,10 +90,7 @@ class RequestStream:
     def __init__(self, owner: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self._owner = owner
-        self._loop = loop
-        self._event = asyncio.Event()
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
+        self._slot = OutputSlot(loop)
         self._finished = False
         self._closed = False
 
@@ -105,48 +103,28 @@ class RequestStream:
     def deliver(self, output: RequestOutput) -> bool:
         """Hands ``output`` to the consumer's loop (from the engine thread); False when that
         loop is closed and nobody is listening."""
-        return self._call_soon(self._put, output)
+        return self._slot.offer(output)
 
     def deliver_error(self, error: BaseException) -> bool:
         """Ends the stream with ``error`` on the consumer's loop (from the engine thread);
         False when that loop is closed."""
-        return self._call_soon(self._fail, error)
-
-    def _call_soon(self, fn: Any, arg: Any) -> bool:
-        try:
-            self._loop.call_soon_threadsafe(fn, arg)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            return False
-        return True
+        return self._slot.offer(error)
 
     # Loop side.
-    def _put(self, output: RequestOutput) -> None:
-        if self._latest is not None and self._latest.finished:
-            return
-        self._latest = output
-        self._event.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
-
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
         if self._finished:
             raise StopAsyncIteration
-        while self._latest is None and self._error is None:
-            self._event.clear()
-            await self._event.wait()
-        if self._latest is not None:
-            out, self._latest = self._latest, None
-            if out.finished:
-                self._finished = True
-            return out
-        self._finished = True
-        assert self._error is not None
-        raise self._error
+        try:
+            out = await self._slot.take()
+        except Exception:  # the engine's error ends the stream; a cancelled wait does not
+            self._finished = True
+            raise
+        if out.finished:
+            self._finished = True
+        return out
 
     def close(self) -> None:
         """Aborts the request (freeing its KV blocks) unless it has finished; idempotent."""

@@ -32,6 +32,7 @@ from baton.engine.entrypoints.async_llm import EngineDeadError, Prompt
 from baton.engine.entrypoints.dp_config import DataParallelConfig
 from baton.engine.entrypoints.dp_replica import EngineReplica
 from baton.engine.entrypoints.dp_router import NoReplicaError, ReplicaRouter, Route
+from baton.engine.entrypoints.output_slot import OutputSlot
 from baton.engine.loader import load_tokenizer
 from baton.engine.outputs import RequestOutput
 from baton.engine.sampling_params import SamplingParams
@@ -409,10 +410,7 @@ class ReplicaStream:
         self._owner = owner
         self._prompt = prompt
         self._params = params
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._event = asyncio.Event()
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
+        self._slot: OutputSlot | None = None  # made in ``start``, on the consumer's loop
         self._replica = -1
         self._cost = 0
         self._received = False
@@ -440,7 +438,8 @@ class ReplicaStream:
         """
         import ray  # installed: the owner could not exist without it
 
-        self._loop = asyncio.get_running_loop()
+        if self._slot is None:
+            self._slot = OutputSlot(asyncio.get_running_loop())
         while True:
             route, cost = self._owner.route(self._prompt, self._params)
             self._replica, self._cost = route.replica, cost
@@ -467,20 +466,8 @@ class ReplicaStream:
     # Pump-thread side.
     def deliver(self, item: RequestOutput | BaseException) -> None:
         """Hands an output or an error to the consumer's loop (from the pump thread)."""
-        loop = self._loop
-        if loop is None:
-            return
-        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
-            loop.call_soon_threadsafe(self._put, item)
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, BaseException):
-            if isinstance(item, _ReplicaDied) and item.replica != self._replica:
-                return  # from a replica this request already left
-            self._error = item
-        elif self._latest is None or not self._latest.finished:
-            self._latest = item
-        self._event.set()
+        if self._slot is not None:
+            self._slot.offer(item)
 
     # Consumer side.
     def __aiter__(self) -> ReplicaStream:
@@ -489,35 +476,34 @@ class ReplicaStream:
     async def __anext__(self) -> RequestOutput:
         if self._finished:
             raise StopAsyncIteration
+        assert self._slot is not None, "start() first"
         while True:
-            while self._latest is None and self._error is None:
-                self._event.clear()
-                await self._event.wait()
-            if self._latest is not None:
-                out, self._latest = self._latest, None
-                self._received = True
-                if out.finished:
+            try:
+                out = await self._slot.take()
+            except _ReplicaDied as died:
+                if died.replica != self._replica:
+                    continue  # from a replica this request already left
+                if self._received or self._retried:
                     self._end()
-                return out
-            error, self._error = self._error, None
-            assert error is not None
-            if not isinstance(error, _ReplicaDied):
+                    raise EngineDeadError(f"{died}; it was serving the request") from None
+                self._retried = True
+                self._release()
+                self._owner.count_retry()
+                await self.start()
+                logger.info(
+                    "request %s: replica %d died before its first output; sent to replica %d",
+                    self.request_id,
+                    died.replica,
+                    self._replica,
+                )
+                continue
+            except Exception:  # the replica's own error ends the stream
                 self._end()
-                raise error
-            if self._received or self._retried:
+                raise
+            self._received = True
+            if out.finished:
                 self._end()
-                raise EngineDeadError(f"{error}; it was serving the request") from None
-            failed = self._replica
-            self._retried = True
-            self._release()
-            self._owner.count_retry()
-            await self.start()
-            logger.info(
-                "request %s: replica %d died before its first output; sent to replica %d",
-                self.request_id,
-                failed,
-                self._replica,
-            )
+            return out
 
     def close(self) -> None:
         """Aborts the request on its replica unless it has finished; idempotent."""
