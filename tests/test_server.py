@@ -137,6 +137,8 @@ def test_models_health_and_metrics_format(server: Server) -> None:
         "baton_structured_fraction",
         "baton_device_busy_fraction",
         "baton_deferred_steps_total",
+        "baton_spec_draft_tokens_total",
+        "baton_spec_accepted_tokens_total",
     ):
         assert f"# TYPE {name} " in r.text, name
     assert metric(r.text, "baton_kv_total_blocks") == 255
@@ -177,6 +179,11 @@ def test_chat_json_schema(server: Server) -> None:
         after, "baton_grammar_cache_hits_total"
     )
     assert compiles >= 1
+    if server.engine.config.speculative_config is not None:  # the default drafts (sync here)
+        # The schema forces `{"name":"` and more: the grammar drafter proposed those tokens.
+        drafted = metric(after, "baton_spec_draft_tokens_total")
+        assert drafted > metric(before, "baton_spec_draft_tokens_total")
+        assert metric(after, "baton_spec_accepted_tokens_total") <= drafted
 
 
 @pytest.mark.timeout(60)

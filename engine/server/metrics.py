@@ -132,6 +132,24 @@ _ENGINE_METRICS = (
         "counter",
         "Steps whose sampling waited for a structured request's token in flight.",
     ),
+    (
+        "spec_draft_tokens",
+        "spec_draft_tokens_total",
+        "counter",
+        "Speculative draft tokens fed to the model (0 without speculative decoding).",
+    ),
+    (
+        "spec_accepted_tokens",
+        "spec_accepted_tokens_total",
+        "counter",
+        "Speculative draft tokens the model's own choice confirmed.",
+    ),
+    (
+        "spec_drafted_steps",
+        "spec_drafted_steps_total",
+        "counter",
+        "Engine steps that fed at least one draft token.",
+    ),
 )
 
 # The grammar compile service's gauges and counters, from the same stats.
