@@ -160,7 +160,8 @@ class EngineConfig:
             be divisible by it (checked when the model is loaded).
         speculative_config: speculative decoding (``SpeculativeConfig``, or a dict / JSON text
             of its fields, as vLLM's ``{"method": "ngram", "num_speculative_tokens": 4}``);
-            None: off. So far it runs with synchronous scheduling in this process (executor
+            None: as ``structured_drafts`` decides (drafts for structured requests where they
+            can run, else off). So far it runs with synchronous scheduling in this process (executor
             "uni", no tensor parallelism, not on the simulated device): async scheduling left
             as None resolves to off with it, and asking for any of those with it raises
             ValueError. Resolved to a ``SpeculativeConfig`` (or None) at construction.
