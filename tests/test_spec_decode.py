@@ -286,6 +286,68 @@ def test_structured_only_drafts_skip_free_text(engine, reference):
     assert got == expected and sched.num_draft_tokens > drafted
 
 
+def _logprob_runs(engine: LLMEngine, reqs: list[tuple[str, SamplingParams]]) -> dict:
+    """Each request's final (token ids, logprobs entries), run to the end."""
+    for i, (prompt, sp) in enumerate(reqs):
+        engine.add_request(f"lp{i}", prompt, sp)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                final[out.request_id] = (list(c.token_ids), c.logprobs)
+    return final
+
+
+def test_logprobs_requests_get_drafts_and_the_same_logprobs(engine):
+    so = StructuredOutputsParams
+    reqs = [
+        (
+            "Give JSON:",
+            SamplingParams(
+                max_tokens=30, temperature=0.0, logprobs=2, structured_outputs=so(json=SCHEMA)
+            ),
+        ),
+        (
+            "Pick:",
+            SamplingParams(
+                max_tokens=20,
+                temperature=0.0,
+                logprobs=0,
+                structured_outputs=so(regex=r"(abc|xyz){2,6}"),
+            ),
+        ),
+        (
+            "Sampled:",
+            SamplingParams(
+                max_tokens=24,
+                temperature=0.9,
+                seed=5,
+                logprobs=1,
+                structured_outputs=so(json=SCHEMA),
+            ),
+        ),
+    ]
+    _use(engine, None)
+    expected = _logprob_runs(engine, reqs)
+    _use(engine, "auto")
+    sched = engine.core.scheduler
+    drafted, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
+    got = _logprob_runs(engine, reqs)
+    assert sched.num_draft_tokens > drafted and sched.num_accepted_tokens > accepted
+    for rid, (tokens, logprobs) in expected.items():
+        got_tokens, got_logprobs = got[rid]
+        assert got_tokens == tokens
+        # One entry per token, each from its own position: the same ids and ranks, and the
+        # same values up to float32 summation order (several positions attend at once).
+        assert len(got_logprobs) == len(logprobs) == len(tokens)
+        for want, have in zip(logprobs, got_logprobs, strict=True):
+            assert list(have) == list(want)
+            for tid, lp in want.items():
+                assert have[tid].rank == lp.rank
+                assert have[tid].logprob == pytest.approx(lp.logprob, abs=1e-4)
+
+
 def test_drafts_under_preemption_and_small_budgets(tiny_model_dir, reference):
     reqs, expected = reference
     free = [0, 2, 3, 6, 7]  # no grammar: nothing to compile in this second engine

@@ -78,12 +78,12 @@ class Drafter:
         )
 
     def can_draft(self, req: Request) -> bool:
-        """Whether the request may get drafts at all: not with penalties or logprobs, and
-        not free text when the config drafts for structured requests only."""
-        sp = req.sampling_params
+        """Whether the request may get drafts at all: not with penalties (their counts would
+        have to follow every draft), and not free text when the config drafts for structured
+        requests only."""
         if self.config.structured_only and req.structured is None:
             return False
-        return not sp.uses_penalties and sp.logprobs is None
+        return not req.sampling_params.uses_penalties
 
     def propose(self, req: Request, max_drafts: int) -> tuple[int, ...]:
         """Up to ``max_drafts`` draft tokens to follow the request's known tokens. For a

@@ -17,6 +17,7 @@ from baton.engine.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
     GrammarOutput,
+    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -380,7 +381,7 @@ class Scheduler:
                 new_token_ids=accepted,
                 finish_reason=finish,
                 stop_reason=req.stop_reason,
-                logprobs=out.logprobs.get(req.request_id),
+                logprobs=_first(out.logprobs.get(req.request_id), len(accepted)),
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 structured_backend=req.structured.backend if req.structured else None,
                 structured_fallback_reason=(
@@ -453,3 +454,10 @@ class Scheduler:
         self.kv.free(req.request_id)
         self._finished_ids.add(req.request_id)
         self.requests.pop(req.request_id, None)
+
+
+def _first(logprobs: Logprobs | None, n: int) -> Logprobs | None:
+    """The logprobs of the first ``n`` tokens (a stop among accepted drafts drops the rest)."""
+    if logprobs is None or len(logprobs.ranks) <= n:
+        return logprobs
+    return Logprobs(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])

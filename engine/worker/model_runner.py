@@ -107,15 +107,20 @@ class SampledTokens:
     @property
     def logprobs(self) -> dict[str, Logprobs]:
         """Logprobs of the rows that asked for them (waits for the host copy)."""
-        host = self.host.wait()[1:]
-        return _logprobs(self.sample_request_ids, self.num_logprobs, host, self.drafts)
+        host = self.host.wait()
+        kept = [len(t) for t in kept_tokens(host[0].tolist(), self.drafts)]
+        return _logprobs(self.sample_request_ids, self.num_logprobs, host[1:], self.drafts, kept)
 
     def to_runner_output(self) -> ModelRunnerOutput:
         """The scheduler's view of the step (waits for the host copy)."""
         host = self.host.wait()
-        logprobs = _logprobs(self.sample_request_ids, self.num_logprobs, host[1:], self.drafts)
+        tokens = host[0].tolist()
+        kept = [len(t) for t in kept_tokens(tokens, self.drafts)]
+        logprobs = _logprobs(
+            self.sample_request_ids, self.num_logprobs, host[1:], self.drafts, kept
+        )
         return runner_output(
-            self.request_ids, self.sample_request_ids, host[0].tolist(), logprobs, self.drafts
+            self.request_ids, self.sample_request_ids, tokens, logprobs, self.drafts
         )
 
 
@@ -128,16 +133,7 @@ def runner_output(
 ) -> ModelRunnerOutput:
     """The scheduler's view of a step: per scheduled request, its new tokens (none, one, or
     with drafts its accepted drafts and one more)."""
-    if drafts is None:
-        per_request = [[t] for t in tokens]
-    else:
-        per_request = [
-            accepted_tokens(tokens[start : start + count], d)
-            for start, count, d in zip(
-                drafts.starts.tolist(), drafts.counts.tolist(), drafts.drafts, strict=True
-            )
-        ]
-    sampled = dict(zip(sample_request_ids, per_request, strict=True))
+    sampled = dict(zip(sample_request_ids, kept_tokens(tokens, drafts), strict=True))
     return ModelRunnerOutput(
         request_ids=list(request_ids),
         sampled_token_ids=[sampled.get(r, []) for r in request_ids],
@@ -145,23 +141,44 @@ def runner_output(
     )
 
 
+def kept_tokens(tokens: list[int], drafts: DraftLayout | None) -> list[list[int]]:
+    """Per sampling request, the tokens it keeps from its rows: its one token, or with drafts
+    its accepted drafts and the token after them."""
+    if drafts is None:
+        return [[t] for t in tokens]
+    return [
+        accepted_tokens(tokens[start : start + count], d)
+        for start, count, d in zip(
+            drafts.starts.tolist(), drafts.counts.tolist(), drafts.drafts, strict=True
+        )
+    ]
+
+
 def _logprobs(
     request_ids: tuple[str, ...],
     ks: tuple[int | None, ...],
     host: Sequence[torch.Tensor],
-    drafts: DraftLayout | None = None,
+    drafts: DraftLayout | None,
+    kept: list[int],
 ) -> dict[str, Logprobs]:
-    """Per request that asked, its sampled token's logprob and its top-k, from host tensors
-    (requests that ask for logprobs get no drafts: their one row is their first)."""
+    """Per request that asked, each kept token's logprob and its top-k, from host tensors:
+    with drafts, the rows of its accepted drafts and the one after them (each row's
+    distribution is the one a step without drafts has at that position)."""
     if not host:
         return {}
     ids, vals, ranks = (t.tolist() for t in host)
     first = range(len(request_ids)) if drafts is None else drafts.starts.tolist()
-    return {
-        rid: Logprobs([ids[i][: k + 1]], [vals[i][: k + 1]], [ranks[i]])
-        for i, rid, k in zip(first, request_ids, ks, strict=True)
-        if k is not None
-    }
+    out = {}
+    for i, rid, k, n in zip(first, request_ids, ks, kept, strict=True):
+        if k is None:
+            continue
+        rows = range(i, i + n)
+        out[rid] = Logprobs(
+            [ids[r][: k + 1] for r in rows],
+            [vals[r][: k + 1] for r in rows],
+            [ranks[r] for r in rows],
+        )
+    return out
 
 
 class ModelRunner:
