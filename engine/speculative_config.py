@@ -31,10 +31,10 @@ class SpeculativeConfig:
         structured_only: draft for structured requests only (free text is served without
             drafts); what the engine's default, ``EngineConfig.structured_drafts``, turns on.
 
-    Requests that use repetition, presence or frequency penalties get no drafts (their
-    sampling depends on every earlier token); they are served as without speculative decoding.
-    Requests that ask for logprobs get drafts and one logprobs entry per kept token, each from
-    the row of its position (the distribution a step without drafts has there).
+    Requests with repetition, presence or frequency penalties get drafts too: each draft
+    position is penalised with the drafts before it counted as output tokens. Requests that ask
+    for logprobs get one entry per kept token, each from the row of its position (the
+    distribution a step without drafts has there).
 
     Raises:
         ValueError: naming the field that is wrong.

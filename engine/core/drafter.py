@@ -78,12 +78,9 @@ class Drafter:
         )
 
     def can_draft(self, req: Request) -> bool:
-        """Whether the request may get drafts at all: not with penalties (their counts would
-        have to follow every draft), and not free text when the config drafts for structured
-        requests only."""
-        if self.config.structured_only and req.structured is None:
-            return False
-        return not req.sampling_params.uses_penalties
+        """Whether the request may get drafts at all: not free text when the config drafts
+        for structured requests only."""
+        return not (self.config.structured_only and req.structured is None)
 
     def propose(self, req: Request, max_drafts: int) -> tuple[int, ...]:
         """Up to ``max_drafts`` draft tokens to follow the request's known tokens. For a

@@ -324,7 +324,7 @@ class ModelRunner:
             if grammar is not None and grammar.request_ids:
                 self._apply_grammar(logits, fwd, grammar)
             self._ban_tokens(logits, rows, row_params)
-            out = self.sampler(logits, self._sampling_metadata(rows, row_params))
+            out = self.sampler(logits, self._sampling_metadata(rows, row_params, fwd.drafts))
             if fwd.drafts is None:
                 self.states.append_sampled(fwd.sample_rows, fwd.sample_rows_device, out.token_ids)
             else:
@@ -438,11 +438,12 @@ class ModelRunner:
         apply_token_bitmask_(logits, bitmask, logit_rows_device)
 
     def _sampling_metadata(
-        self, sel: _LogitsRows, params: list[SamplingParams]
+        self, sel: _LogitsRows, params: list[SamplingParams], drafts: DraftLayout | None = None
     ) -> SamplingMetadata:
         """The logits rows' parameters (``params``, in row order), gathered from the host
         mirrors and copied in two transfers (int64, float32); penalty tables are gathered on the
-        device. A draft row samples the output position after its drafts."""
+        device. A draft row samples the output position after its drafts, with those drafts
+        counted as output tokens by the penalties."""
         st, rows = self.states, sel.state
         penalised = any(p.uses_penalties for p in params)
         ints = {
@@ -463,9 +464,11 @@ class ModelRunner:
         tensors.update(zip(ints, self.io.to_device(list(ints.values())), strict=True))
         tensors.update(zip(floats, self.io.to_device(list(floats.values())), strict=True))
         if penalised:
-            # Requests with penalties get no drafts: their counts are those of their one row.
             tensors["prompt_mask"] = st.prompt_mask[sel.state_device]
-            tensors["output_counts"] = st.output_counts[sel.state_device]
+            counts = st.output_counts[sel.state_device]  # a copy: one row per logits row
+            if drafts is not None:
+                self._count_drafts_(counts, sel, drafts)
+            tensors["output_counts"] = counts
         return SamplingMetadata(
             all_greedy=all(p.greedy for p in params),
             all_random=not any(p.greedy for p in params),
@@ -473,6 +476,24 @@ class ModelRunner:
                 (p.logprobs for p in params if p.logprobs is not None), default=None
             ),
             **tensors,
+        )
+
+    def _count_drafts_(self, counts: torch.Tensor, sel: _LogitsRows, drafts: DraftLayout) -> None:
+        """Adds to each draft row's output counts the drafts before its position (the
+        tokens a step without drafts would have sampled and counted by then)."""
+        rows: list[int] = []
+        tokens: list[int] = []
+        for r, (req, offset) in enumerate(zip(sel.request, sel.offsets.tolist(), strict=True)):
+            prior = drafts.drafts[req][:offset]
+            rows += [r] * len(prior)
+            tokens += prior
+        if not tokens:
+            return
+        rows_d, tokens_d = self.io.to_device(
+            [np.asarray(rows, dtype=np.int64), np.asarray(tokens, dtype=np.int64)]
+        )
+        counts.index_put_(
+            (rows_d, tokens_d), torch.ones_like(tokens_d, dtype=counts.dtype), accumulate=True
         )
 
 
