@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from baton.engine.entrypoints.data_parallel import grammar_key, request_cost
+from baton.engine.entrypoints.data_parallel import grammar_key, merge_stats, request_cost
 from baton.engine.entrypoints.dp_config import DataParallelConfig
 from baton.engine.entrypoints.dp_router import NoReplicaError, ReplicaRouter
 from baton.engine.sampling_params import SamplingParams
@@ -107,3 +107,14 @@ def test_serve_options_build_the_data_parallel_config() -> None:
         data_parallel_config(parser.parse_args(["serve", "--ray-address", "auto"]))
     with pytest.raises(ValueError, match="data_parallel_size"):
         data_parallel_config(parser.parse_args(["serve", "-dp", "0"]))
+
+
+def test_replica_stats_merge_like_one_engine() -> None:
+    a = {"steps": 10, "kv_usage": 0.5, "tensor_parallel_size": 2, "dtype": "bfloat16", "pid": 1}
+    b = {"steps": 5, "kv_usage": 0.1, "tensor_parallel_size": 2, "dtype": "bfloat16", "pid": 2}
+    merged = merge_stats([a, b])
+    assert merged["steps"] == 15
+    assert merged["kv_usage"] == pytest.approx(0.3)
+    assert merged["tensor_parallel_size"] == 2 and merged["dtype"] == "bfloat16"
+    assert "pid" not in merged
+    assert merge_stats([]) == {}

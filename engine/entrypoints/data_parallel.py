@@ -43,8 +43,12 @@ logger = logging.getLogger(__name__)
 # A request without max_tokens is counted as this many generated tokens when routing.
 _UNBOUNDED_COST = 512
 _MONITOR_PERIOD_S = 0.5
-# Counters and gauges summed over replicas in stats(); the rest are taken from replica 0.
-_NON_ADDITIVE = ("pid", "healthy")
+# stats() sums the replicas' numbers (counters, loads, seconds), except these: fractions
+# and rates are averaged, settings are taken from the first replica, and the per-replica
+# identity keys are left to replica_stats().
+_AVERAGED = ("device_busy_fraction", "kv_usage", "spec_acceptance_rate")
+_SETTINGS = ("tensor_parallel_size", "int8_small_batches", "cpu_max_threads")
+_PER_REPLICA = ("pid", "healthy")
 
 
 def grammar_key(params: SamplingParams) -> tuple[object, ...] | None:
@@ -53,6 +57,29 @@ def grammar_key(params: SamplingParams) -> tuple[object, ...] | None:
     if spec is None:
         return None
     return (spec.backend, spec.kind, spec.spec_text, spec.options_key)
+
+
+def merge_stats(
+    snapshots: list[dict[str, float | int | str]],
+) -> dict[str, float | int | str]:
+    """Replicas' ``stats()`` as one engine's: numbers summed key by key (counters, loads,
+    seconds), fractions and rates averaged, settings and strings from the first replica;
+    ``pid`` and ``healthy`` left out (they are per replica)."""
+    total: dict[str, float | int | str] = {}
+    for snap in snapshots:
+        for key, value in snap.items():
+            if key in _PER_REPLICA:
+                continue
+            if isinstance(value, (str, bool)) or key in _SETTINGS:
+                total.setdefault(key, value)
+            else:
+                previous = total.get(key, 0)
+                total[key] = (previous if not isinstance(previous, str) else 0) + value
+    for key in _AVERAGED:
+        value = total.get(key)
+        if isinstance(value, (int, float)) and snapshots:
+            total[key] = value / len(snapshots)
+    return total
 
 
 def request_cost(prompt: Prompt, params: SamplingParams) -> int:
@@ -184,24 +211,15 @@ class DataParallelLLM:
         return dict(self._sampling_defaults)
 
     def stats(self) -> dict[str, float | int | str]:
-        """Every replica's last ``stats()`` summed key by key over healthy replicas (strings
-        from the first one), plus ``dp_*`` routing counters: replicas, healthy replicas,
-        affinity hits / misses / new grammars, requests retried on another replica."""
+        """The healthy replicas' last ``stats()`` merged (``merge_stats``), plus the ``dp_*``
+        routing counters: replicas, healthy replicas, affinity hits / misses / new grammars,
+        requests retried on another replica."""
         with self._lock:
             snapshots = [s for i, s in enumerate(self._snapshots) if self._router.healthy(i) and s]
             counts = dict(self._router.affinity_counts)
             healthy = sum(self._router.healthy(i) for i in range(self.dp.size))
             retried = self._retried
-        total: dict[str, float | int | str] = {}
-        for snap in snapshots:
-            for key, value in snap.items():
-                if key in _NON_ADDITIVE:
-                    continue
-                if isinstance(value, (str, bool)):
-                    total.setdefault(key, value)
-                else:
-                    previous = total.get(key, 0)
-                    total[key] = (previous if not isinstance(previous, str) else 0) + value
+        total = merge_stats(snapshots)
         total.update(
             dp_size=self.dp.size,
             dp_healthy_replicas=healthy,
