@@ -26,6 +26,7 @@ from baton.bench.readme_tables import (
     grammar_overhead_table,
     grammar_table,
     masks_table,
+    open_objects_table,
     peers_table,
     serve_table,
     soak_table,
@@ -98,6 +99,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "Tensor parallel",
         "baton bench tensor_parallel",
         tensor_parallel_table,
+    ),
+    (
+        "open_objects.json",
+        "Open objects: xgrammar vs guidance outputs",
+        "baton bench open_objects",
+        open_objects_table,
     ),
     (
         "data_parallel.json",

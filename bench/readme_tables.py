@@ -548,3 +548,33 @@ def data_parallel_table(d: dict[str, Any]) -> str:
     ]
     header = ["routing", "cache hit rate", "grammars compiled", "failed", "wall s"]
     return caption + table + "\n\n" + _table(header, rows)
+
+
+def open_objects_table(d: dict[str, Any]) -> str:
+    c = d["config"]
+    caption = (
+        f"{c['schemas']} SchemaStore schemas with an object that declares properties and says "
+        "nothing of others (JSON Schema: open; xgrammar's strict mode: closed), the default "
+        f"model ({c['dtype']}), greedy, at most {c['max_tokens']} tokens, one chat request per "
+        "schema and backend.\n\n"
+    )
+    rows = [
+        [
+            r["backend"],
+            str(r["stopped"]),
+            str(r["cut"]),
+            str(r["valid"]),
+            f"{r['with_undeclared']} ({r['undeclared_keys']} keys)",
+            str(r["tokens"]),
+        ]
+        for r in d["rows"]
+    ]
+    header = [
+        "backend",
+        "ended by itself",
+        "cut at the limit",
+        "valid",
+        "with undeclared keys",
+        "tokens",
+    ]
+    return caption + _table(header, rows)

@@ -103,6 +103,7 @@ BENCHMARKS = {
     "compile_burst": "every shared schema at once: failed requests and wall time of the burst",
     "spec": "speculative decoding off / grammar / ngram / auto on JSON workloads",
     "data_parallel": "replicas on Ray vs one engine; grammar affinity and the compile cache",
+    "open_objects": "xgrammar (objects closed) vs guidance (open): the model's outputs",
 }
 
 
