@@ -409,6 +409,36 @@ def test_drafts_under_preemption_and_small_budgets(tiny_model_dir, reference):
     assert got == {f"r{j}": expected[f"r{i}"] for j, i in enumerate(free)}
 
 
+def test_default_structured_drafts_under_preemption(tiny_model_dir, reference):
+    reqs, expected = reference
+    picked = [1, 4, 5, 8, 0]  # JSON, regex, choice, sampled JSON, and free text
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            max_model_len=256,
+            block_size=4,
+            num_kv_blocks=14,
+            max_num_batched_tokens=16,
+        )
+    )
+    try:
+        cfg = engine.config.speculative_config
+        if engine.config.async_scheduling or cfg is None:
+            pytest.skip("the default engine here schedules asynchronously: no default drafts")
+        assert cfg.structured_only
+        got = run_to_end(engine, [reqs[i] for i in picked])
+        sched = engine.core.scheduler
+        assert sched.num_preemptions > 0 and sched.num_accepted_tokens > 0
+        sched.kv.check_invariants()
+    finally:
+        engine.shutdown()
+    assert got == {f"r{j}": expected[f"r{i}"] for j, i in enumerate(picked)}
+    for j, i in enumerate(picked):
+        spec = reqs[i][1].structured_outputs
+        if spec is not None and spec.json and got[f"r{j}"][1] == "stop":
+            jsonschema.validate(json.loads(got[f"r{j}"][2]), SCHEMA)
+
+
 def test_seeded_requests_alone_and_in_a_batch_of_16(engine):
     sp = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
     _use(engine, None)
