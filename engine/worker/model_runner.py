@@ -108,20 +108,19 @@ class SampledTokens:
     def logprobs(self) -> dict[str, Logprobs]:
         """Logprobs of the rows that asked for them (waits for the host copy)."""
         host = self.host.wait()
-        kept = [len(t) for t in kept_tokens(host[0].tolist(), self.drafts)]
+        if len(host) == 1:  # no row asked: no token list to build
+            return {}
+        kept = kept_tokens(host[0].tolist(), self.drafts)
         return _logprobs(self.sample_request_ids, self.num_logprobs, host[1:], self.drafts, kept)
 
     def to_runner_output(self) -> ModelRunnerOutput:
         """The scheduler's view of the step (waits for the host copy)."""
         host = self.host.wait()
-        tokens = host[0].tolist()
-        kept = [len(t) for t in kept_tokens(tokens, self.drafts)]
+        kept = kept_tokens(host[0].tolist(), self.drafts)
         logprobs = _logprobs(
             self.sample_request_ids, self.num_logprobs, host[1:], self.drafts, kept
         )
-        return runner_output(
-            self.request_ids, self.sample_request_ids, tokens, logprobs, self.drafts
-        )
+        return _runner_output(self.request_ids, self.sample_request_ids, kept, logprobs)
 
 
 def runner_output(
@@ -133,7 +132,16 @@ def runner_output(
 ) -> ModelRunnerOutput:
     """The scheduler's view of a step: per scheduled request, its new tokens (none, one, or
     with drafts its accepted drafts and one more)."""
-    sampled = dict(zip(sample_request_ids, kept_tokens(tokens, drafts), strict=True))
+    return _runner_output(request_ids, sample_request_ids, kept_tokens(tokens, drafts), logprobs)
+
+
+def _runner_output(
+    request_ids: tuple[str, ...],
+    sample_request_ids: tuple[str, ...],
+    kept: list[list[int]],
+    logprobs: dict[str, Logprobs],
+) -> ModelRunnerOutput:
+    sampled = dict(zip(sample_request_ids, kept, strict=True))
     return ModelRunnerOutput(
         request_ids=list(request_ids),
         sampled_token_ids=[sampled.get(r, []) for r in request_ids],
@@ -159,7 +167,7 @@ def _logprobs(
     ks: tuple[int | None, ...],
     host: Sequence[torch.Tensor],
     drafts: DraftLayout | None,
-    kept: list[int],
+    kept: list[list[int]],
 ) -> dict[str, Logprobs]:
     """Per request that asked, each kept token's logprob and its top-k, from host tensors:
     with drafts, the rows of its accepted drafts and the one after them (each row's
@@ -169,10 +177,10 @@ def _logprobs(
     ids, vals, ranks = (t.tolist() for t in host)
     first = range(len(request_ids)) if drafts is None else drafts.starts.tolist()
     out = {}
-    for i, rid, k, n in zip(first, request_ids, ks, kept, strict=True):
+    for i, rid, k, tokens in zip(first, request_ids, ks, kept, strict=True):
         if k is None:
             continue
-        rows = range(i, i + n)
+        rows = range(i, i + len(tokens))
         out[rid] = Logprobs(
             [ids[r][: k + 1] for r in rows],
             [vals[r][: k + 1] for r in rows],
