@@ -5,8 +5,11 @@ device replays, one per prompt.
   and cached (recording runs the real model on this CPU).
 - JSON traces: valid instances of the shared schemas (maskbench format), serialised compactly
   and tokenised; a (schema, instance) pair is kept only when the engine serves the schema and
-  its grammar accepts the instance's tokens and then the end of sequence, so the simulator's
-  mask check can only fail on a wrong mask, never on a bad trace.
+  its grammar accepts the instance's tokens and then the end of sequence, each token also
+  allowed by the mask row filled before it (xgrammar 0.2.9's masks forbid some tokens its
+  matcher accepts, e.g. ``}}`` closing two nested objects in jsone.json: the mask is the
+  stricter, and what the device samples from), so the simulator's mask check can only fail
+  on a wrong mask, never on a bad trace.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from baton.engine.core.structured_outputs import StructuredOutputManager
 from baton.engine.executor.sim_traces import Trace, TraceBook
 from baton.engine.tokenizer import Tokenizer
+from baton.grammar.backend import allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
 
 CACHE_DIR = Path.home() / ".cache" / "baton" / "sim-traces"
@@ -156,6 +160,9 @@ def _accepted(
     matcher = state.matcher
     if matcher is None or result.error:
         return False
-    return (
-        matcher.accept_tokens(tokens) and matcher.accept_tokens([eos]) and matcher.is_terminated()
-    )
+    row = allocate_bitmask(1, manager.vocab_size)
+    for token in [*tokens, eos]:
+        matcher.fill_bitmask(row, 0)
+        if not (int(row[0, token // 32]) >> (token % 32)) & 1 or not matcher.accept_tokens([token]):
+            return False
+    return matcher.is_terminated()
