@@ -129,7 +129,18 @@ class StructuredOutputsParams:
 
     @property
     def spec_text(self) -> str:
-        """The constraint as canonical text: the cache key's spec part."""
+        """The constraint as canonical text: the cache key's spec part.
+
+        Computed once per instance (a large schema's serialisation took ~55 us, and admission
+        asks for it about five times: validation, candidates, room, compile key); the spec is
+        frozen and a schema dict must not be mutated once given."""
+        cached = self.__dict__.get("_spec_text")
+        if cached is None:
+            cached = self._canonical_text()
+            object.__setattr__(self, "_spec_text", cached)
+        return cached
+
+    def _canonical_text(self) -> str:
         kind = self.kind
         if kind == "json":
             # Key order is kept: backends emit properties in schema order.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import pickle
 import warnings
 
 import pytest
@@ -176,3 +178,14 @@ def test_check_enforceable() -> None:
     assert "xgrammar" not in str(info.value)
     with pytest.raises(ValueError, match="outlines: backend not available"):
         check_enforceable(only_outlines, {"xgrammar": None})
+
+
+def test_spec_text_is_computed_once_and_never_carried_to_a_new_spec() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = StructuredOutputsParams(json=schema)
+    assert spec.spec_text == '{"type":"object","properties":{"a":{"type":"integer"}}}'
+    assert spec.spec_text is spec.spec_text  # cached: admission asks about five times
+    other = dataclasses.replace(spec, json={"type": "string"})
+    assert other.spec_text == '{"type":"string"}'
+    assert spec == StructuredOutputsParams(json=schema)  # the cache is not a field
+    assert pickle.loads(pickle.dumps(spec)).spec_text == spec.spec_text

