@@ -187,6 +187,17 @@ class KVCacheManager:
                 ``num_tokens``, or is given for a request that already holds blocks; or a
                 lookup gone stale (a hit block evicted between lookup and allocation).
         """
+        blocks = self._req_blocks.get(request_id)
+        if (
+            blocks is not None
+            and num_new_computed_tokens == 0
+            and type(num_tokens) is int
+            and 0 <= num_tokens <= len(blocks) * self.block_size
+        ):
+            # Most decode steps: the blocks held already have room (the general path below
+            # gives the same answer, at about 4 us a request a step).
+            self._pending_hits.pop(request_id, None)
+            return []
         _check_count("num_tokens", num_tokens)
         _check_count("num_new_computed_tokens", num_new_computed_tokens)
         if num_new_computed_tokens > num_tokens:
@@ -194,7 +205,6 @@ class KVCacheManager:
                 f"num_new_computed_tokens ({num_new_computed_tokens}) exceeds "
                 f"num_tokens ({num_tokens})"
             )
-        blocks = self._req_blocks.get(request_id)
         hits = self._take_hits(request_id, bool(blocks), num_new_computed_tokens)
         num_new = self.num_blocks_needed(num_tokens) - len(blocks or ()) - len(hits)
         num_new = max(num_new, 0)
@@ -236,6 +246,12 @@ class KVCacheManager:
         blocks = self._req_blocks.get(request_id)
         if blocks is None:
             raise ValueError(f"request {request_id!r} holds no blocks; allocate_slots first")
+        if (
+            type(num_known_tokens) is int
+            and 0 <= num_known_tokens <= len(token_ids)
+            and num_known_tokens // self.block_size <= self._req_num_cached[request_id]
+        ):
+            return  # no block filled up since the last call: most decode steps
         _check_count("num_known_tokens", num_known_tokens)
         if num_known_tokens > len(token_ids):
             raise ValueError(
