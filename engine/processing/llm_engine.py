@@ -28,6 +28,7 @@ from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.structured_outputs import StructuredOutputManager
 from baton.engine.errors import EngineBusyError
 from baton.engine.executor.multiproc import MultiprocExecutor
+from baton.engine.gc_heap import freeze_startup_heap, release_heap
 from baton.engine.loader import Checkpoint
 from baton.engine.outputs import RequestOutput
 from baton.engine.processing.model_setup import engine_threads, setup_model
@@ -118,6 +119,7 @@ class LLMEngine:
             f" x{config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else "",
             "on" if config.async_scheduling else "off",
         )
+        freeze_startup_heap()
 
     def default_sampling_params(self, **fields: object) -> SamplingParams:
         """``SamplingParams`` with the model's sampling defaults (its generation config), then
@@ -325,6 +327,7 @@ class LLMEngine:
         """Stops the model worker (if any) and the grammar compile workers; idempotent."""
         self.core.shutdown()
         self.structured.shutdown()
+        release_heap()
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:

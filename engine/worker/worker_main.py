@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from baton.engine.gc_heap import freeze_startup_heap
 from baton.engine.scheduler_output import GrammarOutput, Logprobs, SchedulerOutput
 from baton.engine.worker.build import RunnerSpec, build_runner
 from baton.engine.worker.cpu_threads import ThreadGovernor, ThreadState, read_cpu
@@ -104,6 +105,7 @@ def serve(conn: Connection) -> int:
         weights_mem.close()
         io.close()
         del weights
+        freeze_startup_heap()  # this process's step loop runs for its whole life
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(("error", traceback.format_exc()))
         return 1
