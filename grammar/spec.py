@@ -94,6 +94,21 @@ class StructuredOutputsParams:
             and not hasattr(self.json, "model_json_schema")
         ):
             raise ValueError("json must be a schema dict, JSON text, or a pydantic model class")
+        if isinstance(self.json, dict):
+            self._own_schema(self.json)
+
+    def _own_schema(self, schema: dict[str, Any]) -> None:
+        """Keeps a copy of ``schema`` and its canonical text: the spec is frozen, so a caller
+        changing the dict afterwards changes neither a spec already submitted nor its cached
+        text (which is the compiled grammar's cache key)."""
+        try:
+            text = json.dumps(schema, separators=(",", ":"))
+        except RecursionError:
+            raise ValueError("json schema nests too deep to serialise") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"json schema is not JSON-serialisable: {exc}") from None
+        object.__setattr__(self, "json", json.loads(text))
+        object.__setattr__(self, "_spec_text", text)
 
     def _raw(self, name: str) -> Any:
         return object.__getattribute__(self, name)
@@ -132,8 +147,8 @@ class StructuredOutputsParams:
         """The constraint as canonical text: the cache key's spec part.
 
         Computed once per instance (a large schema's serialisation took ~55 us, and admission
-        asks for it about five times: validation, candidates, room, compile key); the spec is
-        frozen and a schema dict must not be mutated once given."""
+        asks for it about five times: validation, candidates, room, compile key); a schema
+        dict is copied at construction, so the text cannot go stale."""
         cached = self.__dict__.get("_spec_text")
         if cached is None:
             cached = self._canonical_text()

@@ -189,3 +189,14 @@ def test_spec_text_is_computed_once_and_never_carried_to_a_new_spec() -> None:
     assert other.spec_text == '{"type":"string"}'
     assert spec == StructuredOutputsParams(json=schema)  # the cache is not a field
     assert pickle.loads(pickle.dumps(spec)).spec_text == spec.spec_text
+    # The spec owns a copy: changing the caller's dict changes neither the schema nor its key.
+    schema["properties"]["a"]["type"] = "string"
+    assert spec.schema == {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert spec.spec_text == '{"type":"object","properties":{"a":{"type":"integer"}}}'
+    with pytest.raises(ValueError, match="not JSON-serialisable"):
+        StructuredOutputsParams(json={"type": "object", "default": {1, 2}})
+    nested: dict = {}
+    for _ in range(100_000):
+        nested = {"items": nested}
+    with pytest.raises(ValueError, match="nests too deep"):
+        StructuredOutputsParams(json=nested)
