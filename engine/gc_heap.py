@@ -2,9 +2,9 @@
 
 A full (oldest-generation) collection walks every tracked object: with a model, a tokenizer
 and grammar compilers loaded, one took 90-139 ms on the engine thread in the middle of a
-batch-256 run on the simulated H200 (a stall the device sits through); after freezing the
-startup heap the full passes in the same run took 4.6-7.4 ms. vLLM freezes its engine's heap
-after start-up the same way (``vllm/utils/gc_utils.py``).
+batch-256 run on the simulated H200 (a stall the device sits through); with the engine's
+start-up heap frozen the full passes in the same run took 5.7-12.6 ms. vLLM freezes its
+engine's heap after start-up the same way (``vllm/utils/gc_utils.py``).
 """
 
 from __future__ import annotations
