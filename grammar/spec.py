@@ -100,14 +100,14 @@ class StructuredOutputsParams:
     def _own_schema(self, schema: dict[str, Any]) -> None:
         """Keeps a copy of ``schema`` and its canonical text: the spec is frozen, so a caller
         changing the dict afterwards changes neither a spec already submitted nor its cached
-        text (which is the compiled grammar's cache key)."""
+        text (which is the compiled grammar's cache key). A schema that cannot be serialised
+        is kept as given, uncached: submission refuses it (``validate_spec``) as before."""
         try:
             text = json.dumps(schema, separators=(",", ":"))
-        except RecursionError:
-            raise ValueError("json schema nests too deep to serialise") from None
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"json schema is not JSON-serialisable: {exc}") from None
-        object.__setattr__(self, "json", json.loads(text))
+            copy = json.loads(text)
+        except (RecursionError, TypeError, ValueError):
+            return
+        object.__setattr__(self, "json", copy)
         object.__setattr__(self, "_spec_text", text)
 
     def _raw(self, name: str) -> Any:
@@ -147,13 +147,18 @@ class StructuredOutputsParams:
         """The constraint as canonical text: the cache key's spec part.
 
         Computed once per instance (a large schema's serialisation took ~55 us, and admission
-        asks for it about five times: validation, candidates, room, compile key); a schema
-        dict is copied at construction, so the text cannot go stale."""
+        asks for it about five times: validation, candidates, room, compile key). A schema
+        dict's text comes from the copy made at construction; a structural tag given as a dict
+        (mutable, and not copied) is serialised on every call."""
         cached = self.__dict__.get("_spec_text")
-        if cached is None:
-            cached = self._canonical_text()
-            object.__setattr__(self, "_spec_text", cached)
-        return cached
+        if cached is not None:
+            return cached
+        text = self._canonical_text()
+        if not isinstance(self._raw("json"), dict) and not isinstance(
+            self._raw("structural_tag"), dict
+        ):
+            object.__setattr__(self, "_spec_text", text)
+        return text
 
     def _canonical_text(self) -> str:
         kind = self.kind

@@ -332,6 +332,7 @@ PATHOLOGICAL: dict[str, dict[str, Any]] = {
     "nested_200_text": {"json": json.dumps(_nested(200))},
     "nested_5000": {"json": _nested(5000)},
     "nested_arrays_5000_text": {"json": "[" * 5000 + "]" * 5000},
+    "not_serialisable": {"json": {"type": "object", "default": {1, 2}}},
     "enum_100k": {"json": {"enum": [f"value{i}" for i in range(100_000)]}},
     "max_length_100k": {"json": {"type": "string", "maxLength": 100_000}},
     "min_length_100k": {

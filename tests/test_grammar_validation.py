@@ -193,10 +193,6 @@ def test_spec_text_is_computed_once_and_never_carried_to_a_new_spec() -> None:
     schema["properties"]["a"]["type"] = "string"
     assert spec.schema == {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert spec.spec_text == '{"type":"object","properties":{"a":{"type":"integer"}}}'
-    with pytest.raises(ValueError, match="not JSON-serialisable"):
-        StructuredOutputsParams(json={"type": "object", "default": {1, 2}})
-    nested: dict = {}
-    for _ in range(100_000):
-        nested = {"items": nested}
-    with pytest.raises(ValueError, match="nests too deep"):
-        StructuredOutputsParams(json=nested)
+    # A dict that cannot be serialised is kept as given and refused at submission, as before.
+    odd = {"type": "object", "default": {1, 2}}
+    assert StructuredOutputsParams(json=odd).json is odd

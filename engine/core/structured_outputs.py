@@ -92,6 +92,10 @@ class StructuredOutputManager:
             raise ValueError(
                 f"json schema nests deeper than the limit of {DEFAULT_MAX_DEPTH} levels"
             ) from None
+        except (TypeError, ValueError):
+            # A value JSON cannot hold (a set, say): validate_spec names it as a ValueError.
+            validate_spec(spec)
+            raise
         if key in self._validated:
             self._validated.move_to_end(key)
             return
