@@ -25,7 +25,9 @@ class StructuredOutputsParams:
     """Exactly one constraint, plus options; validated for shape at construction.
 
     Attributes:
-        json: a JSON schema (dict, JSON text, or a pydantic model class).
+        json: a JSON schema (dict, JSON text, or a pydantic model class); a dict is copied
+            at construction, so changing it afterwards changes no spec already made (one JSON
+            cannot hold is kept as given and refused at submission).
         json_object: any JSON object.
         regex: a regular expression the whole output must match.
         choice: the output is exactly one of these strings.
