@@ -14,11 +14,13 @@ output tok/s, output tokens per engine step, drafts per step, acceptance rate, v
 share, and whether the tokens equal spec off's (they must in float32; in bfloat16 a step with
 drafts may take the dense GEMMs where a one-row step takes int8 ones, so a near-tie can go
 the other way). The goals of the issue are judged on the measured ratios (nothing asserted).
-Speculative decoding runs synchronously in the engine's process; the simulated device
-(``device="sim:h200"``) does not take it yet, which the result records.
+Then the same prompts run on the simulated accelerator (``--sim-device sim:h200 --sim-shape
+llama-3.1-8b``; ``--sim-device none`` skips it), replaying the spec-off outputs measured here
+as traces (``bench/spec_sim.py``): what the drafts are worth at GPU speed.
 
     baton bench spec [--concurrency 1,16] [--num-prompts 8] [--max-tokens 96]
-        [--num-speculative-tokens 4] [--modes off,grammar,ngram,auto] [--dtype auto]
+        [--num-speculative-tokens 3] [--modes off,grammar,ngram,auto] [--dtype auto]
+        [--sim-device sim:h200] [--sim-shape llama-3.1-8b]
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ from baton.bench.common import (
 from baton.bench.peers import SCHEMA as PEERS_SCHEMA
 from baton.bench.peers import conversation
 from baton.bench.plotting import pyplot
+from baton.bench.spec_sim import SimRun, measure_sim, trace_of
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
-from baton.engine.config import EngineConfig
 from baton.engine.loader import load_checkpoint
+from baton.engine.sim_specs import GPUS, SHAPES
 from baton.engine.tokenizer import Tokenizer
 
 MODES = ("off", "grammar", "ngram", "auto")
@@ -120,9 +123,20 @@ class SpecBenchConfig:
     num_speculative_tokens: int = 3
     modes: tuple[str, ...] = MODES
     workloads: tuple[str, ...] = WORKLOADS
+    sim_device: str | None = "sim:h200"
+    sim_shape: str = "llama-3.1-8b"
 
     def __post_init__(self) -> None:
         require_positive_ints(self, "num_prompts", "max_tokens", "num_speculative_tokens")
+        if self.sim_device is not None and self.sim_device.removeprefix("sim:") not in GPUS:
+            raise ValueError(
+                f"sim_device must be none or one of {[f'sim:{g}' for g in GPUS]}, "
+                f"got {self.sim_device!r}"
+            )
+        if self.sim_shape not in SHAPES:
+            raise ValueError(f"sim_shape must be one of {list(SHAPES)}, got {self.sim_shape!r}")
+        if self.sim_device is not None and "off" not in self.modes:
+            raise ValueError("the simulated runs replay spec off's outputs: modes must hold off")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency must be ints >= 1, got {self.concurrency}")
         for name, allowed in (("modes", MODES), ("workloads", WORKLOADS)):
@@ -166,6 +180,8 @@ def measure(
     before = llm.stats()
     tokens: list[list[int]] = []
     texts: list[str] = []
+    prompt_ids: list[tuple[int, ...]] = []
+    finish: list[str | None] = []
     # The 1-minute load average beside each row: this machine's steps slow several-fold when
     # another process holds a core, so a row measured beside one must be visible as such.
     load_before = os.getloadavg()[0]
@@ -174,6 +190,8 @@ def measure(
         outs = llm.generate(prompts[start : start + concurrency], sp, use_tqdm=False)
         tokens += [list(o.outputs[0].token_ids) for o in outs]
         texts += [o.outputs[0].text for o in outs]
+        prompt_ids += [tuple(o.prompt_token_ids) for o in outs]
+        finish += [o.outputs[0].finish_reason for o in outs]
     wall = time.perf_counter() - t0
     after = llm.stats()
     steps = after["steps"] - before["steps"]
@@ -199,6 +217,9 @@ def measure(
         ),
         "load_avg_1m": [load_before, os.getloadavg()[0]],
         "tokens": tokens,
+        # Kept for the simulated runs' traces, dropped from the result.
+        "prompt_ids": prompt_ids,
+        "finish": finish,
     }
 
 
@@ -247,8 +268,38 @@ def run(cfg: SpecBenchConfig) -> dict[str, Any]:
         finally:
             llm.engine.shutdown()
     _compare_tokens(rows)
+    sim = {"measured": False, "reason": "--sim-device none"}
+    if cfg.sim_device is not None:
+        eos = set(tokenizer.eos_token_ids)
+        runs = [
+            SimRun(
+                r["workload"],
+                r["concurrency"],
+                tuple(r["prompt_ids"]),
+                tuple(trace_of(t, f, eos) for t, f in zip(r["tokens"], r["finish"], strict=True)),
+                _params(r["workload"], cfg.max_tokens),
+            )
+            for r in rows
+            if r["mode"] == "off" and r["workload"] != "free"
+        ]
+        sim = measure_sim(
+            cfg.model,
+            cfg.sim_device,
+            cfg.sim_shape,
+            runs,
+            cfg.modes,
+            cfg.num_speculative_tokens,
+            max_prompt + cfg.max_tokens + 1,
+        )
+        sim["goals"] = _goals(sim["rows"], free_goal=False)
+        for r in sim["rows"]:
+            print(
+                f"sim {r['workload']:10s} {r['mode']:11s} c={r['concurrency']:<3d} "
+                f"{fmt(r['tok_per_s'], '8.1f')} tok/s  {fmt(r['tokens_per_step'], '.2f')} tok/step",
+                flush=True,
+            )
     for row in rows:
-        del row["tokens"]
+        del row["tokens"], row["prompt_ids"], row["finish"]
     return {
         "config": {
             "concurrency": list(cfg.concurrency),
@@ -260,20 +311,9 @@ def run(cfg: SpecBenchConfig) -> dict[str, Any]:
         },
         "rows": rows,
         "goals": _goals(rows),
-        "sim": {
-            "measured": False,
-            "reason": _sim_refusal(),
-        },
+        "sim": sim,
         "run": {"dtype": dtype_name},
     }
-
-
-def _sim_refusal() -> str:
-    try:
-        EngineConfig(device="sim:h200", speculative_config={"method": "auto"})
-    except ValueError as exc:
-        return str(exc)
-    return "not measured by this benchmark"
 
 
 def _compare_tokens(rows: list[dict[str, Any]]) -> None:
@@ -290,12 +330,14 @@ def _find(rows: list[dict[str, Any]], workload: str, mode: str, c: int) -> dict 
     return None
 
 
-def _goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _goals(rows: list[dict[str, Any]], free_goal: bool = True) -> list[dict[str, Any]]:
     goals = []
     for name, workload, c, num, den, threshold in GOALS:
         a, b = _find(rows, workload, num, c), _find(rows, workload, den, c)
         value = ratio(a and a["tok_per_s"], b and b["tok_per_s"])
         goals.append(judge_goal(name, f">= {threshold}", {f"c={c}": value}, "min", threshold))
+    if not free_goal:
+        return goals
     free = _find(rows, "free", "off", 1)
     for mode in ("off", "auto"):
         js = _find(rows, "peers", mode, 1)
@@ -347,7 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--modes", type=csv_of(str), default=MODES)
     parser.add_argument("--workloads", type=csv_of(str), default=WORKLOADS)
+    parser.add_argument("--sim-device", default="sim:h200", help="'none' skips the sim runs")
+    parser.add_argument("--sim-shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     args = parser.parse_args(argv)
+    if args.sim_device == "none":
+        args.sim_device = None
     cfg = config_from_args(parser, args, SpecBenchConfig)
     result = run(cfg)
     for goal in result["goals"]:

@@ -52,6 +52,11 @@ def num_cpu_cores() -> int:
     return os.cpu_count() or 1
 
 
+_SPEC_RUNS_WHERE = (
+    "speculative decoding runs with synchronous scheduling, in the engine's process "
+    "(executor='uni') or on the simulated device, without tensor parallelism "
+    "(async_scheduling=False)"
+)
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?|sim:[\w.-]+")
 
 
@@ -338,21 +343,22 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         if self.speculative_config is None:
             return
-        refused = None
-        if self.device.startswith("sim:"):
-            refused = f"the simulated device {self.device!r}"
-        elif self.tensor_parallel_size > 1:
-            refused = f"tensor_parallel_size={self.tensor_parallel_size}"
-        elif self.executor is not None and self.executor != "uni":
-            refused = f"executor={self.executor!r}"
-        elif self.async_scheduling:
-            refused = "async_scheduling=True"
+        refused = self._spec_blocker(self.executor, bool(self.async_scheduling))
         if refused is not None:
             raise ValueError(
                 f"EngineConfig.speculative_config is not supported with {refused} yet: "
-                "speculative decoding runs with synchronous scheduling in the engine's process "
-                "(executor='uni', async_scheduling=False)"
+                f"{_SPEC_RUNS_WHERE}"
             )
+
+    def _spec_blocker(self, executor: str | None, async_on: bool) -> str | None:
+        """What keeps speculative decoding from running with this config, or None."""
+        if self.tensor_parallel_size > 1:
+            return f"tensor_parallel_size={self.tensor_parallel_size}"
+        if executor not in (None, "uni", "sim"):
+            return f"executor={executor!r}"
+        if async_on:
+            return "async scheduling" if executor is not None else "async_scheduling=True"
+        return None
 
     def _resolve_structured_drafts(self) -> None:
         if self.structured_drafts not in (None, True, False):
@@ -362,19 +368,12 @@ class EngineConfig:
             )
         if self.speculative_config is not None or self.structured_drafts is False:
             return
-        blocker = None
-        if self.async_scheduling:
-            blocker = "async scheduling is on"
-        elif self.executor != "uni":
-            blocker = f"executor={self.executor!r}"
-        elif self.tensor_parallel_size > 1:
-            blocker = f"tensor_parallel_size={self.tensor_parallel_size}"
+        blocker = self._spec_blocker(self.executor, bool(self.async_scheduling))
         if blocker is not None:
             if self.structured_drafts:
                 raise ValueError(
                     f"EngineConfig.structured_drafts=True is not supported with {blocker} yet: "
-                    "speculative decoding runs with synchronous scheduling in the engine's "
-                    "process (executor='uni', async_scheduling=False)"
+                    f"{_SPEC_RUNS_WHERE}"
                 )
             logger.info("speculative decoding for structured requests off: %s", blocker)
             return

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 from engine_testing import run_to_end
 
 from baton.engine import SamplingParams, StructuredOutputsParams
@@ -18,6 +19,12 @@ from baton.engine.executor.sim import SimExecutor
 from baton.engine.executor.sim_cost import CostModel, ForwardWork
 from baton.engine.executor.sim_traces import Trace, TraceBook
 from baton.engine.processing.llm_engine import LLMEngine
+from baton.engine.scheduler_output import (
+    GrammarOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from baton.engine.sim_specs import GPUS, SHAPES
 from baton.engine.sync_check import SyncCheckError
 
@@ -100,11 +107,9 @@ def _engine(tiny_model_dir: Path, traces: Path, **kw) -> LLMEngine:
 
 
 def _json_sp(**kw) -> SamplingParams:
+    kw.setdefault("max_tokens", 96)
     return SamplingParams(
-        max_tokens=96,
-        temperature=0.0,
-        structured_outputs=StructuredOutputsParams(json=SCHEMA),
-        **kw,
+        temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA), **kw
     )
 
 
@@ -189,6 +194,8 @@ def small_kv_engines(tiny_model_dir, sim_traces):
             block_size=4,
             num_kv_blocks=40,
             max_num_batched_tokens=24,
+            # Like for like: drafts change how many tokens a step shows before an abort.
+            structured_drafts=False,
         )
         for mode in (False, True)
     ]
@@ -226,6 +233,98 @@ def test_sync_and_async_give_the_same_outputs_with_preemption(small_kv_engines, 
     assert all(v[1] != "error" for v in final.values())
     if aborts:
         assert final["r3"][1] == "abort" and len(final["r3"][0]) == 4
+
+
+@pytest.mark.parametrize("method", ["auto", "ngram"])
+def test_drafts_on_the_simulator_keep_every_output(small_kv_engines, tiny_model_dir, method):
+    """Drafts verified against the traces (grammar-forced and prompt-lookup ones, with
+    preemption, chunked prefills and max_tokens landing inside drafts) give the outputs the
+    engine gives without them; every kept token passed its draft row's mask."""
+    engines, json_prompts, free_prompts = small_kv_engines
+    traces = engines[0].config.sim_traces
+    requests = []
+    for i in range(len(INSTANCES)):
+        requests.append((json_prompts[i], _json_sp(max_tokens=96 if i % 3 else 7 + i)))
+        requests.append((free_prompts[i], SamplingParams(max_tokens=9 + 3 * i, temperature=0.0)))
+    spec = {"method": method, "num_speculative_tokens": 3}
+    drafting = _engine(
+        tiny_model_dir,
+        Path(traces),
+        speculative_config=spec,
+        block_size=4,
+        num_kv_blocks=40,
+        max_num_batched_tokens=24,
+    )
+    try:
+        assert drafting.config.async_scheduling is False
+        assert engines[0].core.scheduler.kv.reset_prefix_cache()
+        plain = run_to_end(engines[0], requests)
+        drafted = run_to_end(drafting, requests)
+        stats = drafting.stats()
+        preempted = drafting.core.scheduler.num_preemptions
+    finally:
+        drafting.shutdown()
+    assert drafted == plain
+    assert all(v[1] != "error" for v in drafted.values())
+    for i in range(0, len(requests), 2):
+        tokens, reason, text, _ = drafted[f"r{i}"]
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), SCHEMA)
+    assert stats["spec_accepted_tokens"] > 0 and preempted > 0
+
+
+def test_the_simulator_checks_each_draft_position_against_its_own_row(tokenizer, tmp_path):
+    """A request verifying drafts keeps tokens at several positions; each is checked against
+    the bitmask row of its position, not the request's first row."""
+    prompt = tokenizer.encode("Person 0 as JSON:")
+    trace = (11, 12, 13, 14)
+    sim = SimExecutor(
+        GPUS["h200"],
+        SHAPES["llama-3.1-8b"],
+        TraceBook([Trace(tuple(prompt), trace)]),
+        eos_token_id=tokenizer.eos_token_id,
+        vocab_size=tokenizer.vocab_size,
+        max_num_seqs=4,
+    )
+
+    def step(step_id: int, bitmask: torch.Tensor) -> ModelRunnerOutput:
+        rid = f"r{step_id}"  # a new request each step, one token past its prompt
+        new = NewRequestData(
+            request_id=rid,
+            prompt_token_ids=tuple(prompt),
+            output_token_ids=(11,),
+            sampling_params=SamplingParams(),
+            seed=0,
+            block_ids=(),
+            num_computed_tokens=len(prompt),
+        )
+        so = SchedulerOutput(
+            step_id=step_id,
+            new_requests=(new,),
+            cached_requests=(),
+            num_scheduled_tokens={rid: 4},
+            total_num_scheduled_tokens=4,
+            finished_request_ids=frozenset(),
+            structured_request_ids=frozenset({rid}),
+            scheduled_spec_decode_tokens={rid: (12, 13, 99)},  # the third draft is rejected
+        )
+        sim.execute_model(so)
+        return sim.sample_tokens(step_id, GrammarOutput((rid,), bitmask, (4,))).get_output()
+
+    words = -(-tokenizer.vocab_size // 32)
+    allow_all = torch.full((4, words), -1, dtype=torch.int32)
+    out = step(1, allow_all)
+    assert out.sampled_token_ids == [[12, 13, 14]] and not out.errors
+    # Token 14 is kept at the third position: forbidding it there (only there) fails the step.
+    mask = allow_all.clone()
+    mask[2, 14 >> 5] &= ~(1 << (14 & 31))
+    out = step(2, mask)
+    assert out.sampled_token_ids == [[]] and "forbidden by the bitmask" in out.errors["r2"]
+    # Forbidding it at the request's first row instead is no failure: the rows are per position.
+    mask = allow_all.clone()
+    mask[0, 14 >> 5] &= ~(1 << (14 & 31))
+    out = step(3, mask)
+    assert out.sampled_token_ids == [[12, 13, 14]] and not out.errors
 
 
 def test_the_engine_reads_no_device_state_outside_get_output(

@@ -78,10 +78,13 @@ def test_engine_config_refuses_what_is_not_built_yet():
         ({"async_scheduling": True}, "async_scheduling=True"),
         ({"executor": "mp"}, "executor='mp'"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
-        ({"device": "sim:h200"}, "simulated device"),
+        ({"device": "sim:h200", "async_scheduling": True}, "async_scheduling=True"),
     ):
         with pytest.raises(ValueError, match=word):
             EngineConfig(speculative_config=spec, **bad)
+    # The simulated device verifies drafts too; its default async scheduling yields to them.
+    sim = EngineConfig(device="sim:h200", speculative_config=spec)
+    assert sim.executor == "sim" and sim.async_scheduling is False
     with pytest.raises(ValueError, match="speculative_config.method"):
         EngineConfig(speculative_config={"method": "medusa"})
 

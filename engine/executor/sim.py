@@ -10,6 +10,13 @@ real token sequences (``sim_traces.py``); a structured request's token is checke
 the bitmask row the engine sent for it, and a token the mask forbids fails the step loudly,
 so a run also proves the masks are right and on time. Everything around it is the real
 engine.
+
+Speculative decoding (synchronous scheduling): a request's draft tokens are fed with its last
+token and verified against its trace as greedy verification would against a model whose
+argmax is the trace: the drafts equal to the trace's next tokens are kept, then one more token
+(the trace's next). Every kept token is checked against the bitmask row of its draft position.
+The forward is timed with all the fed tokens and one logits row per draft position and one
+more, as a real verification step computes.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ class _Forward:
     request_ids: tuple[str, ...]
     sample_ids: tuple[str, ...]
     seconds: float  # the forward's device time
+    drafts: dict[str, tuple[int, ...]]  # per sampling request with drafts, its drafts
+    num_logits_rows: int  # one per sampling request and one more per draft
 
 
 def sim_model_config(shape: ModelShape, tokenizer: Tokenizer) -> ModelConfig:
@@ -145,17 +154,24 @@ class SimExecutor(Executor):
             rows[cached.request_id].num_computed = cached.num_computed_tokens
         work = []
         sample_ids = []
+        spec = so.scheduled_spec_decode_tokens
+        drafts: dict[str, tuple[int, ...]] = {}
         for rid, n in so.num_scheduled_tokens.items():
             row = rows[rid]
             work.append(ForwardWork(n, row.num_computed))
             row.num_computed += n
             if row.num_computed >= row.num_tokens:
                 sample_ids.append(rid)
-        seconds = self.cost.forward(work, len(sample_ids)).seconds
+                if d := spec.get(rid):
+                    drafts[rid] = tuple(d)
+        logits_rows = len(sample_ids) + sum(len(d) for d in drafts.values())
+        seconds = self.cost.forward(work, logits_rows).seconds
         tokens = so.total_num_scheduled_tokens
-        self._queue("forward", so.step_id, t0, seconds, len(work), tokens, len(sample_ids))
+        self._queue("forward", so.step_id, t0, seconds, len(work), tokens, logits_rows)
         ids = tuple(so.num_scheduled_tokens)
-        self._pending.append(_Forward(so.step_id, ids, tuple(sample_ids), seconds))
+        self._pending.append(
+            _Forward(so.step_id, ids, tuple(sample_ids), seconds, drafts, logits_rows)
+        )
         self._host_s += self._clock() - t0
 
     def sample_tokens(self, step_id: int, grammar: GrammarOutput | None) -> AsyncOutput:
@@ -165,9 +181,9 @@ class SimExecutor(Executor):
             raise ExecutorError(f"sample_tokens for step {step_id}, but step {nxt} is next")
         fwd = self._pending.popleft()
         output = self._sample(fwd, grammar)
-        seconds = self.cost.sample(len(fwd.sample_ids)).seconds
+        seconds = self.cost.sample(fwd.num_logits_rows).seconds
         n = len(fwd.request_ids)
-        end = self._queue("sample", step_id, t0, seconds, n, 0, len(fwd.sample_ids))
+        end = self._queue("sample", step_id, t0, seconds, n, 0, fwd.num_logits_rows)
         self._host_s += self._clock() - t0
         return _SimOutput(self, output, end, fwd.seconds + seconds)
 
@@ -188,29 +204,25 @@ class SimExecutor(Executor):
         return self._free_at
 
     def _sample(self, fwd: _Forward, grammar: GrammarOutput | None) -> ModelRunnerOutput:
-        """The device's tokens for the step's sampling rows: each request's next trace token,
-        checked against its bitmask row."""
-        tokens: list[int] = []
+        """The device's tokens for the step's sampling rows: each request's next trace token
+        (with drafts: the drafts its trace continues with, then its next token), each checked
+        against the bitmask row of its position."""
+        kept: dict[str, list[int]] = {}
         errors: dict[str, str] = {}
         for rid in fwd.sample_ids:
             row = self._rows[rid]
-            trace, pos = row.trace, row.position
-            row.position += 1
-            row.num_tokens += 1
-            if trace is None:
-                errors[rid] = "the simulated device has no trace for this request's prompt"
-                tokens.append(self._eos)
-            elif pos < len(trace):
-                tokens.append(trace[pos])
-            elif pos == len(trace):
-                tokens.append(self._eos)
-            else:
-                errors[rid] = (
-                    f"the request went on past its trace's end ({len(trace)} tokens + EOS)"
-                )
-                tokens.append(self._eos)
+            drafts = fwd.drafts.get(rid, ())
+            tokens = kept[rid] = []
+            for i in range(len(drafts) + 1):
+                tok, error = self._next_token(row)
+                tokens.append(tok)
+                if error is not None:
+                    errors[rid] = error
+                    break
+                if i == len(drafts) or drafts[i] != tok:
+                    break
         if grammar is not None and grammar.request_ids:
-            bad = self._check_masks(fwd.sample_ids, tokens, grammar)
+            bad = self._check_masks(kept, grammar)
             if bad is not None:
                 logger.error("simulated device: %s", bad)
                 return ModelRunnerOutput(
@@ -218,33 +230,53 @@ class SimExecutor(Executor):
                     sampled_token_ids=[[] for _ in fwd.request_ids],
                     errors=dict.fromkeys(fwd.request_ids, bad),
                 )
-        sampled = dict(zip(fwd.sample_ids, tokens, strict=True))
         return ModelRunnerOutput(
             request_ids=list(fwd.request_ids),
-            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in fwd.request_ids],
+            sampled_token_ids=[kept.get(r, []) for r in fwd.request_ids],
             errors=errors,
         )
 
-    def _check_masks(
-        self, sample_ids: tuple[str, ...], tokens: list[int], grammar: GrammarOutput
-    ) -> str | None:
+    def _next_token(self, row: _Row) -> tuple[int, str | None]:
+        """The row's next token from its trace (EOS at its end) and advances the row; with why
+        the request fails, if it does."""
+        trace, pos = row.trace, row.position
+        row.position += 1
+        row.num_tokens += 1
+        if trace is None:
+            return self._eos, "the simulated device has no trace for this request's prompt"
+        if pos < len(trace):
+            return trace[pos], None
+        if pos == len(trace):
+            return self._eos, None
+        return self._eos, f"the request went on past its trace's end ({len(trace)} tokens + EOS)"
+
+    def _check_masks(self, kept: dict[str, list[int]], grammar: GrammarOutput) -> str | None:
         """Why the step fails (a token its bitmask row forbids), or None."""
-        index = {rid: i for i, rid in enumerate(sample_ids)}
-        pairs = [(row, index[rid]) for row, rid in enumerate(grammar.request_ids) if rid in index]
-        if not pairs:
+        mask_rows: list[int] = []
+        toks: list[int] = []
+        owners: list[str] = []
+        for rid, start, count in grammar.rows_of():
+            tokens = kept.get(rid)
+            if tokens is None:
+                continue
+            n = min(count, len(tokens))
+            mask_rows += range(start, start + n)
+            toks += tokens[:n]
+            owners += [rid] * n
+        if not mask_rows:
             return None
-        mask_rows = np.fromiter((p[0] for p in pairs), np.int64, len(pairs))
-        toks = np.fromiter((tokens[p[1]] for p in pairs), np.int64, len(pairs))
+        rows = np.asarray(mask_rows, dtype=np.int64)
+        tok_arr = np.asarray(toks, dtype=np.int64)
         with self._checker.allow():  # the device reading the mask it was sent
             bitmask = grammar.bitmask.numpy()
-            words = bitmask[mask_rows, toks >> 5]
-        allowed = (words >> (toks & 31)) & 1
+            words = bitmask[rows, tok_arr >> 5]
+        allowed = (words >> (tok_arr & 31)) & 1
         if allowed.all():
             return None
         first = int(np.flatnonzero(allowed == 0)[0])
-        rid = grammar.request_ids[int(mask_rows[first])]
+        rid = owners[first]
         return (
-            f"token {int(toks[first])} sampled for request {rid} is forbidden by the bitmask "
+            f"token {int(tok_arr[first])} sampled for request {rid} is forbidden by the bitmask "
             f"row the engine sent for it (the step fails)"
         )
 
