@@ -259,6 +259,8 @@ def build_llm(cfg: SimBenchConfig, async_on: bool, batch: int, traces: Path) -> 
         sim_shape=cfg.shape,
         sim_traces=str(traces),
         async_scheduling=async_on,
+        # Async vs sync like for like: drafts run with synchronous scheduling only so far.
+        structured_drafts=False,
         max_num_seqs=batch,
         max_num_batched_tokens=max(2048, 8 * batch),
         grammar_compile_timeout_s=120.0,

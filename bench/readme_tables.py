@@ -519,6 +519,34 @@ def spec_table(d: dict[str, Any]) -> str:
     sim = d.get("sim") or {}
     if sim and not sim.get("measured"):
         notes.append(f"- simulated device: not measured ({sim.get('reason')})")
+    text = caption + _table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
+    if sim.get("measured"):
+        text += "\n\n" + _spec_sim_table(sim)
+    return text
+
+
+def _spec_sim_table(sim: dict[str, Any]) -> str:
+    rows = [
+        [
+            r["workload"],
+            r["mode"],
+            str(r["concurrency"]),
+            _num(r["tok_per_s"], ".1f"),
+            _num(r["tokens_per_step"], ".2f"),
+            _num(r["drafts_per_step"], ".2f"),
+            _pct(r["acceptance_rate"]),
+        ]
+        for r in sim["rows"]
+    ]
+    header = ["workload", "spec", "concurrency", "tok/s", "tokens/step", "drafts/step"]
+    header.append("acceptance")
+    caption = (
+        f"The same prompts on the simulated accelerator (`{sim['device']}`, {sim['shape']} "
+        "shape): the real engine replays the spec-off outputs above as its traces, so every "
+        "mode verifies drafts against what the model produced; synchronous scheduling (drafts "
+        "run there only so far), and spec off with async scheduling for reference.\n\n"
+    )
+    notes = [f"- {r['name']}: {_num(r['value'], '.2f')}" for r in sim.get("ratios") or []]
     return caption + _table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
