@@ -140,6 +140,79 @@ def test_extendable_tokens_are_proper_prefixes():
     assert extendable_tokens(["ab", "a", "abc", "b", "x", "xy"]) == {0, 1, 4}
 
 
+class _Codec:
+    """A tokenizer over a fixed vocabulary that encodes by longest match."""
+
+    VOCAB = ("{", '"', "a", '":', '":"', "x", "}", '"a')
+
+    def token_strings(self) -> list[str]:
+        return list(self.VOCAB)
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(self.VOCAB[i] for i in ids)
+
+    def encode(self, text, add_special_tokens=True) -> list[int]:
+        out = []
+        while text:
+            best = max((t for t in self.VOCAB if text.startswith(t)), key=len)
+            out.append(self.VOCAB.index(best))
+            text = text[len(best) :]
+        return out
+
+
+class _Matcher:
+    """Forces '"a":"' after '{' and the rest of it inside it; nothing elsewhere."""
+
+    def __init__(self, req) -> None:
+        self.req = req
+
+    def jump_forward_string(self) -> str:
+        text = _Codec().decode(self.req.output_token_ids)
+        forced = '{"a":"'
+        return forced[len(text) :] if forced.startswith(text) else ""
+
+    def validate_tokens(self, tokens) -> int:
+        return len(tokens)
+
+
+def _fake_request(rid: str, output: list[int]):
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(
+        request_id=rid,
+        output_token_ids=output,
+        eos_token_ids=(),
+        sampling_params=SamplingParams(),
+    )
+    req.structured = SimpleNamespace(matcher=_Matcher(req))
+    req.all_token_ids = output
+    return req
+
+
+def test_a_forced_text_is_drafted_as_the_model_wrote_it_last():
+    """The canonical tokens of '"a":"' are '"a' '":"'; a model that writes '"' 'a' '":' '"'
+    instead gets those as drafts once the drafter has seen it, from the start of the forced
+    text or from inside it, even where the last one could start a longer token."""
+    codec = _Codec()
+    tok = {t: i for i, t in enumerate(codec.VOCAB)}
+    model_wrote = [tok['"'], tok["a"], tok['":'], tok['"']]
+    drafter = Drafter(SpeculativeConfig("grammar", 3), codec)
+    first = _fake_request("r1", [tok["{"]])
+    assert drafter.propose(first, 3) == (tok['"a'], tok['":"'])  # nothing learned yet
+    first.output_token_ids += [*model_wrote, tok["x"]]  # the drafts were rejected
+    assert drafter.propose(first, 3) == ()  # inside the string: nothing forced
+    second = _fake_request("r2", [tok["{"]])
+    assert drafter.propose(second, 3) == tuple(model_wrote[:3])
+    second.output_token_ids += model_wrote[:3]
+    assert drafter.propose(second, 3) == (tok['"'],)  # the rest, though '"a' extends it
+    # A text the model ran past mid-token teaches nothing and keeps what was learned.
+    third = _fake_request("r3", [tok["{"]])
+    drafter.propose(third, 3)
+    third.output_token_ids += [tok['"a'], tok['":'], tok["x"]]  # '"a":x' leaves the text
+    drafter.propose(third, 3)
+    assert drafter.propose(_fake_request("r4", [tok["{"]]), 3) == tuple(model_wrote[:3])
+
+
 def test_accepted_tokens_is_the_matching_prefix_and_one_more():
     assert accepted_tokens([5, 6, 7], [5, 6]) == [5, 6, 7]
     assert accepted_tokens([5, 9, 7], [5, 6]) == [5, 9]

@@ -4,10 +4,18 @@ Drafts are proposals only: the step verifies them against the model (``Speculati
 so a poor draft costs a wasted row, never a different output. Drafts never hold an EOS or
 stop token, and for a structured request only tokens its grammar accepts (so the grammar
 matcher can be advanced over them to fill each draft position's bitmask row).
+
+A forced text is drafted as the model itself wrote it the last time it was forced, where the
+drafter saw that: models often split what the tokenizer merges (the default model writes
+``":`` then ``"`` where the tokenizer encodes ``":"`` as one token, and a lone ``"`` that the
+canonical drafts leave out because a longer token starts with it). Measured on the peers
+workload (default model, greedy, grammar drafts): 42 of 115 drafts were rejected and 47 steps
+with a forced ``"`` got none, almost all from that.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -19,6 +27,10 @@ from baton.engine.speculative_config import SpeculativeConfig
 # Output tokens re-encoded with the forced text, so that its first token boundary is the one
 # the whole text's tokenisation has.
 _TAIL_TOKENS = 3
+# Forced texts remembered with the tokens the model wrote for them, and requests watched
+# for what they write next (least recently used go first).
+_MAX_LEARNED = 4096
+_MAX_WATCHED = 4096
 
 
 class TextCodec(Protocol):
@@ -76,6 +88,10 @@ class Drafter:
         self._extendable = (
             extendable_tokens(codec.token_strings()) if config.uses_grammar and codec else None
         )
+        self._learned: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        # Per request: where in its output a forced text began, and that text.
+        self._watched: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        self._pieces: dict[int, str] = {}
 
     def can_draft(self, req: Request) -> bool:
         """Whether the request may get drafts at all: not free text when the config drafts
@@ -92,7 +108,10 @@ class Drafter:
         matcher = req.structured.matcher if req.structured is not None else None
         drafts: list[int] = []
         if cfg.uses_grammar and matcher is not None:
-            drafts = self._forced_tokens(req, matcher.jump_forward_string())[:max_drafts]
+            forced = matcher.jump_forward_string()
+            drafts = (self._learned_tokens(req, forced) or self._forced_tokens(req, forced))[
+                :max_drafts
+            ]
         if cfg.uses_ngram and len(drafts) < max_drafts:
             context = req.all_token_ids + drafts
             drafts += ngram_lookup(
@@ -130,3 +149,62 @@ class Drafter:
         if tokens and tokens[-1] in self._extendable:
             tokens.pop()
         return tokens
+
+    # ------------------------------------------------------ learned tokenisations
+    def _learned_tokens(self, req: Request, forced: str) -> list[int] | None:
+        """The tokens the model wrote for ``forced`` (or for the forced text it is the rest
+        of, after the tokens already written) when last seen; None if not known. Also looks
+        at what the request wrote since it was last watched, and watches it from here."""
+        self._observe(req)
+        if not forced:
+            self._watched.pop(req.request_id, None)
+            return None
+        out = req.output_token_ids
+        watched = self._watched.get(req.request_id)
+        if watched is not None:
+            # Still inside the forced text being watched: its rest, as the model wrote it.
+            start, text = watched
+            seq = self._learned.get(text)
+            done = tuple(out[start:])
+            if seq is not None and seq[: len(done)] == done and len(done) < len(seq):
+                return list(seq[len(done) :])
+            return None
+        self._watched[req.request_id] = (len(out), forced)
+        if len(self._watched) > _MAX_WATCHED:
+            self._watched.popitem(last=False)
+        seq = self._learned.get(forced)
+        if seq is None:
+            return None
+        self._learned.move_to_end(forced)
+        return list(seq)
+
+    def _observe(self, req: Request) -> None:
+        """Learns how the request wrote the forced text it is watched for, once its tokens
+        cover it: when a token boundary falls at the text's end, those tokens (replacing what
+        was known); a text the tokens run past mid-token teaches nothing."""
+        watched = self._watched.get(req.request_id)
+        if watched is None:
+            return
+        start, text = watched
+        out = req.output_token_ids
+        written = ""
+        for j in range(start, len(out)):
+            written += self._piece(out[j])
+            if written == text:
+                self._learned[text] = tuple(out[start : j + 1])
+                self._learned.move_to_end(text)
+                if len(self._learned) > _MAX_LEARNED:
+                    self._learned.popitem(last=False)
+                break
+            if not text.startswith(written):
+                break
+        else:
+            return  # not covered yet: keep watching
+        del self._watched[req.request_id]
+
+    def _piece(self, token: int) -> str:
+        piece = self._pieces.get(token)
+        if piece is None:
+            assert self._codec is not None
+            piece = self._pieces[token] = self._codec.decode([token], False)
+        return piece
