@@ -166,15 +166,17 @@ class EngineConfig:
         speculative_config: speculative decoding (``SpeculativeConfig``, or a dict / JSON text
             of its fields, as vLLM's ``{"method": "ngram", "num_speculative_tokens": 4}``);
             None: as ``structured_drafts`` decides (drafts for structured requests where they
-            can run, else off). So far it runs with synchronous scheduling in this process (executor
-            "uni", no tensor parallelism, not on the simulated device): async scheduling left
-            as None resolves to off with it, and asking for any of those with it raises
-            ValueError. Resolved to a ``SpeculativeConfig`` (or None) at construction.
+            can run, else off). So far it runs with synchronous scheduling, in this process
+            (executor "uni") or on the simulated device, without tensor parallelism: async
+            scheduling left as None resolves to off with it, and asking for async scheduling,
+            the "mp" executor or tensor parallelism with it raises ValueError. Resolved to a
+            ``SpeculativeConfig`` (or None) at construction.
         structured_drafts: speculative decoding for structured requests when
             ``speculative_config`` is None: None (default) turns it on ("auto" drafts, the
             grammar's forced tokens then prompt lookup, 3 per step, free text without drafts)
             wherever it can run, i.e. where the engine schedules synchronously in its own
-            process (on a 2-core CPU by default), and leaves it off elsewhere (logged); True
+            process (on a 2-core CPU by default) or on the simulated device, and leaves it off
+            elsewhere (logged); True
             asks for it (ValueError where it cannot run); False keeps it off. Measured by
             ``baton bench spec`` (README: faster at concurrency 1 and 16 on both JSON
             workloads).
