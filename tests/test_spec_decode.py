@@ -211,6 +211,10 @@ def test_a_forced_text_is_drafted_as_the_model_wrote_it_last():
     third.output_token_ids += [tok['"a'], tok['":'], tok["x"]]  # '"a":x' leaves the text
     drafter.propose(third, 3)
     assert drafter.propose(_fake_request("r4", [tok["{"]]), 3) == tuple(model_wrote[:3])
+    # A request id used again does not follow the old request's watch: its own forced text
+    # is drafted (canonically here: nothing was learned for '{"a":"').
+    again = _fake_request("r4", [])
+    assert drafter.propose(again, 3) == (tok["{"], tok['"a'], tok['":"'])
 
 
 def test_accepted_tokens_is_the_matching_prefix_and_one_more():

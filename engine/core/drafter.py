@@ -162,13 +162,15 @@ class Drafter:
         out = req.output_token_ids
         watched = self._watched.get(req.request_id)
         if watched is not None:
-            # Still inside the forced text being watched: its rest, as the model wrote it.
             start, text = watched
-            seq = self._learned.get(text)
             done = tuple(out[start:])
-            if seq is not None and seq[: len(done)] == done and len(done) < len(seq):
-                return list(seq[len(done) :])
-            return None
+            if "".join(map(self._piece, done)) + forced == text:
+                # Still inside the forced text being watched: its rest, as the model wrote it.
+                seq = self._learned.get(text)
+                if seq is not None and len(done) < len(seq) and seq[: len(done)] == done:
+                    return list(seq[len(done) :])
+                return None
+        # A forced text begins here (a watch left by an earlier request of this id is stale).
         self._watched[req.request_id] = (len(out), forced)
         if len(self._watched) > _MAX_WATCHED:
             self._watched.popitem(last=False)
