@@ -209,18 +209,24 @@ class SimExecutor(Executor):
         against the bitmask row of its position."""
         kept: dict[str, list[int]] = {}
         errors: dict[str, str] = {}
+        all_drafts = fwd.drafts
         for rid in fwd.sample_ids:
             row = self._rows[rid]
-            drafts = fwd.drafts.get(rid, ())
-            tokens = kept[rid] = []
-            for i in range(len(drafts) + 1):
-                tok, error = self._next_token(row)
-                tokens.append(tok)
-                if error is not None:
-                    errors[rid] = error
-                    break
-                if i == len(drafts) or drafts[i] != tok:
-                    break
+            tok, error = self._next_token(row)
+            tokens = kept[rid] = [tok]
+            drafts = all_drafts.get(rid) if all_drafts else None
+            if error is not None:
+                errors[rid] = error
+            elif drafts:
+                # Verification: keep the drafts the trace continues with, then its next token.
+                for draft in drafts:
+                    if draft != tok:
+                        break
+                    tok, error = self._next_token(row)
+                    tokens.append(tok)
+                    if error is not None:
+                        errors[rid] = error
+                        break
         if grammar is not None and grammar.request_ids:
             bad = self._check_masks(kept, grammar)
             if bad is not None:
@@ -255,14 +261,20 @@ class SimExecutor(Executor):
         mask_rows: list[int] = []
         toks: list[int] = []
         owners: list[str] = []
-        for rid, start, count in grammar.rows_of():
-            tokens = kept.get(rid)
-            if tokens is None:
-                continue
-            n = min(count, len(tokens))
-            mask_rows += range(start, start + n)
-            toks += tokens[:n]
-            owners += [rid] * n
+        if not grammar.row_counts:  # one row per request, its one token (no drafts)
+            for row, rid in enumerate(grammar.request_ids):
+                if (tokens := kept.get(rid)) is not None:
+                    mask_rows.append(row)
+                    toks.append(tokens[0])
+                    owners.append(rid)
+        else:
+            for rid, start, count in grammar.rows_of():
+                if (tokens := kept.get(rid)) is None:
+                    continue
+                n = min(count, len(tokens))
+                mask_rows += range(start, start + n)
+                toks += tokens[:n]
+                owners += [rid] * n
         if not mask_rows:
             return None
         rows = np.asarray(mask_rows, dtype=np.int64)
