@@ -1,0 +1,57 @@
+"""``baton bench spec``'s runs on the simulated device: traces from outputs, and every mode
+replaying them (drafts verified against the traces, outputs checked against them)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from baton.bench.spec import EXTRACTION_SCHEMA, _params
+from baton.bench.spec_sim import ASYNC_OFF, SimRun, measure_sim, trace_of
+
+pytestmark = pytest.mark.slow
+
+INSTANCES = [
+    {
+        "name": f"Person {i}",
+        "age": 20 + i,
+        "email": f"p{i}@example.com",
+        "city": "Lisbon",
+        "employer": "Acme Robotics",
+        "skills": ["Python", "SQL"][: 1 + i % 2],
+    }
+    for i in range(4)
+]
+
+
+def test_a_trace_drops_only_a_closing_eos():
+    assert trace_of([5, 6, 2], "stop", {2}) == (5, 6)
+    assert trace_of([5, 6, 2], "length", {2}) == (5, 6, 2)
+    assert trace_of([5, 6], "stop", {2}) == (5, 6)  # ended by its grammar: no EOS
+
+
+def test_every_mode_replays_the_traces_on_the_simulator(tiny_model_dir, tokenizer):
+    prompts = tuple(tuple(tokenizer.encode(f"Extract person {i}:")) for i in range(4))
+    outputs = tuple(
+        tuple(tokenizer.encode(json.dumps(x, separators=(",", ":")), add_special_tokens=False))
+        for x in INSTANCES
+    )
+    params = _params("extraction", 96)
+    runs = [
+        SimRun("extraction", 1, prompts[:2], outputs[:2], params),
+        SimRun("extraction", 4, prompts, outputs, params),
+    ]
+    result = measure_sim(
+        str(tiny_model_dir), "sim:h200", "llama-3.1-8b", runs, ("off", "grammar"), 3, 256
+    )
+    rows = {(r["mode"], r["concurrency"]): r for r in result["rows"]}
+    assert set(rows) == {(m, c) for m in ("off", "grammar", ASYNC_OFF) for c in (1, 4)}
+    for r in rows.values():  # each trace and the EOS its end is
+        assert r["output_tokens"] == sum(len(o) + 1 for o in outputs[: r["prompts"]])
+    assert rows[("off", 4)]["tokens_per_step"] <= 4.0
+    # The keys and punctuation the schema forces are drafted and kept.
+    for c in (1, 4):
+        assert rows[("grammar", c)]["steps"] < rows[("off", c)]["steps"]
+        assert rows[("grammar", c)]["acceptance_rate"] > 0.5
+    assert EXTRACTION_SCHEMA["required"][0] == "name"
