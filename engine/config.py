@@ -176,10 +176,9 @@ class EngineConfig:
             grammar's forced tokens then prompt lookup, 3 per step, free text without drafts)
             wherever it can run, i.e. where the engine schedules synchronously in its own
             process (on a 2-core CPU by default) or on the simulated device, and leaves it off
-            elsewhere (logged); True
-            asks for it (ValueError where it cannot run); False keeps it off. Measured by
-            ``baton bench spec`` (README: faster at concurrency 1 and 16 on both JSON
-            workloads).
+            elsewhere (logged); True asks for it (ValueError where it cannot run); False
+            keeps it off. Measured by ``baton bench spec`` (README: faster at concurrency 1
+            and 16 on both JSON workloads).
     """
 
     model: str | None = None

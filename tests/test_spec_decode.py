@@ -85,6 +85,10 @@ def test_engine_config_refuses_what_is_not_built_yet():
     # The simulated device verifies drafts too; its default async scheduling yields to them.
     sim = EngineConfig(device="sim:h200", speculative_config=spec)
     assert sim.executor == "sim" and sim.async_scheduling is False
+    # Its default (async) leaves structured drafts off; scheduling synchronously turns them on.
+    assert EngineConfig(device="sim:h200").speculative_config is None
+    sim_sync = EngineConfig(device="sim:h200", async_scheduling=False)
+    assert sim_sync.speculative_config == SpeculativeConfig("auto", 3, structured_only=True)
     with pytest.raises(ValueError, match="speculative_config.method"):
         EngineConfig(speculative_config={"method": "medusa"})
 
