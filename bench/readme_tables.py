@@ -479,16 +479,23 @@ def compile_burst_table(d: dict[str, Any]) -> str:
     return caption + _table(header, rows)
 
 
+def _spec_cells(r: dict[str, Any]) -> list[str]:
+    """The cells a CPU row and a simulated row of the spec tables share."""
+    return [
+        r["workload"],
+        r["mode"],
+        str(r["concurrency"]),
+        _num(r["tok_per_s"], ".1f"),
+        _num(r["tokens_per_step"], ".2f"),
+        _num(r["drafts_per_step"], ".2f"),
+        _pct(r["acceptance_rate"]),
+    ]
+
+
 def spec_table(d: dict[str, Any]) -> str:
     rows = [
         [
-            r["workload"],
-            r["mode"],
-            str(r["concurrency"]),
-            _num(r["tok_per_s"], ".1f"),
-            _num(r["tokens_per_step"], ".2f"),
-            _num(r["drafts_per_step"], ".2f"),
-            _pct(r["acceptance_rate"]),
+            *_spec_cells(r),
             _pct(r["valid_share"]),
             {True: "yes", False: "no", None: "-"}[r["same_tokens_as_off"]],
             " -> ".join(f"{x:.1f}" for x in r["load_avg_1m"]) if "load_avg_1m" in r else "",
@@ -526,18 +533,7 @@ def spec_table(d: dict[str, Any]) -> str:
 
 
 def _spec_sim_table(sim: dict[str, Any]) -> str:
-    rows = [
-        [
-            r["workload"],
-            r["mode"],
-            str(r["concurrency"]),
-            _num(r["tok_per_s"], ".1f"),
-            _num(r["tokens_per_step"], ".2f"),
-            _num(r["drafts_per_step"], ".2f"),
-            _pct(r["acceptance_rate"]),
-        ]
-        for r in sim["rows"]
-    ]
+    rows = [_spec_cells(r) for r in sim["rows"]]
     header = ["workload", "spec", "concurrency", "tok/s", "tokens/step", "drafts/step"]
     header.append("acceptance")
     caption = (

@@ -48,7 +48,7 @@ from baton.bench.common import (
 from baton.bench.peers import SCHEMA as PEERS_SCHEMA
 from baton.bench.peers import conversation
 from baton.bench.plotting import pyplot
-from baton.bench.spec_sim import ASYNC_OFF, SimRun, measure_sim, trace_of
+from baton.bench.spec_sim import ASYNC_OFF, SimRun, measure_sim, step_figures, trace_of
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.loader import load_checkpoint
 from baton.engine.sim_specs import GPUS, SHAPES
@@ -194,24 +194,12 @@ def measure(
         finish += [o.outputs[0].finish_reason for o in outs]
     wall = time.perf_counter() - t0
     after = llm.stats()
-    steps = after["steps"] - before["steps"]
-    out_tokens = sum(len(t) for t in tokens)
-    drafted = after.get("spec_draft_tokens", 0) - before.get("spec_draft_tokens", 0)
-    accepted = after.get("spec_accepted_tokens", 0) - before.get("spec_accepted_tokens", 0)
     schema = _schema(workload)
     return {
         "workload": workload,
         "concurrency": concurrency,
         "prompts": count,
-        "wall_s": wall,
-        "output_tokens": out_tokens,
-        "tok_per_s": out_tokens / wall if wall else None,
-        "steps": steps,
-        "tokens_per_step": out_tokens / steps if steps else None,
-        "drafts_per_step": drafted / steps if steps else None,
-        "draft_tokens": drafted,
-        "accepted_tokens": accepted,
-        "acceptance_rate": accepted / drafted if drafted else None,
+        **step_figures(before, after, sum(len(t) for t in tokens), wall),
         "valid_share": (
             sum(_valid(t, schema) for t in texts) / len(texts) if schema is not None else None
         ),

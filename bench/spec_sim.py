@@ -124,20 +124,30 @@ def _measure(llm: LLM, run: SimRun, mode: str) -> dict[str, Any]:
     replayed = [trace_of(t, f, eos) for t, f in zip(tokens, finish, strict=True)]
     if replayed != list(run.outputs):
         raise RuntimeError(f"sim {mode} {run.workload} c={c}: tokens differ from the traces")
-    steps = after["steps"] - before["steps"]
-    out_tokens = sum(len(t) for t in tokens)
-    drafted = after.get("spec_draft_tokens", 0) - before.get("spec_draft_tokens", 0)
-    accepted = after.get("spec_accepted_tokens", 0) - before.get("spec_accepted_tokens", 0)
     return {
         "workload": run.workload,
         "mode": mode,
         "concurrency": c,
         "prompts": len(prompts),
+        **step_figures(before, after, sum(len(t) for t in tokens), wall),
+    }
+
+
+def step_figures(
+    before: dict[str, Any], after: dict[str, Any], out_tokens: int, wall: float
+) -> dict[str, Any]:
+    """A run's speed and drafting figures from ``llm.stats()`` before and after it."""
+    steps = after["steps"] - before["steps"]
+    drafted = after.get("spec_draft_tokens", 0) - before.get("spec_draft_tokens", 0)
+    accepted = after.get("spec_accepted_tokens", 0) - before.get("spec_accepted_tokens", 0)
+    return {
         "wall_s": wall,
         "output_tokens": out_tokens,
         "tok_per_s": out_tokens / wall if wall else None,
         "steps": steps,
         "tokens_per_step": out_tokens / steps if steps else None,
         "drafts_per_step": drafted / steps if steps else None,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
     }
