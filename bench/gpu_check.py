@@ -57,9 +57,10 @@ WHEELS = (
     "referencing==0.37.0",
     "rpds-py==2026.9.1",
     "gguf==0.19.0",
+    "llguidance==1.9.1",
 )
 GPU_PYTHON = "3.12"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
 @dataclass(frozen=True)
