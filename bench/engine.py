@@ -114,6 +114,7 @@ class BenchConfig:
     model: str | None = None
     device: str = "cpu"
     worker_threads: int | None = None
+    enforce_eager: bool = False  # CUDA: no decode graphs (EngineConfig.enforce_eager)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device.startswith(("cpu", "cuda")):
@@ -348,10 +349,11 @@ def build_llm(
     warm: list[list[int]],
     device: str = "cpu",
     worker_threads: int | None = None,
+    enforce_eager: bool = False,
 ) -> LLM:
     """An engine over ``ckpt`` sized for the benchmark (``worker_threads`` torch threads in
-    its model worker, None: the engine's default), warmed up on ``warm`` (first-call costs,
-    the schema's grammar compile)."""
+    its model worker, None: the engine's default; ``enforce_eager``: no CUDA graphs), warmed
+    up on ``warm`` (first-call costs, the schema's grammar compile)."""
     blocks_per_seq = math.ceil(max_len / BLOCK_SIZE) + 1
     llm = LLM.from_checkpoint(
         ckpt,
@@ -366,6 +368,7 @@ def build_llm(
         max_model_len=max_len,
         block_size=BLOCK_SIZE,
         num_kv_blocks=max_batch * blocks_per_seq + 8,
+        enforce_eager=enforce_eager,
     )
     llm.generate(warm, request_params(len(warm), 0.5, WARMUP_TOKENS), use_tqdm=False)
     return llm
@@ -396,7 +399,14 @@ def run_regime(
     try:
         for mode in (True, False):
             llms[mode] = build_llm(
-                ckpt, mode, max(cfg.batches), max_len, warm, cfg.device, cfg.worker_threads
+                ckpt,
+                mode,
+                max(cfg.batches),
+                max_len,
+                warm,
+                cfg.device,
+                cfg.worker_threads,
+                cfg.enforce_eager,
             )
         for batch, fraction, rep in cases:
             params = request_params(batch, fraction, cfg.output_len)
@@ -475,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
         "run from stalling beside other busy processes",
     )
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run every step op by op, without the decode CUDA graphs",
+    )
+    p.add_argument(
         "--goal-batch",
         type=int,
         default=32,
@@ -530,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": cfg.device,
         "threads": torch.get_num_threads(),
         "worker_threads": cfg.worker_threads,
+        "enforce_eager": cfg.enforce_eager,
         "torch": torch.__version__,
         "schema": SCHEMA,
         "rows": rows,

@@ -12,11 +12,14 @@ the working tree). The default model itself (98 MB) is too large to travel.
 1. ``env.json``: torch, CUDA and device names.
 2. ``gpu_tests.log`` / ``gpu_tests.xml``: ``pytest -m gpu`` over tests/.
 3. ``engine.json`` / ``engine.png``: ``baton bench engine --device cuda --regimes a``, async vs
-   sync, 0% and 100% JSON, batches 1/8/32/64, on the default model when it is installed, else
-   on a random-weight model of exactly its shape (SmolLM2-135M: 30 layers, hidden 576, 9 heads,
-   3 KV heads) over its real tokenizer, which costs the same per step.
-4. ``paged_attention.json``: the Triton decode kernel against the torch paths.
-5. ``summary.txt``: the short summary it also prints.
+   sync, 0% and 100% JSON, batches 1/8/32/64/256, on the default model when it is installed,
+   else on a random-weight model of exactly its shape (SmolLM2-135M: 30 layers, hidden 576,
+   9 heads, 3 KV heads) over its real tokenizer, which costs the same per step. Decode steps
+   replay CUDA graphs (the engine's default).
+4. ``engine_eager.json`` / ``engine_eager.png``: the same with ``--enforce-eager``.
+5. ``profile/``: ``bench/gpu_profile.py``, where a step's time goes (torch.profiler, cProfile).
+6. ``paged_attention.json``: the Triton decode kernel against the torch paths.
+7. ``summary.txt``: the short summary it also prints.
 
 Each stage has a time limit so that the whole check ends in under 8 minutes on an H200; a stage
 that fails or times out is reported and the others still run.
@@ -60,7 +63,12 @@ WHEELS = (
     "llguidance==1.9.1",
 )
 GPU_PYTHON = "3.12"
-PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+PLATFORMS = (
+    "manylinux_2_31_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
 
 
 @dataclass(frozen=True)
@@ -149,11 +157,12 @@ def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:
 def stages(out: Path, model: str | None, prep: Path = DEFAULT_PREP) -> list[Stage]:
     """The check's commands, in order, with their time limits (about 7 minutes in all)."""
     py = sys.executable
-    engine = [py, "-m", "baton.bench.engine", "--regimes", "a", "--device", "cuda"]
-    engine += ["--batches", "1,8,32,64", "--json-fractions", "0,1", "--repeats", "1"]
+    models = [] if model is None else ["--model", model]
+    engine = [py, "-m", "baton.bench.engine", "--regimes", "a", "--device", "cuda", *models]
+    engine += ["--batches", "1,8,32,64,256", "--json-fractions", "0,1", "--repeats", "1"]
+    eager = [*engine, "--enforce-eager", "--out", str(out / "engine_eager.json")]
     engine += ["--out", str(out / "engine.json")]
-    if model is not None:
-        engine += ["--model", model]
+    profile = [py, "-m", "baton.bench.gpu_profile", "--out", str(out / "profile"), *models]
     tests = [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--timeout", "120"]
     tests += [f"--junitxml={out / 'gpu_tests.xml'}", *gpu_test_files()]
     attention = [py, "-m", "baton.bench.paged_attention", "--repeats", "7", "--inner", "10"]
@@ -163,14 +172,16 @@ def stages(out: Path, model: str | None, prep: Path = DEFAULT_PREP) -> list[Stag
         Stage(
             "gpu tests",
             tuple(tests),
-            140.0,
+            120.0,
             "gpu_tests.log",
             (("BATON_TEST_TOKENIZER", str(prep / "tokenizer")),)
             if (prep / "tokenizer").is_dir()
             else (),
         ),
-        Stage("bench engine", tuple(engine), 200.0, "engine.log"),
-        Stage("paged attention", tuple(attention), 50.0, "paged_attention.log"),
+        Stage("bench engine", tuple(engine), 100.0, "engine.log"),
+        Stage("bench engine eager", tuple(eager), 100.0, "engine_eager.log"),
+        Stage("profile", tuple(profile), 80.0, "profile.log"),
+        Stage("paged attention", tuple(attention), 30.0, "paged_attention.log"),
     ]
 
 
@@ -257,6 +268,7 @@ def summary(out: Path, env: dict[str, Any], results: list[dict[str, Any]]) -> st
     lines += ["", f"GPU tests: {summarize_tests(out / 'gpu_tests.xml')}"]
     for name, render in (
         ("engine.json", summarize_engine),
+        ("engine_eager.json", summarize_engine),
         ("paged_attention.json", summarize_attention),
     ):
         path = out / name

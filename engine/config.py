@@ -179,6 +179,12 @@ class EngineConfig:
             elsewhere (logged); True asks for it (ValueError where it cannot run); False
             keeps it off. Measured by ``baton bench spec`` (README: faster at concurrency 1
             and 16 on both JSON workloads).
+        enforce_eager: on CUDA, run every step's forward op by op. False (default, as vLLM's):
+            the forward of a pure-decode step (one new token per sequence, up to
+            ``worker/cuda_graphs.MAX_CAPTURE_SIZE`` sequences) is captured as CUDA graphs
+            when the engine starts, one per batch size up to ``max_num_seqs``, and replayed
+            (``worker/cuda_graphs.py``); steps with a prompt chunk or drafts run eagerly. No
+            effect on a CPU or a simulated device.
     """
 
     model: str | None = None
@@ -211,6 +217,7 @@ class EngineConfig:
     sim_traces: str | None = None
     speculative_config: SpeculativeConfig | None = None
     structured_drafts: bool | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -270,11 +277,11 @@ class EngineConfig:
                 f"EngineConfig.worker_threads must be a positive int or None, "
                 f"got {self.worker_threads!r}"
             )
-        if not isinstance(self.adapt_cpu_threads, bool):
-            raise ValueError(
-                "EngineConfig.adapt_cpu_threads must be True or False, "
-                f"got {self.adapt_cpu_threads!r}"
-            )
+        for flag in ("adapt_cpu_threads", "enforce_eager"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(
+                    f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}"
+                )
         if self.async_scheduling not in (None, True, False):
             raise ValueError(
                 f"EngineConfig.async_scheduling must be None, True or False, "

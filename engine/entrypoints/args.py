@@ -111,6 +111,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         help="keep torch's thread count fixed on a CPU instead of dropping threads while "
         "other processes keep the cores busy",
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step op by op instead of replaying the decode CUDA graphs "
+        "captured at startup",
+    )
     scheduling = parser.add_mutually_exclusive_group()
     scheduling.add_argument(
         "--async-scheduling",
@@ -141,6 +147,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
     if getattr(args, "no_adapt_cpu_threads", False):
         engine_args["adapt_cpu_threads"] = False
+    if getattr(args, "enforce_eager", False):
+        engine_args["enforce_eager"] = True
     if args.no_async_scheduling:
         engine_args["async_scheduling"] = False
     if getattr(args, "async_scheduling", False):

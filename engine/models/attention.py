@@ -29,11 +29,13 @@ class AttentionMetadata:
         slot_mapping: int64 ``[T]``, flat cache slot (block * block_size + offset)
             where each new token's key and value are written.
         kv_index: int64 ``[B, S]``, flat cache slot of every key a sequence
-            attends to, padded with slot 0 (masked out); S is the longest sequence.
+            attends to, padded with slot 0 (masked out); S is the longest sequence. None in
+            a block-table decode (`decode`), where attention reads the blocks in place.
         query_index: int64 ``[T]``, position of each flat token in the padded
             ``[B * Q]`` query layout, or None when every sequence has exactly
             one new token (pure decode: no padding needed).
-        mask: bool ``[B, 1, Q, S]``, True where a query may attend to a key.
+        mask: bool ``[B, 1, Q, S]``, True where a query may attend to a key (None with
+            ``kv_index``).
         num_seqs: B.
         max_query_len: Q.
         seq_lens: int64 ``[B]``, tokens in each sequence after this step.
@@ -41,13 +43,39 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor
-    kv_index: torch.Tensor
+    kv_index: torch.Tensor | None
     query_index: torch.Tensor | None
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     num_seqs: int
     max_query_len: int
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
+
+    @staticmethod
+    def decode(
+        slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor
+    ) -> AttentionMetadata:
+        """Metadata of a pure-decode step (one new token per sequence) whose attention reads
+        each sequence's blocks in place through ``block_tables`` (``paged_decode_attention``):
+        every tensor's shape depends only on the batch and the tables' width, never on the
+        lengths, as a CUDA graph needs. The tensors are used as they are (device tensors).
+
+        Args:
+            slot_mapping: int64 ``[B]``, the cache slot each new token's key/value goes to.
+            seq_lens: int64 ``[B]``, tokens in each sequence after this step (>= 1).
+            block_tables: int64 ``[B, max_blocks]``; entries past a sequence's length are
+                never read.
+        """
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            kv_index=None,
+            query_index=None,
+            mask=None,
+            num_seqs=slot_mapping.shape[0],
+            max_query_len=1,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+        )
 
     @staticmethod
     def build(
@@ -171,9 +199,9 @@ def paged_attention(
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     flat_k.index_copy_(0, meta.slot_mapping, k)
     flat_v.index_copy_(0, meta.slot_mapping, v)
-    if meta.query_index is None and q.is_cuda and HAS_TRITON:
-        # Pure decode on the GPU: the Triton kernel reads the blocks in place instead of
-        # gathering every sequence's keys into a padded copy first.
+    if meta.kv_index is None or (meta.query_index is None and q.is_cuda and HAS_TRITON):
+        # Pure decode on the GPU (or a block-table decode anywhere): the Triton kernel reads
+        # the blocks in place instead of gathering every sequence's keys into a padded copy.
         return paged_decode_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale
         )
@@ -187,6 +215,7 @@ def paged_attention(
         qp.index_copy_(0, meta.query_index, q)
         qp = qp.view(b, qlen, num_heads, head_dim)
     # index_select copies whole rows; advanced indexing was 2-4x slower here.
+    assert meta.kv_index is not None  # a block-table decode returned above
     kv_shape = (*meta.kv_index.shape, num_kv_heads, head_dim)
     flat_index = meta.kv_index.view(-1)
     keys = flat_k.index_select(0, flat_index).view(kv_shape).transpose(1, 2)  # [B, kvh, S, D]

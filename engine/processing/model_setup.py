@@ -84,6 +84,7 @@ def setup_model(
         int8_small_batches=bool(config.int8_small_batches),
         tensor_parallel_size=config.tensor_parallel_size,
         adapt_threads=config.adapt_cpu_threads and config.device == "cpu",
+        cuda_graphs=config.device.startswith("cuda") and not config.enforce_eager,
     )
     executor: Executor
     if config.executor == "mp":

@@ -11,6 +11,7 @@ from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
 from baton.engine.models.parallel import TensorParallel
 from baton.engine.models.quant import INT8_MAX_ROWS
+from baton.engine.worker.cuda_graphs import capture_sizes
 from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.worker.tp_runner import ParallelModelRunner
 
@@ -35,6 +36,8 @@ class RunnerSpec:
     tensor_parallel_size: int = 1
     # Drop torch threads while other processes keep the cores busy (CPU; cpu_threads.py).
     adapt_threads: bool = False
+    # Capture the decode forward as CUDA graphs at startup (CUDA; worker/cuda_graphs.py).
+    cuda_graphs: bool = False
 
 
 def build_runner(
@@ -42,7 +45,8 @@ def build_runner(
 ) -> ModelRunner:
     """Builds the model from ``weights`` on ``spec.device`` (with int8 copies of its linears
     when ``spec.int8_small_batches``), allocates its KV cache there and wraps both in a
-    runner. With ``tp`` (a joined tensor-parallel group of ``spec.tensor_parallel_size``
+    runner; with ``spec.cuda_graphs`` the runner captures its decode graphs before it is
+    returned. With ``tp`` (a joined tensor-parallel group of ``spec.tensor_parallel_size``
     ranks), ``weights`` are this rank's shard (``sharding.shard_weights``) and the runner is a
     ``ParallelModelRunner``.
 
@@ -66,7 +70,7 @@ def build_runner(
         model.local_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
     )
     runner_cls = ModelRunner if tp is None else ParallelModelRunner
-    return runner_cls(
+    runner = runner_cls(
         model,
         caches,
         spec.block_size,
@@ -74,4 +78,8 @@ def build_runner(
         spec.max_model_len,
         eos_token_ids=spec.eos_token_ids,
         tokenizer_vocab_size=spec.tokenizer_vocab_size,
+        decode_graph_sizes=capture_sizes(spec.max_num_seqs) if spec.cuda_graphs else (),
     )
+    if spec.cuda_graphs:
+        runner.capture_cuda_graphs()
+    return runner

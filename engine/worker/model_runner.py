@@ -24,6 +24,7 @@ from baton.engine.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from baton.engine.worker.cuda_graphs import DecodeGraphs, DecodePadding
 from baton.engine.worker.device_buffers import DeviceIO, HostCopy
 from baton.engine.worker.request_states import RequestStates
 from baton.engine.worker.spec_decode import DraftLayout, accepted_tokens, record_verified_
@@ -201,7 +202,11 @@ class ModelRunner:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         tokenizer_vocab_size: int | None = None,
+        decode_graph_sizes: tuple[int, ...] = (),
     ) -> None:
+        """``decode_graph_sizes``: batch sizes whose pure-decode steps run through
+        `DecodeGraphs` (padded to the next size; captured as CUDA graphs by
+        `capture_cuda_graphs`); empty: every step runs the model as it is."""
         self.model = model
         self.io = DeviceIO.for_device(model.embed_tokens.weight.device)
         self.eos_token_ids = tuple(eos_token_ids)
@@ -216,6 +221,22 @@ class ModelRunner:
                 max_num_reqs, max_model_len, max_blocks, self.vocab_size, self.io
             )
         self.sampler = Sampler()
+        self.graphs = (
+            DecodeGraphs(model, kv_caches, self.io, decode_graph_sizes, max_blocks, block_size)
+            if decode_graph_sizes
+            else None
+        )
+        self.decode_graph_steps = 0
+
+    def capture_cuda_graphs(self) -> float:
+        """Captures the decode graphs (see `DecodeGraphs.capture`); returns the seconds taken.
+
+        Raises:
+            RuntimeError: the runner has no graph sizes, or is not on a CUDA device.
+        """
+        if self.graphs is None:
+            raise RuntimeError("this runner was built without decode_graph_sizes")
+        return self.graphs.capture()
 
     # ------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -233,17 +254,22 @@ class ModelRunner:
             token_rows, positions, hidden_index, sample_rows = self.io.to_device(
                 [plan.token_rows, plan.positions, plan.hidden_index, plan.sample_rows]
             )
-            meta = AttentionMetadata.build(
-                plan.query_lens,
-                plan.seq_lens,
-                self.states.block_table[plan.rows],
-                self.block_size,
-                self.io.device,
-            )
             # Input ids come from the rows, where sampled tokens were written:
             # the CPU scheduler never has to know them.
             input_ids = self.states.input_ids(token_rows, positions)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            pad = self._decode_padding(plan)
+            if pad is not None and self.graphs is not None:
+                hidden = self.graphs.forward(pad, input_ids)
+                self.decode_graph_steps += 1
+            else:
+                meta = AttentionMetadata.build(
+                    plan.query_lens,
+                    plan.seq_lens,
+                    self.states.block_table[plan.rows],
+                    self.block_size,
+                    self.io.device,
+                )
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
             self.states.num_computed[plan.rows] = plan.seq_lens
             sample_ids = tuple(req_ids[i] for i in plan.sample_idx.tolist())
             drafts = None
@@ -259,6 +285,19 @@ class ModelRunner:
                 hidden=hidden[hidden_index],
                 drafts=drafts,
             )
+
+    def _decode_padding(self, plan: StepPlan) -> DecodePadding | None:
+        """The step's layout for the decode graphs, or None when it runs the model as it is:
+        no graphs, a prompt chunk or drafts in the step (more than one new token somewhere),
+        or more sequences than the largest graph."""
+        if self.graphs is None or (plan.query_lens != 1).any():
+            return None
+        return DecodePadding.of(
+            self.graphs.sizes,
+            plan.seq_lens,
+            self.states.block_table[plan.rows],
+            self.block_size,
+        )
 
     def _apply_changes(self, so: SchedulerOutput) -> None:
         st = self.states

@@ -1,0 +1,112 @@
+"""Where an engine step's time goes on a GPU: torch.profiler and cProfile over one batch.
+
+A stage of the prepared GPU check (``bench/gpu_check.py``). For each case (async free decoding
+with the decode CUDA graphs, async JSON with graphs, synchronous JSON with grammar drafts, and
+async free decoding without graphs) it builds the engine as ``baton bench engine`` does, warms
+it up, then runs one batch under ``torch.profiler`` (CPU and CUDA activities) and one under
+``cProfile``, and writes ``<case>.txt`` with the wall time, the top operators by device and by
+host time, and the top Python functions by cumulative time.
+
+    python -m baton.bench.gpu_profile --out DIR [--model M] [--batch 32] [--output-len 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from baton.bench.engine import WARMUP_TOKENS, build_llm, conversations, request_params
+from baton.engine.loader import load_checkpoint
+
+# name: (async scheduling, JSON share, enforce_eager)
+CASES = {
+    "async_free_graphs": (True, 0.0, False),
+    "async_json_graphs": (True, 1.0, False),
+    "sync_json_drafts": (False, 1.0, False),
+    "async_free_eager": (True, 0.0, True),
+}
+
+
+def profile_case(
+    name: str, model: str | None, batch: int, output_len: int, out: Path, device: str
+) -> str:
+    """Profiles one case; writes ``out/<name>.txt`` and returns its first line."""
+    async_on, fraction, eager = CASES[name]
+    ckpt = load_checkpoint(model)
+    tok = ckpt.tokenizer
+    chats = conversations(1000, 3 * batch + 4)
+    prompts = [list(tok.apply_chat_template(c, tokenize=True)) for c in chats]
+    warm, runs = prompts[:4], [prompts[4 + i * batch : 4 + (i + 1) * batch] for i in range(3)]
+    max_len = max(len(p) for p in prompts) + max(output_len, WARMUP_TOKENS) + 1
+    llm = build_llm(ckpt, async_on, batch, max_len, warm, device, None, eager)
+    params = request_params(batch, fraction, output_len)
+    try:
+        llm.generate(runs[0], params, use_tqdm=False)  # warm at this batch size
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            outs = llm.generate(runs[1], params, use_tqdm=False)
+        profiled_s = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        steps_before = llm.stats().get("steps", 0)
+        py = cProfile.Profile()
+        t0 = time.perf_counter()
+        py.enable()
+        llm.generate(runs[2], params, use_tqdm=False)
+        py.disable()
+        cprofile_s = time.perf_counter() - t0
+        steps = llm.stats().get("steps", 0) - steps_before
+    finally:
+        llm.shutdown()
+    stats_text = io.StringIO()
+    pstats.Stats(py, stream=stats_text).sort_stats("cumulative").print_stats(45)
+    head = (
+        f"{name}: batch {batch}, {tokens} tokens in {profiled_s:.3f} s under torch.profiler; "
+        f"{cprofile_s:.3f} s and {steps} steps under cProfile"
+    )
+    averages = prof.key_averages()
+    text = "\n\n".join(
+        [
+            head,
+            "== operators by self device time ==",
+            averages.table(sort_by="self_cuda_time_total", row_limit=30),
+            "== operators by self host time ==",
+            averages.table(sort_by="self_cpu_time_total", row_limit=30),
+            "== Python functions by cumulative time (cProfile) ==",
+            stats_text.getvalue(),
+        ]
+    )
+    (out / f"{name}.txt").write_text(text)
+    return head
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--cases", default=",".join(CASES))
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for name in a.cases.split(","):
+        try:
+            print(profile_case(name, a.model, a.batch, a.output_len, a.out, a.device), flush=True)
+        except Exception as exc:  # one case's failure must not hide the others' profiles
+            failed += 1
+            print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
+    if torch.cuda.is_available():
+        print(f"max GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
