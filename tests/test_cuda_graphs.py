@@ -182,7 +182,7 @@ def test_graph_replay_matches_the_eager_forward(tiny_model_dir):
         gen = torch.Generator().manual_seed(0)
         for n, length in ((1, 5), (3, 40), (5, 17), (8, 200)):
             width = -(-length // BLOCK)
-            tables = (torch.randperm(60, generator=gen)[: n * width] + 1).view(n, width).numpy()
+            tables = (torch.randperm(200, generator=gen)[: n * width] + 1).view(n, width).numpy()
             lens = np.array([length - i for i in range(n)], dtype=np.int64)
             ids = torch.randint(0, 1000, (n,), generator=gen).cuda()
             pad = DecodePadding.of(graphs.sizes, lens, tables, BLOCK)
