@@ -390,3 +390,19 @@ def test_cuda_results_come_back_through_pinned_memory(tiny_model_dir):
         assert runner.states.token_ids.is_cuda and runner.kv_caches[0][0].is_cuda
     finally:
         engine.shutdown()
+
+
+@pytest.mark.gpu
+@_needs_cuda
+def test_prompt_steps_on_cuda_attend_without_cudnn(tiny_model_dir):
+    """cuDNN's attention plans each new key length anew (about 1 ms a layer on an H200): the
+    prompt step's SDPA must take another backend."""
+    engine = _engine(tiny_model_dir, device="cuda")
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _run(engine, [(PROMPTS[1], SamplingParams(max_tokens=3, temperature=0.0))])
+    finally:
+        engine.shutdown()
+    names = {e.key for e in prof.key_averages()}
+    assert any("scaled_dot_product" in n for n in names), sorted(names)[:40]
+    assert not any("cudnn_attention" in n for n in names)

@@ -11,11 +11,14 @@ the mask, padding indices) is computed once per step in
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from baton.engine.worker.device_buffers import stage_to_device
 from baton.kernels.paged_attention import HAS_TRITON, paged_decode_attention
@@ -175,6 +178,25 @@ def _host_int64(value: np.ndarray | torch.Tensor, name: str) -> np.ndarray:
     return np.asarray(value, dtype=np.int64)
 
 
+# cuDNN's attention builds a plan per new shape, and a prompt or draft step's key length is new
+# every step: on an H200 (torch 2.11) synchronous JSON steps with drafts took 100-170 ms, and
+# under bench/gpu_profile.py cuDNN attention held 40% of their host time, about 1 ms per layer.
+_CUDA_SDPA_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
+def sdpa_backends(device: torch.device) -> AbstractContextManager[object]:
+    """Context for one forward's attention: on CUDA, torch's scaled-dot-product attention
+    without its cuDNN backend (flash, memory-efficient or math, whichever fits); elsewhere
+    nothing. Sets torch's process-wide SDPA backend flags while it is open."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(_CUDA_SDPA_BACKENDS)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -227,13 +249,22 @@ def paged_attention(
     upcast = meta.query_index is None and not q.is_cuda and q.dtype != torch.float32
     if upcast:
         queries, keys, values = queries.float(), keys.float(), values.float()
+    gqa = num_heads != num_kv_heads
+    if gqa and q.is_cuda:
+        # With a mask, only cuDNN (left out by sdpa_backends) fuses grouped-query attention on
+        # CUDA; whole heads let the memory-efficient kernel take it instead of the math one,
+        # which would hold [B, heads, Q, S] scores in float32.
+        group = num_heads // num_kv_heads
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        gqa = False
     out = F.scaled_dot_product_attention(
         queries,
         keys,
         values,
         attn_mask=meta.mask,
         scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
+        enable_gqa=gqa,
     )
     if upcast:
         out = out.to(q.dtype)

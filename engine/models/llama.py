@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.engine.models.attention import AttentionMetadata, paged_attention
+from baton.engine.models.attention import AttentionMetadata, paged_attention, sdpa_backends
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from baton.engine.models.parallel import TensorParallel, VocabParallelEmbedding
@@ -179,8 +179,9 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope.cos_sin(positions, x.dtype)
         # One kernel choice for the whole step: every projection sees the same rows.
         use_int8 = x.shape[0] <= self.int8_max_rows
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv, meta, use_int8)
+        with sdpa_backends(x.device):
+            for layer, kv in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, rope, kv, meta, use_int8)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
