@@ -13,6 +13,7 @@ import datetime
 import os
 import platform
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,6 +71,34 @@ def git_commit() -> str:
     return f"{head}+dirty" if dirty else head
 
 
+def git_tree() -> str:
+    """The git tree hash of the checkout's files as they are (tracked and untracked, not
+    ignored), or ``unknown``. It names the code measured even where the git metadata is older
+    than the files (the device tool's copy carries the session's first commit): the commit
+    whose tree it is (``git log --format='%H %T'``) is the code that ran."""
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        try:
+            subprocess.run(
+                ["git", "-C", str(root), "add", "-A", "."],
+                env=env,
+                capture_output=True,
+                timeout=60,
+                check=True,
+            )
+            return subprocess.run(
+                ["git", "-C", str(root), "write-tree"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+
+
 def cpu_description() -> str:
     """The CPU's model name and its bfloat16 matrix units (AMX, AVX512-BF16) from
     /proc/cpuinfo; "unknown" where it cannot be read."""
@@ -112,6 +141,7 @@ def run_info(**extra: Any) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     info: dict[str, Any] = {
         "commit": git_commit(),
+        "tree": git_tree(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine(),
         "platform": platform.platform(),

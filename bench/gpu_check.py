@@ -19,13 +19,15 @@ the working tree). The default model itself (98 MB) is too large to travel.
 4. ``engine_eager.json`` / ``engine_eager.png``: the same with ``--enforce-eager``.
 5. ``profile/``: ``bench/gpu_profile.py``, where a step's time goes (torch.profiler, cProfile).
 6. ``paged_attention.json``: the Triton decode kernel against the torch paths.
-7. ``summary.txt``: the short summary it also prints.
+7. ``summary.txt``: the short summary it also prints; ``gpu_check.json``: all of it in one file
+   (``collect``), which is what comes back to ``bench/results/`` and the README.
 
 Each stage has a time limit so that the whole check ends in under 8 minutes on an H200; a stage
 that fails or times out is reported and the others still run.
 
     python -m baton.bench.gpu_check prepare [--dir .gpu_check]
     python -m baton.bench.gpu_check run --out DIR [--prep .gpu_check]
+    python -m baton.bench.gpu_check collect --src DIR [--out bench/results/gpu_check.json]
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import argparse
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -207,22 +211,14 @@ def run_stage(stage: Stage, out: Path) -> dict[str, Any]:
 
 def summarize_tests(xml_path: Path) -> str:
     """'N passed, F failed, E errors, S skipped' from a junit XML file."""
-    if not xml_path.exists():
+    counts = junit_counts(xml_path)
+    if counts is None:
         return "no test report"
-    root = ET.parse(xml_path).getroot()
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    if suite is None:
-        return "no test report"
-    n = int(suite.get("tests", 0))
-    failed, errors = int(suite.get("failures", 0)), int(suite.get("errors", 0))
-    skipped = int(suite.get("skipped", 0))
-    passed = n - failed - errors - skipped
-    names = [
-        case.get("name", "?")
-        for case in suite.iter("testcase")
-        if case.find("failure") is not None or case.find("error") is not None
-    ]
-    text = f"{passed} passed, {failed} failed, {errors} errors, {skipped} skipped"
+    text = (
+        f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
+        f"{counts['skipped']} skipped"
+    )
+    names = counts["failing"]
     return text + (f" (failing: {', '.join(names[:8])})" if names else "")
 
 
@@ -303,9 +299,81 @@ def run(out: Path, prep: Path) -> int:
         results.append(run_stage(stage, out))
     text = summary(out, env, results)
     (out / "summary.txt").write_text(text + "\n")
+    (out / "stages.json").write_text(json.dumps(results, indent=2))
+    collect(out, out / "gpu_check.json")
     print(text)
     print(f"total {time.monotonic() - t0:.0f} s")
     return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+# ------------------------------------------------------------------ collect (either side)
+def _stage_results(src: Path) -> list[dict[str, Any]]:
+    """The stages' outcomes: ``stages.json``, or the lines of an older run's summary."""
+    if (src / "stages.json").exists():
+        return json.loads((src / "stages.json").read_text())
+    text = (src / "summary.txt").read_text() if (src / "summary.txt").exists() else ""
+    found = re.findall(r"^- (.+?): (.+) in (\d+) s$", text, flags=re.MULTILINE)
+    return [{"stage": n, "status": st, "seconds": float(sec)} for n, st, sec in found]
+
+
+def junit_counts(xml_path: Path) -> dict[str, Any] | None:
+    """passed / failed / errors / skipped and the failing tests' names, from junit XML."""
+    if not xml_path.exists():
+        return None
+    root = ET.parse(xml_path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return None
+    n = int(suite.get("tests", 0))
+    failed, errors = int(suite.get("failures", 0)), int(suite.get("errors", 0))
+    skipped = int(suite.get("skipped", 0))
+    failing = [
+        case.get("name", "?")
+        for case in suite.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    return {
+        "passed": n - failed - errors - skipped,
+        "failed": failed,
+        "errors": errors,
+        "skipped": skipped,
+        "failing": failing,
+    }
+
+
+def collect(src: Path, out: Path, commit: str | None = None) -> dict[str, Any]:
+    """Gathers a finished check's files under ``src`` into one JSON file ``out`` (environment,
+    stages, GPU test counts, both engine runs, paged attention), copies the engine plot beside
+    it as ``<out stem>.png``, and returns the data. ``commit``: the commit whose files ran,
+    when the run's own record cannot say (it predates ``run.tree``); else the run's.
+
+    Raises:
+        FileNotFoundError: ``src`` holds no ``env.json`` (not a check's output).
+    """
+
+    def load(name: str) -> Any:
+        path = src / name
+        return json.loads(path.read_text()) if path.exists() else None
+
+    env = load("env.json")
+    if env is None:
+        raise FileNotFoundError(f"{src / 'env.json'}: not the output of a GPU check")
+    engine, eager = load("engine.json"), load("engine_eager.json")
+    run_info = (engine or eager or {}).get("run") or {}
+    data = {
+        "env": env,
+        "commit": commit or run_info.get("commit"),
+        "run": run_info,
+        "stages": _stage_results(src),
+        "gpu_tests": junit_counts(src / "gpu_tests.xml"),
+        "engine": {"graphs": engine, "eager": eager},
+        "paged_attention": load("paged_attention.json"),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+    if (src / "engine.png").exists() and out.with_suffix(".png") != src / "engine.png":
+        shutil.copyfile(src / "engine.png", out.with_suffix(".png"))
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,9 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     pr = sub.add_parser("run", help="on the CUDA machine: tests and benchmarks")
     pr.add_argument("--out", type=Path, required=True)
     pr.add_argument("--prep", type=Path, default=DEFAULT_PREP)
+    pc = sub.add_parser("collect", help="one JSON file (and the plot) from a check's output")
+    pc.add_argument("--src", type=Path, required=True)
+    pc.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_check.json")
+    pc.add_argument("--commit", default=None, help="the commit that ran, if not recorded")
     a = p.parse_args(argv)
     if a.command == "prepare":
         prepare(a.dir)
+        return 0
+    if a.command == "collect":
+        collect(a.src, a.out, a.commit)
+        print(f"wrote {a.out}")
         return 0
     return run(a.out, a.prep)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from baton.bench.forward import RESULTS
+from baton.bench.gpu_report import gpu_check_table
 from baton.bench.readme_tables import (
     compile_burst_table,
     data_parallel_table,
@@ -60,6 +61,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "Async vs sync at accelerator speed (simulated H200)",
         "baton bench engine --device sim:h200 --shape llama-3.1-8b",
         engine_sim_table,
+    ),
+    (
+        "gpu_check.json",
+        "On an NVIDIA H200: the prepared GPU check",
+        "bench/gpu_check.sh OUT, then python -m baton.bench.gpu_check collect --src OUT",
+        gpu_check_table,
     ),
     (
         "structured.json",
@@ -126,7 +133,8 @@ def render(results: Path = RESULTS) -> str:
     parts = [
         "Measured on the development machine: x86_64, 2 CPU cores with AVX-512, 24 GiB, no "
         "GPU (the commit, date, CPU model and its bfloat16 units (AMX, AVX512-BF16; recorded "
-        "from 2026-12-03 on), dtype and threads of each run are in its JSON file). "
+        "from 2026-12-03 on), dtype and threads of each run are in its JSON file), except "
+        "the H200 section, which says where it ran. "
         "`python -m baton.bench.readme_results` rewrites this section from "
         "`bench/results/*.json`.",
     ]

@@ -76,3 +76,39 @@ def test_summary_reads_the_results(tmp_path: Path) -> None:
     line = next(t for t in text.splitlines() if t.split()[:2] == ["32", "100%"])
     assert line.split()[2:5] == ["3000", "2000", "1.50"]
     assert "paged_attention.json:\n(not written)" in text
+
+
+def test_collect_gathers_a_run_into_one_file_the_readme_renders(tmp_path: Path) -> None:
+    from baton.bench.gpu_report import gpu_check_table
+
+    src = tmp_path / "out"
+    src.mkdir()
+    env = {"device": "H200", "torch": "2.11", "cuda": "13.0", "python": "3.12"}
+    (src / "env.json").write_text(json.dumps({**env, "default_model": False}))
+    (src / "summary.txt").write_text(
+        "GPU check\n- gpu tests: ok in 50 s\n- profile: exit 1 in 3 s\n"
+    )
+
+    def engine(tok_on: float, tok_off: float) -> dict[str, object]:
+        rows = [
+            {"batch": 8, "json_fraction": 1.0, "async": a, "tok_per_s": t, "tpot_ms": 2.0}
+            for a, t in ((True, tok_on), (False, tok_off))
+        ]
+        return {"rows": rows, "goals": [], "run": {"commit": "abc+dirty", "date": "D"}}
+
+    (src / "engine.json").write_text(json.dumps(engine(900.0, 300.0)))
+    (src / "engine_eager.json").write_text(json.dumps(engine(100.0, 90.0)))
+    (src / "engine.png").write_bytes(b"png")
+    out = tmp_path / "results" / "gpu_check.json"
+    data = gpu_check.collect(src, out, commit="0123456789abcdef")
+    assert json.loads(out.read_text()) == data
+    assert out.with_suffix(".png").read_bytes() == b"png"
+    assert data["commit"] == "0123456789abcdef" and data["run"]["commit"] == "abc+dirty"
+    assert [s["stage"] for s in data["stages"]] == ["gpu tests", "profile"]
+    assert data["gpu_tests"] is None  # no junit file: no counts invented
+    text = gpu_check_table(data)
+    assert "commit `0123456789ab`" in text and "profile exit 1 (3 s)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 8 |"))
+    assert row.split(" | ")[2:5] == ["900", "300", "2.0"] and row.endswith("| 9.00 |")
+    with pytest.raises(FileNotFoundError, match="not the output of a GPU check"):
+        gpu_check.collect(tmp_path / "results", tmp_path / "x.json")
