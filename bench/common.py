@@ -47,25 +47,29 @@ def add_common_args(
     )
 
 
+def _git(*args: str, env: dict[str, str] | None = None) -> str:
+    """``git -C <repository root> args...``'s output, stripped.
+
+    Raises:
+        OSError, subprocess.SubprocessError: git is missing, fails or hangs.
+    """
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        ["git", "-C", str(root), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=env,
+    ).stdout.strip()
+
+
 def git_commit() -> str:
     """The commit of the code being measured, with ``+dirty`` when the tree has uncommitted
     changes, or ``unknown`` outside a git checkout."""
-    here = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        head = _git("rev-parse", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{head}+dirty" if dirty else head
@@ -76,25 +80,11 @@ def git_tree() -> str:
     ignored), or ``unknown``. It names the code measured even where the git metadata is older
     than the files (the device tool's copy carries the session's first commit): the commit
     whose tree it is (``git log --format='%H %T'``) is the code that ran."""
-    root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
         try:
-            subprocess.run(
-                ["git", "-C", str(root), "add", "-A", "."],
-                env=env,
-                capture_output=True,
-                timeout=60,
-                check=True,
-            )
-            return subprocess.run(
-                ["git", "-C", str(root), "write-tree"],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=True,
-            ).stdout.strip()
+            _git("add", "-A", ".", env=env)
+            return _git("write-tree", env=env)
         except (OSError, subprocess.SubprocessError):
             return "unknown"
 
