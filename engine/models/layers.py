@@ -8,9 +8,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from baton.kernels.rms_norm import rms_norm
+
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 like the reference."""
+    """Root-mean-square layer norm, computed in float32 like the reference (one Triton
+    kernel on CUDA, torch ops elsewhere: ``kernels/rms_norm.py``)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -18,10 +21,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        """The norm of ``x`` ``[T, hidden]``."""
+        return rms_norm(x, self.weight, self.eps)[0]
+
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the residual add fused into the norm."""
+        out, summed = rms_norm(x, self.weight, self.eps, residual)
+        assert summed is not None
+        return out, summed
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -57,15 +57,24 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         use_int8: bool = False,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block over ``x + residual`` (``x`` alone for the first block, ``residual`` None).
+
+        Returns ``(mlp output, residual stream)``: the next block, or the final norm, adds
+        them, inside its norm (one fused kernel on CUDA).
+        """
         t = x.shape[0]
         int8 = self.int8 if use_int8 else None
         sizes = (self.q_size, self.kv_size, self.kv_size)
-        h = self.input_layernorm(x)
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
         if int8 is None:
             q, k, v = fused_linear(h, self.qkv_proj, sizes)
         else:
@@ -76,8 +85,8 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, k, *rope)
         attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale).reshape(t, self.q_size)
         out = self.o_proj(attn) if int8 is None else int8_linear(attn, int8[1])
-        x = x + (out if self.reduce is None else self.reduce(out))
-        h = self.post_attention_layernorm(x)
+        out = out if self.reduce is None else self.reduce(out)
+        h, residual = self.post_attention_layernorm.forward_add(out, residual)
         sizes = (self.intermediate_size, self.intermediate_size)
         if int8 is None:
             gate, up = fused_linear(h, self.gate_up_proj, sizes)
@@ -85,7 +94,7 @@ class DecoderLayer(nn.Module):
             gate, up = int8_linear(h, int8[2]).split(sizes, dim=-1)
         act = F.silu(gate) * up
         out = self.down_proj(act) if int8 is None else int8_linear(act, int8[3])
-        return x + (out if self.reduce is None else self.reduce(out))
+        return (out if self.reduce is None else self.reduce(out)), residual
 
 
 # Below this many tokens, one GEMM per output part beat the fused GEMM on this
@@ -179,10 +188,13 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope.cos_sin(positions, x.dtype)
         # One kernel choice for the whole step: every projection sees the same rows.
         use_int8 = x.shape[0] <= self.int8_max_rows
+        residual: torch.Tensor | None = None
         with sdpa_backends(x.device):
             for layer, kv in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, rope, kv, meta, use_int8)
-        return self.norm(x)
+                x, residual = layer(x, residual, rope, kv, meta, use_int8)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.forward_add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the given hidden rows. Under tensor parallelism
