@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from baton.kernels.rms_norm import rms_norm
+from baton.kernels.rope import rope
 
 
 class RMSNorm(nn.Module):
@@ -88,11 +89,6 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q ``[T, H, D]`` and k ``[T, KVH, D]`` (rotate-half layout)."""
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotates q ``[T, H, D]`` and k ``[T, KVH, D]`` (rotate-half layout; one Triton kernel on
+    CUDA, torch ops elsewhere: ``kernels/rope.py``)."""
+    return rope(q, k, cos, sin)
