@@ -105,7 +105,8 @@ SPLIT_GEMM_MAX_TOKENS = 16
 
 def fused_linear(x: torch.Tensor, linear: nn.Linear, sizes: tuple[int, ...]) -> list[torch.Tensor]:
     """``linear(x)`` split into ``sizes`` along the last dim (QKV, gate/up)."""
-    if x.shape[0] > SPLIT_GEMM_MAX_TOKENS:
+    # On a GPU one launch beats several (a small model's decode step is bound by launches).
+    if x.shape[0] > SPLIT_GEMM_MAX_TOKENS or x.is_cuda:
         return list(linear(x).split(sizes, dim=-1))
     weights = linear.weight.split(sizes)
     biases = (None,) * len(sizes) if linear.bias is None else linear.bias.split(sizes)
