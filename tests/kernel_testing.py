@@ -1,0 +1,32 @@
+"""What the Triton kernel tests share: building a kernel's sm_90 cubin without a GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def hopper_cubin(
+    fn: Any,
+    pointer_type: str,
+    constexprs: dict[str, Any],
+    scalar_types: dict[str, str] | None = None,
+    num_warps: int = 4,
+) -> bytes:
+    """The sm_90 cubin of the jitted kernel ``fn``: its ``*_ptr`` arguments typed
+    ``pointer_type`` (e.g. "*bf16"), the ``constexprs`` given, other arguments "i32" unless
+    ``scalar_types`` names them. The interpreter accepts things the compiler rejects; this
+    compiles as a launch would, with no GPU. Point TRITON_CACHE_DIR at a temporary folder
+    first (``monkeypatch.setenv``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    types = scalar_types or {}
+    signature = {
+        name: "constexpr"
+        if name in constexprs
+        else (pointer_type if name.endswith("_ptr") else types.get(name, "i32"))
+        for name in fn.arg_names
+    }
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return compiled.asm["cubin"]
