@@ -50,9 +50,11 @@ def profile_case(
     try:
         llm.generate(runs[0], params, use_tqdm=False)  # warm at this batch size
         t0 = time.perf_counter()
+        steps_before = llm.stats().get("steps", 0)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             outs = llm.generate(runs[1], params, use_tqdm=False)
         profiled_s = time.perf_counter() - t0
+        profiled_steps = llm.stats().get("steps", 0) - steps_before
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         steps_before = llm.stats().get("steps", 0)
         py = cProfile.Profile()
@@ -66,11 +68,14 @@ def profile_case(
         llm.shutdown()
     stats_text = io.StringIO()
     pstats.Stats(py, stream=stats_text).sort_stats("cumulative").print_stats(45)
-    head = (
-        f"{name}: batch {batch}, {tokens} tokens in {profiled_s:.3f} s under torch.profiler; "
-        f"{cprofile_s:.3f} s and {steps} steps under cProfile"
-    )
     averages = prof.key_averages()
+    # Kernels and copies on the GPU (graph replays' kernels included), per engine step.
+    gpu_events = sum(e.count for e in averages if e.device_type == torch.autograd.DeviceType.CUDA)
+    head = (
+        f"{name}: batch {batch}, {tokens} tokens in {profiled_s:.3f} s and {profiled_steps} steps "
+        f"under torch.profiler ({gpu_events / max(profiled_steps, 1):.0f} GPU kernels and copies "
+        f"per step); {cprofile_s:.3f} s and {steps} steps under cProfile"
+    )
     text = "\n\n".join(
         [
             head,
