@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton.bench.readme_tables import _goal_lines, _table
+from baton.bench.readme_tables import goal_lines, markdown_table
 
 
 def _rows_by_case(engine: dict[str, Any] | None) -> dict[tuple[int, float, bool], dict[str, Any]]:
@@ -84,8 +84,8 @@ def gpu_check_table(d: dict[str, Any]) -> str:
         "eager async TPOT ms",
         "async: graphs / eager",
     ]
-    goals = _goal_lines((d["engine"].get("graphs") or {}).get("goals") or [], digits=3)
-    parts = [head, _table(header, rows)]
+    goals = goal_lines((d["engine"].get("graphs") or {}).get("goals") or [], digits=3)
+    parts = [head, markdown_table(header, rows)]
     if goals:
         parts.append("Goals of `baton bench engine`, graphs run:\n\n" + "\n".join(goals))
     attention = (d.get("paged_attention") or {}).get("rows") or []

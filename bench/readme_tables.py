@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
@@ -38,7 +38,7 @@ def forward_table(d: dict[str, Any]) -> str:
                 f"{r['engine_vs_transformers_float32']:.2f}",
             ]
         rows.append(row)
-    return _table(header, rows)
+    return markdown_table(header, rows)
 
 
 def throughput_table(d: dict[str, Any]) -> str:
@@ -56,7 +56,7 @@ def throughput_table(d: dict[str, Any]) -> str:
         )
     header = ["dtype", "baton tok/s", "transformers tok/s", "same dtype", "vs transformers fp32"]
     caption = f"{d['num_prompts']} prompts x {d['output_len']} tokens, greedy.\n\n"
-    return caption + _table(header, rows)
+    return caption + markdown_table(header, rows)
 
 
 def structured_table(d: dict[str, Any]) -> str:
@@ -99,9 +99,9 @@ def structured_table(d: dict[str, Any]) -> str:
         f"{len(cfg['sample'])} schemas of the shared data, mixed in each batch; {cfg['dtype']}. "
         f"Load average at the start: {cfg['load_avg'][0]:.1f}.\n\n"
     )
-    notes = _goal_lines(d.get("goals") or [], digits=3)
+    notes = goal_lines(d.get("goals") or [], digits=3)
     notes += [f"- dropped at warm-up ({x['mode']}): {x['schema']}" for x in d.get("dropped", [])]
-    return caption + _table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
+    return caption + markdown_table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 def _cell(text: str) -> str:
@@ -140,8 +140,10 @@ def masks_table(d: dict[str, Any]) -> str:
             worst_rows.append(
                 [n, w["schema"], f"{w['max_us']:.0f}", ", ".join(w["families"]), _cell(w["before"])]
             )
-    worst = _table(["backend", "schema", "slowest state µs", "families", "after"], worst_rows)
-    lines = _goal_lines(d.get("goals") or [], digits=1)
+    worst = markdown_table(
+        ["backend", "schema", "slowest state µs", "families", "after"], worst_rows
+    )
+    lines = goal_lines(d.get("goals") or [], digits=1)
     lines += [
         f"- slowest {g['goal'].split(' ')[0]} schema: {g['worst_schema']} "
         f"({g['worst_schema_us']:.0f} µs per row at its slowest state)"
@@ -150,7 +152,7 @@ def masks_table(d: dict[str, Any]) -> str:
     ]
     return (
         caption
-        + _table(header, rows)
+        + markdown_table(header, rows)
         + "\n\nThe schemas with the slowest states:\n\n"
         + worst
         + ("\n\n" + "\n".join(lines) if lines else "")
@@ -177,7 +179,7 @@ def grammar_table(d: dict[str, Any]) -> str:
         ),
     ]
     rows = [[label] + [fn(summary[n]) for n in names] for label, fn in metrics]
-    return _table([""] + names, rows)
+    return markdown_table([""] + names, rows)
 
 
 def grammar_overhead_table(d: dict[str, Any]) -> str:
@@ -195,7 +197,7 @@ def grammar_overhead_table(d: dict[str, Any]) -> str:
             f"{d['batch_ratio']:.2f}",
         ],
     ]
-    return _table(["batch", "raw xgrammar µs/token", "baton µs/token", "ratio"], rows)
+    return markdown_table(["batch", "raw xgrammar µs/token", "baton µs/token", "ratio"], rows)
 
 
 def engine_table(d: dict[str, Any]) -> str:
@@ -225,12 +227,12 @@ def engine_table(d: dict[str, Any]) -> str:
         "deferred steps",
         "step / max(cpu, device)",
     ]
-    lines = _goal_lines(d.get("goals") or [], digits=3)
+    lines = goal_lines(d.get("goals") or [], digits=3)
     caption = (
         "Regime a: the default model. Regime b: a tiny random-weight model with the "
         "real vocabulary (CPU work weighs more, as next to a GPU).\n\n"
     )
-    return caption + _table(header, rows) + ("\n\n" + "\n".join(lines) if lines else "")
+    return caption + markdown_table(header, rows) + ("\n\n" + "\n".join(lines) if lines else "")
 
 
 def engine_sim_table(d: dict[str, Any]) -> str:
@@ -279,7 +281,7 @@ def engine_sim_table(d: dict[str, Any]) -> str:
         ]
         for x in d["ratios"]
     ]
-    lines = _goal_lines(d.get("goals") or [], digits=3)
+    lines = goal_lines(d.get("goals") or [], digits=3)
     caption = (
         f"The real engine on the host against a simulated {d['gpu']['name']} running the "
         f"{d['shape']['name']} shape (roofline step times, token traces, every structured "
@@ -288,9 +290,9 @@ def engine_sim_table(d: dict[str, Any]) -> str:
     )
     return (
         caption
-        + _table(header, rows)
+        + markdown_table(header, rows)
         + "\n\n"
-        + _table(["batch", "JSON", "async / sync", "structured / free (async)"], ratios)
+        + markdown_table(["batch", "JSON", "async / sync", "structured / free (async)"], ratios)
         + ("\n\n" + "\n".join(lines) if lines else "")
         + (
             f"\n\n![timeline of steady steps](bench/results/{d['timeline_png']})"
@@ -308,7 +310,7 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _goal_lines(goals: list[Any], digits: int = 2) -> list[str]:
+def goal_lines(goals: list[Any], digits: int = 2) -> list[str]:
     """One line per goal: met, MISSED (with the measured value) or not measured."""
     lines = []
     for g in goals:
@@ -341,7 +343,7 @@ def peers_table(d: dict[str, Any]) -> str:
         for r in d["rows"]
     ]
     header = ["engine", "concurrency", "output tok/s", "spread", "TPOT ms", "valid JSON"]
-    table = _table(header, rows)
+    table = markdown_table(header, rows)
     skipped = [f"- skipped {s['label']}: {s['reason']}" for s in d.get("skipped", [])]
     repeats = d.get("repeats", 1)
     runs = (
@@ -361,7 +363,7 @@ def peers_table(d: dict[str, Any]) -> str:
         )
         + "\n\n"
     )
-    notes = _goal_lines(d.get("goals") or []) + skipped
+    notes = goal_lines(d.get("goals") or []) + skipped
     return caption + table + ("\n\n" + "\n".join(notes) if notes else "")
 
 
@@ -392,7 +394,7 @@ def serve_table(d: dict[str, Any]) -> str:
         f"({d['dtype']}), {d['json_fraction']:.0%} JSON-schema requests, at most "
         f"{d['max_tokens']} tokens each.\n\n"
     )
-    return caption + _table(header, rows)
+    return caption + markdown_table(header, rows)
 
 
 def soak_table(d: dict[str, Any]) -> str:
@@ -420,7 +422,7 @@ def soak_table(d: dict[str, Any]) -> str:
         f"{c['requests']} mixed requests at concurrency {c['concurrency']} on model "
         f"{c['model']}, at most {c['max_tokens']} tokens each: {verdict}.\n\n"
     )
-    return caption + _table(["figure", "value"], rows)
+    return caption + markdown_table(["figure", "value"], rows)
 
 
 def tensor_parallel_table(d: dict[str, Any]) -> str:
@@ -442,7 +444,7 @@ def tensor_parallel_table(d: dict[str, Any]) -> str:
         for r in d["rows"]
     ]
     header = ["model", "batch", "ranks x threads", "ms / step", "collectives"]
-    return caption + _table(header, rows)
+    return caption + markdown_table(header, rows)
 
 
 def compile_burst_table(d: dict[str, Any]) -> str:
@@ -476,7 +478,7 @@ def compile_burst_table(d: dict[str, Any]) -> str:
         "a tiny random-weight model (grammar compile limit 10 s); beside it, busy-looping "
         "processes when the run says so.\n\n"
     )
-    return caption + _table(header, rows)
+    return caption + markdown_table(header, rows)
 
 
 def _spec_cells(r: dict[str, Any]) -> list[str]:
@@ -522,11 +524,11 @@ def spec_table(d: dict[str, Any]) -> str:
         f"scheduling, in {d['run'].get('dtype')}; free is the peers prompts without a schema, "
         "spec off. One engine per mode, measured in one run.\n\n"
     )
-    notes = _goal_lines(d.get("goals") or [])
+    notes = goal_lines(d.get("goals") or [])
     sim = d.get("sim") or {}
     if sim and not sim.get("measured"):
         notes.append(f"- simulated device: not measured ({sim.get('reason')})")
-    text = caption + _table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
+    text = caption + markdown_table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
     if sim.get("measured"):
         text += "\n\n" + _spec_sim_table(sim)
     return text
@@ -543,7 +545,7 @@ def _spec_sim_table(sim: dict[str, Any]) -> str:
         "run there only so far), and spec off with async scheduling for reference.\n\n"
     )
     notes = [f"- {r['name']}: {_num(r['value'], '.2f')}" for r in sim.get("ratios") or []]
-    return caption + _table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
+    return caption + markdown_table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 # (file, title, command, renderer)
@@ -559,7 +561,7 @@ def data_parallel_table(d: dict[str, Any]) -> str:
         "both replicas.\n\n"
     )
     rows = [[r["label"], f"{r['tok_s']:.1f}", str(r["failures"])] for r in d["throughput"]]
-    table = _table(["engine", "output tok/s", "failed"], rows)
+    table = markdown_table(["engine", "output tok/s", "failed"], rows)
     rows = [
         [
             r["label"],
@@ -571,7 +573,7 @@ def data_parallel_table(d: dict[str, Any]) -> str:
         for r in d["affinity"]
     ]
     header = ["routing", "cache hit rate", "grammars compiled", "failed", "wall s"]
-    return caption + table + "\n\n" + _table(header, rows)
+    return caption + table + "\n\n" + markdown_table(header, rows)
 
 
 def open_objects_table(d: dict[str, Any]) -> str:
@@ -601,4 +603,4 @@ def open_objects_table(d: dict[str, Any]) -> str:
         "with undeclared keys",
         "tokens",
     ]
-    return caption + _table(header, rows)
+    return caption + markdown_table(header, rows)

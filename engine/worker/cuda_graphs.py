@@ -13,11 +13,12 @@ dropped. Attention runs over the block tables (`AttentionMetadata.decode`), whos
 depend on the sequences' lengths, so one graph serves every context length.
 
 Everything about a step's padding is host arithmetic (`DecodePadding.of`), tested on the CPU;
-`DecodeGraphs` runs the same buffers eagerly where there is no CUDA (``capture=False``).
+until `DecodeGraphs.capture` has run (never, without CUDA) it runs the same buffers eagerly.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Sequence
@@ -85,8 +86,8 @@ class DecodePadding:
         block_size: int,
     ) -> DecodePadding | None:
         """The padded layout of a decode step whose sequence b has ``seq_lens[b]`` tokens
-        after this step (its new token at position ``seq_lens[b] - 1``); None when the step
-        has more sequences than the largest size.
+        after this step (its new token at position ``seq_lens[b] - 1``), for ``sizes`` in
+        ascending order; None when the step has more sequences than the largest size.
 
         Raises:
             ValueError: no sequences, a length < 1, or tables too short for the lengths.
@@ -99,9 +100,10 @@ class DecodePadding:
         width = -(-int(lens.max()) // block_size)
         if tables.ndim != 2 or tables.shape[0] != n or tables.shape[1] < width:
             raise ValueError(f"block_tables must be [{n}, >= {width}], got {tables.shape}")
-        size = next((s for s in sorted(sizes) if s >= n), None)
-        if size is None:
+        at = bisect.bisect_left(sizes, n)
+        if at == len(sizes):
             return None
+        size = sizes[at]
         pos = lens - 1
         slots = tables[np.arange(n), pos // block_size] * block_size + pos % block_size
         pad = size - n
