@@ -541,8 +541,9 @@ def _spec_sim_table(sim: dict[str, Any]) -> str:
     caption = (
         f"The same prompts on the simulated accelerator (`{sim['device']}`, {sim['shape']} "
         "shape): the real engine replays the spec-off outputs above as its traces, so every "
-        "mode verifies drafts against what the model produced; synchronous scheduling (drafts "
-        "run there only so far), and spec off with async scheduling for reference.\n\n"
+        "mode verifies drafts against what the model produced; each mode with synchronous and "
+        'with async scheduling ("(async)"; under async a request\'s drafts follow a guess of '
+        "its token in flight, and it sits out the step planned while they are verified).\n\n"
     )
     notes = [f"- {r['name']}: {_num(r['value'], '.2f')}" for r in sim.get("ratios") or []]
     return caption + markdown_table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")

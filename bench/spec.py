@@ -48,7 +48,7 @@ from baton.bench.common import (
 from baton.bench.peers import SCHEMA as PEERS_SCHEMA
 from baton.bench.peers import conversation
 from baton.bench.plotting import pyplot
-from baton.bench.spec_sim import ASYNC_OFF, SimRun, measure_sim, step_figures, trace_of
+from baton.bench.spec_sim import ASYNC, ASYNC_OFF, SimRun, measure_sim, step_figures, trace_of
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.loader import load_checkpoint
 from baton.engine.sim_specs import GPUS, SHAPES
@@ -319,16 +319,25 @@ def _find(rows: list[dict[str, Any]], workload: str, mode: str, c: int) -> dict 
 
 
 def _sim_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each drafting mode's tok/s over spec off's on the simulator, per workload and
-    concurrency (the CPU's goals are not judged there)."""
+    """Each drafting mode's tok/s over spec off's with the same scheduling on the simulator,
+    per workload and concurrency, and async over sync for every mode (the CPU's goals are not
+    judged there)."""
     out = []
     for r in rows:
-        if r["mode"] in ("off", ASYNC_OFF):
-            continue
-        base = _find(rows, r["workload"], "off", r["concurrency"])
-        value = ratio(r["tok_per_s"], base and base["tok_per_s"])
-        name = f"{r['mode']} / spec off, {r['workload']}, concurrency {r['concurrency']}"
-        out.append({"name": name, "value": value})
+        mode, w, c = r["mode"], r["workload"], r["concurrency"]
+        async_on = mode.endswith(ASYNC)
+        if mode not in ("off", ASYNC_OFF):
+            base = _find(rows, w, ASYNC_OFF if async_on else "off", c)
+            value = ratio(r["tok_per_s"], base and base["tok_per_s"])
+            out.append(
+                {"name": f"{mode} / {base and base['mode']}, {w}, concurrency {c}", "value": value}
+            )
+        if async_on:
+            sync = _find(rows, w, mode.removesuffix(ASYNC), c)
+            value = ratio(r["tok_per_s"], sync and sync["tok_per_s"])
+            out.append(
+                {"name": f"{mode} / {sync and sync['mode']}, {w}, concurrency {c}", "value": value}
+            )
     return out
 
 

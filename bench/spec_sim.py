@@ -5,9 +5,9 @@ speculative decoding off. Those outputs become the simulated device's traces (on
 per concurrency: in bfloat16 a prompt's output may depend on its batch), so on the simulator
 every mode verifies its drafts against exactly what the model produced, and acceptance is
 the model's own. Each mode then runs the same prompts on ``device="sim:<gpu>"`` with the
-named model shape: synchronous scheduling, since drafts are verified there only so far, plus
-a row with async scheduling and no drafts (what the simulator runs by default), all measured
-in one run. Wall time is the real engine's host work plus the simulated device's time.
+named model shape, with synchronous and with async scheduling (a row "<mode> (async)"; the
+simulator's default is async), all measured in one run. Wall time is the real engine's host
+work plus the simulated device's time.
 """
 
 from __future__ import annotations
@@ -22,8 +22,14 @@ from typing import Any
 from baton.engine import LLM, SamplingParams
 from baton.engine.executor.sim_traces import Trace, TraceBook
 
-# The async row: no drafts (drafts are verified with synchronous scheduling only so far).
-ASYNC_OFF = "off (async)"
+ASYNC = " (async)"
+ASYNC_OFF = "off" + ASYNC
+
+
+def sim_modes(modes: Sequence[str]) -> list[tuple[str, str, bool]]:
+    """Each mode's simulated runs: (row label, drafting method or "off", async scheduling),
+    every mode synchronous first, then every mode with async scheduling."""
+    return [(m + ASYNC if a else m, m, a) for a in (False, True) for m in modes]
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,8 @@ def measure_sim(
     num_speculative_tokens: int,
     max_model_len: int,
 ) -> dict[str, Any]:
-    """Runs every mode (and the async row) on the simulator; returns the result's "sim" part.
+    """Runs every mode, synchronous and async, on the simulator; returns the result's "sim"
+    part.
 
     Raises:
         RuntimeError: a run's tokens differ from the CPU run's (the traces), or a request
@@ -77,17 +84,17 @@ def measure_sim(
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_trace_files(runs, Path(tmp))
-        for mode in [*modes, ASYNC_OFF]:
+        for label, method, async_on in sim_modes(modes):
             for c, path in sorted(paths.items()):
                 spec = None
-                if mode not in ("off", ASYNC_OFF):
-                    spec = {"method": mode, "num_speculative_tokens": num_speculative_tokens}
+                if method != "off":
+                    spec = {"method": method, "num_speculative_tokens": num_speculative_tokens}
                 llm = LLM(
                     model,
                     device=device,
                     sim_shape=shape,
                     sim_traces=str(path),
-                    async_scheduling=mode == ASYNC_OFF,
+                    async_scheduling=async_on,
                     speculative_config=spec,
                     structured_drafts=False,
                     max_num_seqs=max(c, 1),
@@ -98,7 +105,7 @@ def measure_sim(
                 try:
                     for run in runs:
                         if run.concurrency == c:
-                            rows.append(_measure(llm, run, mode))
+                            rows.append(_measure(llm, run, label))
                 finally:
                     llm.engine.shutdown()
     return {"measured": True, "device": device, "shape": shape, "rows": rows}

@@ -53,10 +53,16 @@ def num_cpu_cores() -> int:
 
 
 _SPEC_RUNS_WHERE = (
-    "speculative decoding runs with synchronous scheduling, in the engine's process "
-    "(executor='uni') or on the simulated device, without tensor parallelism "
-    "(async_scheduling=False)"
+    "speculative decoding runs in the engine's process (executor='uni': synchronous on the "
+    "CPU, synchronous or async on CUDA) or on the simulated device, without tensor parallelism"
 )
+_SPEC_ON_CPU = (
+    "speculative decoding on the CPU runs in the engine's process (executor='uni'), where a "
+    "forward cannot overlap the scheduler"
+)
+# Why structured drafts stay off by default under async scheduling (``structured_drafts=True``
+# turns them on there).
+_ASYNC_DRAFTS_OFF = "under async scheduling they are not measured faster yet"
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?|sim:[\w.-]+")
 
 
@@ -364,8 +370,8 @@ class EngineConfig:
             return f"tensor_parallel_size={self.tensor_parallel_size}"
         if executor not in (None, "uni", "sim"):
             return f"executor={executor!r}"
-        if async_on:
-            return "async scheduling" if executor is not None else "async_scheduling=True"
+        if async_on and self.device == "cpu":
+            return "async scheduling on the CPU (its model runs in a worker process, 'mp')"
         return None
 
     def _resolve_structured_drafts(self) -> None:
@@ -384,6 +390,9 @@ class EngineConfig:
                     f"{_SPEC_RUNS_WHERE}"
                 )
             logger.info("speculative decoding for structured requests off: %s", blocker)
+            return
+        if self.async_scheduling and self.structured_drafts is None:
+            logger.info("speculative decoding for structured requests off: %s", _ASYNC_DRAFTS_OFF)
             return
         spec = SpeculativeConfig(method="auto", structured_only=True)
         object.__setattr__(self, "speculative_config", spec)
@@ -431,8 +440,8 @@ class EngineConfig:
             )
         elif self.max_concurrent_batches < 2:
             blocker = "max_concurrent_batches=1 leaves no room for a step planned ahead"
-        elif self.speculative_config is not None:
-            blocker = "speculative decoding runs with synchronous scheduling so far"
+        elif self.speculative_config is not None and self.device == "cpu":
+            blocker = _SPEC_ON_CPU
         few_cores = self.device == "cpu" and cores < MIN_CORES_FOR_OVERLAP
         if blocker is None and few_cores and self.async_scheduling is None and not self.executor:
             # Not incompatible, only slower: asking for it explicitly is allowed.

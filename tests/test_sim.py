@@ -235,11 +235,15 @@ def test_sync_and_async_give_the_same_outputs_with_preemption(small_kv_engines, 
         assert final["r3"][1] == "abort" and len(final["r3"][0]) == 4
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("method", ["auto", "ngram"])
-def test_drafts_on_the_simulator_keep_every_output(small_kv_engines, tiny_model_dir, method):
+def test_drafts_on_the_simulator_keep_every_output(
+    small_kv_engines, tiny_model_dir, method, async_scheduling
+):
     """Drafts verified against the traces (grammar-forced and prompt-lookup ones, with
     preemption, chunked prefills and max_tokens landing inside drafts) give the outputs the
-    engine gives without them; every kept token passed its draft row's mask."""
+    engine gives without them, under sync and async scheduling; every kept token passed its
+    draft row's mask. Under async scheduling drafts follow a guess of the token in flight."""
     engines, json_prompts, free_prompts = small_kv_engines
     traces = engines[0].config.sim_traces
     requests = []
@@ -254,9 +258,10 @@ def test_drafts_on_the_simulator_keep_every_output(small_kv_engines, tiny_model_
         block_size=4,
         num_kv_blocks=40,
         max_num_batched_tokens=24,
+        async_scheduling=async_scheduling,
     )
     try:
-        assert drafting.config.async_scheduling is False
+        assert drafting.config.async_scheduling is async_scheduling
         assert engines[0].core.scheduler.kv.reset_prefix_cache()
         plain = run_to_end(engines[0], requests)
         drafted = run_to_end(drafting, requests)

@@ -223,15 +223,25 @@ class Scheduler:
             failed.append(self._fail(req, message))
         return grammar, failed
 
+    # Drafts shorter than this are not proposed (sync: any draft pays for its row).
+    min_drafts = 1
+
     def _propose_drafts(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
         """The drafts a decoding request feeds after its last token this step, trimmed so that
-        every outcome stays within the token budget, max_tokens and max_model_len."""
+        every outcome stays within the token budget, max_tokens and max_model_len.
+
+        Under async scheduling a request may have one token in flight (not drafted): its
+        drafts then follow the drafter's guess of that token (the drafter's first proposal,
+        not fed). The step verifies them against the real token like any draft, so a wrong
+        guess costs rejected rows, never a different output."""
         drafter = self.drafter
+        in_flight = req.num_output_placeholders
         if (
             drafter is None
             or n != 1
-            or req.num_output_placeholders
-            or req.num_computed_tokens != req.num_tokens - 1
+            or in_flight > 1
+            or req.num_draft_placeholders
+            or req.num_computed_tokens != req.num_tokens + in_flight - 1
             or not drafter.can_draft(req)
         ):
             return ()
@@ -241,16 +251,17 @@ class Scheduler:
         room = min(
             drafter.config.num_speculative_tokens,
             budget - 1,
-            max_tokens - req.num_output_tokens - 1,
-            self.max_model_len - req.num_tokens - 1,
+            max_tokens - req.num_output_tokens - in_flight - 1,
+            self.max_model_len - req.num_tokens - in_flight - 1,
         )
-        if room <= 0:
+        if room < self.min_drafts:
             return ()
         try:
-            return drafter.propose(req, room)
+            drafts = drafter.propose(req, room + in_flight)[in_flight:]
         except Exception:  # noqa: BLE001 - a drafter's bug costs this request its drafts only
             logger.exception("request %s: drafting failed; no drafts this step", req.request_id)
             return ()
+        return drafts if len(drafts) >= self.min_drafts else ()
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens_with_placeholders - req.num_computed_tokens
@@ -270,6 +281,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0
+        req.num_draft_placeholders = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -362,7 +374,11 @@ class Scheduler:
         if not tokens:
             self.kv.cache_blocks(req.request_id, req.all_token_ids, self._known_computed(req))
             return []
-        req.num_output_placeholders = max(0, req.num_output_placeholders - len(tokens))
+        # A step with drafts reserved a placeholder per draft and one more, whatever it kept.
+        consumed = 1 + num_drafts if num_drafts else len(tokens)
+        req.num_output_placeholders = max(0, req.num_output_placeholders - consumed)
+        if num_drafts:
+            req.num_draft_placeholders = 0
         accepted: list[int] = []
         for tok in tokens:
             if req.structured is not None and not self._advance_grammar(req, tok):
