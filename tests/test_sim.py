@@ -276,6 +276,8 @@ def test_drafts_on_the_simulator_keep_every_output(
         if reason == "stop":
             jsonschema.validate(json.loads(text), SCHEMA)
     assert stats["spec_accepted_tokens"] > 0 and preempted > 0
+    # Async: steps planned past drafts that were then rejected were dropped and rewound.
+    assert (stats["spec_wasted_rows"] > 0) is async_scheduling
 
 
 def test_the_simulator_checks_each_draft_position_against_its_own_row(tokenizer, tmp_path):

@@ -21,7 +21,9 @@ from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.entrypoints.args import add_engine_args, config_from_args
 from baton.engine.executor.uni import UniExecutor
 from baton.engine.processing.llm_engine import LLMEngine
+from baton.engine.scheduler_output import NewRequestData
 from baton.engine.speculative_config import SpeculativeConfig
+from baton.engine.worker.request_states import RequestStates
 from baton.engine.worker.spec_decode import accepted_tokens, record_verified_
 from baton.sampler import Sampler, SamplingMetadata
 
@@ -253,6 +255,26 @@ def test_record_verified_writes_only_kept_tokens():
     assert counts[0].tolist() == [0, 0, 0, 0, 1, 0]
 
 
+def test_rewind_forgets_the_token_recorded_past_the_real_length():
+    states = RequestStates(max_num_reqs=3, max_model_len=16, max_blocks_per_req=4, vocab_size=8)
+    params = SamplingParams(max_tokens=8, repetition_penalty=1.1)
+    for i, rid in enumerate(("a", "b", "c")):
+        states.add(NewRequestData(rid, (1, 2), (3, 4 + i), params, 0, (), 0))
+    states.flush()
+    rows = np.array([0, 1, 2], dtype=np.int64)
+    # Row 0 sampled one token past its real length, row 1 none; row 2 is left alone.
+    states.append_sampled(rows[:1], torch.tensor([0]), torch.tensor([6]))
+    counts_before = states.output_counts.clone()
+    states.rewind(rows[:2], np.array([4, 4], dtype=np.int64))
+    assert states.num_tokens[:3].tolist() == [4, 4, 4]
+    assert states.num_tokens_device[:3].tolist() == [4, 4, 4]
+    assert states.last_sampled[:3].tolist() == [4, 5, 6]
+    expected = counts_before.clone()
+    expected[0, 6] -= 1
+    assert torch.equal(states.output_counts, expected)
+    assert (states.output_counts >= 0).all()
+
+
 def test_kv_truncate_frees_the_tail():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     kv.allocate_slots("r", 13)
@@ -397,8 +419,11 @@ class _EarlyCpuExecutor(UniExecutor):
         for rid in so.num_scheduled_tokens:
             row = st.row_of[rid]
             assert st.num_computed[row] == sched.requests[rid].num_computed_tokens
-        for row in st.row_of.values():
-            if row not in st.unverified:
+        for rid, row in st.row_of.items():
+            req = sched.requests.get(rid)
+            # A row planned past drafts in flight has an optimistic host length until then.
+            settled = req is not None and req.num_output_placeholders <= 1
+            if settled and row not in st.unverified:
                 assert st.num_tokens[row] == int(st.num_tokens_device[row])
         self.forwards += 1
 
@@ -420,11 +445,16 @@ def _async_core(engine: LLMEngine, method: str | None, k: int = 4) -> tuple[Engi
 
 @pytest.mark.parametrize("method", METHODS)
 def test_async_scheduling_with_drafts_changes_no_token(engine, reference, method):
-    """Under async scheduling drafts follow a guess of the token in flight, and a request
-    whose drafts are in flight sits out the step planned meanwhile: the outputs stay those of
-    the synchronous engine without drafts (greedy, seeded, stop tokens and strings, min_tokens,
-    logprobs, JSON, regex, choice), with drafts proposed and accepted."""
+    """Under async scheduling drafts follow a guess of the token in flight, and the step
+    planned while they are verified takes the request's next token as if all were kept
+    (dropped and rewound when some were not): the outputs stay those of the synchronous engine
+    without drafts (greedy, seeded, stop tokens and strings, min_tokens, logprobs, penalties,
+    JSON, regex, choice), with drafts proposed and accepted."""
     reqs, _ = reference
+    penalised = SamplingParams(
+        max_tokens=30, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.4
+    )
+    reqs = [*reqs, ("the cat the cat the cat", penalised)]
     _use(engine, None)
     expected = run_to_end(engine, reqs)
     core, old = _async_core(engine, method)
@@ -438,6 +468,8 @@ def test_async_scheduling_with_drafts_changes_no_token(engine, reference, method
     # The tiny model's prompt lookups rarely continue its guess of the token in flight.
     assert sched.num_accepted_tokens > 0 or method == "ngram"
     assert core.executor.forwards > 20
+    # Rows planned past drafts the verification then rejected were dropped and rewound.
+    assert sched.num_wasted_rows > 0
     assert sched.kv.num_used_blocks == 0
     for rid in ("r1", "r8"):
         if got[rid][1] == "stop":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from baton.engine.core.request import Request
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.scheduler_output import SchedulerOutput
 
@@ -25,13 +24,11 @@ class AsyncScheduler(Scheduler):
 
     Speculative decoding: a request's drafts (proposed after its token in flight, see
     ``Scheduler._propose_drafts``) reserve one placeholder each, plus one for the token after
-    them. How many the step keeps is known only when its tokens arrive, so the request sits
-    out the step planned meanwhile and is scheduled again from its real length. That costs
-    it a step per drafted step, so drafts shorter than ``min_drafts`` are not proposed.
+    them, so the step planned meanwhile takes the request's next token as if every draft were
+    kept (the runner reads it from its rows, where the verification left it). When the
+    verification rejected some, that step's token for the request is dropped on arrival and
+    the request goes on from its real length (``Scheduler._apply_tokens``): one wasted row.
     """
-
-    # 1 + k tokens over two steps against 2 without drafts: two accepted drafts gain.
-    min_drafts = 2
 
     def schedule(self) -> SchedulerOutput:
         so = super().schedule()
@@ -43,14 +40,7 @@ class AsyncScheduler(Scheduler):
                 continue  # a prefill chunk short of the prompt's end samples nothing
             if req.num_output_placeholders and rid in so.structured_request_ids:
                 pending = True
-            drafts = len(spec.get(rid, ()))
-            req.num_output_placeholders += 1 + drafts
-            req.num_draft_placeholders = drafts
+            req.num_output_placeholders += 1 + len(spec.get(rid, ()))
         if pending:
             return dataclasses.replace(so, pending_structured_output_tokens=True)
         return so
-
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
-        if req.num_draft_placeholders:
-            return 0  # its length is known when the step verifying its drafts returns
-        return super()._num_new_tokens(req, budget)

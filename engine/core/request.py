@@ -59,9 +59,9 @@ class Request:
     ``num_computed_tokens`` counts tokens whose keys/values are (or, once the
     queued step runs, will be) in the KV cache. ``num_output_placeholders``
     counts sampled tokens still in flight (async scheduling); the scheduler
-    treats them as known. ``num_draft_placeholders`` counts the draft tokens among them: a
-    step verifying drafts reserves one placeholder per draft and one more, and the request
-    waits for that step's tokens before it is scheduled again.
+    treats them as known; a step verifying drafts reserves one per draft and one more.
+    Deliveries of steps up to ``stale_through_step`` are dropped: they were planned past
+    drafts that turned out rejected.
     """
 
     request_id: str
@@ -74,7 +74,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0
-    num_draft_placeholders: int = 0
+    stale_through_step: int = 0
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     stop_reason: int | str | None = None

@@ -54,6 +54,10 @@ class Scheduler:
         self.drafter = drafter
         # Blocks held by requests whose rejected drafts freed some, for the next step.
         self._kept_blocks: dict[str, int] = {}
+        # Requests whose runner rows hold a token planned past rejected drafts (async): their
+        # real token counts, for the next step.
+        self._rewound: dict[str, int] = {}
+        self.num_wasted_rows = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_drafted_steps = 0
@@ -223,9 +227,6 @@ class Scheduler:
             failed.append(self._fail(req, message))
         return grammar, failed
 
-    # Drafts shorter than this are not proposed (sync: any draft pays for its row).
-    min_drafts = 1
-
     def _propose_drafts(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
         """The drafts a decoding request feeds after its last token this step, trimmed so that
         every outcome stays within the token budget, max_tokens and max_model_len.
@@ -240,7 +241,6 @@ class Scheduler:
             drafter is None
             or n != 1
             or in_flight > 1
-            or req.num_draft_placeholders
             or req.num_computed_tokens != req.num_tokens + in_flight - 1
             or not drafter.can_draft(req)
         ):
@@ -254,14 +254,13 @@ class Scheduler:
             max_tokens - req.num_output_tokens - in_flight - 1,
             self.max_model_len - req.num_tokens - in_flight - 1,
         )
-        if room < self.min_drafts:
+        if room <= 0:
             return ()
         try:
-            drafts = drafter.propose(req, room + in_flight)[in_flight:]
+            return drafter.propose(req, room + in_flight)[in_flight:]
         except Exception:  # noqa: BLE001 - a drafter's bug costs this request its drafts only
             logger.exception("request %s: drafting failed; no drafts this step", req.request_id)
             return ()
-        return drafts if len(drafts) >= self.min_drafts else ()
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens_with_placeholders - req.num_computed_tokens
@@ -281,7 +280,6 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0
-        req.num_draft_placeholders = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -316,6 +314,8 @@ class Scheduler:
         self._finished_ids.clear()
         kept = {rid: n for rid, n in self._kept_blocks.items() if rid not in finished}
         self._kept_blocks.clear()
+        rewound = {rid: n for rid, n in self._rewound.items() if rid not in finished}
+        self._rewound.clear()
         if drafts:
             self.num_drafted_steps += 1
             self.num_draft_tokens += sum(len(d) for d in drafts.values())
@@ -335,6 +335,7 @@ class Scheduler:
             ),
             scheduled_spec_decode_tokens=drafts or {},
             num_kept_blocks=kept,
+            rewound=rewound,
         )
 
     # ------------------------------------------------------------------ update
@@ -352,8 +353,9 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished or rid in so.preempted_request_ids:
                 continue
-            if req.status != RequestStatus.RUNNING:
-                # Preempted after this step was planned (async): a stale delivery.
+            if req.status != RequestStatus.RUNNING or so.step_id <= req.stale_through_step:
+                # Preempted after this step was planned, or planned past drafts that were
+                # rejected (async): a stale delivery.
                 continue
             try:
                 num_drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
@@ -369,8 +371,6 @@ class Scheduler:
         error = out.errors.get(req.request_id)
         if error is not None:
             return [self._fail(req, error)]
-        if num_drafts and tokens:
-            self._reject_drafts(req, num_drafts, len(tokens) - 1)
         if not tokens:
             self.kv.cache_blocks(req.request_id, req.all_token_ids, self._known_computed(req))
             return []
@@ -378,7 +378,7 @@ class Scheduler:
         consumed = 1 + num_drafts if num_drafts else len(tokens)
         req.num_output_placeholders = max(0, req.num_output_placeholders - consumed)
         if num_drafts:
-            req.num_draft_placeholders = 0
+            self._reject_drafts(req, num_drafts, len(tokens) - 1)
         accepted: list[int] = []
         for tok in tokens:
             if req.structured is not None and not self._advance_grammar(req, tok):
@@ -408,12 +408,22 @@ class Scheduler:
 
     def _reject_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Forgets the KV slots of the rejected drafts: they count as not computed, and
-        blocks past the accepted tokens go back to the pool."""
+        blocks past the accepted tokens go back to the pool. Call it after the step's own
+        placeholders are released: any left belong to steps planned since (async)."""
         self.num_accepted_tokens += num_accepted
         rejected = num_drafts - num_accepted
         if rejected <= 0:
             return
         req.num_computed_tokens -= rejected
+        if req.num_output_placeholders:
+            # Async: the steps planned since fed the token after the drafts as if all were
+            # kept. Their tokens are dropped on arrival, and the runner forgets what they
+            # recorded, so the request goes on from its real length.
+            req.num_computed_tokens -= req.num_output_placeholders
+            req.num_output_placeholders = 0
+            req.stale_through_step = self._step_id
+            self._rewound[req.request_id] = req.num_tokens + num_accepted + 1
+            self.num_wasted_rows += 1
         held = len(self.kv.get_block_ids(req.request_id))
         kept = self.kv.truncate(req.request_id, req.num_computed_tokens)
         if kept < held:

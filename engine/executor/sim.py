@@ -150,6 +150,11 @@ class SimExecutor(Executor):
                 num_tokens=len(new.prompt_token_ids) + len(new.output_token_ids),
                 num_computed=new.num_computed_tokens,
             )
+        for rid, n in so.rewound.items():
+            # A token sampled past rejected drafts (async): the trace goes on from n.
+            if (row := rows.get(rid)) is not None:
+                row.position -= row.num_tokens - n
+                row.num_tokens = n
         for cached in so.cached_requests:
             rows[cached.request_id].num_computed = cached.num_computed_tokens
         work = []

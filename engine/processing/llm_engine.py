@@ -283,7 +283,8 @@ class LLMEngine:
         the grammar compile service's counters, gauges and compile-time histogram
         (``grammar_*`` keys, see ``CompileService.stats``); with speculative decoding
         ``spec_draft_tokens`` (drafts fed), ``spec_accepted_tokens`` (drafts kept),
-        ``spec_acceptance_rate`` and ``spec_drafted_steps`` (steps that fed any draft)."""
+        ``spec_acceptance_rate``, ``spec_drafted_steps`` (steps that fed any draft) and
+        ``spec_wasted_rows`` (async: rows planned past drafts that were rejected)."""
         sched = self.core.scheduler
         stats: dict[str, float | int | str] = dict(self.core.stats.as_dict())
         stats.update(
@@ -314,6 +315,7 @@ class LLMEngine:
                 spec_accepted_tokens=sched.num_accepted_tokens,
                 spec_acceptance_rate=sched.num_accepted_tokens / drafted if drafted else 0.0,
                 spec_drafted_steps=sched.num_drafted_steps,
+                spec_wasted_rows=sched.num_wasted_rows,
             )
         stats.update(self.structured.service.stats())
         return stats

@@ -308,6 +308,10 @@ class ModelRunner:
         for rid, kept in so.num_kept_blocks.items():
             if (row := st.row_of.get(rid)) is not None:
                 st.num_blocks[row] = kept
+        if so.rewound:
+            live = [(st.row_of[r], n) for r, n in so.rewound.items() if r in st.row_of]
+            rows = np.fromiter((r for r, _ in live), np.int64, len(live))
+            st.rewind(rows, np.fromiter((n for _, n in live), np.int64, len(live)))
         for cached in so.cached_requests:
             row = st.row_of[cached.request_id]
             st.settle(row, cached.num_computed_tokens)
@@ -402,15 +406,16 @@ class ModelRunner:
         drafts = np.full((len(layout.drafts), width - 1), -1, dtype=np.int64)
         for i, d in enumerate(layout.drafts):
             drafts[i, : len(d)] = d
-        lengths = st.num_tokens[fwd.sample_rows]
-        gather_d, drafts_d, lengths_d = self.io.to_device([gather, drafts, lengths])
+        gather_d, drafts_d = self.io.to_device([gather, drafts])
         record_verified_(
             st.token_ids,
             st.num_tokens_device,
             st.last_sampled,
             st.output_counts,
             fwd.sample_rows_device,
-            lengths_d,
+            # The device's lengths: a row planned past drafts still in flight (async) has an
+            # optimistic host length until it is rewound.
+            st.num_tokens_device[fwd.sample_rows_device],
             tokens[gather_d],
             drafts_d,
         )

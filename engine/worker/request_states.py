@@ -186,6 +186,22 @@ class RequestStates:
             self.num_tokens[row] = num_computed + 1
             self.unverified.discard(row)
 
+    def rewind(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Gives rows their real lengths after a step planned as if every draft of the step
+        before were kept sampled past a rejected one (async scheduling): the one token at most
+        recorded past ``num_tokens`` is forgotten on the device (length, last sampled token,
+        penalty count) with no host read, and the host mirrors take the given lengths."""
+        if not rows.size:
+            return
+        rows_d, n_d = self.io.to_device([rows, num_tokens])
+        past = self.token_ids[rows_d, n_d.clamp(max=self.row_len - 1)]
+        recorded = (n_d < self.num_tokens_device[rows_d]).to(self.output_counts.dtype)
+        self.output_counts.index_put_((rows_d, past), -recorded, accumulate=True)
+        self.num_tokens_device[rows_d] = n_d
+        self.last_sampled[rows_d] = self.token_ids[rows_d, n_d - 1]
+        self.num_tokens[rows] = num_tokens
+        self.unverified.difference_update(rows.tolist())
+
     def append_sampled(
         self, rows: np.ndarray, rows_device: torch.Tensor, tokens: torch.Tensor
     ) -> None:
