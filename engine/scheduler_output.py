@@ -61,9 +61,10 @@ class SchedulerOutput:
     # each still holds (the runner cuts its block table to that before appending new ones).
     num_kept_blocks: dict[str, int] = field(default_factory=dict)
     # Async scheduling: requests whose step after a drafted one was planned as if every draft
-    # were kept, when the verification rejected some: each one's real token count. The runner
-    # forgets the token it sampled past it (at most one) before this step's changes.
-    rewound: dict[str, int] = field(default_factory=dict)
+    # were kept, when the verification rejected some: each one's real token count, and how
+    # many tokens were planned past it (the most the runner may have recorded there). The
+    # runner forgets what it recorded past the real count before this step's changes.
+    rewound: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -255,22 +255,23 @@ def test_record_verified_writes_only_kept_tokens():
     assert counts[0].tolist() == [0, 0, 0, 0, 1, 0]
 
 
-def test_rewind_forgets_the_token_recorded_past_the_real_length():
+def test_rewind_forgets_the_tokens_recorded_past_the_real_length():
     states = RequestStates(max_num_reqs=3, max_model_len=16, max_blocks_per_req=4, vocab_size=8)
     params = SamplingParams(max_tokens=8, repetition_penalty=1.1)
     for i, rid in enumerate(("a", "b", "c")):
         states.add(NewRequestData(rid, (1, 2), (3, 4 + i), params, 0, (), 0))
     states.flush()
     rows = np.array([0, 1, 2], dtype=np.int64)
-    # Row 0 sampled one token past its real length, row 1 none; row 2 is left alone.
+    # Row 0 sampled two tokens past its real length, row 1 none; row 2 is left alone.
+    states.append_sampled(rows[:1], torch.tensor([0]), torch.tensor([6]))
     states.append_sampled(rows[:1], torch.tensor([0]), torch.tensor([6]))
     counts_before = states.output_counts.clone()
-    states.rewind(rows[:2], np.array([4, 4], dtype=np.int64))
+    states.rewind(rows[:2], np.array([4, 4], dtype=np.int64), 3)
     assert states.num_tokens[:3].tolist() == [4, 4, 4]
     assert states.num_tokens_device[:3].tolist() == [4, 4, 4]
     assert states.last_sampled[:3].tolist() == [4, 5, 6]
     expected = counts_before.clone()
-    expected[0, 6] -= 1
+    expected[0, 6] -= 2
     assert torch.equal(states.output_counts, expected)
     assert (states.output_counts >= 0).all()
 

@@ -54,9 +54,9 @@ class Scheduler:
         self.drafter = drafter
         # Blocks held by requests whose rejected drafts freed some, for the next step.
         self._kept_blocks: dict[str, int] = {}
-        # Requests whose runner rows hold a token planned past rejected drafts (async): their
-        # real token counts, for the next step.
-        self._rewound: dict[str, int] = {}
+        # Requests whose runner rows hold tokens planned past rejected drafts (async): their
+        # real token counts and how many tokens past them were planned, for the next step.
+        self._rewound: dict[str, tuple[int, int]] = {}
         self.num_wasted_rows = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -231,16 +231,15 @@ class Scheduler:
         """The drafts a decoding request feeds after its last token this step, trimmed so that
         every outcome stays within the token budget, max_tokens and max_model_len.
 
-        Under async scheduling a request may have one token in flight (not drafted): its
-        drafts then follow the drafter's guess of that token (the drafter's first proposal,
-        not fed). The step verifies them against the real token like any draft, so a wrong
-        guess costs rejected rows, never a different output."""
+        Under async scheduling a request may have tokens in flight (one, or a drafted step's
+        drafts and the token after them): its drafts then follow the drafter's guess of those
+        (its first proposals, not fed). The step verifies them against the real tokens like
+        any draft, so a wrong guess costs rejected rows, never a different output."""
         drafter = self.drafter
         in_flight = req.num_output_placeholders
         if (
             drafter is None
             or n != 1
-            or in_flight > 1
             or req.num_computed_tokens != req.num_tokens + in_flight - 1
             or not drafter.can_draft(req)
         ):
@@ -419,10 +418,11 @@ class Scheduler:
             # Async: the steps planned since fed the token after the drafts as if all were
             # kept. Their tokens are dropped on arrival, and the runner forgets what they
             # recorded, so the request goes on from its real length.
-            req.num_computed_tokens -= req.num_output_placeholders
+            past = req.num_output_placeholders
+            req.num_computed_tokens -= past
             req.num_output_placeholders = 0
             req.stale_through_step = self._step_id
-            self._rewound[req.request_id] = req.num_tokens + num_accepted + 1
+            self._rewound[req.request_id] = (req.num_tokens + num_accepted + 1, past)
             self.num_wasted_rows += 1
         held = len(self.kv.get_block_ids(req.request_id))
         kept = self.kv.truncate(req.request_id, req.num_computed_tokens)

@@ -150,8 +150,8 @@ class SimExecutor(Executor):
                 num_tokens=len(new.prompt_token_ids) + len(new.output_token_ids),
                 num_computed=new.num_computed_tokens,
             )
-        for rid, n in so.rewound.items():
-            # A token sampled past rejected drafts (async): the trace goes on from n.
+        for rid, (n, _) in so.rewound.items():
+            # Tokens sampled past rejected drafts (async): the trace goes on from n.
             if (row := rows.get(rid)) is not None:
                 row.position -= row.num_tokens - n
                 row.num_tokens = n

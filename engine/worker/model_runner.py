@@ -309,9 +309,12 @@ class ModelRunner:
             if (row := st.row_of.get(rid)) is not None:
                 st.num_blocks[row] = kept
         if so.rewound:
-            live = [(st.row_of[r], n) for r, n in so.rewound.items() if r in st.row_of]
-            rows = np.fromiter((r for r, _ in live), np.int64, len(live))
-            st.rewind(rows, np.fromiter((n for _, n in live), np.int64, len(live)))
+            live = [(st.row_of[r], n, w) for r, (n, w) in so.rewound.items() if r in st.row_of]
+            st.rewind(
+                np.array([r for r, _, _ in live], dtype=np.int64),
+                np.array([n for _, n, _ in live], dtype=np.int64),
+                max((w for _, _, w in live), default=1),
+            )
         for cached in so.cached_requests:
             row = st.row_of[cached.request_id]
             st.settle(row, cached.num_computed_tokens)

@@ -186,17 +186,23 @@ class RequestStates:
             self.num_tokens[row] = num_computed + 1
             self.unverified.discard(row)
 
-    def rewind(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Gives rows their real lengths after a step planned as if every draft of the step
-        before were kept sampled past a rejected one (async scheduling): the one token at most
-        recorded past ``num_tokens`` is forgotten on the device (length, last sampled token,
-        penalty count) with no host read, and the host mirrors take the given lengths."""
+    def rewind(self, rows: np.ndarray, num_tokens: np.ndarray, width: int) -> None:
+        """Gives rows their real lengths after steps planned as if every draft of the step
+        before were kept recorded tokens past a rejected one (async scheduling): the tokens at
+        most ``width`` recorded past ``num_tokens`` are forgotten on the device (length, last
+        sampled token, penalty counts) with no host read, and the host mirrors take the given
+        lengths."""
         if not rows.size:
             return
         rows_d, n_d = self.io.to_device([rows, num_tokens])
-        past = self.token_ids[rows_d, n_d.clamp(max=self.row_len - 1)]
-        recorded = (n_d < self.num_tokens_device[rows_d]).to(self.output_counts.dtype)
-        self.output_counts.index_put_((rows_d, past), -recorded, accumulate=True)
+        cols = n_d.unsqueeze(1) + torch.arange(max(width, 1), device=n_d.device)
+        past = self.token_ids[rows_d.unsqueeze(1), cols.clamp(max=self.row_len - 1)]
+        recorded = cols < self.num_tokens_device[rows_d].unsqueeze(1)
+        self.output_counts.index_put_(
+            (rows_d.unsqueeze(1).expand_as(past).flatten(), past.flatten()),
+            -recorded.flatten().to(self.output_counts.dtype),
+            accumulate=True,
+        )
         self.num_tokens_device[rows_d] = n_d
         self.last_sampled[rows_d] = self.token_ids[rows_d, n_d - 1]
         self.num_tokens[rows] = num_tokens
