@@ -60,9 +60,12 @@ _SPEC_ON_CPU = (
     "speculative decoding on the CPU runs in the engine's process (executor='uni'), where a "
     "forward cannot overlap the scheduler"
 )
-# Why structured drafts stay off by default under async scheduling (``structured_drafts=True``
-# turns them on there).
-_ASYNC_DRAFTS_OFF = "under async scheduling they are not measured faster yet"
+# Why structured drafts stay off by default on CUDA with async scheduling (measured faster on
+# the simulated device, where they are on; ``structured_drafts=True`` turns them on).
+_CUDA_DRAFTS_OFF = (
+    "on CUDA a step with drafts runs eagerly, outside the decode CUDA graphs, and drafts are "
+    "not measured on a GPU yet"
+)
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?|sim:[\w.-]+")
 
 
@@ -172,19 +175,21 @@ class EngineConfig:
         speculative_config: speculative decoding (``SpeculativeConfig``, or a dict / JSON text
             of its fields, as vLLM's ``{"method": "ngram", "num_speculative_tokens": 4}``);
             None: as ``structured_drafts`` decides (drafts for structured requests where they
-            can run, else off). So far it runs with synchronous scheduling, in this process
-            (executor "uni") or on the simulated device, without tensor parallelism: async
-            scheduling left as None resolves to off with it, and asking for async scheduling,
-            the "mp" executor or tensor parallelism with it raises ValueError. Resolved to a
-            ``SpeculativeConfig`` (or None) at construction.
+            can run, else off). It runs in this process (executor "uni": synchronous on a
+            CPU, where async scheduling left as None resolves to off with it; synchronous or
+            async on CUDA) or on the simulated device, without tensor parallelism; asking for
+            the "mp" executor, async scheduling on a CPU or tensor parallelism with it raises
+            ValueError. Resolved to a ``SpeculativeConfig`` (or None) at construction.
         structured_drafts: speculative decoding for structured requests when
             ``speculative_config`` is None: None (default) turns it on ("auto" drafts, the
             grammar's forced tokens then prompt lookup, 3 per step, free text without drafts)
-            wherever it can run, i.e. where the engine schedules synchronously in its own
-            process (on a 2-core CPU by default) or on the simulated device, and leaves it off
-            elsewhere (logged); True asks for it (ValueError where it cannot run); False
-            keeps it off. Measured by ``baton bench spec`` (README: faster at concurrency 1
-            and 16 on both JSON workloads).
+            wherever it can run and was measured faster: where the engine schedules
+            synchronously in its own process (on a 2-core CPU by default) and on the simulated
+            device (sync or async); it leaves it off elsewhere (logged), also on CUDA with
+            async scheduling, where a step with drafts runs outside the CUDA graphs; True asks
+            for it (ValueError where it cannot run); False keeps it off. Measured by ``baton
+            bench spec`` (README: faster at concurrency 1 and 16 on both JSON workloads, on
+            this CPU and on the simulated H200).
         enforce_eager: on CUDA, run every step's forward op by op. False (default, as vLLM's):
             the forward of a pure-decode step (one new token per sequence, up to
             ``worker/cuda_graphs.MAX_CAPTURE_SIZE`` sequences) is captured as CUDA graphs
@@ -391,8 +396,8 @@ class EngineConfig:
                 )
             logger.info("speculative decoding for structured requests off: %s", blocker)
             return
-        if self.async_scheduling and self.structured_drafts is None:
-            logger.info("speculative decoding for structured requests off: %s", _ASYNC_DRAFTS_OFF)
+        if self.async_scheduling and self.structured_drafts is None and self.executor != "sim":
+            logger.info("speculative decoding for structured requests off: %s", _CUDA_DRAFTS_OFF)
             return
         spec = SpeculativeConfig(method="auto", structured_only=True)
         object.__setattr__(self, "speculative_config", spec)

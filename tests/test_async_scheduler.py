@@ -260,3 +260,65 @@ def test_worker_threads_keep_to_the_cores_and_to_omp_num_threads(monkeypatch):
     monkeypatch.setattr(model_setup, "num_cpu_cores", lambda: 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert model_setup._worker_threads(EngineConfig(executor="mp")) == 1
+
+
+class _ListDrafter:
+    """A drafter proposing fixed tokens for every request (``Drafter``'s interface)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        from baton.engine.speculative_config import SpeculativeConfig
+
+        self.config = SpeculativeConfig("ngram", 3)
+        self.tokens = tokens
+
+    def can_draft(self, req: Request) -> bool:
+        return True
+
+    def propose(self, req: Request, max_drafts: int) -> tuple[int, ...]:
+        return tuple(self.tokens[:max_drafts])
+
+
+def _deliver(s: AsyncScheduler, so: SchedulerOutput, tokens: dict[str, list[int]]) -> None:
+    ids = list(so.num_scheduled_tokens)
+    s.update_from_output(so, ModelRunnerOutput(ids, [tokens.get(r, []) for r in ids]))
+
+
+def test_drafts_in_flight_reserve_placeholders_and_a_rejection_rewinds_the_next_step():
+    s = make_scheduler()
+    s.drafter = _ListDrafter([7, 8, 9, 10, 11])
+    s.add_request(make_request("a", max_tokens=30))
+    s.add_request(make_request("b", max_tokens=30))
+    prefill = s.schedule()
+    a = s.requests["a"]
+    # Token 1 of each is in flight: the drafts follow a guess of it (the first proposal).
+    d1 = s.schedule()
+    assert d1.scheduled_spec_decode_tokens == {"a": (8, 9, 10), "b": (8, 9, 10)}
+    assert a.num_output_placeholders == 1 + 1 + 3
+    _deliver(s, prefill, {"a": [7], "b": [7]})
+    # Both have drafts in flight and nothing waits: no step until they are verified.
+    assert s.schedule().is_empty
+    # a keeps all three and one more, b keeps one: b's count goes back.
+    _deliver(s, d1, {"a": [8, 9, 10, 5], "b": [8, 4]})
+    assert a.num_output_placeholders == 0 and a.num_computed_tokens == a.num_tokens - 1
+    b = s.requests["b"]
+    assert b.num_computed_tokens == b.num_tokens - 1 and b.output_token_ids == [7, 8, 4]
+    # Now a's drafts in flight sit beside c's prefill: a's next row is planned as if all kept.
+    s.add_request(make_request("c"))
+    d2 = s.schedule()
+    assert d2.scheduled_spec_decode_tokens["a"] == (7, 8, 9)
+    opt = s.schedule()
+    # Its drafts there follow the guess of all five tokens in flight (three drafts, 8 9 10
+    # kept, one more): the proposals past them.
+    assert opt.scheduled_spec_decode_tokens["a"] == (11,)
+    assert opt.num_scheduled_tokens["a"] == 2
+    computed_before = a.num_computed_tokens
+    _deliver(s, d2, {"a": [7, 3], "b": [7, 8, 9, 1], "c": [6]})  # a keeps 1 of 3 drafts
+    assert a.output_token_ids[-2:] == [7, 3]
+    assert a.num_output_placeholders == 0 and a.stale_through_step == opt.step_id
+    assert a.num_computed_tokens == computed_before - 2 - 2 == a.num_tokens - 1
+    nxt = s.schedule()
+    assert nxt.rewound["a"] == (a.num_tokens, 2)
+    _deliver(s, opt, {"a": [99], "b": [1], "c": [1]})  # a's token there is stale: dropped
+    assert 99 not in a.output_token_ids
+    # a's row in opt, then b's and c's in nxt (their drafts in opt were rejected too).
+    assert s.num_wasted_rows == 3 and set(s.schedule().rewound) == {"b", "c"}

@@ -91,14 +91,13 @@ def test_engine_config_refuses_what_is_not_built_yet():
     assert sim.executor == "sim" and sim.async_scheduling is True
     sim_sync = EngineConfig(device="sim:h200", speculative_config=spec, async_scheduling=False)
     assert sim_sync.async_scheduling is False
-    # Structured drafts by default: off under async scheduling (not measured faster there),
-    # on when it schedules synchronously; asked for, they run under async too.
-    assert EngineConfig(device="sim:h200").speculative_config is None
+    # Structured drafts by default on the simulator, sync or async (measured faster there).
+    default = SpeculativeConfig("auto", 3, structured_only=True)
+    sim_async = EngineConfig(device="sim:h200")
+    assert sim_async.async_scheduling is True and sim_async.speculative_config == default
     sim_sync = EngineConfig(device="sim:h200", async_scheduling=False)
-    assert sim_sync.speculative_config == SpeculativeConfig("auto", 3, structured_only=True)
-    sim_asked = EngineConfig(device="sim:h200", structured_drafts=True)
-    assert sim_asked.async_scheduling is True
-    assert sim_asked.speculative_config == SpeculativeConfig("auto", 3, structured_only=True)
+    assert sim_sync.speculative_config == default
+    assert EngineConfig(device="sim:h200", structured_drafts=False).speculative_config is None
     with pytest.raises(ValueError, match="speculative_config.method"):
         EngineConfig(speculative_config={"method": "medusa"})
 

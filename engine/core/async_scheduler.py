@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from baton.engine.core.request import Request
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.scheduler_output import SchedulerOutput
 
@@ -28,9 +29,17 @@ class AsyncScheduler(Scheduler):
     kept (the runner reads it from its rows, where the verification left it). When the
     verification rejected some, that step's token for the request is dropped on arrival and
     the request goes on from its real length (``Scheduler._apply_tokens``): one wasted row.
+    When every running request has drafts in flight and none waits, the step is left empty
+    instead: a wasted row would then cost a whole forward, and waiting costs only the host's
+    time between the verification and the next step, which then drafts from known tokens.
     """
 
+    _all_drafting = False
+
     def schedule(self) -> SchedulerOutput:
+        self._all_drafting = not self.waiting and all(
+            r.num_output_placeholders > 1 for r in self.running
+        )
         so = super().schedule()
         pending = False
         spec = so.scheduled_spec_decode_tokens
@@ -44,3 +53,9 @@ class AsyncScheduler(Scheduler):
         if pending:
             return dataclasses.replace(so, pending_structured_output_tokens=True)
         return so
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        # Without drafts a request has at most one token in flight when a step is planned.
+        if self._all_drafting and req.num_output_placeholders > 1:
+            return 0
+        return super()._num_new_tokens(req, budget)

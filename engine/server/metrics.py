@@ -150,6 +150,12 @@ _ENGINE_METRICS = (
         "counter",
         "Engine steps that fed at least one draft token.",
     ),
+    (
+        "spec_wasted_rows",
+        "spec_wasted_rows_total",
+        "counter",
+        "Async scheduling: requests' rows planned past drafts that were then rejected.",
+    ),
 )
 
 # The grammar compile service's gauges and counters, from the same stats.
