@@ -53,15 +53,15 @@ def num_cpu_cores() -> int:
 
 
 _SPEC_RUNS_WHERE = (
-    "speculative decoding runs in the engine's process (executor='uni': synchronous on the "
-    "CPU, synchronous or async on CUDA) or on the simulated device, without tensor parallelism"
-)
-_SPEC_ON_CPU = (
-    "speculative decoding on the CPU runs in the engine's process (executor='uni'), where a "
-    "forward cannot overlap the scheduler"
+    "speculative decoding runs on one model replica (in the engine's process, in one worker "
+    "process or on the simulated device), with either scheduling"
 )
 # Why structured drafts stay off by default on CUDA with async scheduling (measured faster on
 # the simulated device, where they are on; ``structured_drafts=True`` turns them on).
+_MP_DRAFTS_OFF = (
+    "with the model in a worker process (executor='mp', used on CPUs with 3 or more cores) "
+    "drafts are not measured faster yet"
+)
 _CUDA_DRAFTS_OFF = (
     "on CUDA a step with drafts runs eagerly, outside the decode CUDA graphs, and drafts are "
     "not measured on a GPU yet"
@@ -175,18 +175,18 @@ class EngineConfig:
         speculative_config: speculative decoding (``SpeculativeConfig``, or a dict / JSON text
             of its fields, as vLLM's ``{"method": "ngram", "num_speculative_tokens": 4}``);
             None: as ``structured_drafts`` decides (drafts for structured requests where they
-            can run, else off). It runs in this process (executor "uni": synchronous on a
-            CPU, where async scheduling left as None resolves to off with it; synchronous or
-            async on CUDA) or on the simulated device, without tensor parallelism; asking for
-            the "mp" executor, async scheduling on a CPU or tensor parallelism with it raises
-            ValueError. Resolved to a ``SpeculativeConfig`` (or None) at construction.
+            can run, else off). It runs on one model replica with either scheduling (in this
+            process, in the worker process or on the simulated device); with tensor
+            parallelism it raises ValueError. Resolved to a ``SpeculativeConfig`` (or None) at
+            construction.
         structured_drafts: speculative decoding for structured requests when
             ``speculative_config`` is None: None (default) turns it on ("auto" drafts, the
             grammar's forced tokens then prompt lookup, 3 per step, free text without drafts)
             wherever it can run and was measured faster: where the engine schedules
             synchronously in its own process (on a 2-core CPU by default) and on the simulated
-            device (sync or async); it leaves it off elsewhere (logged), also on CUDA with
-            async scheduling, where a step with drafts runs outside the CUDA graphs; True asks
+            device (sync or async); it leaves it off elsewhere (logged): in the worker
+            process (not measured), and on CUDA with async scheduling, where a step with
+            drafts runs outside the CUDA graphs; True asks
             for it (ValueError where it cannot run); False keeps it off. Measured by ``baton
             bench spec`` (README: faster at concurrency 1 and 16 on both JSON workloads, on
             this CPU and on the simulated H200).
@@ -362,21 +362,17 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         if self.speculative_config is None:
             return
-        refused = self._spec_blocker(self.executor, bool(self.async_scheduling))
+        refused = self._spec_blocker()
         if refused is not None:
             raise ValueError(
                 f"EngineConfig.speculative_config is not supported with {refused} yet: "
                 f"{_SPEC_RUNS_WHERE}"
             )
 
-    def _spec_blocker(self, executor: str | None, async_on: bool) -> str | None:
+    def _spec_blocker(self) -> str | None:
         """What keeps speculative decoding from running with this config, or None."""
         if self.tensor_parallel_size > 1:
             return f"tensor_parallel_size={self.tensor_parallel_size}"
-        if executor not in (None, "uni", "sim"):
-            return f"executor={executor!r}"
-        if async_on and self.device == "cpu":
-            return "async scheduling on the CPU (its model runs in a worker process, 'mp')"
         return None
 
     def _resolve_structured_drafts(self) -> None:
@@ -387,7 +383,7 @@ class EngineConfig:
             )
         if self.speculative_config is not None or self.structured_drafts is False:
             return
-        blocker = self._spec_blocker(self.executor, bool(self.async_scheduling))
+        blocker = self._spec_blocker()
         if blocker is not None:
             if self.structured_drafts:
                 raise ValueError(
@@ -395,6 +391,9 @@ class EngineConfig:
                     f"{_SPEC_RUNS_WHERE}"
                 )
             logger.info("speculative decoding for structured requests off: %s", blocker)
+            return
+        if self.structured_drafts is None and self.executor == "mp":
+            logger.info("speculative decoding for structured requests off: %s", _MP_DRAFTS_OFF)
             return
         if self.async_scheduling and self.structured_drafts is None and self.executor != "sim":
             logger.info("speculative decoding for structured requests off: %s", _CUDA_DRAFTS_OFF)
@@ -445,8 +444,6 @@ class EngineConfig:
             )
         elif self.max_concurrent_batches < 2:
             blocker = "max_concurrent_batches=1 leaves no room for a step planned ahead"
-        elif self.speculative_config is not None and self.device == "cpu":
-            blocker = _SPEC_ON_CPU
         few_cores = self.device == "cpu" and cores < MIN_CORES_FOR_OVERLAP
         if blocker is None and few_cores and self.async_scheduling is None and not self.executor:
             # Not incompatible, only slower: asking for it explicitly is allowed.

@@ -79,13 +79,11 @@ def test_engine_config_refuses_what_is_not_built_yet():
     cfg = EngineConfig(speculative_config=spec)
     assert cfg.speculative_config == SpeculativeConfig("auto")
     assert cfg.async_scheduling is False and cfg.executor == "uni"
-    for bad, word in (
-        ({"async_scheduling": True}, "async scheduling on the CPU"),
-        ({"executor": "mp"}, "executor='mp'"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
-    ):
-        with pytest.raises(ValueError, match=word):
-            EngineConfig(speculative_config=spec, **bad)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        EngineConfig(speculative_config=spec, tensor_parallel_size=2)
+    # In a worker process, with either scheduling.
+    mp = EngineConfig(speculative_config=spec, async_scheduling=True)
+    assert mp.executor == "mp" and mp.speculative_config == SpeculativeConfig("auto")
     # The simulated device verifies drafts under either scheduling; its default is async.
     sim = EngineConfig(device="sim:h200", speculative_config=spec)
     assert sim.executor == "sim" and sim.async_scheduling is True
@@ -108,11 +106,13 @@ def test_structured_drafts_are_on_by_default_where_they_can_run():
         pytest.skip("the default engine here schedules asynchronously")
     assert cfg.speculative_config == SpeculativeConfig("auto", 3, structured_only=True)
     assert EngineConfig(structured_drafts=False).speculative_config is None
-    # Where it cannot run, the default leaves it off; asking for it there is an error.
+    # Not measured faster in a worker process: off by default there, on when asked for.
     assert EngineConfig(executor="mp").speculative_config is None
     assert EngineConfig(async_scheduling=True, executor="mp").speculative_config is None
+    asked = EngineConfig(structured_drafts=True, executor="mp", async_scheduling=True)
+    assert asked.speculative_config == SpeculativeConfig("auto", 3, structured_only=True)
     with pytest.raises(ValueError, match="structured_drafts=True is not supported with"):
-        EngineConfig(structured_drafts=True, executor="mp")
+        EngineConfig(structured_drafts=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="structured_drafts must be None, True or False"):
         EngineConfig(structured_drafts="yes")
     # An explicit config wins over the default.
@@ -471,6 +471,38 @@ def test_async_scheduling_with_drafts_changes_no_token(engine, reference, method
     # Rows planned past drafts the verification then rejected were dropped and rewound.
     assert sched.num_wasted_rows > 0
     assert sched.kv.num_used_blocks == 0
+    for rid in ("r1", "r8"):
+        if got[rid][1] == "stop":
+            jsonschema.validate(json.loads(got[rid][2]), SCHEMA)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_drafts_in_a_worker_process_change_no_token(tiny_model_dir, reference, async_scheduling):
+    """The model worker process (executor "mp") verifies drafts too: its shared bitmask and
+    token buffers hold a row per draft position, and its replies say where each request's
+    rows lie. Same outputs with and without drafts, in one worker."""
+    reqs, _ = reference
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            max_model_len=256,
+            executor="mp",
+            async_scheduling=async_scheduling,
+            speculative_config={"method": "auto", "num_speculative_tokens": 4},
+        )
+    )
+    try:
+        assert engine.config.async_scheduling is async_scheduling
+        _use(engine, None)
+        expected = run_to_end(engine, reqs)
+        _use(engine, "auto")
+        got = run_to_end(engine, reqs)
+        sched = engine.core.scheduler
+    finally:
+        engine.shutdown()
+    assert got == expected
+    assert sched.num_draft_tokens > 0 and sched.num_accepted_tokens > 0
+    assert (sched.num_wasted_rows > 0) is async_scheduling  # rewinds reach the worker's rows
     for rid in ("r1", "r8"):
         if got[rid][1] == "stop":
             jsonschema.validate(json.loads(got[rid][2]), SCHEMA)

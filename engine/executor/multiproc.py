@@ -40,6 +40,7 @@ from baton.engine.worker.build import RunnerSpec
 from baton.engine.worker.cpu_threads import ThreadState
 from baton.engine.worker.model_runner import runner_output
 from baton.engine.worker.shared_memory import SharedBuffer, pack_layouts
+from baton.engine.worker.spec_decode import DraftLayout
 from baton.engine.worker.step_broadcast import StepBroadcaster
 from baton.engine.worker.worker_main import Reply, WorkerInit
 from baton.grammar.backend import bitmask_width
@@ -97,7 +98,8 @@ class MultiprocExecutor(Executor):
         size = spec.tensor_parallel_size
         check_tensor_parallel(spec.model_config, size)
         vocab = spec.model_config.vocab_size
-        rows = spec.max_num_seqs
+        # A logits row per request, and one more per draft (speculative decoding).
+        rows = spec.max_num_seqs * (1 + spec.max_drafts)
         words = bitmask_width(vocab)
         io_layouts, io_total = pack_layouts(
             {
@@ -251,15 +253,16 @@ class MultiprocExecutor(Executor):
         slot = self._slot
         self._slot = (self._slot + 1) % _SLOTS
         request_ids: tuple[str, ...] = ()
+        row_counts: tuple[int, ...] = ()
         if grammar is not None and grammar.request_ids:
-            n = len(grammar.request_ids)
+            n = sum(grammar.row_counts) if grammar.row_counts else len(grammar.request_ids)
             target = self._bitmasks[slot, :n]
             if grammar.bitmask.data_ptr() != target.data_ptr():  # not filled in place
                 target.copy_(grammar.bitmask[:n])
-            request_ids = grammar.request_ids
-        self._send(self._conn, ("sample", step_id, slot, request_ids))
+            request_ids, row_counts = grammar.request_ids, grammar.row_counts
+        self._send(self._conn, ("sample", step_id, slot, request_ids, row_counts))
         for worker in self._workers[1:]:  # the bitmask is rank 0's only
-            self._send(worker.conn, ("sample", step_id, slot, ()))
+            self._send(worker.conn, ("sample", step_id, slot, (), ()))
         return _MpOutput(self, step_id)
 
     def bitmask_buffer(self) -> torch.Tensor:
@@ -299,9 +302,12 @@ class MultiprocExecutor(Executor):
                     sampled_token_ids=[[] for _ in reply.request_ids],
                     errors=dict.fromkeys(reply.request_ids, reply.error),
                 )
-            n = len(reply.sample_request_ids)
+            drafts = DraftLayout.of(reply.drafts) if reply.drafts is not None else None
+            n = len(reply.sample_request_ids) if drafts is None else drafts.num_rows
             tokens = self._sampled[reply.slot, :n].tolist()
-        return runner_output(reply.request_ids, reply.sample_request_ids, tokens, reply.logprobs)
+        return runner_output(
+            reply.request_ids, reply.sample_request_ids, tokens, reply.logprobs, drafts
+        )
 
     def _died(self, message: str) -> None:
         ended = self._ended()

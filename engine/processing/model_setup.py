@@ -85,6 +85,9 @@ def setup_model(
         tensor_parallel_size=config.tensor_parallel_size,
         adapt_threads=config.adapt_cpu_threads and config.device == "cpu",
         cuda_graphs=config.device.startswith("cuda") and not config.enforce_eager,
+        max_drafts=(
+            config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        ),
     )
     executor: Executor
     if config.executor == "mp":

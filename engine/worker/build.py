@@ -38,6 +38,9 @@ class RunnerSpec:
     adapt_threads: bool = False
     # Capture the decode forward as CUDA graphs at startup (CUDA; worker/cuda_graphs.py).
     cuda_graphs: bool = False
+    # Speculative decoding: draft tokens per request and step at most (the worker process's
+    # shared bitmask and token buffers hold 1 + this many rows per request).
+    max_drafts: int = 0
 
 
 def build_runner(

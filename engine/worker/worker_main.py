@@ -74,6 +74,9 @@ class Reply:
     device_seconds: float = 0.0  # the worker's forward + sampling time so far
     collective_seconds: float = 0.0  # of which inside tensor-parallel collectives
     threads: ThreadState | None = None  # the thread governor's state, where there is one
+    # With drafts in the step: each sampling request's drafts (its tokens fill one row each,
+    # and one more); None: one token per sampling request.
+    drafts: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -167,9 +170,10 @@ def _run_steps(
                     pending.append(_FailedStep(tuple(so.num_scheduled_tokens), text))
                 busy += time.perf_counter() - t0
             elif kind == "sample":
-                _, step_id, slot, grammar_ids = message
+                _, step_id, slot, grammar_ids, row_counts = message
                 out = sampled if driver else None
-                reply = _sample(runner, pending, step_id, slot, grammar_ids, bitmasks, out)
+                grammar = (slot, grammar_ids, row_counts)
+                reply = _sample(runner, pending, step_id, grammar, bitmasks, out)
                 busy += time.perf_counter() - t0
                 if tp is not None and reply.error is not None:
                     raise RuntimeError(reply.error)
@@ -200,19 +204,21 @@ def _sample(
     runner: Any,
     pending: deque[ForwardOutput | _FailedStep],
     step_id: int,
-    slot: int,
-    grammar_ids: tuple[str, ...],
+    grammar_rows: tuple[int, tuple[str, ...], tuple[int, ...]],
     bitmasks: torch.Tensor,
     sampled: torch.Tensor | None,
 ) -> Reply:
     """Samples the oldest executed step; its tokens go to ``sampled[slot]`` (None: nowhere, on
-    the tensor-parallel ranks other than 0)."""
+    the tensor-parallel ranks other than 0). ``grammar_rows``: the slot, and the structured
+    requests with their bitmask row counts there (empty counts: one row each)."""
+    slot, grammar_ids, row_counts = grammar_rows
     fwd = pending.popleft() if pending else _FailedStep((), "sample_tokens without a forward")
     if isinstance(fwd, _FailedStep):
         return Reply(step_id, slot, fwd.request_ids, (), {}, fwd.message)
     grammar = None
     if grammar_ids:
-        grammar = GrammarOutput(grammar_ids, bitmasks[slot, : len(grammar_ids)])
+        n = sum(row_counts) if row_counts else len(grammar_ids)
+        grammar = GrammarOutput(grammar_ids, bitmasks[slot, :n], row_counts)
     try:
         s = runner.sample(fwd, grammar)
         if sampled is not None:
@@ -220,4 +226,7 @@ def _sample(
     except Exception:  # noqa: BLE001 - fails this step's requests, not the worker
         message = f"sampling failed:\n{traceback.format_exc()}"
         return Reply(step_id, slot, fwd.request_ids, (), {}, message)
-    return Reply(step_id, slot, s.request_ids, s.sample_request_ids, s.logprobs, None)
+    drafts = s.drafts.drafts if s.drafts is not None else None
+    return Reply(
+        step_id, slot, s.request_ids, s.sample_request_ids, s.logprobs, None, drafts=drafts
+    )
