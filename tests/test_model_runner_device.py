@@ -406,3 +406,38 @@ def test_prompt_steps_on_cuda_attend_without_cudnn(tiny_model_dir):
     names = {e.key for e in prof.key_averages()}
     assert any("scaled_dot_product" in n for n in names), sorted(names)[:40]
     assert not any("cudnn_attention" in n for n in names)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@_needs_cuda
+def test_cuda_async_drafts_keep_the_tokens_with_sync_check_on(tiny_model_dir, monkeypatch):
+    """Async scheduling with drafts on CUDA under BATON_SYNC_CHECK=error: guessed drafts,
+    rows planned past drafts in flight and their rewinds queue no host read, and the tokens
+    are those of the same engine without drafts."""
+    so = StructuredOutputsParams
+    reqs = [
+        (p, SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.2)) for p in PROMPTS
+    ] + [
+        (
+            f"A JSON person {i}:",
+            SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=so(json=SCHEMA)),
+        )
+        for i in range(3)
+    ]
+    monkeypatch.setenv("BATON_SYNC_CHECK", "error")
+    spec = {"method": "auto", "num_speculative_tokens": 3}
+    engine = _engine(tiny_model_dir, device="cuda", speculative_config=spec)
+    sched = engine.core.scheduler
+    drafter = sched.drafter
+    try:
+        assert engine.config.async_scheduling
+        sched.drafter = None
+        expected = _run(engine, reqs)
+        sched.drafter = drafter
+        got = _run(engine, reqs)
+        assert engine.core.checker.violations == 0
+        assert sched.num_accepted_tokens > 0
+    finally:
+        engine.shutdown()
+    assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in expected.items()}
