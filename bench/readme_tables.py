@@ -522,7 +522,8 @@ def spec_table(d: dict[str, Any]) -> str:
         f"in the prompt), at most {cfg['max_tokens']} tokens, "
         f"{cfg['num_speculative_tokens']} drafts at most per request and step, synchronous "
         f"scheduling, in {d['run'].get('dtype')}; free is the peers prompts without a schema, "
-        "spec off. One engine per mode, measured in one run.\n\n"
+        f"spec off. One engine per mode, measured in one run: output tok/s is the median of "
+        f"{cfg.get('repeats', 1)} run(s) per mode in alternating order.\n\n"
     )
     notes = goal_lines(d.get("goals") or [])
     sim = d.get("sim") or {}

@@ -9,8 +9,10 @@ time through ``LLM.generate``; at least ``--num-prompts`` prompts per concurrenc
 
 Plus free text (the peers prompts without a schema, spec off) at concurrency 1, for the
 structured / free ratio. Each mode gets its own engine (same weights, same dtype, prefix
-caching off), warmed up on prompts of its own. Reports per workload, mode and concurrency:
-output tok/s, output tokens per engine step, drafts per step, acceptance rate, valid JSON
+caching off), warmed up on prompts of its own; every mode runs ``--repeats`` times (default 3)
+in alternating order, since this machine's speed drifts over minutes. Reports per workload,
+mode and concurrency: output tok/s (the median of the runs, and each run's), output tokens
+per engine step, drafts per step, acceptance rate, valid JSON
 share, and whether the tokens equal spec off's (they must in float32; in bfloat16 a step with
 drafts may take the dense GEMMs where a one-row step takes int8 ones, so a near-tie can go
 the other way). The goals of the issue are judged on the measured ratios (nothing asserted).
@@ -20,7 +22,7 @@ as traces (``bench/spec_sim.py``): what the drafts are worth at GPU speed.
 
     baton bench spec [--concurrency 1,16] [--num-prompts 8] [--max-tokens 96]
         [--num-speculative-tokens 3] [--modes off,grammar,ngram,auto] [--dtype auto]
-        [--sim-device sim:h200] [--sim-shape llama-3.1-8b]
+        [--sim-device sim:h200] [--sim-shape llama-3.1-8b] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -125,9 +127,12 @@ class SpecBenchConfig:
     workloads: tuple[str, ...] = WORKLOADS
     sim_device: str | None = "sim:h200"
     sim_shape: str = "llama-3.1-8b"
+    repeats: int = 3
 
     def __post_init__(self) -> None:
-        require_positive_ints(self, "num_prompts", "max_tokens", "num_speculative_tokens")
+        require_positive_ints(
+            self, "num_prompts", "max_tokens", "num_speculative_tokens", "repeats"
+        )
         if self.sim_device is not None and self.sim_device.removeprefix("sim:") not in GPUS:
             raise ValueError(
                 f"sim_device must be none or one of {[f'sim:{g}' for g in GPUS]}, "
@@ -211,6 +216,34 @@ def measure(
     }
 
 
+def _engine(checkpoint: Any, mode: str, cfg: SpecBenchConfig, max_model_len: int) -> LLM:
+    spec = None
+    if mode != "off":
+        spec = {"method": mode, "num_speculative_tokens": cfg.num_speculative_tokens}
+    return LLM.from_checkpoint(
+        checkpoint,
+        dtype=cfg.dtype,
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+        speculative_config=spec,
+        # "off" means off: not the engine's default drafts for structured requests.
+        structured_drafts=False,
+    )
+
+
+def _median_row(mode: str, measured: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from a mode's repeats: the first run's figures (greedy: the same tokens and
+    steps every time) with its tok/s the median of the runs, and every run's tok/s."""
+    speeds = sorted(r["tok_per_s"] for r in measured)
+    mid = len(speeds) // 2
+    median = speeds[mid] if len(speeds) % 2 else (speeds[mid - 1] + speeds[mid]) / 2
+    row = {**measured[0], "mode": mode, "tok_per_s": median}
+    row["tok_per_s_runs"] = [r["tok_per_s"] for r in measured]
+    row["load_avg_1m"] = [measured[0]["load_avg_1m"][0], measured[-1]["load_avg_1m"][1]]
+    return row
+
+
 def run(cfg: SpecBenchConfig) -> dict[str, Any]:
     """Measures every mode on every workload and concurrency; returns the result dict."""
     checkpoint = load_checkpoint(cfg.model)
@@ -220,41 +253,36 @@ def run(cfg: SpecBenchConfig) -> dict[str, Any]:
         for w in (*cfg.workloads, "free")
         for p in _prompts(tokenizer, w, max(cfg.num_prompts, *cfg.concurrency) + WARMUP)
     )
-    rows: list[dict[str, Any]] = []
-    dtype_name = None
-    for mode in cfg.modes:
-        spec = None
-        if mode != "off":
-            spec = {"method": mode, "num_speculative_tokens": cfg.num_speculative_tokens}
-        llm = LLM.from_checkpoint(
-            checkpoint,
-            dtype=cfg.dtype,
-            max_model_len=max_prompt + cfg.max_tokens + 1,
-            enable_prefix_caching=False,
-            async_scheduling=False,
-            speculative_config=spec,
-            # "off" means off: not the engine's default drafts for structured requests.
-            structured_drafts=False,
-        )
-        dtype_name = llm.stats()["dtype"]
-        try:
-            workloads = [*cfg.workloads, *(["free"] if mode == "off" else [])]
-            for workload in workloads:
+    engines: dict[str, LLM] = {}
+    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    try:
+        for mode in cfg.modes:
+            engines[mode] = _engine(checkpoint, mode, cfg, max_prompt + cfg.max_tokens + 1)
+        dtype_name = engines[cfg.modes[0]].stats()["dtype"]
+        for mode, llm in engines.items():
+            for workload in [*cfg.workloads, *(["free"] if mode == "off" else [])]:
                 warm = _prompts(tokenizer, workload, WARMUP, offset=1000)
                 llm.generate(warm, _params(workload, cfg.max_tokens), use_tqdm=False)
-                levels = (1,) if workload == "free" else cfg.concurrency
-                for c in levels:
-                    row = measure(llm, tokenizer, workload, c, cfg)
-                    row["mode"] = mode
-                    rows.append(row)
-                    print(
-                        f"{workload:10s} {mode:8s} c={c:<3d} {fmt(row['tok_per_s'], '7.1f')} tok/s"
-                        f"  {fmt(row['tokens_per_step'], '.2f')} tok/step"
-                        f"  acceptance {fmt(row['acceptance_rate'], '.2f')}",
-                        flush=True,
-                    )
-        finally:
+        # This machine's speed drifts over minutes: every mode runs once per repeat, in
+        # alternating order, and a row reports the median.
+        for rep in range(cfg.repeats):
+            order = list(cfg.modes) if rep % 2 == 0 else list(reversed(cfg.modes))
+            for mode in order:
+                for workload in [*cfg.workloads, *(["free"] if mode == "off" else [])]:
+                    for c in (1,) if workload == "free" else cfg.concurrency:
+                        row = measure(engines[mode], tokenizer, workload, c, cfg)
+                        runs.setdefault((mode, workload, c), []).append(row)
+                        print(
+                            f"{workload:10s} {mode:8s} c={c:<3d} run {rep + 1}/{cfg.repeats}"
+                            f" {fmt(row['tok_per_s'], '7.1f')} tok/s"
+                            f"  {fmt(row['tokens_per_step'], '.2f')} tok/step"
+                            f"  acceptance {fmt(row['acceptance_rate'], '.2f')}",
+                            flush=True,
+                        )
+    finally:
+        for llm in engines.values():
             llm.engine.shutdown()
+    rows = [_median_row(mode, measured) for (mode, _, _), measured in runs.items()]
     _compare_tokens(rows)
     sim = {"measured": False, "reason": "--sim-device none"}
     if cfg.sim_device is not None:
@@ -296,6 +324,7 @@ def run(cfg: SpecBenchConfig) -> dict[str, Any]:
             "num_speculative_tokens": cfg.num_speculative_tokens,
             "modes": list(cfg.modes),
             "workloads": list(cfg.workloads),
+            "repeats": cfg.repeats,
         },
         "rows": rows,
         "goals": _goals(rows),
@@ -400,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", type=csv_of(str), default=WORKLOADS)
     parser.add_argument("--sim-device", default="sim:h200", help="'none' skips the sim runs")
     parser.add_argument("--sim-shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--repeats", type=int, default=3, help="runs per mode, medians")
     args = parser.parse_args(argv)
     if args.sim_device == "none":
         args.sim_device = None

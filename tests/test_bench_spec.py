@@ -56,3 +56,17 @@ def test_every_mode_replays_the_traces_on_the_simulator(tiny_model_dir, tokenize
         for a in ("", ASYNC):
             assert rows[("grammar" + a, c)]["steps"] < rows[("off" + a, c)]["steps"]
             assert rows[("grammar" + a, c)]["acceptance_rate"] > 0.5
+
+
+def test_a_row_is_the_median_of_its_runs():
+    from baton.bench.spec import _median_row
+
+    runs = [
+        {"tok_per_s": v, "steps": 10, "load_avg_1m": [0.1 * i, 0.1 * i + 0.05], "tokens": [[1]]}
+        for i, v in enumerate((30.0, 10.0, 20.0))
+    ]
+    row = _median_row("auto", runs)
+    assert row["mode"] == "auto" and row["tok_per_s"] == 20.0 and row["steps"] == 10
+    assert row["tok_per_s_runs"] == [30.0, 10.0, 20.0]
+    assert row["load_avg_1m"] == [0.0, 0.25]
+    assert _median_row("off", runs[:2])["tok_per_s"] == 20.0
