@@ -1,5 +1,6 @@
 """Scheduler and engine fuzz: hypothesis drives a real LLMEngine (tiny model, tiny KV cache)
-with random adds, aborts and steps, under sync and async scheduling, and checks the
+with random adds, aborts and steps, under sync and async scheduling (and async with drafts
+for every request), and checks the
 invariants that must hold whatever the interleaving: placeholders stay in range, every
 request ends exactly once, no KV block leaks, outputs respect max_tokens and their grammar."""
 
@@ -55,6 +56,7 @@ ENGINE_ARGS = {
     "max_num_batched_tokens": 32,
     "max_num_seqs": 8,
 }
+DRAFTS = {"method": "auto", "num_speculative_tokens": 3}
 # Draining is bounded by wall time, not steps: a step while only a grammar compiles idles for
 # 2 ms, and on a loaded machine a compile (in a worker process) can outlast thousands of them.
 DRAIN_TIMEOUT_S = 120.0
@@ -116,6 +118,9 @@ def engines(tiny_model_dir: Path) -> Iterator[dict[str, LLMEngine]]:
     built = {
         "sync": build(tiny_model_dir, async_scheduling=False),
         "async": build(tiny_model_dir, async_scheduling=True),
+        # Drafts for every request (guessed past the tokens in flight, rows planned past
+        # drafts in flight, rewinds) in the worker process.
+        "async-drafts": build(tiny_model_dir, async_scheduling=True, speculative_config=DRAFTS),
     }
     yield built
     for engine in built.values():
@@ -144,7 +149,10 @@ def params_for(op: Add) -> SamplingParams:
 def check_live(engine: LLMEngine) -> None:
     """Invariants that hold after every step."""
     sched = engine.core.scheduler
-    limit = 2 if engine.core.async_scheduling else 0
+    spec = engine.config.speculative_config
+    # Two steps in flight at most, each one token and its drafts.
+    per_step = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    limit = 2 * per_step if engine.core.async_scheduling else 0
     for rid, req in sched.requests.items():
         assert 0 <= req.num_output_placeholders <= limit, (rid, req.num_output_placeholders)
         assert 0 <= req.num_computed_tokens <= req.num_tokens_with_placeholders, rid
@@ -227,7 +235,7 @@ def drive(engine: LLMEngine, ops: list[Add | Abort | Step]) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async-drafts"])
 @settings(
     max_examples=25,
     deadline=None,
@@ -243,7 +251,7 @@ def test_random_adds_aborts_and_steps_keep_the_invariants(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async-drafts"])
 def test_a_crowd_preempts_and_still_drains(engines: dict[str, LLMEngine], mode: str) -> None:
     engine = engines[mode]
     before = engine.core.scheduler.num_preemptions
@@ -252,5 +260,8 @@ def test_a_crowd_preempts_and_still_drains(engines: dict[str, LLMEngine], mode: 
         for i, kind in enumerate(["free", "json", "regex", "choice", "free", "free"])
     ]
     ops += [Step(3), Abort(1), Step(2), Abort(4)]
+    drafted = engine.core.scheduler.num_draft_tokens
     drive(engine, ops)
     assert engine.core.scheduler.num_preemptions > before
+    if mode == "async-drafts":
+        assert engine.core.scheduler.num_draft_tokens > drafted
