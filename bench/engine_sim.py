@@ -259,7 +259,7 @@ def build_llm(cfg: SimBenchConfig, async_on: bool, batch: int, traces: Path) -> 
         sim_shape=cfg.shape,
         sim_traces=str(traces),
         async_scheduling=async_on,
-        # Async vs sync like for like: drafts run with synchronous scheduling only so far.
+        # Async vs sync like for like, without drafts (bench/spec.py measures those).
         structured_drafts=False,
         max_num_seqs=batch,
         max_num_batched_tokens=max(2048, 8 * batch),

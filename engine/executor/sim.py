@@ -11,12 +11,14 @@ the bitmask row the engine sent for it, and a token the mask forbids fails the s
 so a run also proves the masks are right and on time. Everything around it is the real
 engine.
 
-Speculative decoding (synchronous scheduling): a request's draft tokens are fed with its last
+Speculative decoding (either scheduling): a request's draft tokens are fed with its last
 token and verified against its trace as greedy verification would against a model whose
 argmax is the trace: the drafts equal to the trace's next tokens are kept, then one more token
 (the trace's next). Every kept token is checked against the bitmask row of its draft position.
 The forward is timed with all the fed tokens and one logits row per draft position and one
-more, as a real verification step computes.
+more, as a real verification step computes. Under async scheduling a step planned past
+drafts that were then rejected sampled past the real length: the next step's ``rewound``
+moves the trace back.
 """
 
 from __future__ import annotations
