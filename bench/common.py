@@ -14,7 +14,7 @@ import os
 import platform
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,6 +62,12 @@ def _git(*args: str, env: dict[str, str] | None = None) -> str:
         check=True,
         env=env,
     ).stdout.strip()
+
+
+def run_order(items: Sequence[T], repeat: int) -> list[T]:
+    """The order of the ``repeat``-th run (0-based): as given, reversed every other run, so
+    nothing measured always runs first (warm caches, a machine still busy, thermal drift)."""
+    return list(items) if repeat % 2 == 0 else list(reversed(items))
 
 
 def git_commit() -> str:

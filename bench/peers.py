@@ -44,7 +44,13 @@ from typing import Any
 import jsonschema
 import torch
 
-from baton.bench.common import add_common_args, config_from_args, csv_of, write_results
+from baton.bench.common import (
+    add_common_args,
+    config_from_args,
+    csv_of,
+    run_order,
+    write_results,
+)
 from baton.bench.peer_runners import (
     ENGINES,
     GGUF_DTYPE,
@@ -294,12 +300,6 @@ def plan_units(cfg: PeersConfig) -> list[Unit]:
         else:
             units += [Unit(engine, d) for d in cfg.dtypes]
     return units
-
-
-def run_order(units: list[Unit], repeat: int) -> list[Unit]:
-    """The order of the ``repeat``-th run (0-based): as given, reversed every other run, so
-    no engine always runs first (warm caches, a machine still busy, thermal drift)."""
-    return list(units) if repeat % 2 == 0 else list(reversed(units))
 
 
 def measure_once(runner: Runner, cfg: PeersConfig, cases: dict[int, CaseMeasure]) -> None:

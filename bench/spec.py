@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ from baton.bench.common import (
     judge_goal,
     ratio,
     require_positive_ints,
+    run_order,
     write_results,
 )
 from baton.bench.peers import SCHEMA as PEERS_SCHEMA
@@ -236,11 +238,9 @@ def _median_row(mode: str, measured: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from a mode's repeats: the first run's figures (greedy: the same tokens every
     time; the grammar drafter's learned tokenisations may save a few steps in later runs)
     with its tok/s the median of the runs, and every run's tok/s."""
-    speeds = sorted(r["tok_per_s"] for r in measured)
-    mid = len(speeds) // 2
-    median = speeds[mid] if len(speeds) % 2 else (speeds[mid - 1] + speeds[mid]) / 2
-    row = {**measured[0], "mode": mode, "tok_per_s": median}
-    row["tok_per_s_runs"] = [r["tok_per_s"] for r in measured]
+    speeds = [r["tok_per_s"] for r in measured]
+    row = {**measured[0], "mode": mode, "tok_per_s": statistics.median(speeds)}
+    row["tok_per_s_runs"] = speeds
     row["load_avg_1m"] = [measured[0]["load_avg_1m"][0], measured[-1]["load_avg_1m"][1]]
     return row
 
@@ -267,8 +267,7 @@ def run(cfg: SpecBenchConfig) -> dict[str, Any]:
         # This machine's speed drifts over minutes: every mode runs once per repeat, in
         # alternating order, and a row reports the median.
         for rep in range(cfg.repeats):
-            order = list(cfg.modes) if rep % 2 == 0 else list(reversed(cfg.modes))
-            for mode in order:
+            for mode in run_order(cfg.modes, rep):
                 for workload in [*cfg.workloads, *(["free"] if mode == "off" else [])]:
                     for c in (1,) if workload == "free" else cfg.concurrency:
                         row = measure(engines[mode], tokenizer, workload, c, cfg)

@@ -56,8 +56,8 @@ _SPEC_RUNS_WHERE = (
     "speculative decoding runs on one model replica (in the engine's process, in one worker "
     "process or on the simulated device), with either scheduling"
 )
-# Why structured drafts stay off by default on CUDA with async scheduling (measured faster on
-# the simulated device, where they are on; ``structured_drafts=True`` turns them on).
+# Why structured drafts stay off by default where they can run but were not measured faster
+# (``structured_drafts=True`` turns them on there).
 _MP_DRAFTS_OFF = (
     "with the model in a worker process (executor='mp', used on CPUs with 3 or more cores) "
     "drafts are not measured faster yet"
@@ -186,10 +186,10 @@ class EngineConfig:
             synchronously in its own process (on a 2-core CPU by default) and on the simulated
             device (sync or async); it leaves it off elsewhere (logged): in the worker
             process (not measured), and on CUDA with async scheduling, where a step with
-            drafts runs outside the CUDA graphs; True asks
-            for it (ValueError where it cannot run); False keeps it off. Measured by ``baton
-            bench spec`` (README: faster at concurrency 1 and 16 on both JSON workloads, on
-            this CPU and on the simulated H200).
+            drafts runs outside the CUDA graphs; True asks for it (ValueError where it cannot
+            run); False keeps it off. Measured by ``baton bench spec`` (README: faster at
+            concurrency 1 and 16 on both JSON workloads, on this CPU and on the simulated
+            H200).
         enforce_eager: on CUDA, run every step's forward op by op. False (default, as vLLM's):
             the forward of a pure-decode step (one new token per sequence, up to
             ``worker/cuda_graphs.MAX_CAPTURE_SIZE`` sequences) is captured as CUDA graphs
@@ -392,12 +392,17 @@ class EngineConfig:
                 )
             logger.info("speculative decoding for structured requests off: %s", blocker)
             return
-        if self.structured_drafts is None and self.executor == "mp":
-            logger.info("speculative decoding for structured requests off: %s", _MP_DRAFTS_OFF)
-            return
-        if self.async_scheduling and self.structured_drafts is None and self.executor != "sim":
-            logger.info("speculative decoding for structured requests off: %s", _CUDA_DRAFTS_OFF)
-            return
+        if self.structured_drafts is None:
+            unmeasured = (
+                _MP_DRAFTS_OFF
+                if self.executor == "mp"
+                else _CUDA_DRAFTS_OFF
+                if self.async_scheduling and self.executor != "sim"
+                else None
+            )
+            if unmeasured is not None:
+                logger.info("speculative decoding for structured requests off: %s", unmeasured)
+                return
         spec = SpeculativeConfig(method="auto", structured_only=True)
         object.__setattr__(self, "speculative_config", spec)
         logger.info(

@@ -71,6 +71,12 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
+def bitmask_rows(request_ids: tuple[str, ...], row_counts: tuple[int, ...]) -> int:
+    """Bitmask rows of a ``GrammarOutput`` with these fields: one per request, or the counts'
+    sum."""
+    return sum(row_counts) if row_counts else len(request_ids)
+
+
 @dataclass(frozen=True)
 class GrammarOutput:
     """Grammar bitmask rows for the structured requests of one step.
@@ -83,6 +89,11 @@ class GrammarOutput:
     request_ids: tuple[str, ...]
     bitmask: torch.Tensor
     row_counts: tuple[int, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        """Bitmask rows in all."""
+        return bitmask_rows(self.request_ids, self.row_counts)
 
     def rows_of(self) -> list[tuple[str, int, int]]:
         """(request id, first bitmask row, number of rows) per request."""

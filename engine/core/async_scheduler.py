@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from baton.engine.core.request import Request
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.scheduler_output import SchedulerOutput
 
@@ -34,12 +33,10 @@ class AsyncScheduler(Scheduler):
     time between the verification and the next step, which then drafts from known tokens.
     """
 
-    _all_drafting = False
-
     def schedule(self) -> SchedulerOutput:
-        self._all_drafting = not self.waiting and all(
-            r.num_output_placeholders > 1 for r in self.running
-        )
+        # Without drafts a request has at most one token in flight when a step is planned.
+        if not self.waiting and all(r.num_output_placeholders > 1 for r in self.running):
+            return self._make_output({}, [], {}, [])  # every running request is drafting
         so = super().schedule()
         pending = False
         spec = so.scheduled_spec_decode_tokens
@@ -53,9 +50,3 @@ class AsyncScheduler(Scheduler):
         if pending:
             return dataclasses.replace(so, pending_structured_output_tokens=True)
         return so
-
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
-        # Without drafts a request has at most one token in flight when a step is planned.
-        if self._all_drafting and req.num_output_placeholders > 1:
-            return 0
-        return super()._num_new_tokens(req, budget)

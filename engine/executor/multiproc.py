@@ -255,10 +255,9 @@ class MultiprocExecutor(Executor):
         request_ids: tuple[str, ...] = ()
         row_counts: tuple[int, ...] = ()
         if grammar is not None and grammar.request_ids:
-            n = sum(grammar.row_counts) if grammar.row_counts else len(grammar.request_ids)
-            target = self._bitmasks[slot, :n]
+            target = self._bitmasks[slot, : grammar.num_rows]
             if grammar.bitmask.data_ptr() != target.data_ptr():  # not filled in place
-                target.copy_(grammar.bitmask[:n])
+                target.copy_(grammar.bitmask[: grammar.num_rows])
             request_ids, row_counts = grammar.request_ids, grammar.row_counts
         self._send(self._conn, ("sample", step_id, slot, request_ids, row_counts))
         for worker in self._workers[1:]:  # the bitmask is rank 0's only

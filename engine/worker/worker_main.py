@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from baton.engine.gc_heap import freeze_startup_heap
-from baton.engine.scheduler_output import GrammarOutput, Logprobs, SchedulerOutput
+from baton.engine.scheduler_output import GrammarOutput, Logprobs, SchedulerOutput, bitmask_rows
 from baton.engine.worker.build import RunnerSpec, build_runner
 from baton.engine.worker.cpu_threads import ThreadGovernor, ThreadState, read_cpu
 from baton.engine.worker.model_runner import ForwardOutput, ModelRunner
@@ -172,8 +172,11 @@ def _run_steps(
             elif kind == "sample":
                 _, step_id, slot, grammar_ids, row_counts = message
                 out = sampled if driver else None
-                grammar = (slot, grammar_ids, row_counts)
-                reply = _sample(runner, pending, step_id, grammar, bitmasks, out)
+                grammar = None
+                if grammar_ids:  # the bitmask lies in the slot's shared buffer
+                    n = bitmask_rows(grammar_ids, row_counts)
+                    grammar = GrammarOutput(grammar_ids, bitmasks[slot, :n], row_counts)
+                reply = _sample(runner, pending, step_id, slot, grammar, out)
                 busy += time.perf_counter() - t0
                 if tp is not None and reply.error is not None:
                     raise RuntimeError(reply.error)
@@ -204,21 +207,15 @@ def _sample(
     runner: Any,
     pending: deque[ForwardOutput | _FailedStep],
     step_id: int,
-    grammar_rows: tuple[int, tuple[str, ...], tuple[int, ...]],
-    bitmasks: torch.Tensor,
+    slot: int,
+    grammar: GrammarOutput | None,
     sampled: torch.Tensor | None,
 ) -> Reply:
-    """Samples the oldest executed step; its tokens go to ``sampled[slot]`` (None: nowhere, on
-    the tensor-parallel ranks other than 0). ``grammar_rows``: the slot, and the structured
-    requests with their bitmask row counts there (empty counts: one row each)."""
-    slot, grammar_ids, row_counts = grammar_rows
+    """Samples the oldest executed step with ``grammar``; its tokens go to ``sampled[slot]``
+    (None: nowhere, on the tensor-parallel ranks other than 0)."""
     fwd = pending.popleft() if pending else _FailedStep((), "sample_tokens without a forward")
     if isinstance(fwd, _FailedStep):
         return Reply(step_id, slot, fwd.request_ids, (), {}, fwd.message)
-    grammar = None
-    if grammar_ids:
-        n = sum(row_counts) if row_counts else len(grammar_ids)
-        grammar = GrammarOutput(grammar_ids, bitmasks[slot, :n], row_counts)
     try:
         s = runner.sample(fwd, grammar)
         if sampled is not None:
