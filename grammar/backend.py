@@ -5,13 +5,20 @@ from __future__ import annotations
 import abc
 import importlib
 import pickle
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from baton.grammar.spec import StructuredOutputsParams
+
+# The native rest of a bitmask fill (GrammarBackend.plan_fill).
+NativeFill = Callable[[], None]
+
+
+def filled_now() -> None:
+    """The rest of a fill that ``plan_fill`` did in full."""
 
 
 class GrammarError(ValueError):
@@ -111,10 +118,35 @@ class GrammarBackend(abc.ABC):
     ) -> None:
         """Fills ``bitmask[rows[i]]`` for ``matchers[i]``, all of this backend.
 
-        Backends override this to batch the work into few native calls.
+        Raises what ``plan_fill`` or the native fill raises.
+        """
+        self.plan_fill(matchers, bitmask, rows)()
+
+    def plan_fill(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        bitmask: torch.Tensor,
+        rows: Sequence[int],
+        off_thread: bool = False,
+    ) -> NativeFill:
+        """Does the Python side of filling ``bitmask[rows[i]]`` for ``matchers[i]`` now and
+        returns the rest: a call that makes one native call, which releases the GIL while it
+        runs, so another thread can run it beside Python work (the engine fills a step's
+        mask beside scheduling the next one). Until that call returns, the matchers must not
+        change and the rows must not be read. ``off_thread`` says the call will run on
+        another thread: a backend then leaves it all the work it can, even where doing some
+        here would be cheaper.
+
+        The default fills every row now, one by one, and returns a call that does nothing;
+        backends with a batched native fill override it.
+
+        Raises:
+            ValueError / TypeError: a bad bitmask or matcher (the returned call raises what
+            the native fill raises).
         """
         for matcher, row in zip(matchers, rows, strict=True):
             matcher.fill_bitmask(bitmask, row)
+        return filled_now
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ JSON-schema keywords it does not implement (``uniqueItems``, ``not``, ``if``/``t
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Sequence
@@ -26,7 +27,9 @@ from baton.grammar.backend import (
     GrammarBackend,
     GrammarError,
     GrammarMatcher,
+    NativeFill,
     bitmask_width,
+    filled_now,
     token_bitmask_row,
 )
 from baton.grammar.schema.normalise import (
@@ -270,7 +273,7 @@ class GuidanceBackend(GrammarBackend):
         self._parallel_min_rows = parallel_fill_min_rows
         self._lock = threading.Lock()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._executor: llguidance.LLExecutor | None = None
+        self._executors: dict[int, llguidance.LLExecutor] = {}  # by thread count
         # What a terminated matcher allows, like the other backends: EOS only.
         self.eos_row = token_bitmask_row(self.eos_token_ids, vocab_size)
 
@@ -410,11 +413,20 @@ class GuidanceBackend(GrammarBackend):
         return compiled
 
     # ------------------------------------------------------------------ masks
-    def fill_bitmasks(
-        self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]
-    ) -> None:
-        """Fills ``bitmask[rows[i]]`` for ``matchers[i]``; many rows at once go through
-        llguidance's executor, which fills them in parallel without the GIL."""
+    def plan_fill(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        bitmask: torch.Tensor,
+        rows: Sequence[int],
+        off_thread: bool = False,
+    ) -> NativeFill:
+        """Few rows are filled now, one by one; many go to llguidance's executor, which
+        fills them in parallel without the GIL, in the returned call. ``off_thread``: every
+        row goes to an executor of one thread.
+
+        Raises:
+            ValueError: ``bitmask`` is not ``[rows, words]`` int32 contiguous on the CPU.
+        """
         if bitmask.dim() != 2 or bitmask.shape[1] != bitmask_width(self.vocab_size):
             raise ValueError(
                 f"bitmask must be [rows, {bitmask_width(self.vocab_size)}], "
@@ -426,13 +438,19 @@ class GuidanceBackend(GrammarBackend):
                 matcher.fill_bitmask(bitmask, row)
             else:
                 live.append((matcher.ll, row))
-        if len(live) < self._parallel_min_rows or self._fill_threads == 1:
+        if off_thread:
+            # One fill thread: the engine thread's Python runs on the other core meanwhile.
+            threads, here = 1, len(live) < 2
+        else:
+            threads = self._fill_threads
+            here = threads == 1 or len(live) < self._parallel_min_rows
+        if here:
             _check_layout(bitmask)
             for ll, row in live:
                 _fill_row(ll, bitmask, row)
-            return
+            return filled_now
         with self._lock:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor(num_threads=self._fill_threads)
-            executor = self._executor
-        _fill_rows(executor, live, bitmask)
+            executor = self._executors.get(threads)
+            if executor is None:
+                executor = self._executors[threads] = llguidance.LLExecutor(num_threads=threads)
+        return functools.partial(_fill_rows, executor, live, bitmask)

@@ -7,6 +7,7 @@ would ignore (``unsupported_reason`` refuses those, or lets "auto" pass the spec
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -21,7 +22,9 @@ from baton.grammar.backend import (
     GrammarBackend,
     GrammarError,
     GrammarMatcher,
+    NativeFill,
     bitmask_width,
+    filled_now,
     token_bitmask_row,
 )
 from baton.grammar.schema.normalise import close_object_schemas
@@ -430,10 +433,15 @@ class XGrammarBackend(GrammarBackend):
 
     # ------------------------------------------------------------------ masks
 
-    def fill_bitmasks(
-        self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]
-    ) -> None:
-        """Fills ``bitmask[rows[i]]`` for ``matchers[i]`` with one native call (GIL released).
+    def plan_fill(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        bitmask: torch.Tensor,
+        rows: Sequence[int],
+        off_thread: bool = False,
+    ) -> NativeFill:
+        """Writes the rows of terminated matchers now and returns one native batched fill
+        of the others (it releases the GIL; on one thread when ``off_thread``).
 
         Raises:
             TypeError: a matcher is not an ``XGrammarMatcher``.
@@ -454,13 +462,19 @@ class XGrammarBackend(GrammarBackend):
                 live.append(matcher.xgr_matcher)
                 live_rows.append(int(row))
         if not live:
-            return
+            return filled_now
         if len(live) == 1:  # the batch API's list handling costs more than it saves here
-            live[0].fill_next_token_bitmask(bitmask, live_rows[0])
-            return
-        batch = self._parallel_batch if len(live) >= self._parallel_min_rows else self._serial_batch
-        with self._batch_lock:
-            batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
+            return functools.partial(live[0].fill_next_token_bitmask, bitmask, live_rows[0])
+        # Off the engine thread one fill thread leaves the other core to the engine's Python
+        # (measured: two threads beside it made the fill slower than one).
+        parallel = not off_thread and len(live) >= self._parallel_min_rows
+        batch = self._parallel_batch if parallel else self._serial_batch
+
+        def fill() -> None:
+            with self._batch_lock:
+                batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
+
+        return fill
 
 
 def bitmask_allowed(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -197,6 +198,42 @@ def test_a_raising_grammar_backend_fails_only_its_request(
     monkeypatch.undo()
     again = [(new_id("after"), PROMPTS[0], structured(regex=GOOD_REGEX))]
     assert_normal(run(engine, again)[again[0][0]], again[0][2])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_raising_native_fill_falls_back_to_rows_and_every_request_finishes(
+    engines: dict[str, LLMEngine], monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """The native part of a batched fill (on the fill thread under async) raises: that
+    backend's rows of the step are filled one by one instead, and nothing fails."""
+    engine = engines[mode]
+    backend = engine.structured.service.backend("xgrammar")
+    real = backend.plan_fill
+    raised: list[int] = []
+
+    def plan_fill(matchers: Any, bitmask: Any, rows: Any, off_thread: bool = False) -> Any:
+        real(matchers, bitmask, rows, off_thread)  # the Python side runs, its call is dropped
+
+        def native() -> None:
+            raised.append(len(rows))
+            raise RuntimeError("planted native fill failure")
+
+        return native
+
+    monkeypatch.setattr(backend, "plan_fill", plan_fill)
+    requests = [
+        (new_id("json"), PROMPTS[1], structured(json=SCHEMA)),
+        (new_id("regex"), PROMPTS[3], structured(regex=GOOD_REGEX)),
+        (new_id("free"), PROMPTS[4], free_params(16, seed=2)),
+    ]
+    final = run(engine, requests)
+    for rid, _, sp in requests:
+        assert_normal(final[rid], sp)
+    assert raised, "no batched xgrammar fill ran"
+    if mode == "async":  # deferred steps' fills went through the fill thread
+        assert any(t.name == "baton-fill" for t in threading.enumerate())
+    assert_idle(engine)
 
 
 # ------------------------------------------------------------------ slow compile

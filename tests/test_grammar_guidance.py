@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from grammar_testing import EOS, IM_START, VOCAB, allowed, compact, ids, schema_files
 
+from baton.engine.core.fill_thread import FillThread
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask
 from baton.grammar.guidance_backend import GuidanceBackend, GuidanceCompiledGrammar
@@ -257,8 +258,14 @@ def test_import_of_a_grammar_llguidance_cannot_parse_fails_there(
         backend.import_compiled(spec, b"start: undefined_rule")
 
 
-@pytest.mark.parametrize("parallel_from", [1, 1000], ids=["threads", "one-thread"])
-def test_batch_fill_equals_single_fills(tokenizer: Tokenizer, parallel_from: int) -> None:
+@pytest.mark.parametrize(
+    ("parallel_from", "off_thread"),
+    [(1, False), (1000, False), (1000, True)],
+    ids=["threads", "one-thread", "on-the-fill-thread"],
+)
+def test_batch_fill_equals_single_fills(
+    tokenizer: Tokenizer, parallel_from: int, off_thread: bool
+) -> None:
     backend = GuidanceBackend(tokenizer, VOCAB, parallel_fill_min_rows=parallel_from)
     grammars = [
         compile_spec(backend, json={"type": "object"}),
@@ -274,7 +281,15 @@ def test_batch_fill_equals_single_fills(tokenizer: Tokenizer, parallel_from: int
     matchers.append(done)
     rows = list(range(len(matchers)))[::-1]
     batch = allocate_bitmask(len(matchers), VOCAB)
-    backend.fill_bitmasks(matchers, batch, rows)
+    if off_thread:  # every live row goes to the one-thread executor, run on the fill thread
+        filler = FillThread()
+        try:
+            errors = filler.start([backend.plan_fill(matchers, batch, rows, off_thread=True)])
+            assert errors.wait() == {}
+        finally:
+            filler.shutdown()
+    else:
+        backend.fill_bitmasks(matchers, batch, rows)
     for m, row in zip(matchers, rows, strict=True):
         single = allocate_bitmask(1, VOCAB)
         m.fill_bitmask(single, 0)

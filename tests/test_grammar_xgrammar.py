@@ -14,6 +14,7 @@ import pytest
 import torch
 from grammar_testing import EOS, IM_START, VOCAB, allowed, compact, ids, schema_files
 
+from baton.engine.core.fill_thread import FillThread
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask
 from baton.grammar.schema.xgrammar_normal_form import xgrammar_normal_form
@@ -260,8 +261,14 @@ def test_disable_additional_properties(backend: XGrammarBackend, tokenizer: Toke
 # ------------------------------------------------------------------------------------ batching
 
 
-@pytest.mark.parametrize("parallel_from", [1, 128], ids=["threads", "one-thread"])
-def test_batch_fill_equals_single_fills(tokenizer: Tokenizer, parallel_from: int) -> None:
+@pytest.mark.parametrize(
+    ("parallel_from", "off_thread"),
+    [(1, False), (128, False), (1, True)],
+    ids=["threads", "one-thread", "on-the-fill-thread"],
+)
+def test_batch_fill_equals_single_fills(
+    tokenizer: Tokenizer, parallel_from: int, off_thread: bool
+) -> None:
     backend = XGrammarBackend(tokenizer, VOCAB, parallel_fill_min_rows=parallel_from)
     specs = [
         ({"json": {"type": "object", "properties": {"n": {"type": "integer"}}}}, '{"n":1'),
@@ -280,7 +287,15 @@ def test_batch_fill_equals_single_fills(tokenizer: Tokenizer, parallel_from: int
     matchers[5].accept_tokens([EOS])  # a terminated one in the batch
     rows = [6, 0, 3, 8, 1, 4, 7]
     batch = allocate_bitmask(9, VOCAB)
-    backend.fill_bitmasks(matchers, batch, rows)
+    if off_thread:  # as the engine fills a deferred step beside scheduling the next
+        filler = FillThread()
+        try:
+            errors = filler.start([backend.plan_fill(matchers, batch, rows, off_thread=True)])
+            assert errors.wait() == {}
+        finally:
+            filler.shutdown()
+    else:
+        backend.fill_bitmasks(matchers, batch, rows)
     single = allocate_bitmask(9, VOCAB)
     for matcher, row in zip(matchers, rows, strict=True):
         matcher.fill_bitmask(single, row)

@@ -19,9 +19,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+from baton.engine.core.fill_thread import FillThread
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.stats import EngineStats
+from baton.engine.core.structured_outputs import BitmaskInProgress
 from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
 from baton.engine.scheduler_output import EngineCoreOutput, GrammarOutput, SchedulerOutput
 from baton.engine.sync_check import SyncChecker
@@ -72,6 +74,11 @@ class EngineCore:
         self.stats = EngineStats()
         self._dead: str | None = None
         self._last_step_end: float | None = None
+        # A deferred step's fill overlaps scheduling the next one (async only; never with
+        # drafters, which read matchers while scheduling).
+        self._filler = (
+            FillThread() if async_scheduling and scheduler.fills_beside_schedule() else None
+        )
 
     def add_request(self, request: Request) -> None:
         if self._dead is not None:
@@ -142,10 +149,18 @@ class EngineCore:
             assert sampled is not None, "InFlight defers a step only behind a sampled one"
             outputs += self._update(sampled)
             sampled = None
-            bitmask, failed = self._fill(last.unsampled)
+            if self._filler is not None and not last.unsampled.scheduled_spec_decode_tokens:
+                # The fill's native part runs beside the next step's scheduling.
+                started = self._start_fill(last.unsampled, self._filler)
+                so = self._schedule() if self.scheduler.has_unfinished_requests() else None
+                bitmask, failed = self._finish_fill(last.unsampled, started)
+            else:
+                bitmask, failed = self._fill(last.unsampled)
+                so = self._schedule() if self.scheduler.has_unfinished_requests() else None
             outputs += failed
             ready = (last.unsampled, bitmask)
-        so = self._schedule() if self.scheduler.has_unfinished_requests() else None
+        else:
+            so = self._schedule() if self.scheduler.has_unfinished_requests() else None
         if ready is not None:  # its sampling, then the next forward, back to back
             sampled = self._sample(*ready)
         if so is None or not _has_work(so):
@@ -196,6 +211,23 @@ class EngineCore:
         self.stats.add("bitmask", t0, time.perf_counter(), so.step_id)
         return grammar, failed
 
+    def _start_fill(self, so: SchedulerOutput, filler: FillThread) -> BitmaskInProgress | None:
+        """Starts the step's bitmask fill with its native part on ``filler``'s thread."""
+        t0 = time.perf_counter()
+        started = self.scheduler.start_grammar_bitmask(so, self.executor.bitmask_buffer(), filler)
+        self.stats.add("bitmask", t0, time.perf_counter(), so.step_id)
+        return started
+
+    def _finish_fill(
+        self, so: SchedulerOutput, started: BitmaskInProgress | None
+    ) -> tuple[GrammarOutput | None, Outputs]:
+        """Waits for the fill ``_start_fill`` began: the step's bitmask and the requests that
+        failed in the fill."""
+        t0 = time.perf_counter()
+        grammar, failed = self.scheduler.finish_grammar_bitmask(started)
+        self.stats.add("bitmask", t0, time.perf_counter(), so.step_id)
+        return grammar, failed
+
     def _sample(self, so: SchedulerOutput, grammar: GrammarOutput | None) -> SampledStep:
         """Queues the step's sampling with ``grammar``."""
         t0 = time.perf_counter()
@@ -228,6 +260,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self._filler is not None:
+            self._filler.shutdown()
 
 
 def _has_work(so: SchedulerOutput) -> bool:

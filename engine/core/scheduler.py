@@ -24,7 +24,8 @@ from baton.engine.scheduler_output import (
 )
 
 if TYPE_CHECKING:
-    from baton.engine.core.structured_outputs import StructuredOutputManager
+    from baton.engine.core.fill_thread import FillThread
+    from baton.engine.core.structured_outputs import BitmaskInProgress, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -213,19 +214,53 @@ class Scheduler:
         """
         if self.structured is None or not so.structured_request_ids:
             return None, []
-        sampling = [
+        if so.scheduled_spec_decode_tokens:
+            grammar, broken = self.structured.grammar_bitmask(
+                self._sampling_structured(so), out, so.scheduled_spec_decode_tokens
+            )
+            return grammar, self._fail_broken(broken)
+        return self.finish_grammar_bitmask(self.start_grammar_bitmask(so, out))
+
+    def fills_beside_schedule(self) -> bool:
+        """True when ``schedule`` never touches a grammar matcher, so a step's bitmask may be
+        filled on another thread while the next step is scheduled (drafters read matchers)."""
+        return self.drafter is None
+
+    def start_grammar_bitmask(
+        self, so: SchedulerOutput, out: torch.Tensor | None = None, filler: FillThread | None = None
+    ) -> BitmaskInProgress | None:
+        """Starts ``get_grammar_bitmask``'s fill for a step without drafts; its native part
+        runs on ``filler``'s thread when given (see ``fills_beside_schedule``). Finish it
+        with ``finish_grammar_bitmask`` before the matchers change."""
+        if self.structured is None or not so.structured_request_ids:
+            return None
+        if so.scheduled_spec_decode_tokens:
+            raise ValueError("a step with drafts fills its bitmask with get_grammar_bitmask")
+        return self.structured.start_bitmask(self._sampling_structured(so), out, filler)
+
+    def finish_grammar_bitmask(
+        self, started: BitmaskInProgress | None
+    ) -> tuple[GrammarOutput | None, list[EngineCoreOutput]]:
+        """Waits for a fill ``start_grammar_bitmask`` began: what ``get_grammar_bitmask``
+        returns."""
+        if started is None or self.structured is None:
+            return None, []
+        grammar, broken = self.structured.finish_bitmask(started)
+        return grammar, self._fail_broken(broken)
+
+    def _sampling_structured(self, so: SchedulerOutput) -> list[Request]:
+        return [
             req
             for rid in so.structured_request_ids
             if (req := self.requests.get(rid)) is not None and req.status == RequestStatus.RUNNING
         ]
-        grammar, broken = self.structured.grammar_bitmask(
-            sampling, out, so.scheduled_spec_decode_tokens
-        )
+
+    def _fail_broken(self, broken: list[tuple[Request, str]]) -> list[EngineCoreOutput]:
         failed = []
         for req, message in broken:
             logger.error("request %s failed: %s", req.request_id, message)
             failed.append(self._fail(req, message))
-        return grammar, failed
+        return failed
 
     def _propose_drafts(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
         """The drafts a decoding request feeds after its last token this step, trimmed so that

@@ -14,9 +14,16 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from baton.engine.core.fill_thread import FillThread, PendingFills, run_fills
 from baton.engine.core.request import Request, StructuredState
 from baton.engine.scheduler_output import GrammarOutput
-from baton.grammar.backend import BackendRecipe, GrammarMatcher, allocate_bitmask
+from baton.grammar.backend import (
+    BackendRecipe,
+    GrammarMatcher,
+    NativeFill,
+    allocate_bitmask,
+    filled_now,
+)
 from baton.grammar.compile_service import CompilePoolConfig, CompileResult, CompileService
 from baton.grammar.spec import StructuredOutputsParams, allowed_backends
 from baton.grammar.validation import DEFAULT_MAX_DEPTH, check_enforceable, validate_spec
@@ -24,6 +31,33 @@ from baton.grammar.validation import DEFAULT_MAX_DEPTH, check_enforceable, valid
 logger = logging.getLogger(__name__)
 
 _VALIDATED_CACHE_SIZE = 1024
+
+
+@dataclasses.dataclass
+class _FillGroup:
+    """One backend's share of a fill; ``error`` when planning its batched fill raised."""
+
+    backend: str
+    requests: list[Request]
+    matchers: list[GrammarMatcher]
+    rows: list[int]
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _FillInProgress:
+    groups: list[_FillGroup]  # in the order of ``pending``'s calls
+    pending: PendingFills
+
+
+@dataclasses.dataclass(frozen=True)
+class BitmaskInProgress:
+    """A step's bitmask fill that ``StructuredOutputManager.start_bitmask`` began: the
+    requests with a row (in row order), the rows, and the fill (None: no structured row)."""
+
+    requests: tuple[Request, ...]
+    bitmask: torch.Tensor | None
+    fill: _FillInProgress | None
 
 
 class StructuredOutputManager:
@@ -173,26 +207,111 @@ class StructuredOutputManager:
         are filled one by one instead; a request whose own fill raises gets an all-allowed row
         and is returned as failed (the caller fails it, so its token is dropped).
         """
-        reqs = [r for r in requests if r.structured is not None and r.structured.matcher]
-        if not reqs:
-            return None, []
         if drafts:
-            return self._draft_bitmask(reqs, out, drafts)
-        by_backend: dict[str, tuple[list[GrammarMatcher], list[int]]] = {}
-        for row, req in enumerate(reqs):
-            matchers, rows = by_backend.setdefault(req.structured.backend, ([], []))
-            matchers.append(req.structured.matcher)
-            rows.append(row)
+            reqs = self._with_matchers(requests)
+            return self._draft_bitmask(reqs, out, drafts) if reqs else (None, [])
+        return self.finish_bitmask(self.start_bitmask(requests, out))
+
+    def start_bitmask(
+        self,
+        requests: Sequence[Request],
+        out: torch.Tensor | None = None,
+        filler: FillThread | None = None,
+    ) -> BitmaskInProgress:
+        """Starts filling the bitmask rows of the structured requests that sample this step
+        (one row each, no drafts); ``finish_bitmask`` completes it.
+
+        With ``filler``, each backend's Python side of the fill runs now and its native
+        batched fill runs on the filler's thread, so the caller can do Python work meanwhile
+        (the rows are not ready, and the matchers must not change, until
+        ``finish_bitmask``). Without it the whole fill happens here.
+        """
+        reqs = self._with_matchers(requests)
+        if not reqs:
+            return BitmaskInProgress((), None, None)
         bitmask = (self._bitmask if out is None else out)[: len(reqs)]
-        failed: list[tuple[Request, str]] = []
-        for name, (matchers, rows) in by_backend.items():
-            try:
-                self.service.backend(name).fill_bitmasks(matchers, bitmask, rows)
-            except Exception:
-                logger.exception("batched %s bitmask fill failed; filling row by row", name)
-                failed += self._fill_rows(reqs, matchers, rows, bitmask)
+        fill = self._start_fill(reqs, range(len(reqs)), bitmask, filler)
+        return BitmaskInProgress(tuple(reqs), bitmask, fill)
+
+    def finish_bitmask(
+        self, started: BitmaskInProgress
+    ) -> tuple[GrammarOutput | None, list[tuple[Request, str]]]:
+        """Waits for a fill ``start_bitmask`` began: the step's bitmask rows, and the
+        requests whose grammar failed to fill its row, each with why."""
+        if started.fill is None or started.bitmask is None:
+            return None, []
+        failed = self._finish_fill(started.fill, started.bitmask)
         # A view of a preallocated buffer: valid until it is filled again.
-        return GrammarOutput(tuple(r.request_id for r in reqs), bitmask), failed
+        grammar = GrammarOutput(tuple(r.request_id for r in started.requests), started.bitmask)
+        return grammar, failed
+
+    @staticmethod
+    def _with_matchers(requests: Sequence[Request]) -> list[Request]:
+        return [r for r in requests if r.structured is not None and r.structured.matcher]
+
+    def _start_fill(
+        self,
+        reqs: Sequence[Request],
+        rows: Sequence[int],
+        bitmask: torch.Tensor,
+        filler: FillThread | None = None,
+    ) -> _FillInProgress:
+        """Plans the fill of ``bitmask[rows[i]]`` for ``reqs[i]``'s matcher, one batched
+        call per backend, and starts the native calls (on ``filler``'s thread, or here)."""
+        by_backend: dict[str, tuple[list[Request], list[GrammarMatcher], list[int]]] = {}
+        for req, row in zip(reqs, rows, strict=True):
+            group = by_backend.setdefault(req.structured.backend, ([], [], []))
+            group[0].append(req)
+            group[1].append(req.structured.matcher)
+            group[2].append(row)
+        groups: list[_FillGroup] = []
+        calls: list[NativeFill] = []
+        # Biggest first: on the fill thread only the first call is sure to run beside the
+        # caller's Python (each later one needs the GIL to start).
+        ordered = sorted(by_backend.items(), key=lambda item: -len(item[1][0]))
+        for name, (group_reqs, matchers, group_rows) in ordered:
+            group = _FillGroup(name, group_reqs, matchers, group_rows)
+            try:
+                calls.append(
+                    self.service.backend(name).plan_fill(
+                        matchers, bitmask, group_rows, off_thread=filler is not None
+                    )
+                )
+            except Exception as exc:  # noqa: BLE001 - filled row by row in _finish_fill
+                group.error = exc
+                calls.append(filled_now)
+            groups.append(group)
+        if filler is not None:
+            return _FillInProgress(groups, filler.start(calls))
+        return _FillInProgress(groups, run_fills(calls))
+
+    def _finish_fill(
+        self, fill: _FillInProgress, bitmask: torch.Tensor
+    ) -> list[tuple[Request, str]]:
+        """Waits for the fill's native calls; a backend whose batched fill raised is filled
+        row by row, and a request whose own row fails gets an all-allowed row and is
+        returned as failed (the caller fails it, so its token is dropped)."""
+        errors = fill.pending.wait()
+        failed: list[tuple[Request, str]] = []
+        for i, group in enumerate(fill.groups):
+            error = group.error or errors.get(i)
+            if error is None:
+                continue
+            logger.error(
+                "batched %s bitmask fill failed; filling row by row",
+                group.backend,
+                exc_info=error,
+            )
+            for req, matcher, row in zip(group.requests, group.matchers, group.rows, strict=True):
+                try:
+                    matcher.fill_bitmask(bitmask, row)
+                except Exception as exc:  # noqa: BLE001 - the caller fails this request
+                    # Not all-zero: a row that allows nothing would break sampling for the batch.
+                    bitmask[row].fill_(-1)
+                    failed.append(
+                        (req, f"grammar bitmask fill failed: {type(exc).__name__}: {exc}")
+                    )
+        return failed
 
     def _fill(
         self,
@@ -201,27 +320,7 @@ class StructuredOutputManager:
         bitmask: torch.Tensor,
     ) -> list[tuple[Request, str]]:
         """Fills ``bitmask[rows[i]]`` for ``reqs[i]``'s matcher, one batched call per backend."""
-        by_backend: dict[str, tuple[list[Request], list[GrammarMatcher], list[int]]] = {}
-        for req, row in zip(reqs, rows, strict=True):
-            group = by_backend.setdefault(req.structured.backend, ([], [], []))
-            group[0].append(req)
-            group[1].append(req.structured.matcher)
-            group[2].append(row)
-        failed: list[tuple[Request, str]] = []
-        for name, (group_reqs, matchers, group_rows) in by_backend.items():
-            try:
-                self.service.backend(name).fill_bitmasks(matchers, bitmask, group_rows)
-            except Exception:
-                logger.exception("batched %s bitmask fill failed; filling row by row", name)
-                for req, matcher, row in zip(group_reqs, matchers, group_rows, strict=True):
-                    try:
-                        matcher.fill_bitmask(bitmask, row)
-                    except Exception as exc:  # noqa: BLE001 - the caller fails this request
-                        bitmask[row].fill_(-1)
-                        failed.append(
-                            (req, f"grammar bitmask fill failed: {type(exc).__name__}: {exc}")
-                        )
-        return failed
+        return self._finish_fill(self._start_fill(reqs, rows, bitmask), bitmask)
 
     def _draft_bitmask(
         self,
@@ -269,26 +368,6 @@ class StructuredOutputManager:
                 unique.append((req, message))
         grammar = GrammarOutput(tuple(r.request_id for r in reqs), bitmask, tuple(counts))
         return grammar, unique
-
-    @staticmethod
-    def _fill_rows(
-        reqs: Sequence[Request],
-        matchers: Sequence[GrammarMatcher],
-        rows: Sequence[int],
-        bitmask: torch.Tensor,
-    ) -> list[tuple[Request, str]]:
-        # One request's broken matcher must fail that request only, not the step.
-        failed = []
-        for matcher, row in zip(matchers, rows, strict=True):
-            try:
-                matcher.fill_bitmask(bitmask, row)
-            except Exception as exc:  # noqa: BLE001 - returned to the caller, who fails it
-                # Not all-zero: a row that allows nothing would break sampling for the batch.
-                bitmask[row].fill_(-1)
-                failed.append(
-                    (reqs[row], f"grammar bitmask fill failed: {type(exc).__name__}: {exc}")
-                )
-        return failed
 
     @staticmethod
     def accept(req: Request, tokens: Sequence[int]) -> bool:
