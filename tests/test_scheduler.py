@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from baton.engine.config import EngineConfig
 from baton.engine.core.kv_cache_manager import KVCacheManager
-from baton.engine.core.request import Request, RequestStatus
+from baton.engine.core.request import Request, RequestStatus, StructuredState
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton.grammar.spec import StructuredOutputsParams
 
 EOS = 2
 
@@ -198,3 +199,63 @@ def test_max_model_len_finishes_with_length():
         reasons += [o.finish_reason for o in outs if o.finished]
     assert reasons == ["length"]
     assert not s.has_unfinished_requests()
+
+
+class _Grammars:
+    """A stand-in for the structured-output manager: the grammar rejects token 13, raises on
+    token 66, and ends with token 5."""
+
+    def __init__(self) -> None:
+        self.taken: dict[str, list[int]] = {}
+
+    def accept(self, req: Request, tokens: list[int]) -> bool:
+        (token,) = tokens
+        if token == 66:
+            raise RuntimeError("planted accept failure")
+        if token == 13:
+            return False
+        self.taken.setdefault(req.request_id, []).append(token)
+        return True
+
+    def is_terminated(self, req: Request) -> bool:
+        return self.taken.get(req.request_id, [])[-1:] == [5]
+
+
+def _structured_run(ahead: bool) -> tuple[list[list[tuple]], dict[str, list[int]]]:
+    """Four structured requests and a free one, their tokens of each step scripted; with
+    ``ahead`` the grammars take each step's tokens through advance_grammars first."""
+    grammars = _Grammars()
+    sched = make_scheduler()
+    sched.structured = grammars  # type: ignore[assignment]
+    script = {"ok": [7, 8, 9], "ends": [7, 5], "rejects": [7, 13], "raises": [66], "free": [13]}
+    for rid in script:
+        req = make_request(rid, first=100 + 10 * len(rid))
+        sched.add_request(req)
+        if rid != "free":
+            req.structured = StructuredState(spec=StructuredOutputsParams(regex="x"))
+    steps = []
+    for i in range(4):
+        so = sched.schedule()
+        ids = [rid for rid in so.num_scheduled_tokens if rid in sched.requests]
+        toks = [[script[rid][min(i, len(script[rid]) - 1)]] for rid in ids]
+        out = ModelRunnerOutput(ids, toks)
+        verdicts = sched.advance_grammars(so, out) if ahead else None
+        got = sched.update_from_output(so, out, verdicts)
+        steps.append(
+            sorted((o.request_id, tuple(o.new_token_ids), o.finish_reason, o.error) for o in got)
+        )
+    return steps, grammars.taken
+
+
+def test_grammars_advanced_ahead_of_the_update_give_the_same_outputs():
+    """advance_grammars (the engine's path when it fills the next bitmask beside the update)
+    then update_from_output: the same outputs, finishes and grammar states as the update
+    alone, for accepted, ending, rejected and raising tokens."""
+    ahead, taken_ahead = _structured_run(True)
+    plain, taken_plain = _structured_run(False)
+    assert ahead == plain and taken_ahead == taken_plain
+    finals = {rid: (reason, err) for step in plain for rid, _, reason, err in step if reason}
+    assert finals["ends"] == ("stop", None)
+    assert finals["rejects"][0] == "error" and "rejected sampled token 13" in finals["rejects"][1]
+    assert finals["raises"][0] == "error" and "planted accept failure" in finals["raises"][1]
+    assert "ok" not in finals and "free" not in finals

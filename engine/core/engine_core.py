@@ -147,16 +147,18 @@ class EngineCore:
         if last is not None and last.unsampled is not None:
             # The deferred step's grammars wait for these tokens; its forward is running.
             assert sampled is not None, "InFlight defers a step only behind a sampled one"
-            outputs += self._update(sampled)
-            sampled = None
             if self._filler is not None and not last.unsampled.scheduled_spec_decode_tokens:
-                # The fill's native part runs beside the next step's scheduling.
-                started = self._start_fill(last.unsampled, self._filler)
+                # The grammars take step N's tokens first; the fill's native part then runs
+                # on the fill thread beside the rest of the update and the next schedule.
+                applied, started = self._update_filling(sampled, last.unsampled, self._filler)
+                outputs += applied
                 so = self._schedule() if self.scheduler.has_unfinished_requests() else None
                 bitmask, failed = self._finish_fill(last.unsampled, started)
             else:
+                outputs += self._update(sampled)
                 bitmask, failed = self._fill(last.unsampled)
                 so = self._schedule() if self.scheduler.has_unfinished_requests() else None
+            sampled = None
             outputs += failed
             ready = (last.unsampled, bitmask)
         else:
@@ -244,6 +246,23 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(step.so, out)
         self.stats.add("update", t1, time.perf_counter(), step.so.step_id)
         return outputs
+
+    def _update_filling(
+        self, step: SampledStep, deferred: SchedulerOutput, filler: FillThread
+    ) -> tuple[Outputs, BitmaskInProgress | None]:
+        """``_update`` that starts the deferred step's bitmask fill as soon as the grammars
+        have taken the step's tokens: what the step's requests got, and the fill begun."""
+        t0 = time.perf_counter()
+        out = step.output.get_output()
+        t1 = time.perf_counter()
+        self.stats.add("wait", t0, t1, step.so.step_id)
+        verdicts = self.scheduler.advance_grammars(step.so, out)
+        self.stats.add("update", t1, time.perf_counter(), step.so.step_id)
+        started = self._start_fill(deferred, filler)
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(step.so, out, verdicts)
+        self.stats.add("update", t2, time.perf_counter(), step.so.step_id)
+        return outputs, started
 
     def _idle(self) -> Outputs:
         # Only grammars still compiling: give the compile threads the CPU.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,19 @@ if TYPE_CHECKING:
     from baton.engine.core.structured_outputs import BitmaskInProgress, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GrammarVerdict:
+    """What a request's grammar made of its sampled token: accepted (``terminated``: the
+    grammar ended with it), or rejected / broken (``error`` says why; the request fails)."""
+
+    terminated: bool = False
+    error: str | None = None
+
+
+_ACCEPTED = GrammarVerdict()
+_TERMINATED = GrammarVerdict(terminated=True)
 
 
 class Scheduler:
@@ -258,6 +272,8 @@ class Scheduler:
     def _fail_broken(self, broken: list[tuple[Request, str]]) -> list[EngineCoreOutput]:
         failed = []
         for req, message in broken:
+            if req.is_finished:  # finished by the update the fill ran beside
+                continue
             logger.error("request %s failed: %s", req.request_id, message)
             failed.append(self._fail(req, message))
         return failed
@@ -374,33 +390,78 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
     def update_from_output(
-        self, so: SchedulerOutput, out: ModelRunnerOutput
+        self,
+        so: SchedulerOutput,
+        out: ModelRunnerOutput,
+        verdicts: Mapping[str, GrammarVerdict] | None = None,
     ) -> list[EngineCoreOutput]:
         """Appends sampled tokens, applies stop conditions, frees finished requests.
 
-        Returns one output per request that got tokens or finished this step.
-        A failure while handling one request finishes only that request, with
-        an error.
+        ``verdicts`` are ``advance_grammars``' results for this output: those requests'
+        grammars already took their token. Returns one output per request that got tokens or
+        finished this step. A failure while handling one request finishes only that request,
+        with an error.
         """
         results: list[EngineCoreOutput] = []
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
             req = self.requests.get(rid)
-            if req is None or req.is_finished or rid in so.preempted_request_ids:
+            if not self._takes_delivery(req, so):
                 continue
-            if req.status != RequestStatus.RUNNING or so.step_id <= req.stale_through_step:
-                # Preempted after this step was planned, or planned past drafts that were
-                # rejected (async): a stale delivery.
-                continue
+            assert req is not None
             try:
                 num_drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
-                results.extend(self._apply_tokens(req, tokens, out, num_drafts))
+                verdict = verdicts.get(rid) if verdicts else None
+                results.extend(self._apply_tokens(req, tokens, out, num_drafts, verdict))
             except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the rest
                 logger.exception("request %s failed while applying its output", rid)
                 results.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
         return results
 
+    def advance_grammars(
+        self, so: SchedulerOutput, out: ModelRunnerOutput
+    ) -> dict[str, GrammarVerdict]:
+        """Advances the grammars of the structured requests by their token of ``out`` ahead
+        of ``update_from_output`` (pass it the result), so the next step's bitmask can be
+        filled while the rest of the update runs. Only requests with one token that
+        ``update_from_output`` would apply are advanced (a drafted step's are left to it);
+        nothing else about a request changes here."""
+        verdicts: dict[str, GrammarVerdict] = {}
+        if self.structured is None:
+            return verdicts
+        for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
+            req = self.requests.get(rid)
+            if (
+                len(tokens) != 1
+                or req is None
+                or req.structured is None
+                or rid in so.scheduled_spec_decode_tokens
+                or rid in out.errors
+                or not self._takes_delivery(req, so)
+            ):
+                continue
+            try:
+                verdicts[rid] = self._grammar_verdict(req, tokens[0])
+            except Exception as exc:  # noqa: BLE001 - fails this request in update_from_output
+                logger.exception("request %s failed while applying its output", rid)
+                verdicts[rid] = GrammarVerdict(error=f"{type(exc).__name__}: {exc}")
+        return verdicts
+
+    @staticmethod
+    def _takes_delivery(req: Request | None, so: SchedulerOutput) -> bool:
+        """Whether ``update_from_output`` applies ``req``'s tokens of step ``so``."""
+        if req is None or req.is_finished or req.request_id in so.preempted_request_ids:
+            return False
+        # Preempted after this step was planned, or planned past drafts that were rejected
+        # (async): a stale delivery.
+        return req.status == RequestStatus.RUNNING and so.step_id > req.stale_through_step
+
     def _apply_tokens(
-        self, req: Request, tokens: list[int], out: ModelRunnerOutput, num_drafts: int = 0
+        self,
+        req: Request,
+        tokens: list[int],
+        out: ModelRunnerOutput,
+        num_drafts: int = 0,
+        verdict: GrammarVerdict | None = None,
     ) -> list[EngineCoreOutput]:
         error = out.errors.get(req.request_id)
         if error is not None:
@@ -415,8 +476,14 @@ class Scheduler:
             self._reject_drafts(req, num_drafts, len(tokens) - 1)
         accepted: list[int] = []
         for tok in tokens:
-            if req.structured is not None and not self._advance_grammar(req, tok):
-                return [self._fail(req, f"grammar rejected sampled token {tok}")]
+            if req.structured is not None:
+                # The first token's verdict may have come ahead (advance_grammars).
+                took = verdict or self._grammar_verdict(req, tok)
+                verdict = None
+                if took.error is not None:
+                    return [self._fail(req, took.error)]
+                if took.terminated:
+                    req.status = RequestStatus.FINISHED_STOPPED
             req.output_token_ids.append(tok)
             accepted.append(tok)
             if self._check_stop(req, tok):
@@ -464,14 +531,14 @@ class Scheduler:
         if kept < held:
             self._kept_blocks[req.request_id] = kept
 
-    def _advance_grammar(self, req: Request, token: int) -> bool:
+    def _grammar_verdict(self, req: Request, token: int) -> GrammarVerdict:
+        """Advances ``req``'s grammar by ``token``: accepted (and whether the grammar ended
+        there), or rejected with why. Changes nothing else about the request."""
         assert self.structured is not None
         if not self.structured.accept(req, [token]):
             logger.error("request %s: grammar rejected sampled token %d", req.request_id, token)
-            return False
-        if self.structured.is_terminated(req):
-            req.status = RequestStatus.FINISHED_STOPPED
-        return True
+            return GrammarVerdict(error=f"grammar rejected sampled token {token}")
+        return _TERMINATED if self.structured.is_terminated(req) else _ACCEPTED
 
     def _known_computed(self, req: Request) -> int:
         return min(req.num_computed_tokens - req.num_output_placeholders, req.num_tokens)
