@@ -31,7 +31,7 @@ import jsonschema
 
 from baton.bench import common
 from baton.bench.common import RESULTS_DIR, judge_goal, write_results
-from baton.bench.engine_sim_report import plot, print_report, timeline_path
+from baton.bench.engine_sim_report import mode_label, plot, print_report, timeline_path
 from baton.bench.grammar import default_data_dir
 from baton.bench.sim_traces import (
     JsonCase,
@@ -176,8 +176,11 @@ def run_case(llm: LLM, requests: Sequence[Request], batch: int) -> dict[str, Any
                 jsonschema.validate(json.loads(c.text), req.schema)
             except (json.JSONDecodeError, jsonschema.ValidationError):
                 invalid += 1
+    async_on = bool(llm.config.async_scheduling)
     row: dict[str, Any] = {
-        "async": bool(llm.config.async_scheduling),
+        "async": async_on,
+        # Async only: a deferred step's fill on the fill thread (False: on the engine thread).
+        "fill_thread": llm.config.grammar_fill_thread if async_on else None,
         "batch": batch,
         "requests": len(requests),
         "seconds": seconds,
@@ -252,13 +255,19 @@ def timeline(llm: LLM, t0: float, batch: int) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------ running
-def build_llm(cfg: SimBenchConfig, async_on: bool, batch: int, traces: Path) -> LLM:
+# The engines of a batch: async, sync, and async with each deferred fill on the engine
+# thread (the fill thread's share of async's gain; only where there is JSON).
+MODES = ("async", "sync", "async, fill on engine thread")
+
+
+def build_llm(cfg: SimBenchConfig, mode: str, batch: int, traces: Path) -> LLM:
     return LLM(
         cfg.model,
         device=cfg.device,
         sim_shape=cfg.shape,
         sim_traces=str(traces),
-        async_scheduling=async_on,
+        async_scheduling=mode != "sync",
+        grammar_fill_thread=mode == "async",
         # Async vs sync like for like, without drafts (bench/spec.py measures those).
         structured_drafts=False,
         max_num_seqs=batch,
@@ -287,7 +296,7 @@ def run(cfg: SimBenchConfig) -> dict[str, Any]:
             book = TraceBook([t for _, traces in workloads.values() for t in traces])
             path = Path(tmp) / f"traces-{batch}.jsonl"
             book.save(path)
-            llms = {mode: build_llm(cfg, mode, batch, path) for mode in (True, False)}
+            llms = {mode: build_llm(cfg, mode, batch, path) for mode in MODES}
             try:
                 warm = workloads[max(cfg.json_fractions)][0][: len(cases)]
                 for llm in llms.values():  # compile every grammar before measuring
@@ -303,17 +312,16 @@ def run(cfg: SimBenchConfig) -> dict[str, Any]:
                     )
                 for i, fraction in enumerate(cfg.json_fractions):
                     requests = workloads[fraction][0]
-                    order = (True, False) if i % 2 == 0 else (False, True)
-                    for mode in order:
+                    modes = MODES if fraction > 0 else MODES[:2]
+                    for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
                         t_run = time.perf_counter()
                         row = run_case(llms[mode], requests, batch)
                         row["json_fraction"] = fraction
                         rows.append(row)
                         print(_line(row))
-                        if batch == GOAL_BATCH and fraction == max(cfg.json_fractions):
-                            timelines["async" if mode else "sync"] = timeline(
-                                llms[mode], t_run, batch
-                            )
+                        last = fraction == max(cfg.json_fractions)
+                        if mode in ("async", "sync") and batch == GOAL_BATCH and last:
+                            timelines[mode] = timeline(llms[mode], t_run, batch)
             finally:
                 for llm in llms.values():
                     llm.shutdown()
@@ -344,7 +352,7 @@ def _line(r: dict[str, Any]) -> str:
     host = r.get("host_us_per_request_step")
     return (
         f"batch {r['batch']:>4} json {r['json_fraction']:.0%} "
-        f"async {'on ' if r['async'] else 'off'}: "
+        f"async {mode_label(r)}: "
         f"{r['tok_per_s']:8.0f} tok/s, idle {'-' if idle is None else f'{idle:.1%}'}, "
         f"host {'-' if host is None else f'{host:.1f}'} us/request-step, "
         f"errors {r['errors']}, invalid JSON {r['json_invalid']}/{r['json_checked']}"
@@ -356,20 +364,35 @@ def _find(rows: list[dict[str, Any]], **key: Any) -> dict[str, Any] | None:
     return next((r for r in rows if all(r.get(k) == v for k, v in key.items())), None)
 
 
+def _is_async(row: dict[str, Any]) -> bool:
+    """Async with the default fill thread (results from before the flag have no key)."""
+    return row["async"] and row.get("fill_thread", True)
+
+
 def compute_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (batch, JSON share): async/sync throughput; per batch: structured/free with async."""
+    """Per (batch, JSON share): async/sync throughput, async with the fill thread over async
+    with each fill on the engine thread; per batch: structured/free with async."""
     out = []
     for r in rows:
-        if not r["async"]:
+        if not _is_async(r):
             continue
-        sync = _find(rows, batch=r["batch"], json_fraction=r["json_fraction"], **{"async": False})
-        free = _find(rows, batch=r["batch"], json_fraction=0.0, **{"async": True})
+        case = {"batch": r["batch"], "json_fraction": r["json_fraction"]}
+        sync = _find(rows, **case, **{"async": False})
+        free = next(
+            (
+                x
+                for x in rows
+                if _is_async(x) and x["batch"] == r["batch"] and x["json_fraction"] == 0.0
+            ),
+            None,
+        )
+        on_engine = _find(rows, **case, **{"async": True, "fill_thread": False})
         out.append(
             {
-                "batch": r["batch"],
-                "json_fraction": r["json_fraction"],
+                **case,
                 "async_over_sync": r["tok_per_s"] / sync["tok_per_s"] if sync else None,
                 "structured_over_free": r["tok_per_s"] / free["tok_per_s"] if free else None,
+                "fill_thread_gain": r["tok_per_s"] / on_engine["tok_per_s"] if on_engine else None,
             }
         )
     return out
@@ -381,7 +404,7 @@ def evaluate_goals(
     idle = {
         f"b={r['batch']} json={r['json_fraction']:g}": r.get("steady_idle")
         for r in rows
-        if r["async"] and r["batch"] in IDLE_BATCHES and r["json_fraction"] in (0.0, 1.0)
+        if _is_async(r) and r["batch"] in IDLE_BATCHES and r["json_fraction"] in (0.0, 1.0)
     }
     speed = {
         f"json={x['json_fraction']:g}": x["async_over_sync"]

@@ -20,6 +20,14 @@ PHASE_COLORS = {
 DEVICE_COLORS = {"forward": "tab:red", "sample": "gold"}
 
 
+def mode_label(row: dict[str, Any]) -> str:
+    """How a row's engine scheduled: "on" (async), "off" (sync), or "on, fill on engine
+    thread" (async with each deferred fill on the engine thread)."""
+    if not row["async"]:
+        return "off"
+    return "on" if row.get("fill_thread", True) is not False else "on, fill on engine thread"
+
+
 def print_report(result: dict[str, Any]) -> None:
     """The rows, ratios and goals as text."""
     print(
@@ -31,7 +39,7 @@ def print_report(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         ph = r.get("phase_ms_per_step") or {}
         print(
-            f"{'on' if r['async'] else 'off':<5} {r['json_fraction']:>4.0%} {r['batch']:>5} "
+            f"{mode_label(r)[:5]:<5} {r['json_fraction']:>4.0%} {r['batch']:>5} "
             f"{r['tok_per_s']:>8.0f} {fmt(r.get('steady_tok_per_s'), '.0f'):>8} "
             f"{fmt(r.get('steady_idle'), '.1%'):>6} {fmt(r.get('step_ms'), '.2f'):>7} "
             f"{fmt(r.get('device_ms_per_step'), '.2f'):>7} "
@@ -44,12 +52,13 @@ def print_report(result: dict[str, Any]) -> None:
             + f" {fmt(r.get('wake_late_ms_per_step'), '.2f'):>5}"
             + f" {r['errors']:>3} {r['json_invalid']:>3}"
         )
-    print("\nasync/sync and structured/free (async) throughput:")
+    print("\nasync/sync, structured/free (async), fill thread on/off (async) throughput:")
     for x in result["ratios"]:
         print(
             f"  batch {x['batch']:>4} json {x['json_fraction']:.0%}: async/sync "
             f"{fmt(x['async_over_sync'], '.2f')}, structured/free "
-            f"{fmt(x['structured_over_free'], '.2f')}"
+            f"{fmt(x['structured_over_free'], '.2f')}, fill thread on/off "
+            f"{fmt(x.get('fill_thread_gain'), '.2f')}"
         )
     print_goals(result["goals"])
 
@@ -69,7 +78,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     x = range(len(cases))
     for offset, mode, color in ((-0.2, True, "tab:green"), (0.2, False, "tab:gray")):
-        by_case = {(r["json_fraction"], r["batch"]): r for r in rows if r["async"] == mode}
+        by_case = {
+            (r["json_fraction"], r["batch"]): r
+            for r in rows
+            if r["async"] == mode and r.get("fill_thread") is not False
+        }
         label = f"async {'on' if mode else 'off'}"
         axes[0].bar(
             [i + offset for i in x],

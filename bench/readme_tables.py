@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from baton.bench.engine_sim_report import mode_label
+
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
@@ -206,7 +208,7 @@ def engine_table(d: dict[str, Any]) -> str:
         rows.append(
             [
                 r["regime"],
-                "on" if r["async"] else "off",
+                mode_label(r),
                 f"{r['json_fraction']:.0%}",
                 str(r["batch"]),
                 f"{r['tok_per_s']:.0f}",
@@ -241,7 +243,7 @@ def engine_sim_table(d: dict[str, Any]) -> str:
         phases = r.get("phase_ms_per_step") or {}
         rows.append(
             [
-                "on" if r["async"] else "off",
+                mode_label(r),
                 f"{r['json_fraction']:.0%}",
                 str(r["batch"]),
                 f"{r['tok_per_s']:.0f}",
@@ -278,6 +280,7 @@ def engine_sim_table(d: dict[str, Any]) -> str:
             f"{x['json_fraction']:.0%}",
             _num(x["async_over_sync"], ".2f"),
             _num(x["structured_over_free"], ".2f"),
+            _num(x.get("fill_thread_gain"), ".2f"),
         ]
         for x in d["ratios"]
     ]
@@ -292,7 +295,16 @@ def engine_sim_table(d: dict[str, Any]) -> str:
         caption
         + markdown_table(header, rows)
         + "\n\n"
-        + markdown_table(["batch", "JSON", "async / sync", "structured / free (async)"], ratios)
+        + markdown_table(
+            [
+                "batch",
+                "JSON",
+                "async / sync",
+                "structured / free (async)",
+                "fill thread on / off (async)",
+            ],
+            ratios,
+        )
         + ("\n\n" + "\n".join(lines) if lines else "")
         + (
             f"\n\n![timeline of steady steps](bench/results/{d['timeline_png']})"

@@ -196,6 +196,12 @@ class EngineConfig:
             when the engine starts, one per batch size up to ``max_num_seqs``, and replayed
             (``worker/cuda_graphs.py``); steps with a prompt chunk or drafts run eagerly. No
             effect on a CPU or a simulated device.
+        grammar_fill_thread: with async scheduling, a deferred step's bitmask fill starts as
+            soon as the grammars have taken the previous step's tokens, and its native part
+            (xgrammar's, llguidance's batched fills) runs on a thread beside the rest of that
+            update and the next schedule (``core/fill_thread.py``). True (default); False keeps
+            the whole fill on the engine thread after the update (for measurements). Not used
+            where drafts are on: drafting reads the grammars while scheduling.
     """
 
     model: str | None = None
@@ -229,6 +235,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     structured_drafts: bool | None = None
     enforce_eager: bool = False
+    grammar_fill_thread: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -288,7 +295,7 @@ class EngineConfig:
                 f"EngineConfig.worker_threads must be a positive int or None, "
                 f"got {self.worker_threads!r}"
             )
-        for flag in ("adapt_cpu_threads", "enforce_eager"):
+        for flag in ("adapt_cpu_threads", "enforce_eager", "grammar_fill_thread"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(
                     f"EngineConfig.{flag} must be True or False, got {getattr(self, flag)!r}"

@@ -109,6 +109,21 @@ def test_async_and_sync_give_the_same_tokens(engines):
     assert a["r5"][2] in ("red", "green", "blue")
 
 
+def test_async_with_each_fill_on_the_engine_thread_gives_the_same_tokens(engines, tiny_model_dir):
+    """grammar_fill_thread=False (each deferred fill after the update, on the engine thread,
+    as the bench's comparison runs it) against sync; the default engines use the fill thread."""
+    sync, _ = engines
+    reqs = mixed_requests(_stop_ids(sync))
+    engine = build(tiny_model_dir, async_scheduling=True, grammar_fill_thread=False)
+    try:
+        assert run_to_end(engine, reqs, abort={"r7": 5}) == run_to_end(sync, reqs, abort={"r7": 5})
+        assert engine.stats()["deferred_steps"] > 0
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="grammar_fill_thread must be True or False"):
+        EngineConfig(grammar_fill_thread=1)
+
+
 def test_parity_under_preemption_and_chunked_prefill(tiny_model_dir):
     reqs = mixed_requests([]) * 2
     results = []

@@ -64,6 +64,7 @@ class EngineCore:
         executor: Executor,
         async_scheduling: bool = False,
         checker: SyncChecker | None = None,
+        fill_thread: bool = True,
     ) -> None:
         if async_scheduling and not executor.supports_async_scheduling():
             raise ValueError(f"{type(executor).__name__} does not support async scheduling")
@@ -74,11 +75,10 @@ class EngineCore:
         self.stats = EngineStats()
         self._dead: str | None = None
         self._last_step_end: float | None = None
-        # A deferred step's fill overlaps scheduling the next one (async only; never with
-        # drafters, which read matchers while scheduling).
-        self._filler = (
-            FillThread() if async_scheduling and scheduler.fills_beside_schedule() else None
-        )
+        # A deferred step's fill overlaps the update and scheduling the next one (async only;
+        # never with drafters, which read matchers while scheduling).
+        overlap = fill_thread and async_scheduling and scheduler.fills_beside_schedule()
+        self._filler = FillThread() if overlap else None
 
     def add_request(self, request: Request) -> None:
         if self._dead is not None:

@@ -97,6 +97,7 @@ class LLMEngine:
             model.executor,
             async_scheduling=bool(config.async_scheduling),
             checker=checker,
+            fill_thread=config.grammar_fill_thread,
         )
         # The step the core left in flight (async scheduling), handed back on the next step.
         self._in_flight: InFlight | None = None
