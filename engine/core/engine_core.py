@@ -10,7 +10,9 @@ with its forward queued and its sampling not: the next call applies step N's tok
 the step's bitmask, plans the step after it, and then queues the sampling and that next
 forward back to back. So the device runs forward after sampling after forward with no host
 gap between them, and output processing and scheduling overlap a forward instead of
-standing between a sampling and the next forward.
+standing between a sampling and the next forward. Without a drafter the grammars take step
+N's tokens first, and the fill's native part runs on a fill thread beside the rest of the
+update and the planning.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.stats import EngineStats
 from baton.engine.core.structured_outputs import BitmaskInProgress
 from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
-from baton.engine.scheduler_output import EngineCoreOutput, GrammarOutput, SchedulerOutput
+from baton.engine.scheduler_output import (
+    EngineCoreOutput,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from baton.engine.sync_check import SyncChecker
 
 logger = logging.getLogger(__name__)
@@ -237,12 +244,17 @@ class EngineCore:
         self.stats.add("launch", t0, time.perf_counter(), so.step_id)
         return SampledStep(so, output)
 
-    def _update(self, step: SampledStep) -> Outputs:
-        """Waits for the step's tokens (the one wait) and applies them."""
+    def _wait(self, step: SampledStep) -> ModelRunnerOutput:
+        """The step's tokens: the engine thread's one wait for the device."""
         t0 = time.perf_counter()
         out = step.output.get_output()
+        self.stats.add("wait", t0, time.perf_counter(), step.so.step_id)
+        return out
+
+    def _update(self, step: SampledStep) -> Outputs:
+        """Waits for the step's tokens and applies them."""
+        out = self._wait(step)
         t1 = time.perf_counter()
-        self.stats.add("wait", t0, t1, step.so.step_id)
         outputs = self.scheduler.update_from_output(step.so, out)
         self.stats.add("update", t1, time.perf_counter(), step.so.step_id)
         return outputs
@@ -252,10 +264,8 @@ class EngineCore:
     ) -> tuple[Outputs, BitmaskInProgress | None]:
         """``_update`` that starts the deferred step's bitmask fill as soon as the grammars
         have taken the step's tokens: what the step's requests got, and the fill begun."""
-        t0 = time.perf_counter()
-        out = step.output.get_output()
+        out = self._wait(step)
         t1 = time.perf_counter()
-        self.stats.add("wait", t0, t1, step.so.step_id)
         verdicts = self.scheduler.advance_grammars(step.so, out)
         self.stats.add("update", t1, time.perf_counter(), step.so.step_id)
         started = self._start_fill(deferred, filler)

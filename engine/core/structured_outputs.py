@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 _VALIDATED_CACHE_SIZE = 1024
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _FillGroup:
     """One backend's share of a fill; ``error`` when planning its batched fill raised."""
 
@@ -270,17 +270,15 @@ class StructuredOutputManager:
         # caller's Python (each later one needs the GIL to start).
         ordered = sorted(by_backend.items(), key=lambda item: -len(item[1][0]))
         for name, (group_reqs, matchers, group_rows) in ordered:
-            group = _FillGroup(name, group_reqs, matchers, group_rows)
+            error: BaseException | None = None
             try:
-                calls.append(
-                    self.service.backend(name).plan_fill(
-                        matchers, bitmask, group_rows, off_thread=filler is not None
-                    )
+                call = self.service.backend(name).plan_fill(
+                    matchers, bitmask, group_rows, off_thread=filler is not None
                 )
             except Exception as exc:  # noqa: BLE001 - filled row by row in _finish_fill
-                group.error = exc
-                calls.append(filled_now)
-            groups.append(group)
+                error, call = exc, filled_now
+            calls.append(call)
+            groups.append(_FillGroup(name, group_reqs, matchers, group_rows, error))
         if filler is not None:
             return _FillInProgress(groups, filler.start(calls))
         return _FillInProgress(groups, run_fills(calls))
