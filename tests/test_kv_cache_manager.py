@@ -515,3 +515,18 @@ KVCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_kv_cache_random_operations = KVCacheMachine.TestCase
+
+
+def test_fills_new_block_says_when_cache_blocks_has_work() -> None:
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    assert kv.fills_new_block("nobody", 0)  # cache_blocks then names the unknown request
+    tokens = list(range(2 * BS + 1))
+    kv.allocate_slots("a", len(tokens))
+    assert not kv.fills_new_block("a", BS - 1)
+    assert kv.fills_new_block("a", BS)
+    kv.cache_blocks("a", tokens, len(tokens))  # two full blocks registered
+    assert not kv.fills_new_block("a", len(tokens))
+    assert kv.fills_new_block("a", 3 * BS)
+    off = KVCacheManager(16, BS, enable_prefix_caching=False)
+    off.allocate_slots("a", len(tokens))
+    assert not off.fills_new_block("a", len(tokens))

@@ -224,6 +224,16 @@ class KVCacheManager:
         self._pending_hits.pop(request_id, None)
         return [b.block_id for b in new_blocks]
 
+    def fills_new_block(self, request_id: str, num_known_tokens: int) -> bool:
+        """Whether ``cache_blocks`` with ``num_known_tokens`` has a block to register: False
+        while none of the request's blocks filled up since the last call (most decode steps),
+        so a caller can skip building the token list; True for an unknown request (then
+        ``cache_blocks`` raises). Always False with prefix caching disabled."""
+        if not self.enable_prefix_caching:
+            return False
+        cached = self._req_num_cached.get(request_id)
+        return cached is None or num_known_tokens // self.block_size > cached
+
     def cache_blocks(
         self, request_id: str, token_ids: Sequence[int], num_known_tokens: int
     ) -> None:

@@ -449,11 +449,14 @@ class Scheduler:
     @staticmethod
     def _takes_delivery(req: Request | None, so: SchedulerOutput) -> bool:
         """Whether ``update_from_output`` applies ``req``'s tokens of step ``so``."""
-        if req is None or req.is_finished or req.request_id in so.preempted_request_ids:
-            return False
-        # Preempted after this step was planned, or planned past drafts that were rejected
-        # (async): a stale delivery.
-        return req.status == RequestStatus.RUNNING and so.step_id > req.stale_through_step
+        # Not running (finished, or preempted after this step was planned), or planned past
+        # drafts that were rejected (async): a stale delivery.
+        return (
+            req is not None
+            and req.status is RequestStatus.RUNNING
+            and req.request_id not in so.preempted_request_ids
+            and so.step_id > req.stale_through_step
+        )
 
     def _apply_tokens(
         self,
@@ -467,7 +470,7 @@ class Scheduler:
         if error is not None:
             return [self._fail(req, error)]
         if not tokens:
-            self.kv.cache_blocks(req.request_id, req.all_token_ids, self._known_computed(req))
+            self._cache_known(req)
             return []
         # A step with drafts reserved a placeholder per draft and one more, whatever it kept.
         consumed = 1 + num_drafts if num_drafts else len(tokens)
@@ -488,7 +491,7 @@ class Scheduler:
             accepted.append(tok)
             if self._check_stop(req, tok):
                 break
-        self.kv.cache_blocks(req.request_id, req.all_token_ids, self._known_computed(req))
+        self._cache_known(req)
         finish = req.status.finish_reason
         if finish is not None:
             self._remove_finished(req)
@@ -539,6 +542,12 @@ class Scheduler:
             logger.error("request %s: grammar rejected sampled token %d", req.request_id, token)
             return GrammarVerdict(error=f"grammar rejected sampled token {token}")
         return _TERMINATED if self.structured.is_terminated(req) else _ACCEPTED
+
+    def _cache_known(self, req: Request) -> None:
+        """Registers the request's blocks now full of known tokens for prefix reuse."""
+        known = self._known_computed(req)
+        if self.kv.fills_new_block(req.request_id, known):  # the token list costs µs
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, known)
 
     def _known_computed(self, req: Request) -> int:
         return min(req.num_computed_tokens - req.num_output_placeholders, req.num_tokens)
