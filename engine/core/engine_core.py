@@ -154,7 +154,7 @@ class EngineCore:
         if last is not None and last.unsampled is not None:
             # The deferred step's grammars wait for these tokens; its forward is running.
             assert sampled is not None, "InFlight defers a step only behind a sampled one"
-            if self._filler is not None and not last.unsampled.scheduled_spec_decode_tokens:
+            if self._filler is not None:  # never with a drafter, so the step has no drafts
                 # The grammars take step N's tokens first; the fill's native part then runs
                 # on the fill thread beside the rest of the update and the next schedule.
                 applied, started = self._update_filling(sampled, last.unsampled, self._filler)

@@ -228,12 +228,10 @@ class Scheduler:
         """
         if self.structured is None or not so.structured_request_ids:
             return None, []
-        if so.scheduled_spec_decode_tokens:
-            grammar, broken = self.structured.grammar_bitmask(
-                self._sampling_structured(so), out, so.scheduled_spec_decode_tokens
-            )
-            return grammar, self._fail_broken(broken)
-        return self.finish_grammar_bitmask(self.start_grammar_bitmask(so, out))
+        grammar, broken = self.structured.grammar_bitmask(
+            self._sampling_structured(so), out, so.scheduled_spec_decode_tokens
+        )
+        return grammar, self._fail_broken(broken)
 
     def fills_beside_schedule(self) -> bool:
         """True when ``schedule`` never touches a grammar matcher, so a step's bitmask may be
