@@ -6,6 +6,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request, RequestStatus, StructuredState
 from baton.engine.core.scheduler import Scheduler
+from baton.engine.core.structured_outputs import StructuredOutputManager
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton.grammar.spec import StructuredOutputsParams
@@ -201,38 +202,45 @@ def test_max_model_len_finishes_with_length():
     assert not s.has_unfinished_requests()
 
 
-class _Grammars:
-    """A stand-in for the structured-output manager: the grammar rejects token 13, raises on
-    token 66, and ends with token 5."""
+class _ScriptedMatcher:
+    """A grammar that rejects token 13, raises on token 66, and ends with token 5; what it
+    took goes into ``taken``."""
 
-    def __init__(self) -> None:
-        self.taken: dict[str, list[int]] = {}
+    def __init__(self, taken: list[int]) -> None:
+        self.taken = taken
 
-    def accept(self, req: Request, tokens: list[int]) -> bool:
+    def accept_tokens(self, tokens: tuple[int, ...]) -> bool:
         (token,) = tokens
         if token == 66:
             raise RuntimeError("planted accept failure")
         if token == 13:
             return False
-        self.taken.setdefault(req.request_id, []).append(token)
+        self.taken.append(token)
         return True
 
-    def is_terminated(self, req: Request) -> bool:
-        return self.taken.get(req.request_id, [])[-1:] == [5]
+    def is_terminated(self) -> bool:
+        return self.taken[-1:] == [5]
+
+
+class _Grammars:
+    """A stand-in for the structured-output manager, advancing as it does."""
+
+    advance = staticmethod(StructuredOutputManager.advance)
 
 
 def _structured_run(ahead: bool) -> tuple[list[list[tuple]], dict[str, list[int]]]:
     """Four structured requests and a free one, their tokens of each step scripted; with
     ``ahead`` the grammars take each step's tokens through advance_grammars first."""
-    grammars = _Grammars()
+    taken: dict[str, list[int]] = {}
     sched = make_scheduler()
-    sched.structured = grammars  # type: ignore[assignment]
+    sched.structured = _Grammars()  # type: ignore[assignment]
     script = {"ok": [7, 8, 9], "ends": [7, 5], "rejects": [7, 13], "raises": [66], "free": [13]}
     for rid in script:
         req = make_request(rid, first=100 + 10 * len(rid))
         sched.add_request(req)
         if rid != "free":
             req.structured = StructuredState(spec=StructuredOutputsParams(regex="x"))
+            req.structured.matcher = _ScriptedMatcher(taken.setdefault(rid, []))  # type: ignore[assignment]
     steps = []
     for i in range(4):
         so = sched.schedule()
@@ -244,7 +252,7 @@ def _structured_run(ahead: bool) -> tuple[list[list[tuple]], dict[str, list[int]
         steps.append(
             sorted((o.request_id, tuple(o.new_token_ids), o.finish_reason, o.error) for o in got)
         )
-    return steps, grammars.taken
+    return steps, {rid: t for rid, t in taken.items() if t}
 
 
 def test_grammars_advanced_ahead_of_the_update_give_the_same_outputs():

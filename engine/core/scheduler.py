@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,22 +25,13 @@ from baton.engine.scheduler_output import (
 
 if TYPE_CHECKING:
     from baton.engine.core.fill_thread import FillThread
-    from baton.engine.core.structured_outputs import BitmaskInProgress, StructuredOutputManager
+    from baton.engine.core.structured_outputs import (
+        BitmaskInProgress,
+        GrammarVerdict,
+        StructuredOutputManager,
+    )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GrammarVerdict:
-    """What a request's grammar made of its sampled token: accepted (``terminated``: the
-    grammar ended with it), or rejected / broken (``error`` says why; the request fails)."""
-
-    terminated: bool = False
-    error: str | None = None
-
-
-_ACCEPTED = GrammarVerdict()
-_TERMINATED = GrammarVerdict(terminated=True)
 
 
 class Scheduler:
@@ -395,11 +385,13 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Appends sampled tokens, applies stop conditions, frees finished requests.
 
-        ``verdicts`` are ``advance_grammars``' results for this output: those requests'
-        grammars already took their token. Returns one output per request that got tokens or
-        finished this step. A failure while handling one request finishes only that request,
-        with an error.
+        ``verdicts`` are ``advance_grammars``' results for this output (called here when not
+        given): those requests' grammars already took their token. Returns one output per
+        request that got tokens or finished this step. A failure while handling one request
+        finishes only that request, with an error.
         """
+        if verdicts is None:
+            verdicts = self.advance_grammars(so, out)
         results: list[EngineCoreOutput] = []
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
             req = self.requests.get(rid)
@@ -408,7 +400,7 @@ class Scheduler:
             assert req is not None
             try:
                 num_drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
-                verdict = verdicts.get(rid) if verdicts else None
+                verdict = verdicts.get(rid)
                 results.extend(self._apply_tokens(req, tokens, out, num_drafts, verdict))
             except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the rest
                 logger.exception("request %s failed while applying its output", rid)
@@ -423,26 +415,24 @@ class Scheduler:
         filled while the rest of the update runs. Only requests with one token that
         ``update_from_output`` would apply are advanced (a drafted step's are left to it);
         nothing else about a request changes here."""
-        verdicts: dict[str, GrammarVerdict] = {}
         if self.structured is None:
-            return verdicts
+            return {}
+        reqs: list[Request] = []
+        toks: list[int] = []
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
             req = self.requests.get(rid)
             if (
-                len(tokens) != 1
-                or req is None
-                or req.structured is None
-                or rid in so.scheduled_spec_decode_tokens
-                or rid in out.errors
-                or not self._takes_delivery(req, so)
+                len(tokens) == 1
+                and req is not None
+                and req.structured is not None
+                and rid not in so.scheduled_spec_decode_tokens
+                and rid not in out.errors
+                and self._takes_delivery(req, so)
             ):
-                continue
-            try:
-                verdicts[rid] = self._grammar_verdict(req, tokens[0])
-            except Exception as exc:  # noqa: BLE001 - fails this request in update_from_output
-                logger.exception("request %s failed while applying its output", rid)
-                verdicts[rid] = GrammarVerdict(error=f"{type(exc).__name__}: {exc}")
-        return verdicts
+                reqs.append(req)
+                toks.append(tokens[0])
+        results = self.structured.advance(reqs, toks)
+        return {req.request_id: v for req, v in zip(reqs, results, strict=True)}
 
     @staticmethod
     def _takes_delivery(req: Request | None, so: SchedulerOutput) -> bool:
@@ -536,10 +526,7 @@ class Scheduler:
         """Advances ``req``'s grammar by ``token``: accepted (and whether the grammar ended
         there), or rejected with why. Changes nothing else about the request."""
         assert self.structured is not None
-        if not self.structured.accept(req, [token]):
-            logger.error("request %s: grammar rejected sampled token %d", req.request_id, token)
-            return GrammarVerdict(error=f"grammar rejected sampled token {token}")
-        return _TERMINATED if self.structured.is_terminated(req) else _ACCEPTED
+        return self.structured.advance([req], [token])[0]
 
     def _cache_known(self, req: Request) -> None:
         """Registers the request's blocks now full of known tokens for prefix reuse."""

@@ -34,6 +34,19 @@ _VALIDATED_CACHE_SIZE = 1024
 
 
 @dataclasses.dataclass(frozen=True)
+class GrammarVerdict:
+    """What a request's grammar made of its sampled token: accepted (``terminated``: the
+    grammar ended with it), or rejected / broken (``error`` says why; the request fails)."""
+
+    terminated: bool = False
+    error: str | None = None
+
+
+_ACCEPTED = GrammarVerdict()
+_TERMINATED = GrammarVerdict(terminated=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class _FillGroup:
     """One backend's share of a fill; ``error`` when planning its batched fill raised."""
 
@@ -368,16 +381,25 @@ class StructuredOutputManager:
         return grammar, unique
 
     @staticmethod
-    def accept(req: Request, tokens: Sequence[int]) -> bool:
-        """Advances the request's matcher; False if the grammar rejects a token."""
-        assert req.structured is not None and req.structured.matcher is not None
-        return req.structured.matcher.accept_tokens(tokens)
-
-    @staticmethod
-    def is_terminated(req: Request) -> bool:
-        return bool(
-            req.structured and req.structured.matcher and req.structured.matcher.is_terminated()
-        )
+    def advance(reqs: Sequence[Request], tokens: Sequence[int]) -> list[GrammarVerdict]:
+        """Advances ``reqs[i]``'s grammar by ``tokens[i]``: a verdict per request. A rejected
+        token or a raising matcher is logged and fails only its own request (a rejected
+        token leaves the matcher unchanged)."""
+        verdicts: list[GrammarVerdict] = []
+        for req, token in zip(reqs, tokens, strict=True):
+            assert req.structured is not None and req.structured.matcher is not None
+            matcher = req.structured.matcher
+            try:
+                if matcher.accept_tokens((token,)):
+                    verdicts.append(_TERMINATED if matcher.is_terminated() else _ACCEPTED)
+                    continue
+                error = f"grammar rejected sampled token {token}"
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                logger.exception("request %s: advancing its grammar failed", req.request_id)
+                error = f"{type(exc).__name__}: {exc}"
+            logger.error("request %s: %s", req.request_id, error)
+            verdicts.append(GrammarVerdict(error=error))
+        return verdicts
 
     def shutdown(self) -> None:
         self.service.shutdown()
