@@ -157,11 +157,12 @@ def run_case(llm: LLM, requests: Sequence[Request], batch: int) -> dict[str, Any
     assert isinstance(executor, SimExecutor)
     stats = llm.engine.core.stats
     before, host0, late0 = llm.stats(), executor.host_seconds, executor.wake_late_seconds
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     outs = llm.generate(
         [list(r.prompt) for r in requests], [r.params for r in requests], use_tqdm=False
     )
     seconds = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
     after = llm.stats()
     ops = [o for o in executor.device_ops() if o.start >= t0]
     spans = [s for s in stats.spans if s.start >= t0]
@@ -195,6 +196,11 @@ def run_case(llm: LLM, requests: Sequence[Request], batch: int) -> dict[str, Any
     }
     steps = max(1, row["steps"])
     row["sim_host_ms_per_step"] = (executor.host_seconds - host0) / steps * 1e3
+    # The whole run's CPU time, every thread of the process (engine, fill thread, simulator):
+    # against the cores' capacity it tells a host short of cores from one whose engine thread
+    # is the bottleneck while the other core idles.
+    row["cpu_ms_per_step"] = cpu / steps * 1e3
+    row["cores_busy"] = cpu / seconds
     # The OS waking the engine thread late after a device wait (not engine work).
     row["wake_late_ms_per_step"] = (executor.wake_late_seconds - late0) / steps * 1e3
     window = _window(ops, batch)

@@ -28,10 +28,14 @@ def mode_label(row: dict[str, Any]) -> str:
     return "on" if row.get("fill_thread", True) is not False else "on, fill on engine thread"
 
 
+# The console's narrow column ("on, eng": async with each deferred fill on the engine thread).
+_SHORT_LABELS = {"off": "off", "on": "on", "on, fill on engine thread": "on, eng"}
+
+
 def print_report(result: dict[str, Any]) -> None:
     """The rows, ratios and goals as text."""
     print(
-        f"\n{'async':<5} {'json':>4} {'batch':>5} {'tok/s':>8} {'steady':>8} {'idle':>6} "
+        f"\n{'async':<8} {'json':>4} {'batch':>5} {'tok/s':>8} {'steady':>8} {'idle':>6} "
         f"{'step ms':>7} {'dev ms':>7} {'host ms':>7} {'us/req':>7} {'defer':>5} "
         f"{'sched':>6} {'mask':>6} {'launch':>6} {'update':>6} {'output':>6} {'late':>5} "
         f"{'err':>3} {'bad':>3}"
@@ -39,12 +43,14 @@ def print_report(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         ph = r.get("phase_ms_per_step") or {}
         print(
-            f"{mode_label(r)[:5]:<5} {r['json_fraction']:>4.0%} {r['batch']:>5} "
+            f"{_SHORT_LABELS[mode_label(r)]:<8} {r['json_fraction']:>4.0%} {r['batch']:>5} "
             f"{r['tok_per_s']:>8.0f} {fmt(r.get('steady_tok_per_s'), '.0f'):>8} "
             f"{fmt(r.get('steady_idle'), '.1%'):>6} {fmt(r.get('step_ms'), '.2f'):>7} "
             f"{fmt(r.get('device_ms_per_step'), '.2f'):>7} "
             f"{fmt(r.get('host_ms_per_step'), '.2f'):>7} "
-            f"{fmt(r.get('host_us_per_request_step'), '.1f'):>7} {r['deferred_steps']:>5} "
+            f"{fmt(r.get('host_us_per_request_step'), '.1f'):>7} "
+            f"{fmt(r.get('cpu_ms_per_step'), '.2f'):>6} {fmt(r.get('cores_busy'), '.2f'):>5} "
+            f"{r['deferred_steps']:>5} "
             + " ".join(
                 f"{fmt(ph.get(p), '.2f'):>6}"
                 for p in ("schedule", "bitmask", "launch", "update", "output")

@@ -237,6 +237,12 @@ def engine_table(d: dict[str, Any]) -> str:
     return caption + markdown_table(header, rows) + ("\n\n" + "\n".join(lines) if lines else "")
 
 
+def _cpu_cell(r: dict[str, Any]) -> str:
+    if r.get("cpu_ms_per_step") is None:  # a result written before the column existed
+        return "-"
+    return f"{r['cpu_ms_per_step']:.2f} ({r['cores_busy']:.2f})"
+
+
 def engine_sim_table(d: dict[str, Any]) -> str:
     rows = []
     for r in d["rows"]:
@@ -251,6 +257,7 @@ def engine_sim_table(d: dict[str, Any]) -> str:
                 _num(r.get("device_ms_per_step"), ".2f"),
                 _num(r.get("host_ms_per_step"), ".2f"),
                 _num(r.get("host_us_per_request_step"), ".1f"),
+                _cpu_cell(r),
                 " / ".join(
                     _num(phases.get(p), ".2f")
                     for p in ("schedule", "bitmask", "launch", "update", "output")
@@ -269,6 +276,7 @@ def engine_sim_table(d: dict[str, Any]) -> str:
         "device ms/step",
         "host ms/step",
         "host µs/request-step",
+        "CPU ms/step, all threads (cores busy)",
         "schedule / bitmask / launch / update / output ms",
         "deferred steps",
         "late wake-up ms/step (OS)",
@@ -289,7 +297,11 @@ def engine_sim_table(d: dict[str, Any]) -> str:
         f"The real engine on the host against a simulated {d['gpu']['name']} running the "
         f"{d['shape']['name']} shape (roofline step times, token traces, every structured "
         "token checked against its bitmask); the default model's tokenizer. Host load during "
-        f"the run: {d.get('load', '-')}.\n\n"
+        f"the run: {d.get('load', '-')}. CPU ms/step is the process's CPU time over a whole "
+        "run (every thread: engine, fill thread, simulator) per step, and cores busy that "
+        f"time over the run's wall time, on {d.get('run', {}).get('cpu_cores', '?')} cores: "
+        "a host short of cores shows them all busy, a host held up by the engine thread's "
+        "serial work does not.\n\n"
     )
     return (
         caption

@@ -40,3 +40,23 @@ def test_ratios_compare_async_with_its_fill_thread_and_goals_ignore_the_other_en
     assert [mode_label(r) for r in rows[2:]] == ["on", "off", "on, fill on engine thread"]
     old = {k: v for k, v in rows[0].items() if k != "fill_thread"}  # a result from before
     assert mode_label(old) == "on" and compute_ratios([old])[0]["fill_thread_gain"] is None
+
+
+def test_tables_show_the_runs_cpu_time_and_rows_from_before_it_existed(capsys: Any) -> None:
+    from baton.bench.engine_sim_report import print_report
+    from baton.bench.readme_tables import engine_sim_table
+
+    base = {"deferred_steps": 3, "errors": 0, "json_invalid": 0, "json_checked": 4}
+    measured = {**row(True, False, 1.0, 640.0, 0.4), **base, "cpu_ms_per_step": 7.05}
+    measured["cores_busy"] = 1.18
+    before = {**row(False, None, 1.0, 600.0, 0.3), **base}  # written before the column
+    result = {"rows": [measured, before], "ratios": [], "goals": [], "run": {"cpu_cores": 2}}
+    result |= {"gpu": {"name": "H200"}, "shape": {"name": "llama"}}
+    table = engine_sim_table(result)
+    assert "CPU ms/step, all threads (cores busy)" in table
+    assert "on 2 cores" in table
+    lines = [x for x in table.splitlines() if x.startswith("| on") or x.startswith("| off")]
+    assert "| 7.05 (1.18) |" in lines[0] and "| - |" in lines[1]
+    print_report({"rows": [measured, before], "ratios": [], "goals": []})
+    out = capsys.readouterr().out
+    assert "on, eng" in out and " 7.05  1.18 " in out
