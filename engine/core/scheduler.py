@@ -401,7 +401,9 @@ class Scheduler:
             try:
                 num_drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
                 verdict = verdicts.get(rid)
-                results.extend(self._apply_tokens(req, tokens, out, num_drafts, verdict))
+                applied = self._apply_tokens(req, tokens, out, num_drafts, verdict)
+                if applied is not None:
+                    results.append(applied)
             except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the rest
                 logger.exception("request %s failed while applying its output", rid)
                 results.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
@@ -453,13 +455,13 @@ class Scheduler:
         out: ModelRunnerOutput,
         num_drafts: int = 0,
         verdict: GrammarVerdict | None = None,
-    ) -> list[EngineCoreOutput]:
+    ) -> EngineCoreOutput | None:
         error = out.errors.get(req.request_id)
         if error is not None:
-            return [self._fail(req, error)]
+            return self._fail(req, error)
         if not tokens:
             self._cache_known(req)
-            return []
+            return None
         # A step with drafts reserved a placeholder per draft and one more, whatever it kept.
         consumed = 1 + num_drafts if num_drafts else len(tokens)
         req.num_output_placeholders = max(0, req.num_output_placeholders - consumed)
@@ -472,7 +474,7 @@ class Scheduler:
                 took = verdict or self._grammar_verdict(req, tok)
                 verdict = None
                 if took.error is not None:
-                    return [self._fail(req, took.error)]
+                    return self._fail(req, took.error)
                 if took.terminated:
                     req.status = RequestStatus.FINISHED_STOPPED
             req.output_token_ids.append(tok)
@@ -483,20 +485,16 @@ class Scheduler:
         finish = req.status.finish_reason
         if finish is not None:
             self._remove_finished(req)
-        return [
-            EngineCoreOutput(
-                request_id=req.request_id,
-                new_token_ids=accepted,
-                finish_reason=finish,
-                stop_reason=req.stop_reason,
-                logprobs=_first(out.logprobs.get(req.request_id), len(accepted)),
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-                structured_backend=req.structured.backend if req.structured else None,
-                structured_fallback_reason=(
-                    req.structured.fallback_reason if req.structured else None
-                ),
-            )
-        ]
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=accepted,
+            finish_reason=finish,
+            stop_reason=req.stop_reason,
+            logprobs=_first(out.logprobs.get(req.request_id), len(accepted)),
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            structured_backend=req.structured.backend if req.structured else None,
+            structured_fallback_reason=(req.structured.fallback_reason if req.structured else None),
+        )
 
     def _reject_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Forgets the KV slots of the rejected drafts: they count as not computed, and
