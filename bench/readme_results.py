@@ -18,11 +18,10 @@ from typing import Any
 
 from baton.bench.forward import RESULTS
 from baton.bench.gpu_report import gpu_check_table
+from baton.bench.readme_engine_tables import engine_sim_table, engine_table, spec_table
 from baton.bench.readme_tables import (
     compile_burst_table,
     data_parallel_table,
-    engine_sim_table,
-    engine_table,
     forward_table,
     grammar_overhead_table,
     grammar_table,
@@ -31,7 +30,6 @@ from baton.bench.readme_tables import (
     peers_table,
     serve_table,
     soak_table,
-    spec_table,
     structured_table,
     tensor_parallel_table,
     throughput_table,

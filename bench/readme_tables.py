@@ -7,8 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from baton.bench.engine_sim_report import mode_label
-
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
@@ -121,7 +119,8 @@ def masks_table(d: dict[str, Any]) -> str:
         for n in names:
             s = d["families"][n][family]
             row.append(
-                f"{_num(s['p50'], '.1f')} / {_num(s['p99'], '.1f')} / {_num(s['max'], '.0f')}"
+                f"{num_cell(s['p50'], '.1f')} / {num_cell(s['p99'], '.1f')} / "
+                f"{num_cell(s['max'], '.0f')}"
             )
         row.append(" / ".join(str(d["families"][n][family]["states"]) for n in names))
         rows.append(row)
@@ -202,135 +201,13 @@ def grammar_overhead_table(d: dict[str, Any]) -> str:
     return markdown_table(["batch", "raw xgrammar µs/token", "baton µs/token", "ratio"], rows)
 
 
-def engine_table(d: dict[str, Any]) -> str:
-    rows = []
-    for r in d["rows"]:
-        rows.append(
-            [
-                r["regime"],
-                mode_label(r),
-                f"{r['json_fraction']:.0%}",
-                str(r["batch"]),
-                f"{r['tok_per_s']:.0f}",
-                f"{r['tpot_ms']:.1f}",
-                f"{r['steady_device_busy']:.2f}",
-                str(r["deferred_steps"]),
-                f"{r['step_over_bound']:.2f}",
-            ]
-        )
-    header = [
-        "regime",
-        "async",
-        "JSON",
-        "batch",
-        "tok/s",
-        "TPOT ms",
-        "device busy (steady)",
-        "deferred steps",
-        "step / max(cpu, device)",
-    ]
-    lines = goal_lines(d.get("goals") or [], digits=3)
-    caption = (
-        "Regime a: the default model. Regime b: a tiny random-weight model with the "
-        "real vocabulary (CPU work weighs more, as next to a GPU).\n\n"
-    )
-    return caption + markdown_table(header, rows) + ("\n\n" + "\n".join(lines) if lines else "")
-
-
-def _cpu_cell(r: dict[str, Any]) -> str:
-    if r.get("cpu_ms_per_step") is None:  # a result written before the column existed
-        return "-"
-    return f"{r['cpu_ms_per_step']:.2f} ({r['cores_busy']:.2f})"
-
-
-def engine_sim_table(d: dict[str, Any]) -> str:
-    rows = []
-    for r in d["rows"]:
-        phases = r.get("phase_ms_per_step") or {}
-        rows.append(
-            [
-                mode_label(r),
-                f"{r['json_fraction']:.0%}",
-                str(r["batch"]),
-                f"{r['tok_per_s']:.0f}",
-                _pct(r.get("steady_idle")),
-                _num(r.get("device_ms_per_step"), ".2f"),
-                _num(r.get("host_ms_per_step"), ".2f"),
-                _num(r.get("host_us_per_request_step"), ".1f"),
-                _cpu_cell(r),
-                " / ".join(
-                    _num(phases.get(p), ".2f")
-                    for p in ("schedule", "bitmask", "launch", "update", "output")
-                ),
-                str(r["deferred_steps"]),
-                _num(r.get("wake_late_ms_per_step"), ".2f"),
-                f"{r['errors']}, {r['json_invalid']}/{r['json_checked']}",
-            ]
-        )
-    header = [
-        "async",
-        "JSON",
-        "batch",
-        "tok/s",
-        "device idle (steady)",
-        "device ms/step",
-        "host ms/step",
-        "host µs/request-step",
-        "CPU ms/step, all threads (cores busy)",
-        "schedule / bitmask / launch / update / output ms",
-        "deferred steps",
-        "late wake-up ms/step (OS)",
-        "errors, invalid JSON",
-    ]
-    ratios = [
-        [
-            str(x["batch"]),
-            f"{x['json_fraction']:.0%}",
-            _num(x["async_over_sync"], ".2f"),
-            _num(x["structured_over_free"], ".2f"),
-            _num(x.get("fill_thread_gain"), ".2f"),
-        ]
-        for x in d["ratios"]
-    ]
-    lines = goal_lines(d.get("goals") or [], digits=3)
-    caption = (
-        f"The real engine on the host against a simulated {d['gpu']['name']} running the "
-        f"{d['shape']['name']} shape (roofline step times, token traces, every structured "
-        "token checked against its bitmask); the default model's tokenizer. Host load during "
-        f"the run: {d.get('load', '-')}. CPU ms/step is the process's CPU time over a whole "
-        "run (every thread: engine, fill thread, simulator) per step, and cores busy that "
-        f"time over the run's wall time, on {d.get('run', {}).get('cpu_cores', '?')} cores: "
-        "a host short of cores shows them all busy, a host held up by the engine thread's "
-        "serial work does not.\n\n"
-    )
-    return (
-        caption
-        + markdown_table(header, rows)
-        + "\n\n"
-        + markdown_table(
-            [
-                "batch",
-                "JSON",
-                "async / sync",
-                "structured / free (async)",
-                "fill thread on / off (async)",
-            ],
-            ratios,
-        )
-        + ("\n\n" + "\n".join(lines) if lines else "")
-        + (
-            f"\n\n![timeline of steady steps](bench/results/{d['timeline_png']})"
-            if d.get("timeline_png")
-            else ""
-        )
-    )
-
-
-def _pct(value: float | None) -> str:
+def pct_cell(value: float | None) -> str:
+    """A share as a whole percentage; "-" for none."""
     return "-" if value is None else f"{value:.0%}"
 
 
-def _num(value: float | None, spec: str) -> str:
+def num_cell(value: float | None, spec: str) -> str:
+    """A number in ``spec``'s format; "-" for none."""
     return "-" if value is None else format(value, spec)
 
 
@@ -359,10 +236,10 @@ def peers_table(d: dict[str, Any]) -> str:
         [
             r["label"],
             str(r["concurrency"]),
-            _num(r["tok_per_s"], ".1f"),
+            num_cell(r["tok_per_s"], ".1f"),
             _spread(r),
-            _num(r["tpot_ms"], ".1f"),
-            _pct(r["valid_share"]),
+            num_cell(r["tpot_ms"], ".1f"),
+            pct_cell(r["valid_share"]),
         ]
         for r in d["rows"]
     ]
@@ -396,9 +273,9 @@ def serve_table(d: dict[str, Any]) -> str:
         [
             str(r["concurrency"]),
             f"{r['done']}/{r['issued']}",
-            _num(r["tok_per_s"], ".0f"),
-            f"{_num(r['ttft_p50_ms'], '.0f')} / {_num(r['ttft_p99_ms'], '.0f')}",
-            f"{_num(r['tpot_p50_ms'], '.1f')} / {_num(r['tpot_p99_ms'], '.1f')}",
+            num_cell(r["tok_per_s"], ".0f"),
+            f"{num_cell(r['ttft_p50_ms'], '.0f')} / {num_cell(r['ttft_p99_ms'], '.0f')}",
+            f"{num_cell(r['tpot_p50_ms'], '.1f')} / {num_cell(r['tpot_p99_ms'], '.1f')}",
             f"{r['json_valid']}/{r['json_checked']}",
             str(r.get("json_length_cut", "-")),
         ]
@@ -503,78 +380,6 @@ def compile_burst_table(d: dict[str, Any]) -> str:
         "processes when the run says so.\n\n"
     )
     return caption + markdown_table(header, rows)
-
-
-def _spec_cells(r: dict[str, Any]) -> list[str]:
-    """The cells a CPU row and a simulated row of the spec tables share."""
-    return [
-        r["workload"],
-        r["mode"],
-        str(r["concurrency"]),
-        _num(r["tok_per_s"], ".1f"),
-        _num(r["tokens_per_step"], ".2f"),
-        _num(r["drafts_per_step"], ".2f"),
-        _pct(r["acceptance_rate"]),
-    ]
-
-
-def spec_table(d: dict[str, Any]) -> str:
-    rows = [
-        [
-            *_spec_cells(r),
-            _pct(r["valid_share"]),
-            {True: "yes", False: "no", None: "-"}[r["same_tokens_as_off"]],
-            " -> ".join(f"{x:.1f}" for x in r["load_avg_1m"]) if "load_avg_1m" in r else "",
-        ]
-        for r in d["rows"]
-    ]
-    header = [
-        "workload",
-        "spec",
-        "concurrency",
-        "output tok/s",
-        "tokens/step",
-        "drafts/step",
-        "acceptance",
-        "valid JSON",
-        "same tokens as off",
-        "load (1 min avg)",
-    ]
-    cfg = d["config"]
-    caption = (
-        f"Greedy JSON workloads (peers: invent a person; extraction: fill a schema from facts "
-        f"in the prompt), at most {cfg['max_tokens']} tokens, "
-        f"{cfg['num_speculative_tokens']} drafts at most per request and step, synchronous "
-        f"scheduling, in {d['run'].get('dtype')}; free is the peers prompts without a schema, "
-        f"spec off. One engine per mode, measured in one run: output tok/s is the median of "
-        f"{cfg.get('repeats', 1)} run(s) per mode in alternating order.\n\n"
-    )
-    notes = goal_lines(d.get("goals") or [])
-    sim = d.get("sim") or {}
-    if sim and not sim.get("measured"):
-        notes.append(f"- simulated device: not measured ({sim.get('reason')})")
-    text = caption + markdown_table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
-    if sim.get("measured"):
-        text += "\n\n" + _spec_sim_table(sim)
-    return text
-
-
-def _spec_sim_table(sim: dict[str, Any]) -> str:
-    rows = [_spec_cells(r) for r in sim["rows"]]
-    header = ["workload", "spec", "concurrency", "tok/s", "tokens/step", "drafts/step"]
-    header.append("acceptance")
-    caption = (
-        f"The same prompts on the simulated accelerator (`{sim['device']}`, {sim['shape']} "
-        "shape): the real engine replays the spec-off outputs above as its traces, so every "
-        "mode verifies drafts against what the model produced; each mode with synchronous and "
-        'with async scheduling ("(async)"; under async a request\'s drafts follow a guess of '
-        "its token in flight, and it sits out the step planned while they are verified).\n\n"
-    )
-    notes = [f"- {r['name']}: {_num(r['value'], '.2f')}" for r in sim.get("ratios") or []]
-    return caption + markdown_table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
-
-
-# (file, title, command, renderer)
 
 
 def data_parallel_table(d: dict[str, Any]) -> str:

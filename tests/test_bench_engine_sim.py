@@ -44,7 +44,7 @@ def test_ratios_compare_async_with_its_fill_thread_and_goals_ignore_the_other_en
 
 def test_tables_show_the_runs_cpu_time_and_rows_from_before_it_existed(capsys: Any) -> None:
     from baton.bench.engine_sim_report import print_report
-    from baton.bench.readme_tables import engine_sim_table
+    from baton.bench.readme_engine_tables import engine_sim_table
 
     base = {"deferred_steps": 3, "errors": 0, "json_invalid": 0, "json_checked": 4}
     measured = {**row(True, False, 1.0, 640.0, 0.4), **base, "cpu_ms_per_step": 7.05}
