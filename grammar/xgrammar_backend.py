@@ -141,8 +141,6 @@ class XGrammarMatcher(GrammarMatcher):
 
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
         """Advances by all ``tokens``, or (when one is rejected) by none of them."""
-        if len(tokens) == 1:  # each decode step's token: the engine's hot path
-            return self._accept(tokens[0])
         for i, token in enumerate(tokens):
             if not self._accept(token):
                 if i:

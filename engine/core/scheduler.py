@@ -470,9 +470,11 @@ class Scheduler:
         accepted: list[int] = []
         for tok in tokens:
             if req.structured is not None:
-                # The first token's verdict may have come ahead (advance_grammars).
-                took = verdict or self._grammar_verdict(req, tok)
-                verdict = None
+                # The first token's verdict came from advance_grammars, except a drafted step's.
+                took, verdict = verdict, None
+                if took is None:
+                    assert self.structured is not None
+                    took = self.structured.advance([req], [tok])[0]
                 if took.error is not None:
                     return self._fail(req, took.error)
                 if took.terminated:
@@ -519,12 +521,6 @@ class Scheduler:
         kept = self.kv.truncate(req.request_id, req.num_computed_tokens)
         if kept < held:
             self._kept_blocks[req.request_id] = kept
-
-    def _grammar_verdict(self, req: Request, token: int) -> GrammarVerdict:
-        """Advances ``req``'s grammar by ``token``: accepted (and whether the grammar ended
-        there), or rejected with why. Changes nothing else about the request."""
-        assert self.structured is not None
-        return self.structured.advance([req], [token])[0]
 
     def _cache_known(self, req: Request) -> None:
         """Registers the request's blocks now full of known tokens for prefix reuse."""

@@ -394,10 +394,10 @@ class StructuredOutputManager:
                     verdicts.append(_TERMINATED if matcher.is_terminated() else _ACCEPTED)
                     continue
                 error = f"grammar rejected sampled token {token}"
+                logger.error("request %s: %s", req.request_id, error)
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 logger.exception("request %s: advancing its grammar failed", req.request_id)
                 error = f"{type(exc).__name__}: {exc}"
-            logger.error("request %s: %s", req.request_id, error)
             verdicts.append(GrammarVerdict(error=error))
         return verdicts
 
