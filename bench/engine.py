@@ -269,8 +269,9 @@ def measure(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) ->
 
 
 def host_cpu_s(record: StepRecord, inline_device: bool) -> float:
-    """The engine's own CPU time in a step. With an in-process executor the forward runs on the
-    engine thread and is not a wait, so ``cpu_s`` holds it too and it is taken out."""
+    """The engine's own CPU time in a step. With an in-process executor on the CPU the forward
+    runs on the engine thread and is not a wait, so ``cpu_s`` holds it too and it is taken out
+    (on CUDA the same executor only queues the forward: nothing to take out)."""
     return max(0.0, record.cpu_s - record.device_s) if inline_device else record.cpu_s
 
 
@@ -282,7 +283,7 @@ def summarize(
     runs: Sequence[RunMeasure], regime: str, llm: LLM, json_fraction: float, batch: int
 ) -> dict[str, Any]:
     """One table row from the repetitions of one case."""
-    inline = llm.config.executor == "uni"
+    inline = llm.config.executor == "uni" and llm.config.device == "cpu"
     seconds = sum(r.seconds for r in runs)
     tokens = sum(r.tokens for r in runs)
     engine_s = sum(r.stats["engine_s"] for r in runs)
@@ -331,7 +332,7 @@ def summarize(
 
 def step_trace(run: RunMeasure, llm: LLM) -> dict[str, list[float]]:
     """Per-step wall, engine CPU and device time (ms) of one run, for the plot."""
-    inline = llm.config.executor == "uni"
+    inline = llm.config.executor == "uni" and llm.config.device == "cpu"
     return {
         "wall_ms": [rec.wall_s * 1e3 for rec in run.records],
         "cpu_ms": [host_cpu_s(rec, inline) * 1e3 for rec in run.records],

@@ -3,7 +3,8 @@
 #
 #   bench/gpu_check.sh --prepare   here (PyPI reachable): wheels for the GPU machine's Python and
 #                                  the default model's tokenizer, into .gpu_check/ (git-ignored)
-#   bench/gpu_check.sh [OUT]       on the CUDA machine: GPU tests, bench engine on CUDA, paged
+#   bench/gpu_check.sh [OUT] [--stages "gpu tests,profile"]
+#                                  on the CUDA machine: GPU tests, bench engine on CUDA, paged
 #                                  attention; results in OUT (default: gpu_check_results/)
 #
 # With the device tool: run `bench/gpu_check.sh "$OUT"` with carry [".gpu_check"].
@@ -27,4 +28,4 @@ if compgen -G "$PREP/wheels/*.whl" >/dev/null; then
         --target "$NS/site" "$PREP"/wheels/*.whl
 fi
 export PYTHONPATH="$NS:$NS/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec "$PY" -m baton.bench.gpu_check run --out "$OUT" --prep "$PREP"
+exec "$PY" -m baton.bench.gpu_check run --out "$OUT" --prep "$PREP" "${@:2}"

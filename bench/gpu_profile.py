@@ -34,6 +34,16 @@ CASES = {
 }
 
 
+PHASES = ("schedule", "bitmask", "launch", "device_wait", "update", "output", "engine", "device")
+
+
+def phase_ms_per_step(before: dict, after: dict) -> dict[str, float]:
+    """The engine's phase times (``LLM.stats()``'s ``<phase>_s``) between two readings, in ms
+    per engine step; ``engine`` is the whole step, ``device`` the device's own time."""
+    steps = max(1, after.get("steps", 0) - before.get("steps", 0))
+    return {k: 1e3 * (after.get(f"{k}_s", 0.0) - before.get(f"{k}_s", 0.0)) / steps for k in PHASES}
+
+
 def profile_case(
     name: str, model: str | None, batch: int, output_len: int, out: Path, device: str
 ) -> str:
@@ -41,14 +51,19 @@ def profile_case(
     async_on, fraction, eager = CASES[name]
     ckpt = load_checkpoint(model)
     tok = ckpt.tokenizer
-    chats = conversations(1000, 3 * batch + 4)
+    chats = conversations(1000, 4 * batch + 4)
     prompts = [list(tok.apply_chat_template(c, tokenize=True)) for c in chats]
-    warm, runs = prompts[:4], [prompts[4 + i * batch : 4 + (i + 1) * batch] for i in range(3)]
+    warm, runs = prompts[:4], [prompts[4 + i * batch : 4 + (i + 1) * batch] for i in range(4)]
     max_len = max(len(p) for p in prompts) + max(output_len, WARMUP_TOKENS) + 1
     llm = build_llm(ckpt, async_on, batch, max_len, warm, device, None, eager)
     params = request_params(batch, fraction, output_len)
     try:
         llm.generate(runs[0], params, use_tqdm=False)  # warm at this batch size
+        before = llm.stats()
+        t0 = time.perf_counter()
+        llm.generate(runs[3], params, use_tqdm=False)  # no profiler: the engine's own phases
+        plain_s = time.perf_counter() - t0
+        phases = phase_ms_per_step(before, llm.stats())
         t0 = time.perf_counter()
         steps_before = llm.stats().get("steps", 0)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -74,7 +89,9 @@ def profile_case(
     head = (
         f"{name}: batch {batch}, {tokens} tokens in {profiled_s:.3f} s and {profiled_steps} steps "
         f"under torch.profiler ({gpu_events / max(profiled_steps, 1):.0f} GPU kernels and copies "
-        f"per step); {cprofile_s:.3f} s and {steps} steps under cProfile"
+        f"per step); {cprofile_s:.3f} s and {steps} steps under cProfile; {plain_s:.3f} s "
+        f"without a profiler, engine phases in ms per step: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
     )
     text = "\n\n".join(
         [

@@ -26,6 +26,12 @@ def test_without_cuda_nothing_runs(tmp_path: Path, capsys: pytest.CaptureFixture
     assert list((tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_an_unknown_stage_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no such stage: profiles"):
+        gpu_check.run(tmp_path / "out", tmp_path / "prep", frozenset({"profile", "profiles"}))
+
+
 def test_only_files_with_gpu_tests_are_collected() -> None:
     files = {Path(f).name for f in gpu_check.gpu_test_files()}
     assert "test_kernels_paged_attention.py" in files and "test_kernels_step_state.py" in files
@@ -42,6 +48,8 @@ def test_stages_fit_the_time_budget(tmp_path: Path) -> None:
     assert "--enforce-eager" in eager and "--enforce-eager" not in engine
     assert eager[eager.index("--out") + 1].endswith("engine_eager.json")
     assert engine[engine.index("--out") + 1].endswith("engine.json")
+    assert engine[engine.index("--repeats") + 1] == "2"
+    assert eager[eager.index("--repeats") + 1] == "1"
     (tmp_path / "prep" / "tokenizer").mkdir(parents=True)
     tests = next(
         s for s in gpu_check.stages(tmp_path, None, tmp_path / "prep") if s.log.startswith("gpu")

@@ -143,8 +143,24 @@ def test_kernel_compiles_for_hopper(
 ) -> None:
     """The sm_90 cubin builds here (no GPU needed)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    cubin = hopper_cubin(rp._rope_kernel, dtype, {"BLOCK": 32}, num_warps=1)
+    cubin = hopper_cubin(rp._rope_kernel, dtype, {"BLOCK": 32}, options=rp.LAUNCH_OPTIONS)
     assert cubin
+
+
+@pytest.mark.skipif(not rp.HAS_TRITON or rp._INTERPRETED, reason="needs the Triton compiler")
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp16", "*fp32"])
+def test_launch_options_keep_products_and_sums_apart(
+    dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the launch's options the sm_90 PTX multiplies and then adds, with no fused
+    multiply-add (which rounds once where torch rounds twice); without them it fuses."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    ptx = hopper_cubin(rp._rope_kernel, dtype, {"BLOCK": 32}, options=rp.LAUNCH_OPTIONS, asm="ptx")
+    assert "mul.rn." in ptx and "fma." not in ptx
+    fused = {**rp.LAUNCH_OPTIONS, "enable_fp_fusion": True}
+    ptx = hopper_cubin(rp._rope_kernel, dtype, {"BLOCK": 32}, options=fused, asm="ptx")
+    assert "fma." in ptx
 
 
 @pytest.mark.gpu
@@ -155,11 +171,5 @@ def test_kernel_compiles_for_hopper(
 def test_cuda_kernel_matches_torch_reference(name: str) -> None:
     case = _cases()[name]
     got = rp.rope(*(case[n].cuda() for n in ("q", "k", "cos", "sin")))
-    # Half precision rounds every op as torch does; float32 may fuse a product into a sum.
-    exact = case["q"].dtype != torch.float32
-    if exact:
-        _assert_matches_reference((got[0].cpu(), got[1].cpu()), case, exact=True)
-    else:
-        want = rp.rope_torch(case["q"], case["k"], case["cos"], case["sin"])
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g.cpu(), w, rtol=1e-6, atol=1e-6)
+    # Every product and sum rounds as torch's ops do (no fused multiply-add), in every dtype.
+    _assert_matches_reference((got[0].cpu(), got[1].cpu()), case, exact=True)

@@ -254,9 +254,13 @@ def paged_attention(
         # With a mask, only cuDNN (left out by sdpa_backends) fuses grouped-query attention on
         # CUDA; whole heads let the memory-efficient kernel take it instead of the math one,
         # which would hold [B, heads, Q, S] scores in float32.
+        # expand + reshape, not repeat_interleave: with an int count that reads its output
+        # size back from the device (caught by BATON_SYNC_CHECK on the H200).
         group = num_heads // num_kv_heads
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
+        grouped = (keys.shape[0], num_kv_heads, group, *keys.shape[2:])
+        whole = (keys.shape[0], num_heads, *keys.shape[2:])
+        keys = keys[:, :, None].expand(grouped).reshape(whole)
+        values = values[:, :, None].expand(grouped).reshape(whole)
         gqa = False
     out = F.scaled_dot_product_attention(
         queries,

@@ -69,8 +69,10 @@ class ForwardOutput:
         sample_request_ids: those that sample this step (reached their last known token).
         sample_rows: their state rows, int64 ``[N]`` on the host.
         sample_rows_device: the same rows on the device.
-        hidden: final hidden states of their last tokens ``[N, hidden]`` (device); with
-            ``drafts``, of their last token and each draft token ``[M, hidden]``.
+        logits: the logits of their last tokens ``[N, vocab]`` (device); with ``drafts``, of
+            their last token and each draft token ``[M, vocab]``. Queued with the forward, so
+            that a step whose sampling waits for its grammar bitmask waits with the LM head
+            already done.
         drafts: where the logits rows of requests with draft tokens lie; None: one row each.
     """
 
@@ -79,7 +81,7 @@ class ForwardOutput:
     sample_request_ids: tuple[str, ...]
     sample_rows: np.ndarray
     sample_rows_device: torch.Tensor
-    hidden: torch.Tensor
+    logits: torch.Tensor
     drafts: DraftLayout | None = None
 
 
@@ -282,7 +284,10 @@ class ModelRunner:
                 sample_request_ids=sample_ids,
                 sample_rows=plan.sample_rows,
                 sample_rows_device=sample_rows,
-                hidden=hidden[hidden_index],
+                # No sampling row, no LM head: every tensor-parallel rank skips its gather alike.
+                logits=self.model.compute_logits(hidden[hidden_index])
+                if sample_ids
+                else torch.zeros(0),
                 drafts=drafts,
             )
 
@@ -374,7 +379,7 @@ class ModelRunner:
             params = [self.states.params[r] for r in fwd.sample_rows.tolist()]
             rows = _LogitsRows.of(fwd, self.io)
             row_params = params if fwd.drafts is None else [params[i] for i in rows.request]
-            logits = self.model.compute_logits(fwd.hidden)
+            logits = fwd.logits
             if grammar is not None and grammar.request_ids:
                 self._apply_grammar(logits, fwd, grammar)
             self._ban_tokens(logits, rows, row_params)

@@ -143,7 +143,9 @@ class RequestStates:
         if self.uses_penalties[row]:
             mask = self.prompt_mask[row]
             mask.zero_()
-            mask[self.token_ids[row, :prompt_len]] = True
+            # index_fill_, not ``mask[ids] = True``: that copies the host scalar to the device
+            # synchronously (torch's sync debug mode stops it on CUDA).
+            mask.index_fill_(0, self.token_ids[row, :prompt_len], True)
 
     def append_blocks(self, row: int, block_ids: tuple[int, ...]) -> None:
         """Appends block ids to the row's block table (host only: attention metadata is built

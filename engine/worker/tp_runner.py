@@ -51,9 +51,10 @@ def join_group(rank: int, size: int, store_port: int, device: str) -> TensorPara
 class ParallelModelRunner(ModelRunner):
     """A ``ModelRunner`` over one shard of a tensor-parallel model (``model.tp`` set).
 
-    ``execute_model`` is the base runner's (the collectives are inside the model). ``sample``
-    on rank 0 samples as the base runner does, then broadcasts the tokens; on the other ranks
-    it takes part in the logits gather, receives the tokens and records them in its rows.
+    ``execute_model`` is the base runner's (the collectives are inside the model, the logits
+    gather too: only rank 0 keeps the logits). ``sample`` on rank 0 samples as the base runner
+    does, then broadcasts the tokens; on the other ranks it receives the tokens and records
+    them in its rows.
     """
 
     @property
@@ -77,7 +78,6 @@ class ParallelModelRunner(ModelRunner):
                 tp.broadcast(tokens)
             return sampled
         with self.io.on_stream():
-            self.model.compute_logits(fwd.hidden)  # sends this rank's vocabulary slice
             n = len(fwd.sample_request_ids)
             tokens = torch.empty(n, dtype=torch.int64, device=self.io.device)
             tp.broadcast(tokens)
