@@ -85,11 +85,15 @@ def profile_case(
     pstats.Stats(py, stream=stats_text).sort_stats("cumulative").print_stats(45)
     averages = prof.key_averages()
     # Kernels and copies on the GPU (graph replays' kernels included), per engine step.
-    gpu_events = sum(e.count for e in averages if e.device_type == torch.autograd.DeviceType.CUDA)
+    on_gpu = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_events = sum(e.count for e in on_gpu)
+    # What the GPU itself spent (kernels and copies), unlike the engine's event spans, which
+    # also hold the gaps where the GPU waits for the host's launches.
+    gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in on_gpu)
     head = (
         f"{name}: batch {batch}, {tokens} tokens in {profiled_s:.3f} s and {profiled_steps} steps "
         f"under torch.profiler ({gpu_events / max(profiled_steps, 1):.0f} GPU kernels and copies "
-        f"per step); {cprofile_s:.3f} s and {steps} steps under cProfile; {plain_s:.3f} s "
+        f"per step, {gpu_us / 1e3 / max(profiled_steps, 1):.3f} ms of GPU time per step); {cprofile_s:.3f} s and {steps} steps under cProfile; {plain_s:.3f} s "
         f"without a profiler, engine phases in ms per step: "
         + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
     )

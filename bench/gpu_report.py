@@ -51,6 +51,8 @@ def gpu_check_table(d: dict[str, Any]) -> str:
     head += f" The engine runs use {model}, greedy, 64 tokens per request."
     graphs = _rows_by_case(d["engine"].get("graphs"))
     eager = _rows_by_case(d["engine"].get("eager"))
+    if not eager:
+        head += " No eager run in this check (graphs only)."
     rows = []
     for batch, frac in sorted({(b, f) for b, f, _ in graphs} | {(b, f) for b, f, _ in eager}):
         g_on, g_off = graphs.get((batch, frac, True)), graphs.get((batch, frac, False))
@@ -60,30 +62,28 @@ def gpu_check_table(d: dict[str, Any]) -> str:
             if g_on and e_on and e_on["tok_per_s"]
             else "-"
         )
-        rows.append(
-            [
-                str(batch),
-                f"{frac:.0%}",
-                _tok(g_on),
-                _tok(g_off),
-                _tpot(g_on),
-                _tok(e_on),
-                _tok(e_off),
-                _tpot(e_on),
-                speedup,
-            ]
+        ratio = (
+            f"{g_on['tok_per_s'] / g_off['tok_per_s']:.2f}"
+            if g_on and g_off and g_off["tok_per_s"]
+            else "-"
         )
+        row = [str(batch), f"{frac:.0%}", _tok(g_on), _tok(g_off), ratio, _tpot(g_on)]
+        rows.append(row + ([_tok(e_on), _tok(e_off), _tpot(e_on), speedup] if eager else []))
     header = [
         "batch",
         "JSON",
         "graphs async tok/s",
         "graphs sync tok/s",
+        "graphs async / sync",
         "graphs async TPOT ms",
-        "eager async tok/s",
-        "eager sync tok/s",
-        "eager async TPOT ms",
-        "async: graphs / eager",
     ]
+    if eager:
+        header += [
+            "eager async tok/s",
+            "eager sync tok/s",
+            "eager async TPOT ms",
+            "async: graphs / eager",
+        ]
     goals = goal_lines((d["engine"].get("graphs") or {}).get("goals") or [], digits=3)
     parts = [head, markdown_table(header, rows)]
     if goals:

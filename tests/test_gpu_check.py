@@ -117,6 +117,12 @@ def test_collect_gathers_a_run_into_one_file_the_readme_renders(tmp_path: Path) 
     text = gpu_check_table(data)
     assert "commit `0123456789ab`" in text and "profile exit 1 (3 s)" in text
     row = next(line for line in text.splitlines() if line.startswith("| 8 |"))
-    assert row.split(" | ")[2:5] == ["900", "300", "2.0"] and row.endswith("| 9.00 |")
+    assert row.split(" | ")[2:6] == ["900", "300", "3.00", "2.0"] and row.endswith("| 9.00 |")
+    assert "No eager run" not in text
+    (src / "engine_eager.json").unlink()
+    text = gpu_check_table(gpu_check.collect(src, out))
+    row = next(line for line in text.splitlines() if line.startswith("| 8 |"))
+    assert row.split(" | ")[2:6] == ["900", "300", "3.00", "2.0 |"] and "eager" not in row
+    assert "No eager run in this check" in text and "eager async" not in text
     with pytest.raises(FileNotFoundError, match="not the output of a GPU check"):
         gpu_check.collect(tmp_path / "results", tmp_path / "x.json")
