@@ -93,8 +93,9 @@ def profile_case(
     head = (
         f"{name}: batch {batch}, {tokens} tokens in {profiled_s:.3f} s and {profiled_steps} steps "
         f"under torch.profiler ({gpu_events / max(profiled_steps, 1):.0f} GPU kernels and copies "
-        f"per step, {gpu_us / 1e3 / max(profiled_steps, 1):.3f} ms of GPU time per step); {cprofile_s:.3f} s and {steps} steps under cProfile; {plain_s:.3f} s "
-        f"without a profiler, engine phases in ms per step: "
+        f"per step, {gpu_us / 1e3 / max(profiled_steps, 1):.3f} ms of GPU time per step); "
+        f"{cprofile_s:.3f} s and {steps} steps under cProfile; {plain_s:.3f} s without a "
+        f"profiler, engine phases in ms per step: "
         + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
     )
     text = "\n\n".join(
