@@ -319,7 +319,8 @@ class CompileDispatcher:
             worker = zygote.fork()
         except WorkerStartError as exc:
             self._start_failed_at = time.monotonic()
-            logger.error("grammar compile workers cannot start: %s", exc)
+            if not self._closed:  # shutting down closes the zygote under a start: no error
+                logger.error("grammar compile workers cannot start: %s", exc)
             raise
         self._start_failed_at = None
         with self._lock:

@@ -3,7 +3,9 @@
 One template process (the zygote, see ``compile_worker``) is started with ``subprocess`` the
 first time a worker is needed; every worker is then forked from it in milliseconds and talks
 to the engine over its own socket. Only the compile service's dispatcher thread uses these
-objects, so they hold no locks.
+objects, so they hold no locks; the one exception is ``Zygote.close`` at shutdown, which may
+run while that thread waits for the zygote to start (that start then fails with
+``WorkerStartError``).
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ class Zygote:
             conn.send(("fork",))
             tag, pid = conn.recv()
             fd = recv_handle(conn)
-        except (OSError, EOFError, ValueError) as exc:
+        except (OSError, EOFError, TypeError, ValueError) as exc:  # TypeError: as in `_start`
             self.failure = f"the compile worker template process ended: {exc or type(exc).__name__}"
             self.close()
             raise WorkerStartError(self.failure) from None
@@ -153,7 +155,7 @@ class Zygote:
         env = {**os.environ, **THREAD_ENV}
         paths = json.dumps([p for p in sys.path if p])
         try:
-            self._proc = subprocess.Popen(
+            self._proc = proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno()), paths],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
@@ -175,8 +177,10 @@ class Zygote:
         try:
             conn.send(self._init)
             answer = conn.recv()
-        except (OSError, EOFError) as exc:
-            code = self._proc.poll()
+        # TypeError / ValueError: `close` (another thread, shutting down) closed the connection
+        # while this one waited on it.
+        except (OSError, EOFError, TypeError, ValueError) as exc:
+            code = proc.poll()
             self.failure = (
                 "the compile worker process failed to start"
                 + (f" (exit code {code})" if code is not None else "")
@@ -188,7 +192,7 @@ class Zygote:
             self.failure = f"the compile worker process cannot build the backends: {answer[1]}"
             self.close()
             raise WorkerStartError(self.failure)
-        logger.info("grammar compile worker template started (pid %d)", self._proc.pid)
+        logger.info("grammar compile worker template started (pid %d)", proc.pid)
         return conn
 
     @property

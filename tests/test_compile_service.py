@@ -398,3 +398,44 @@ def test_an_unguarded_script_is_not_run_again_by_the_workers(
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"workers [1-9]", done.stdout), done.stdout  # compiles ran in workers
     assert marker.read_text() == "ran\n"  # and the script ran once
+
+
+def test_closing_the_zygote_while_it_starts_fails_the_start_cleanly(
+    tokenizer: Tokenizer,
+) -> None:
+    """Shutting down closes the zygote from another thread, which can land while the
+    dispatcher thread waits for the zygote to say it is ready: that start must fail with
+    WorkerStartError (a TypeError from the closed connection once escaped and was logged as
+    "grammar compile dispatcher failed", on the H200)."""
+    import threading
+
+    from baton.grammar.compile_pool import WorkerStartError, Zygote
+
+    service = make_service(tokenizer)
+    try:
+        zygote = Zygote(
+            [r.for_workers() for r in RECIPES.values()],
+            service.vocab(),
+            tokenizer.vocab_size,
+            None,
+        )
+    finally:
+        service.shutdown()
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            zygote.fork()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            raised.append(exc)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    t0 = time.monotonic()
+    while zygote.pid is None:  # started; its interpreter takes seconds to say "ready"
+        assert thread.is_alive() and time.monotonic() - t0 < 60
+        time.sleep(0.001)
+    zygote.close()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], WorkerStartError), raised
