@@ -15,9 +15,10 @@ def hopper_cubin(
     asm: str = "cubin",
 ) -> Any:
     """The sm_90 cubin of the jitted kernel ``fn``: its ``*_ptr`` arguments typed
-    ``pointer_type`` (e.g. "*bf16"), the ``constexprs`` given, other arguments "i32" unless
-    ``scalar_types`` names them. The interpreter accepts things the compiler rejects; this
-    compiles as a launch would, with no GPU. ``options`` are further launch options (they
+    ``pointer_type`` (e.g. "*bf16"), the ``constexprs`` given, other arguments "i32", unless
+    ``scalar_types`` names them (a pointer too: ``{"slot_ptr": "*i64"}``). The interpreter
+    accepts things the compiler rejects; this compiles as a launch would, with no GPU.
+    ``options`` are further launch options (they
     override ``num_warps``); ``asm="ptx"`` returns the PTX text instead. Point
     TRITON_CACHE_DIR at a temporary folder first (``monkeypatch.setenv``)."""
     from triton.backends.compiler import GPUTarget
@@ -27,7 +28,7 @@ def hopper_cubin(
     signature = {
         name: "constexpr"
         if name in constexprs
-        else (pointer_type if name.endswith("_ptr") else types.get(name, "i32"))
+        else types.get(name, pointer_type if name.endswith("_ptr") else "i32")
         for name in fn.arg_names
     }
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)

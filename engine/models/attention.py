@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from baton.engine.worker.device_buffers import stage_to_device
+from baton.kernels.kv_write import kv_write_
 from baton.kernels.paged_attention import HAS_TRITON, paged_decode_attention
 
 
@@ -219,8 +220,7 @@ def paged_attention(
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     flat_k = key_cache.view(-1, num_kv_heads, head_dim)
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
+    kv_write_(key_cache, value_cache, k, v, meta.slot_mapping)  # one kernel on CUDA
     if meta.kv_index is None or (meta.query_index is None and q.is_cuda and HAS_TRITON):
         # Pure decode on the GPU (or a block-table decode anywhere): the Triton kernel reads
         # the blocks in place instead of gathering every sequence's keys into a padded copy.

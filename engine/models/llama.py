@@ -14,6 +14,7 @@ from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from baton.engine.models.parallel import TensorParallel, VocabParallelEmbedding
 from baton.engine.models.quant import Int8Weight, int8_linear, quantize_int8
 from baton.engine.models.sharding import shard_config
+from baton.kernels.silu_mul import silu_mul
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -92,7 +93,7 @@ class DecoderLayer(nn.Module):
             gate, up = fused_linear(h, self.gate_up_proj, sizes)
         else:
             gate, up = int8_linear(h, int8[2]).split(sizes, dim=-1)
-        act = F.silu(gate) * up
+        act = silu_mul(gate, up)  # one kernel on CUDA
         out = self.down_proj(act) if int8 is None else int8_linear(act, int8[3])
         return (out if self.reduce is None else self.reduce(out)), residual
 
