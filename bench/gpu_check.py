@@ -19,7 +19,9 @@ the working tree). The default model itself (98 MB) is too large to travel.
 4. ``engine_eager.json`` / ``engine_eager.png``: the same with ``--enforce-eager``.
 5. ``profile/``: ``bench/gpu_profile.py``, where a step's time goes (torch.profiler, cProfile).
 6. ``paged_attention.json``: the Triton decode kernel against the torch paths.
-7. ``summary.txt``: the short summary it also prints; ``gpu_check.json``: all of it in one file
+7. ``graph_launch.json``: host time of a CUDA graph launch by node count and by what the GPU
+   is doing (``bench/graph_launch.py``).
+8. ``summary.txt``: the short summary it also prints; ``gpu_check.json``: all of it in one file
    (``collect``), which is what comes back to ``bench/results/`` and the README.
 
 Each stage has a time limit so that the whole check ends in under 8 minutes on an H200; a stage
@@ -176,6 +178,7 @@ def stages(out: Path, model: str | None, prep: Path = DEFAULT_PREP) -> list[Stag
     tests += [f"--junitxml={out / 'gpu_tests.xml'}", *gpu_test_files()]
     attention = [py, "-m", "baton.bench.paged_attention", "--repeats", "7", "--inner", "10"]
     attention += ["--out", str(out / "paged_attention.json")]
+    launch = [py, "-m", "baton.bench.graph_launch", "--out", str(out / "graph_launch.json")]
     return [
         # The tests' tiny models take the default model's tokenizer from the prepared folder.
         Stage(
@@ -188,9 +191,10 @@ def stages(out: Path, model: str | None, prep: Path = DEFAULT_PREP) -> list[Stag
             else (),
         ),
         Stage("bench engine", tuple(engine), 100.0, "engine.log"),
-        Stage("bench engine eager", tuple(eager), 100.0, "engine_eager.log"),
-        Stage("profile", tuple(profile), 100.0, "profile.log"),
+        Stage("bench engine eager", tuple(eager), 70.0, "engine_eager.log"),
+        Stage("profile", tuple(profile), 90.0, "profile.log"),
         Stage("paged attention", tuple(attention), 30.0, "paged_attention.log"),
+        Stage("graph launch", tuple(launch), 40.0, "graph_launch.log"),
     ]
 
 
@@ -262,6 +266,13 @@ def summarize_attention(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def summarize_graph_launch(data: dict[str, Any]) -> list[str]:
+    """Host µs per graph launch by node count and situation (``bench/graph_launch.py``)."""
+    from baton.bench.graph_launch import table
+
+    return table(data.get("rows", [])).splitlines()
+
+
 def summary(out: Path, env: dict[str, Any], results: list[dict[str, Any]]) -> str:
     """The short text summary of a finished check (from the files under ``out``)."""
     lines = [f"GPU check on {env.get('device')} (torch {env.get('torch')}, CUDA {env.get('cuda')})"]
@@ -271,6 +282,7 @@ def summary(out: Path, env: dict[str, Any], results: list[dict[str, Any]]) -> st
         ("engine.json", summarize_engine),
         ("engine_eager.json", summarize_engine),
         ("paged_attention.json", summarize_attention),
+        ("graph_launch.json", summarize_graph_launch),
     ):
         path = out / name
         lines += ["", f"{name}:"]
@@ -382,6 +394,7 @@ def collect(src: Path, out: Path, commit: str | None = None) -> dict[str, Any]:
         "gpu_tests": junit_counts(src / "gpu_tests.xml"),
         "engine": {"graphs": engine, "eager": eager},
         "paged_attention": load("paged_attention.json"),
+        "graph_launch": load("graph_launch.json"),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))

@@ -98,4 +98,15 @@ def gpu_check_table(d: dict[str, Any]) -> str:
             f"contexts {min(r['context'] for r in attention)}-"
             f"{max(r['context'] for r in attention)})."
         )
+    launch = d.get("graph_launch") or {}
+    if launch.get("rows"):
+        slopes = launch.get("per_node_us") or {}
+        biggest = max(launch["rows"], key=lambda r: r["nodes"])
+        parts.append(
+            f"CUDA graph launch, host time (`bench/graph_launch.py`): {biggest['nodes']} nodes "
+            + ", ".join(f"{s} {biggest[s]:.0f} us" for s in ("idle", "busy", "same", "other"))
+            + "; per node: "
+            + ", ".join(f"{s} {v:.2f} us" for s, v in slopes.items() if v is not None)
+            + "."
+        )
     return "\n\n".join(parts)

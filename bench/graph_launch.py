@@ -1,0 +1,152 @@
+"""What a CUDA graph launch costs the host, on CUDA: by node count and by what the GPU is doing.
+
+On the H200 (stop 40's profile, batch 32) ``cudaGraphLaunch`` took 0.4-0.7 ms of host time a
+decode step, for a graph of about 390 kernels, while the whole step's kernels ran 1.2 ms: the
+engine was host-bound. This measures where that cost comes from. For graphs of N small kernels
+(a chain of in-place adds on a 4 KiB tensor) it times the host side of ``graph.replay()`` (the
+host clock around the call, median of --repeats) in four situations:
+
+- ``idle``: the GPU is idle (synchronised before each launch);
+- ``busy``: other work is queued ahead on the stream (a long kernel), as when the engine queues
+  step N+1 during step N;
+- ``same``: the same graph was launched just before and is still running (async scheduling
+  replays one batch size's graph step after step);
+- ``other``: another graph of the same shape was launched just before and is still running
+  (what double-buffered graphs would give).
+
+A launch whose cost grows with N points at per-node work in the driver (fewer kernels per
+step is the cure); ``same`` far above ``other`` points at the driver waiting for the previous
+launch of that graph (two graphs per batch size, used in turn, is the cure). It also times N
+eager launches of the same kernels for comparison. Without CUDA it prints one line and exits 0.
+
+    python -m baton.bench.graph_launch [--nodes 10,100,400,1000] [--repeats 50]
+        [--out bench/results/graph_launch.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from baton.bench.common import write_results
+
+SITUATIONS = ("idle", "busy", "same", "other")
+
+
+def capture_chain(nodes: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:
+    """A graph of ``nodes`` small kernels (in-place adds on ``x``), captured after a warm-up."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            x.add_(1.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(nodes):
+            x.add_(1.0)
+    torch.cuda.synchronize()
+    return graph
+
+
+def host_us(launch: Callable[[], object], before: Callable[[], object], repeats: int) -> float:
+    """Median host microseconds of ``launch()``, with ``before()`` run (untimed) ahead of each."""
+    samples = []
+    for _ in range(repeats):
+        before()
+        t0 = time.perf_counter()
+        launch()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def measure(nodes: int, repeats: int) -> dict[str, Any]:
+    """One row: host µs per launch in each situation, and per eager launch of the same kernels."""
+    x = torch.zeros(1024, device="cuda")
+    y = torch.zeros(1024, device="cuda")
+    a, b = capture_chain(nodes, x), capture_chain(nodes, y)
+    big = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def busy() -> None:
+        torch.cuda.synchronize()
+        for _ in range(8):  # a few ms of queued work, so the launch finds the GPU busy
+            big @ big
+
+    row: dict[str, Any] = {"nodes": nodes}
+    row["idle"] = host_us(a.replay, torch.cuda.synchronize, repeats)
+    row["busy"] = host_us(a.replay, busy, repeats)
+
+    def same_before() -> None:
+        busy()
+        a.replay()
+
+    def other_before() -> None:
+        busy()
+        b.replay()
+
+    row["same"] = host_us(a.replay, same_before, repeats)
+    row["other"] = host_us(a.replay, other_before, repeats)
+
+    def eager() -> None:
+        for _ in range(nodes):
+            x.add_(1.0)
+
+    row["eager_per_kernel"] = host_us(eager, torch.cuda.synchronize, max(5, repeats // 5)) / nodes
+    return row
+
+
+def per_node_us(rows: list[dict[str, Any]], situation: str) -> float | None:
+    """The least-squares slope of host µs over node count in ``situation``: what each node adds
+    to a launch; None with fewer than two node counts."""
+    if len({r["nodes"] for r in rows}) < 2:
+        return None
+    xs = [float(r["nodes"]) for r in rows]
+    ys = [float(r[situation]) for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as text, then each situation's µs per node."""
+    lines = ["nodes  " + "  ".join(f"{s:>9}" for s in SITUATIONS) + "  eager/kernel  (host us)"]
+    for r in rows:
+        cells = "  ".join(f"{r[s]:>9.1f}" for s in SITUATIONS)
+        lines.append(f"{r['nodes']:>5}  {cells}  {r['eager_per_kernel']:>12.2f}")
+    slopes = {s: per_node_us(rows, s) for s in SITUATIONS}
+    lines.append(
+        "us per node: " + ", ".join(f"{s} {v:.3f}" for s, v in slopes.items() if v is not None)
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", default="10,100,400,1000")
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--out", type=Path, default=Path("bench/results/graph_launch.json"))
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("graph launch benchmark: needs a CUDA device; nothing measured")
+        return 0
+    rows = [measure(int(n), a.repeats) for n in a.nodes.split(",")]
+    print(table(rows))
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "rows": rows,
+        "per_node_us": {s: per_node_us(rows, s) for s in SITUATIONS},
+    }
+    write_results(result, a.out, None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
