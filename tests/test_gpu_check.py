@@ -20,6 +20,25 @@ def test_the_shell_script_parses() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_pack_leaves_one_archive_and_the_run_s_exit_code(tmp_path: Path) -> None:
+    """--pack turns the output folder into one archive (the device tool brings back at most 8
+    files) and keeps the run's exit code (2: no CUDA)."""
+    import os
+    import sys
+    import tarfile
+
+    out = tmp_path / "r"
+    env = {**os.environ, "PYTHON": sys.executable, "BATON_GPU_CHECK_PREP": str(tmp_path / "p")}
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(out), "--pack"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert not out.exists() and (tmp_path / "r.tgz").exists()
+    with tarfile.open(tmp_path / "r.tgz") as tar:
+        assert tar.getnames() == ["r"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_without_cuda_nothing_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert gpu_check.run(tmp_path / "out", tmp_path / "prep") == 2
     assert "no CUDA device" in capsys.readouterr().out
