@@ -1,7 +1,8 @@
 """Write a step's keys and values into the paged KV cache: a Triton kernel and its torch reference.
 
-Each new token's key and value rows go to one flat slot of the caches (``block * block_size +
-offset``, the attention metadata's ``slot_mapping``). The torch form is one ``index_copy_`` per
+Each new token's key and value rows go to one slot of the caches, seen flat as ``[slots,
+num_kv_heads, head_dim]`` (slot ``block * block_size + offset``, the attention metadata's
+``slot_mapping``). The torch form is one ``index_copy_`` per
 cache, two launches per layer; on the H200 those two copies were 13% of a decode step's GPU time
 (``bench/gpu_profile.py``, batch 32). The Triton kernel writes both caches in one launch, and a
 CUDA graph holds one node for it instead of two. It only moves values, so it matches the
@@ -37,8 +38,9 @@ def kv_write_torch_(
     torch ops (any device).
 
     Args:
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
-            contiguous, one dtype.
+        key_cache, value_cache: the caches seen flat, ``[slots, num_kv_heads, head_dim]``
+            (``cache.view(-1, num_kv_heads, head_dim)`` of a ``[blocks, block size, ...]``
+            cache), contiguous, one dtype.
         k, v: ``[T, num_kv_heads, head_dim]`` of that dtype (any strides).
         slot_mapping: int64 ``[T]``, flat slots. With a slot repeated, which token lands there
             is undefined. Slots are not checked (that would read them on the host): one out of
@@ -48,9 +50,18 @@ def kv_write_torch_(
         ValueError: if the arguments do not have those shapes, dtypes and devices.
     """
     _check_arguments(key_cache, value_cache, k, v, slot_mapping)
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    _write_torch(key_cache, value_cache, k, v, slot_mapping)
+
+
+def _write_torch(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    key_cache.index_copy_(0, slot_mapping, k)
+    value_cache.index_copy_(0, slot_mapping, v)
 
 
 def kv_write_triton_(
@@ -80,7 +91,7 @@ def kv_write_triton_(
     tokens, num_kv_heads, head_dim = k.shape
     if tokens == 0:
         return
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    num_slots = key_cache.shape[0]
     _kv_write_kernel[(tokens, 2)](
         key_cache,
         value_cache,
@@ -106,22 +117,20 @@ def kv_write_(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Writes the step's keys and values into the caches in place: CUDA tensors whose heads are
-    contiguous go through `kv_write_triton_` when triton is installed, anything else through
-    `kv_write_torch_` (so a CPU computes what it always did).
+    """Writes the step's keys and values into the caches in place (the model's per-layer
+    call): CUDA tensors whose heads are contiguous go through `kv_write_triton_` when triton is
+    installed, which checks its arguments; anything else runs `kv_write_torch_`'s two ops
+    without its checks, so a CPU computes what it always did at the cost it always had (the
+    checks took about 7 us a layer on a 2-core CPU).
 
     Raises:
-        ValueError: as `kv_write_torch_`.
+        ValueError: as `kv_write_triton_`, on CUDA.
+        RuntimeError: torch's, for tensors ``index_copy_`` refuses, elsewhere.
     """
-    if (
-        HAS_TRITON
-        and isinstance(key_cache, torch.Tensor)
-        and key_cache.is_cuda
-        and all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.stride(2) == 1 for t in (k, v))
-    ):
+    if HAS_TRITON and key_cache.is_cuda and k.stride(-1) == 1 and v.stride(-1) == 1:
         kv_write_triton_(key_cache, value_cache, k, v, slot_mapping)
     else:
-        kv_write_torch_(key_cache, value_cache, k, v, slot_mapping)
+        _write_torch(key_cache, value_cache, k, v, slot_mapping)
 
 
 if HAS_TRITON:
@@ -174,8 +183,8 @@ def _check_arguments(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    what = "a contiguous 4-D float32, float16 or bfloat16 tensor [blocks, block size, KVH, D]"
-    check_tensor("key_cache", key_cache, 4, _DTYPES, what)
+    what = "a contiguous 3-D float32, float16 or bfloat16 tensor [slots, KVH, D]"
+    check_tensor("key_cache", key_cache, 3, _DTYPES, what)
     if not key_cache.is_contiguous():
         raise ValueError(f"key_cache must be {what}, got a non-contiguous one")
     shape, dtype = tuple(key_cache.shape), key_cache.dtype
@@ -186,7 +195,7 @@ def _check_arguments(
         raise ValueError(f"value_cache must be a {dtype} tensor of key_cache's shape {shape}")
     if not value_cache.is_contiguous():
         raise ValueError("value_cache must be contiguous")
-    heads = shape[2:]
+    heads = shape[1:]
     check_tensor("k", k, 3, (dtype,), f"a 3-D {dtype} tensor [T, {heads[0]}, {heads[1]}]")
     tokens = k.shape[0]
     if tuple(k.shape[1:]) != heads:

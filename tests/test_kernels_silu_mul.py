@@ -85,7 +85,7 @@ _BAD = [
 ]
 
 
-@pytest.mark.parametrize("fn", [sm.silu_mul_torch, sm.silu_mul_triton, sm.silu_mul])
+@pytest.mark.parametrize("fn", [sm.silu_mul_torch, sm.silu_mul_triton])
 @pytest.mark.parametrize(("change", "named"), _BAD)
 def test_bad_arguments_raise_value_error_naming_them(fn: Any, change: dict, named: str) -> None:
     if fn is sm.silu_mul_triton and not sm.HAS_TRITON:

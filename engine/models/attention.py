@@ -220,7 +220,7 @@ def paged_attention(
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     flat_k = key_cache.view(-1, num_kv_heads, head_dim)
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
-    kv_write_(key_cache, value_cache, k, v, meta.slot_mapping)  # one kernel on CUDA
+    kv_write_(flat_k, flat_v, k, v, meta.slot_mapping)  # one kernel on CUDA
     if meta.kv_index is None or (meta.query_index is None and q.is_cuda and HAS_TRITON):
         # Pure decode on the GPU (or a block-table decode anywhere): the Triton kernel reads
         # the blocks in place instead of gathering every sequence's keys into a padded copy.
