@@ -111,7 +111,7 @@ _BAD = [
 ]
 
 
-@pytest.mark.parametrize("norm", [rn.rms_norm_torch, rn.rms_norm_triton, rn.rms_norm])
+@pytest.mark.parametrize("norm", [rn.rms_norm_torch, rn.rms_norm_triton])
 @pytest.mark.parametrize(("change", "named"), _BAD)
 def test_bad_arguments_raise_value_error_naming_them(norm: Any, change: dict, named: str) -> None:
     if norm is rn.rms_norm_triton and not rn.HAS_TRITON:

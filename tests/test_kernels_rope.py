@@ -108,7 +108,7 @@ _BAD = [
 ]
 
 
-@pytest.mark.parametrize("fn", [rp.rope_torch, rp.rope_triton, rp.rope])
+@pytest.mark.parametrize("fn", [rp.rope_torch, rp.rope_triton])
 @pytest.mark.parametrize(("change", "named"), _BAD)
 def test_bad_arguments_raise_value_error_naming_them(fn: Any, change: dict, named: str) -> None:
     if fn is rp.rope_triton and not rp.HAS_TRITON:
