@@ -191,8 +191,8 @@ def stages(out: Path, model: str | None, prep: Path = DEFAULT_PREP) -> list[Stag
             else (),
         ),
         Stage("bench engine", tuple(engine), 100.0, "engine.log"),
-        Stage("bench engine eager", tuple(eager), 70.0, "engine_eager.log"),
-        Stage("profile", tuple(profile), 90.0, "profile.log"),
+        Stage("bench engine eager", tuple(eager), 65.0, "engine_eager.log"),
+        Stage("profile", tuple(profile), 95.0, "profile.log"),
         Stage("paged attention", tuple(attention), 30.0, "paged_attention.log"),
         Stage("graph launch", tuple(launch), 40.0, "graph_launch.log"),
     ]
