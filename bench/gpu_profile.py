@@ -15,15 +15,18 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from baton.bench.engine import WARMUP_TOKENS, build_llm, conversations, request_params
 from baton.engine.loader import load_checkpoint
+from baton.engine.worker.host_times import RUNNER_TIMES_ENV
 
 # name: (async scheduling, JSON share, enforce_eager)
 CASES = {
@@ -44,6 +47,13 @@ def phase_ms_per_step(before: dict, after: dict) -> dict[str, float]:
     return {k: 1e3 * (after.get(f"{k}_s", 0.0) - before.get(f"{k}_s", 0.0)) / steps for k in PHASES}
 
 
+def runner_laps(llm: Any) -> dict[str, float]:
+    """The in-process runner's host seconds per part so far (`HostTimes`); empty when the
+    model runs in a worker process."""
+    runner = getattr(getattr(llm.engine.core, "executor", None), "runner", None)
+    return runner.host_times.snapshot() if runner is not None else {}
+
+
 def profile_case(
     name: str, model: str | None, batch: int, output_len: int, out: Path, device: str
 ) -> str:
@@ -55,15 +65,22 @@ def profile_case(
     prompts = [list(tok.apply_chat_template(c, tokenize=True)) for c in chats]
     warm, runs = prompts[:4], [prompts[4 + i * batch : 4 + (i + 1) * batch] for i in range(4)]
     max_len = max(len(p) for p in prompts) + max(output_len, WARMUP_TOKENS) + 1
+    os.environ[RUNNER_TIMES_ENV] = "1"  # the runner's own host laps (engine/worker/host_times.py)
     llm = build_llm(ckpt, async_on, batch, max_len, warm, device, None, eager)
     params = request_params(batch, fraction, output_len)
     try:
         llm.generate(runs[0], params, use_tqdm=False)  # warm at this batch size
-        before = llm.stats()
+        before, laps_before = llm.stats(), runner_laps(llm)
         t0 = time.perf_counter()
         llm.generate(runs[3], params, use_tqdm=False)  # no profiler: the engine's own phases
         plain_s = time.perf_counter() - t0
-        phases = phase_ms_per_step(before, llm.stats())
+        after = llm.stats()
+        phases = phase_ms_per_step(before, after)
+        steps_plain = max(1, after.get("steps", 0) - before.get("steps", 0))
+        laps = {
+            k: 1e3 * (v - laps_before.get(k, 0.0)) / steps_plain
+            for k, v in runner_laps(llm).items()
+        }
         t0 = time.perf_counter()
         steps_before = llm.stats().get("steps", 0)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -97,6 +114,8 @@ def profile_case(
         f"{cprofile_s:.3f} s and {steps} steps under cProfile; {plain_s:.3f} s without a "
         f"profiler, engine phases in ms per step: "
         + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+        + "; the runner's host parts in ms per step: "
+        + (", ".join(f"{k} {v:.3f}" for k, v in laps.items()) or "-")
     )
     text = "\n\n".join(
         [

@@ -26,6 +26,7 @@ from baton.engine.scheduler_output import (
 )
 from baton.engine.worker.cuda_graphs import DecodeGraphs, DecodePadding
 from baton.engine.worker.device_buffers import DeviceIO, HostCopy
+from baton.engine.worker.host_times import HostTimes
 from baton.engine.worker.request_states import RequestStates
 from baton.engine.worker.spec_decode import DraftLayout, accepted_tokens, record_verified_
 from baton.sampler import Sampler, SamplingMetadata, apply_token_bitmask_
@@ -229,6 +230,7 @@ class ModelRunner:
             else None
         )
         self.decode_graph_steps = 0
+        self.host_times = HostTimes()  # per-part host laps, on with BATON_RUNNER_TIMES=1
 
     def capture_cuda_graphs(self) -> float:
         """Captures the decode graphs (see `DecodeGraphs.capture`); returns the seconds taken.
@@ -245,7 +247,10 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ForwardOutput:
         """Applies the scheduler's changes to the rows and queues the forward pass."""
         with self.io.on_stream():
+            laps = self.host_times
+            laps.start()
             self._apply_changes(so)
+            laps.lap("apply_changes")
             req_ids = tuple(so.num_scheduled_tokens)
             if not req_ids:
                 rows = np.zeros(0, dtype=np.int64)
@@ -259,6 +264,7 @@ class ModelRunner:
             # Input ids come from the rows, where sampled tokens were written:
             # the CPU scheduler never has to know them.
             input_ids = self.states.input_ids(token_rows, positions)
+            laps.lap("plan_and_copy")
             pad = self._decode_padding(plan)
             if pad is not None and self.graphs is not None:
                 hidden = self.graphs.forward(pad, input_ids)
@@ -272,22 +278,23 @@ class ModelRunner:
                     self.io.device,
                 )
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            laps.lap("forward")
             self.states.num_computed[plan.rows] = plan.seq_lens
             sample_ids = tuple(req_ids[i] for i in plan.sample_idx.tolist())
             drafts = None
             if so.scheduled_spec_decode_tokens:
                 spec = so.scheduled_spec_decode_tokens
                 drafts = DraftLayout.of([spec.get(r, ()) for r in sample_ids])
+            # No sampling row, no LM head: every tensor-parallel rank skips its gather alike.
+            logits = self.model.compute_logits(hidden[hidden_index]) if sample_ids else None
+            laps.lap("logits")
             return ForwardOutput(
                 step_id=so.step_id,
                 request_ids=req_ids,
                 sample_request_ids=sample_ids,
                 sample_rows=plan.sample_rows,
                 sample_rows_device=sample_rows,
-                # No sampling row, no LM head: every tensor-parallel rank skips its gather alike.
-                logits=self.model.compute_logits(hidden[hidden_index])
-                if sample_ids
-                else torch.zeros(0),
+                logits=torch.zeros(0) if logits is None else logits,
                 drafts=drafts,
             )
 
@@ -376,28 +383,37 @@ class ModelRunner:
                 empty = torch.zeros(0, dtype=torch.int64)
                 return SampledTokens(fwd.request_ids, (), empty, None, (), HostCopy((empty,)))
             # Each sampling request's parameters, looked up once for the whole step.
+            laps = self.host_times
+            laps.start()
             params = [self.states.params[r] for r in fwd.sample_rows.tolist()]
             rows = _LogitsRows.of(fwd, self.io)
             row_params = params if fwd.drafts is None else [params[i] for i in rows.request]
             logits = fwd.logits
             if grammar is not None and grammar.request_ids:
                 self._apply_grammar(logits, fwd, grammar)
+            laps.lap("grammar")
             self._ban_tokens(logits, rows, row_params)
-            out = self.sampler(logits, self._sampling_metadata(rows, row_params, fwd.drafts))
+            meta = self._sampling_metadata(rows, row_params, fwd.drafts)
+            laps.lap("bans_and_metadata")
+            out = self.sampler(logits, meta)
+            laps.lap("sampler")
             if fwd.drafts is None:
                 self.states.append_sampled(fwd.sample_rows, fwd.sample_rows_device, out.token_ids)
             else:
                 self._record_verified(fwd, fwd.drafts, out.token_ids)
+            laps.lap("record")
             lp = out.logprobs
             to_copy = [out.token_ids] if lp is None else [out.token_ids, *_lp_tensors(lp)]
             num_logprobs = tuple(p.logprobs for p in params)
+            copy = self.io.to_host(to_copy)
+            laps.lap("to_host")
             return SampledTokens(
                 fwd.request_ids,
                 fwd.sample_request_ids,
                 out.token_ids,
                 lp,
                 num_logprobs,
-                self.io.to_host(to_copy),
+                copy,
                 fwd.drafts,
             )
 
