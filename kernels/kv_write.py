@@ -50,16 +50,6 @@ def kv_write_torch_(
         ValueError: if the arguments do not have those shapes, dtypes and devices.
     """
     _check_arguments(key_cache, value_cache, k, v, slot_mapping)
-    _write_torch(key_cache, value_cache, k, v, slot_mapping)
-
-
-def _write_torch(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
     key_cache.index_copy_(0, slot_mapping, k)
     value_cache.index_copy_(0, slot_mapping, v)
 
@@ -129,8 +119,9 @@ def kv_write_(
     """
     if HAS_TRITON and key_cache.is_cuda and k.stride(-1) == 1 and v.stride(-1) == 1:
         kv_write_triton_(key_cache, value_cache, k, v, slot_mapping)
-    else:
-        _write_torch(key_cache, value_cache, k, v, slot_mapping)
+    else:  # kv_write_torch_'s ops
+        key_cache.index_copy_(0, slot_mapping, k)
+        value_cache.index_copy_(0, slot_mapping, v)
 
 
 if HAS_TRITON:

@@ -286,7 +286,8 @@ class ModelRunner:
                 spec = so.scheduled_spec_decode_tokens
                 drafts = DraftLayout.of([spec.get(r, ()) for r in sample_ids])
             # No sampling row, no LM head: every tensor-parallel rank skips its gather alike.
-            logits = self.model.compute_logits(hidden[hidden_index]) if sample_ids else None
+            head = self.model.compute_logits
+            logits = head(hidden[hidden_index]) if sample_ids else torch.zeros(0)
             laps.lap("logits")
             return ForwardOutput(
                 step_id=so.step_id,
@@ -294,7 +295,7 @@ class ModelRunner:
                 sample_request_ids=sample_ids,
                 sample_rows=plan.sample_rows,
                 sample_rows_device=sample_rows,
-                logits=torch.zeros(0) if logits is None else logits,
+                logits=logits,
                 drafts=drafts,
             )
 
@@ -382,9 +383,9 @@ class ModelRunner:
             if not fwd.sample_request_ids:
                 empty = torch.zeros(0, dtype=torch.int64)
                 return SampledTokens(fwd.request_ids, (), empty, None, (), HostCopy((empty,)))
-            # Each sampling request's parameters, looked up once for the whole step.
             laps = self.host_times
             laps.start()
+            # Each sampling request's parameters, looked up once for the whole step.
             params = [self.states.params[r] for r in fwd.sample_rows.tolist()]
             rows = _LogitsRows.of(fwd, self.io)
             row_params = params if fwd.drafts is None else [params[i] for i in rows.request]
