@@ -39,15 +39,25 @@ def test_capture_sizes_cover_max_num_seqs():
 
 def test_padding_puts_real_rows_first_and_pads_into_the_null_block():
     tables = np.array([[3, 9, 0], [5, 6, 7], [2, 0, 0]], dtype=np.int64)
-    pad = DecodePadding.of((1, 2, 4, 8), np.array([5, 33, 1]), tables, BLOCK)
+    rows = np.array([7, 2, 5])
+    pad = DecodePadding.of((1, 2, 4, 8), np.array([5, 33, 1]), tables, BLOCK, rows)
     assert pad is not None and (pad.size, pad.num_seqs) == (4, 3)
     # The new token sits at position len - 1: block len-1 // 16 of the row's table.
     assert pad.positions.tolist() == [4, 32, 0, 0]
     assert pad.slots.tolist() == [3 * BLOCK + 4, 7 * BLOCK + 0, 2 * BLOCK + 0, NULL_SLOT]
     assert pad.seq_lens.tolist() == [5, 33, 1, 1]
+    assert pad.rows.tolist() == [7, 2, 5, 0]
+    # One array in the order the graph reads it, for one copy.
+    assert pad.meta.tolist() == [
+        *pad.positions.tolist(),
+        *pad.slots.tolist(),
+        *pad.seq_lens.tolist(),
+        *pad.rows.tolist(),
+    ]
     assert pad.tables.shape == (3, 3)  # up to the longest sequence's last block
     short = DecodePadding.of((1, 2), np.array([3]), tables[:1], BLOCK)
     assert short is not None and short.tables.shape == (1, 1) and short.size == 1
+    assert short.rows.tolist() == [0]
 
 
 def test_padding_refuses_bad_steps_and_declines_oversized_ones():
@@ -59,6 +69,8 @@ def test_padding_refuses_bad_steps_and_declines_oversized_ones():
         DecodePadding.of((1, 4), np.array([1, 0, 3]), tables, BLOCK)
     with pytest.raises(ValueError, match="block_tables"):
         DecodePadding.of((1, 4), np.array([1, 40, 3]), tables, BLOCK)
+    with pytest.raises(ValueError, match="rows"):
+        DecodePadding.of((1, 4), np.array([1, 2, 3]), tables, BLOCK, np.array([0, 1]))
 
 
 def test_block_table_decode_metadata_has_no_gathered_layout():
@@ -102,6 +114,7 @@ def _engine(tiny_model_dir: Any, sizes: tuple[int, ...] = (), **kw: Any) -> LLME
             sizes,
             runner.states.block_table.shape[1],
             runner.block_size,
+            runner.states.token_ids,
         )
     return engine
 
@@ -153,7 +166,7 @@ def test_pad_rows_write_only_the_null_block(tiny_model_dir):
         tables = np.array([[3, 4], [6, 0]], dtype=np.int64)
         pad = DecodePadding.of(graphs.sizes, np.array([20, 2]), tables, BLOCK)
         assert pad is not None
-        hidden = graphs.forward(pad, torch.tensor([5, 7]))
+        hidden = graphs.forward(pad)
         assert hidden.shape == (2, runner.model.config.hidden_size)
         written = {4 * BLOCK + 3, 6 * BLOCK + 1}  # block 4 offset 3; block 6 offset 1
         for (k0, v0), (k1, v1) in zip(before, runner.kv_caches, strict=True):
@@ -185,11 +198,14 @@ def test_graph_replay_matches_the_eager_forward(tiny_model_dir):
             tables = (torch.randperm(200, generator=gen)[: n * width] + 1).view(n, width).numpy()
             lens = np.array([length - i for i in range(n)], dtype=np.int64)
             ids = torch.randint(0, 1000, (n,), generator=gen).cuda()
-            pad = DecodePadding.of(graphs.sizes, lens, tables, BLOCK)
+            rows = np.arange(n)[::-1].copy()  # the graph gathers row b's token at lens[b] - 1
+            pad = DecodePadding.of(graphs.sizes, lens, tables, BLOCK, rows)
             assert pad is not None
             with runner.io.on_stream(), torch.inference_mode():
+                token_ids = runner.states.token_ids
+                token_ids[torch.from_numpy(rows).cuda(), torch.from_numpy(lens - 1).cuda()] = ids
                 before = graphs.replays
-                got = graphs.forward(pad, ids)
+                got = graphs.forward(pad).clone()
                 assert graphs.replays == before + 1
                 positions, slots, seq_lens, table_d = runner.io.to_device(
                     [pad.positions[:n], pad.slots[:n], lens, tables]

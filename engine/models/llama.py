@@ -198,17 +198,25 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(x)
         return self.norm.forward_add(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, vocab]`` in float32 for the given hidden rows. Under tensor parallelism
-        only rank 0 gets them; the other ranks send their vocabulary slice and get it back."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[N, vocab]`` in float32 for the given hidden rows, written into ``out``
+        (float32 ``[N, vocab]``) when given. Under tensor parallelism only rank 0 gets them;
+        the other ranks send their vocabulary slice and get it back (``out`` is not taken
+        there).
+
+        Raises:
+            ValueError: ``out`` under tensor parallelism.
+        """
         if self.lm_head_int8 is not None and hidden.shape[0] <= self.int8_max_rows:
-            logits = int8_linear(hidden, self.lm_head_int8).float()
+            logits = int8_linear(hidden, self.lm_head_int8)
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            logits = F.linear(hidden, weight).float()
+            logits = F.linear(hidden, weight)
         if self.tp is None:
-            return logits
-        return self.tp.gather_logits(logits, self.config.vocab_size)
+            return logits.float() if out is None else out.copy_(logits)
+        if out is not None:
+            raise ValueError("compute_logits takes no out= under tensor parallelism")
+        return self.tp.gather_logits(logits.float(), self.config.vocab_size)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copies Hugging Face-named weights in, fusing QKV and gate/up.

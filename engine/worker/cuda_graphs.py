@@ -5,7 +5,8 @@ the GPU (an H200 spent about 20 ms per step on SmolLM2-135M's shape at every bat
 64, `bench/gpu_check.py`). So, as vLLM and SGLang do, the runner captures the forward of a
 pure-decode batch (one new token per sequence) once per batch size at startup and replays it.
 
-A graph reads fixed device buffers: input ids, positions, the KV slot each token writes, each
+A graph reads fixed device buffers: each sequence's row in the runner's token table and position
+(its input id is gathered from the table inside the graph), the KV slot each token writes, each
 sequence's length and block table. A step of B sequences takes the smallest captured size
 P >= B; its P - B pad rows write their keys and values into the null block (block 0, never
 handed out: ``core/block_pool.py``) and attend to one key there, and their outputs are
@@ -30,6 +31,7 @@ import torch
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.llama import KVCache, LlamaForCausalLM
 from baton.engine.worker.device_buffers import DeviceIO
+from baton.kernels.step_state import gather_input_ids
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,9 @@ class DecodePadding:
     Attributes:
         size: the captured batch size used (>= the step's sequences).
         num_seqs: the step's sequences B; rows B.. are padding.
-        positions, slots, seq_lens: ``[size]``; pad rows hold 0, `NULL_SLOT` and 1.
+        meta: ``[4 * size]``, the positions, slots, sequence lengths and token-table rows one
+            after the other (the layout the graph of ``size`` reads, so that one copy fills
+            them); pad rows hold 0, `NULL_SLOT`, 1 and 0.
         tables: ``[B, width]``, the sequences' block tables up to the longest one's last block
             (pad rows keep whatever their buffer rows held: valid ids, of which they read one
             key that is dropped).
@@ -72,10 +76,28 @@ class DecodePadding:
 
     size: int
     num_seqs: int
-    positions: np.ndarray
-    slots: np.ndarray
-    seq_lens: np.ndarray
+    meta: np.ndarray
     tables: np.ndarray
+
+    @property
+    def positions(self) -> np.ndarray:
+        """``[size]`` positions of the new tokens."""
+        return self.meta[: self.size]
+
+    @property
+    def slots(self) -> np.ndarray:
+        """``[size]`` KV slots the new tokens write."""
+        return self.meta[self.size : 2 * self.size]
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """``[size]`` sequence lengths after the step."""
+        return self.meta[2 * self.size : 3 * self.size]
+
+    @property
+    def rows(self) -> np.ndarray:
+        """``[size]`` rows of the token table the input ids are read from."""
+        return self.meta[3 * self.size :]
 
     @classmethod
     def of(
@@ -84,13 +106,16 @@ class DecodePadding:
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
         block_size: int,
+        rows: np.ndarray | None = None,
     ) -> DecodePadding | None:
         """The padded layout of a decode step whose sequence b has ``seq_lens[b]`` tokens
-        after this step (its new token at position ``seq_lens[b] - 1``), for ``sizes`` in
-        ascending order; None when the step has more sequences than the largest size.
+        after this step (its new token at position ``seq_lens[b] - 1``, read from row
+        ``rows[b]`` of the token table; default: row b), for ``sizes`` in ascending order; None
+        when the step has more sequences than the largest size.
 
         Raises:
-            ValueError: no sequences, a length < 1, or tables too short for the lengths.
+            ValueError: no sequences, a length < 1, tables too short for the lengths, or rows
+                not one per sequence.
         """
         lens = np.asarray(seq_lens, dtype=np.int64)
         tables = np.asarray(block_tables, dtype=np.int64)
@@ -100,21 +125,21 @@ class DecodePadding:
         width = -(-int(lens.max()) // block_size)
         if tables.ndim != 2 or tables.shape[0] != n or tables.shape[1] < width:
             raise ValueError(f"block_tables must be [{n}, >= {width}], got {tables.shape}")
+        token_rows = np.arange(n) if rows is None else np.asarray(rows, dtype=np.int64)
+        if token_rows.shape != (n,):
+            raise ValueError(f"rows must be [{n}], got {token_rows.shape}")
         at = bisect.bisect_left(sizes, n)
         if at == len(sizes):
             return None
         size = sizes[at]
         pos = lens - 1
         slots = tables[np.arange(n), pos // block_size] * block_size + pos % block_size
-        pad = size - n
-        return cls(
-            size=size,
-            num_seqs=n,
-            positions=np.concatenate([pos, np.zeros(pad, np.int64)]),
-            slots=np.concatenate([slots, np.full(pad, NULL_SLOT, np.int64)]),
-            seq_lens=np.concatenate([lens, np.ones(pad, np.int64)]),
-            tables=np.ascontiguousarray(tables[:, :width]),
-        )
+        meta = np.empty(4 * size, np.int64)
+        meta[:n], meta[n:size] = pos, 0
+        meta[size : size + n], meta[size + n : 2 * size] = slots, NULL_SLOT
+        meta[2 * size : 2 * size + n], meta[2 * size + n : 3 * size] = lens, 1
+        meta[3 * size : 3 * size + n], meta[3 * size + n :] = token_rows, 0
+        return cls(size=size, num_seqs=n, meta=meta, tables=tables[:, :width])
 
 
 class DecodeGraphs:
@@ -122,7 +147,15 @@ class DecodeGraphs:
 
     Build it with the model, its KV cache and the runner's `DeviceIO`, then `capture` once
     (after the weights are in place; the graphs read the weights and caches where they are).
-    `forward` runs one padded decode step and returns the hidden states of its real rows.
+    `forward` runs one padded decode step and returns the hidden states of its real rows; it is
+    `load` (the step's values into the buffers) then `run` (the replay).
+
+    The graph of size P reads its positions, slots, lengths and token-table rows from
+    ``meta[:4P]`` laid out as `DecodePadding.meta`, so one host-to-device copy fills them, and
+    gathers its input ids from ``token_ids`` (the runner's token table, where sampled tokens
+    are written on the device) itself; block tables have a buffer of their own. Without tensor
+    parallelism the graph also runs the LM head, into one float32 logits buffer all sizes share
+    (`logits`): a step then launches nothing of the model but the replay.
     """
 
     def __init__(
@@ -133,8 +166,10 @@ class DecodeGraphs:
         sizes: Sequence[int],
         max_blocks: int,
         block_size: int,
+        token_ids: torch.Tensor,
     ) -> None:
         self.model = model
+        self.token_ids = token_ids
         self.kv_caches = kv_caches
         self.io = io
         self.sizes = tuple(sorted(sizes))
@@ -143,10 +178,15 @@ class DecodeGraphs:
         with io.on_stream():
             # Zero-filled: every pad row starts as a valid token in the null block.
             self._input_ids = torch.zeros(top, dtype=torch.int64, device=dev)
-            self._positions = torch.zeros(top, dtype=torch.int64, device=dev)
-            self._slots = torch.full((top,), NULL_SLOT, dtype=torch.int64, device=dev)
-            self._seq_lens = torch.ones(top, dtype=torch.int64, device=dev)
+            self._meta = torch.zeros(4 * top, dtype=torch.int64, device=dev)
             self._tables = torch.zeros(top, max_blocks, dtype=torch.int64, device=dev)
+            # One buffer for every size (one graph runs at a time); a graph's own output would
+            # keep [P, vocab] alive per captured size.
+            self._logits = (
+                torch.empty(top, model.config.vocab_size, dtype=torch.float32, device=dev)
+                if model.tp is None
+                else None
+            )
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
 
@@ -156,10 +196,20 @@ class DecodeGraphs:
         return bool(self._graphs)
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = AttentionMetadata.decode(
-            self._slots[:size], self._seq_lens[:size], self._tables[:size]
-        )
-        return self.model(self._input_ids[:size], self._positions[:size], self.kv_caches, meta)
+        positions, slots, seq_lens, rows = self._meta[: 4 * size].view(4, size)
+        input_ids = gather_input_ids(self.token_ids, rows, positions, self._input_ids[:size])
+        meta = AttentionMetadata.decode(slots, seq_lens, self._tables[:size])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self._logits is not None:
+            self.model.compute_logits(hidden, out=self._logits[:size])
+        return hidden
+
+    def _pad_only(self, size: int) -> None:
+        """Fills the buffers of ``size`` rows as pad rows (null block, length 1, row 0)."""
+        self._meta[:size] = 0
+        self._meta[size : 2 * size] = NULL_SLOT
+        self._meta[2 * size : 3 * size] = 1
+        self._meta[3 * size : 4 * size] = 0
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -176,6 +226,7 @@ class DecodeGraphs:
         pool = None
         with self.io.on_stream():
             for size in reversed(self.sizes):
+                self._pad_only(size)
                 for _ in range(2):
                     self._forward(size)
                 torch.cuda.current_stream().synchronize()
@@ -191,30 +242,35 @@ class DecodeGraphs:
         )
         return seconds
 
-    def forward(self, pad: DecodePadding, input_ids: torch.Tensor) -> torch.Tensor:
-        """Runs one decode step (queued on the runner's stream, inside its ``on_stream``):
-        copies the step's values into the buffers, replays the graph of ``pad.size`` (or runs
-        the buffers eagerly when nothing was captured) and returns the hidden states of the
-        real rows ``[pad.num_seqs, hidden]``, a tensor of their own (the graph's output buffer
-        is reused by the next step).
+    def load(self, pad: DecodePadding, tables: torch.Tensor) -> None:
+        """Queues the copies of one decode step's values into the buffers (on the runner's
+        stream, inside its ``on_stream``): ``pad.meta`` from the host, ``tables`` (``pad.tables``
+        on the device) from the device."""
+        self.io.copy_into(self._meta[: 4 * pad.size], pad.meta)
+        self._tables[: pad.num_seqs, : tables.shape[1]].copy_(tables)
 
-        Args:
-            pad: the step's layout, from `DecodePadding.of` over ``self.sizes``.
-            input_ids: the step's ``[pad.num_seqs]`` input ids, on the device.
-        """
-        n, size = pad.num_seqs, pad.size
-        positions, slots, seq_lens, tables = self.io.to_device(
-            [pad.positions, pad.slots, pad.seq_lens, pad.tables]
-        )
-        self._input_ids[:n].copy_(input_ids)
-        self._positions[:size].copy_(positions)
-        self._slots[:size].copy_(slots)
-        self._seq_lens[:size].copy_(seq_lens)
-        self._tables[:n, : tables.shape[1]].copy_(tables)
-        entry = self._graphs.get(size)
+    def run(self, pad: DecodePadding) -> torch.Tensor:
+        """Replays the graph of ``pad.size`` over the loaded buffers (runs them eagerly when
+        nothing was captured) and returns the hidden states of the real rows
+        ``[pad.num_seqs, hidden]``: a view of the graph's output, valid until the next step is
+        queued (read it, as the LM head does, before that); `logits` has the LM head's
+        output."""
+        entry = self._graphs.get(pad.size)
         if entry is None:
-            return self._forward(size)[:n].clone()
+            return self._forward(pad.size)[: pad.num_seqs]
         graph, out = entry
         graph.replay()
         self.replays += 1
-        return out[:n].clone()
+        return out[: pad.num_seqs]
+
+    def logits(self, pad: DecodePadding) -> torch.Tensor | None:
+        """The float32 logits ``[pad.num_seqs, vocab]`` the last `run` of ``pad`` computed (a
+        view of the shared buffer, valid until the next step is queued; the sampler may write
+        into it), or None when the graphs do not run the LM head (tensor parallelism)."""
+        return None if self._logits is None else self._logits[: pad.num_seqs]
+
+    def forward(self, pad: DecodePadding) -> torch.Tensor:
+        """`load` then `run`: one decode step from its host layout."""
+        (tables,) = self.io.to_device([pad.tables])
+        self.load(pad, tables)
+        return self.run(pad)

@@ -225,7 +225,15 @@ class ModelRunner:
             )
         self.sampler = Sampler()
         self.graphs = (
-            DecodeGraphs(model, kv_caches, self.io, decode_graph_sizes, max_blocks, block_size)
+            DecodeGraphs(
+                model,
+                kv_caches,
+                self.io,
+                decode_graph_sizes,
+                max_blocks,
+                block_size,
+                self.states.token_ids,
+            )
             if decode_graph_sizes
             else None
         )
@@ -258,18 +266,28 @@ class ModelRunner:
                     so.step_id, (), (), rows, torch.from_numpy(rows), torch.zeros(0)
                 )
             plan = self._plan(so)
-            token_rows, positions, hidden_index, sample_rows = self.io.to_device(
-                [plan.token_rows, plan.positions, plan.hidden_index, plan.sample_rows]
-            )
-            # Input ids come from the rows, where sampled tokens were written:
-            # the CPU scheduler never has to know them.
-            input_ids = self.states.input_ids(token_rows, positions)
-            laps.lap("plan_and_copy")
             pad = self._decode_padding(plan)
-            if pad is not None and self.graphs is not None:
-                hidden = self.graphs.forward(pad, input_ids)
+            hidden_index: torch.Tensor | None = None
+            graph_logits: torch.Tensor | None = None
+            if pad is not None:
+                # A decode graph gathers its own input ids; its plan is all host arrays.
+                sample_rows, tables = self.io.to_device([plan.sample_rows, pad.tables])
+                laps.lap("plan_and_copy")
+                self.graphs.load(pad, tables)
+                laps.lap("graph_inputs")
+                hidden = self.graphs.run(pad)
+                graph_logits = self.graphs.logits(pad)
                 self.decode_graph_steps += 1
+                if plan.sample_idx.size != pad.num_seqs:
+                    (hidden_index,) = self.io.to_device([plan.hidden_index])
             else:
+                token_rows, positions, hidden_index, sample_rows = self.io.to_device(
+                    [plan.token_rows, plan.positions, plan.hidden_index, plan.sample_rows]
+                )
+                # Input ids come from the rows, where sampled tokens were written:
+                # the CPU scheduler never has to know them.
+                input_ids = self.states.input_ids(token_rows, positions)
+                laps.lap("plan_and_copy")
                 meta = AttentionMetadata.build(
                     plan.query_lens,
                     plan.seq_lens,
@@ -287,7 +305,14 @@ class ModelRunner:
                 drafts = DraftLayout.of([spec.get(r, ()) for r in sample_ids])
             # No sampling row, no LM head: every tensor-parallel rank skips its gather alike.
             head = self.model.compute_logits
-            logits = head(hidden[hidden_index]) if sample_ids else torch.zeros(0)
+            if not sample_ids:
+                logits = torch.zeros(0)
+            elif graph_logits is not None:  # the LM head ran in the graph
+                logits = graph_logits if hidden_index is None else graph_logits[hidden_index]
+            elif hidden_index is None:
+                logits = head(hidden)  # a decode graph step samples every row, in order
+            else:
+                logits = head(hidden[hidden_index])
             laps.lap("logits")
             return ForwardOutput(
                 step_id=so.step_id,
@@ -310,6 +335,7 @@ class ModelRunner:
             plan.seq_lens,
             self.states.block_table[plan.rows],
             self.block_size,
+            plan.rows,
         )
 
     def _apply_changes(self, so: SchedulerOutput) -> None:
@@ -508,17 +534,16 @@ class ModelRunner:
         if not logit_list:
             return
         logit_rows = np.array(logit_list, dtype=np.int64)
-        mask_rows = torch.tensor(mask_list, dtype=torch.int64)
-        # Gathered on the host (where the grammar filled it), then copied once.
-        bitmask = self.io.tensor_to_device(grammar.bitmask[mask_rows])
-        (logit_rows_device,) = self.io.to_device([logit_rows])
+        # Gathered on the host (where the grammar filled it), then copied with the rows at once.
+        rows = grammar.bitmask[torch.tensor(mask_list, dtype=torch.int64)]
+        bitmask, logit_rows_device = self.io.to_device([rows, logit_rows])
         apply_token_bitmask_(logits, bitmask, logit_rows_device)
 
     def _sampling_metadata(
         self, sel: _LogitsRows, params: list[SamplingParams], drafts: DraftLayout | None = None
     ) -> SamplingMetadata:
         """The logits rows' parameters (``params``, in row order), gathered from the host
-        mirrors and copied in two transfers (int64, float32); penalty tables are gathered on the
+        mirrors and copied in one transfer; penalty tables are gathered on the
         device. A draft row samples the output position after its drafts, with those drafts
         counted as output tokens by the penalties."""
         st, rows = self.states, sel.state
@@ -538,8 +563,8 @@ class ModelRunner:
             if used:
                 floats[name] = getattr(st, name)[rows]
         tensors: dict[str, torch.Tensor | None] = dict.fromkeys(("top_k", "top_p", "min_p"))
-        tensors.update(zip(ints, self.io.to_device(list(ints.values())), strict=True))
-        tensors.update(zip(floats, self.io.to_device(list(floats.values())), strict=True))
+        values = {**ints, **floats}
+        tensors.update(zip(values, self.io.to_device(list(values.values())), strict=True))
         if penalised:
             tensors["prompt_mask"] = st.prompt_mask[sel.state_device]
             counts = st.output_counts[sel.state_device]  # a copy: one row per logits row

@@ -227,6 +227,9 @@ class RequestStates:
         )
         self.num_tokens[rows] += 1
 
-    def input_ids(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The step's input ids, read from the device rows (never through the CPU scheduler)."""
-        return gather_input_ids(self.token_ids, token_rows, positions)
+    def input_ids(
+        self, token_rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The step's input ids, read from the device rows (never through the CPU scheduler);
+        written into ``out`` when given."""
+        return gather_input_ids(self.token_ids, token_rows, positions, out)
