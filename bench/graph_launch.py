@@ -19,8 +19,14 @@ step is the cure); ``same`` far above ``other`` points at the driver waiting for
 launch of that graph (two graphs per batch size, used in turn, is the cure). It also times N
 eager launches of the same kernels for comparison. Without CUDA it prints one line and exits 0.
 
+The engine's own decode graph cost ~0.5 ms a replay at batch 32 (stop 41, H200: 320 nodes) where
+these chains of adds cost 10-25 µs, so it also times graphs of --kind-nodes nodes of each kind
+the engine's graph holds (torch elementwise, cuBLAS GEMMs of the model's shapes, a Triton kernel)
+and, with --model, the engine's decode graph itself (idle and same), and writes that graph's
+node list (``cudaGraphDebugDotPrint``) beside the results.
+
     python -m baton.bench.graph_launch [--nodes 10,100,400,1000] [--repeats 50]
-        [--out bench/results/graph_launch.json]
+        [--kind-nodes 320] [--model DIR] [--out bench/results/graph_launch.json]
 """
 
 from __future__ import annotations
@@ -39,20 +45,108 @@ from baton.bench.common import write_results
 SITUATIONS = ("idle", "busy", "same", "other")
 
 
-def capture_chain(nodes: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:
-    """A graph of ``nodes`` small kernels (in-place adds on ``x``), captured after a warm-up."""
+def capture_chain(
+    nodes: int, x: torch.Tensor, op: Callable[[], object] | None = None
+) -> torch.cuda.CUDAGraph:
+    """A graph of ``nodes`` calls of ``op`` (default: an in-place add on ``x``), captured after
+    a warm-up."""
+    op = op or (lambda: x.add_(1.0))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
-            x.add_(1.0)
+            op()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(nodes):
-            x.add_(1.0)
+            op()
     torch.cuda.synchronize()
     return graph
+
+
+def _busy_work() -> Callable[[], None]:
+    big = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def busy() -> None:
+        torch.cuda.synchronize()
+        for _ in range(8):  # a few ms of queued work, so the launch finds the GPU busy
+            big @ big
+
+    return busy
+
+
+def kind_ops() -> dict[str, Callable[[], object]]:
+    """One kernel of each kind the engine's decode graph holds, at SmolLM2-135M's shapes and
+    batch 32: a torch elementwise op, a cuBLAS GEMM, a Triton kernel (RMSNorm)."""
+    from baton.kernels.rms_norm import rms_norm
+
+    x = torch.randn(32, 576, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1536, 576, device="cuda", dtype=torch.bfloat16)
+    g = torch.ones(576, device="cuda", dtype=torch.bfloat16)
+    return {
+        "elementwise": lambda: x.mul_(1.0),
+        "gemm": lambda: torch.nn.functional.linear(x, w),
+        "triton": lambda: rms_norm(x, g, 1e-5),
+    }
+
+
+def measure_kinds(nodes: int, repeats: int) -> list[dict[str, Any]]:
+    """Host µs of a replay (idle, and with the same graph still running) per kind of node."""
+    busy = _busy_work()
+    rows = []
+    for kind, op in kind_ops().items():
+        graph = capture_chain(nodes, torch.zeros(1, device="cuda"), op)
+
+        def same_before(graph: torch.cuda.CUDAGraph = graph) -> None:
+            busy()
+            graph.replay()
+
+        rows.append(
+            {
+                "kind": kind,
+                "nodes": nodes,
+                "idle": host_us(graph.replay, torch.cuda.synchronize, repeats),
+                "same": host_us(graph.replay, same_before, repeats),
+            }
+        )
+    return rows
+
+
+def measure_engine_graph(model: str, batch: int, repeats: int, dot: Path) -> dict[str, Any]:
+    """Host µs of a replay of the engine's own decode graph of ``batch`` rows (idle, and with
+    the same graph still running), and its node kinds from a debug capture written to ``dot``."""
+    from baton.engine.config import EngineConfig
+    from baton.engine.processing.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model, device="cuda", max_num_seqs=batch))
+    try:
+        graphs = engine.core.executor.runner.graphs
+        graph = graphs.graph(batch)
+        busy = _busy_work()
+        # First: the debug capture also leaves pad rows in the buffers the replays read.
+        try:
+            kinds: dict[str, int] = graphs.debug_dump(batch, dot)
+            error = None
+        except Exception as exc:  # the timing is worth having without the node list
+            kinds, error = {}, f"{type(exc).__name__}: {exc}"
+
+        def same_before() -> None:
+            busy()
+            graph.replay()
+
+        row: dict[str, Any] = {
+            "batch": batch,
+            "idle": host_us(graph.replay, torch.cuda.synchronize, repeats),
+            "same": host_us(graph.replay, same_before, repeats),
+        }
+        row["node_kinds"] = kinds
+        row["nodes"] = sum(kinds.values())
+        if error is not None:
+            row["dump_error"] = error
+        return row
+    finally:
+        engine.shutdown()
 
 
 def host_us(launch: Callable[[], object], before: Callable[[], object], repeats: int) -> float:
@@ -72,12 +166,7 @@ def measure(nodes: int, repeats: int) -> dict[str, Any]:
     x = torch.zeros(1024, device="cuda")
     y = torch.zeros(1024, device="cuda")
     a, b = capture_chain(nodes, x), capture_chain(nodes, y)
-    big = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-
-    def busy() -> None:
-        torch.cuda.synchronize()
-        for _ in range(8):  # a few ms of queued work, so the launch finds the GPU busy
-            big @ big
+    busy = _busy_work()
 
     row: dict[str, Any] = {"nodes": nodes}
     row["idle"] = host_us(a.replay, torch.cuda.synchronize, repeats)
@@ -128,10 +217,28 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def kinds_table(rows: list[dict[str, Any]], engine: dict[str, Any] | None) -> str:
+    """The per-kind rows and the engine's graph as text."""
+    lines = ["kind          nodes      idle      same  (host us)"]
+    for r in rows:
+        lines.append(f"{r['kind']:<12} {r['nodes']:>6} {r['idle']:>9.1f} {r['same']:>9.1f}")
+    if engine is not None:
+        lines.append(
+            f"{'engine b' + str(engine['batch']):<12} {engine['nodes']:>6} "
+            f"{engine['idle']:>9.1f} {engine['same']:>9.1f}"
+        )
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(engine["node_kinds"].items()))
+        lines.append(f"engine graph nodes: {kinds}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="10,100,400,1000")
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--kind-nodes", type=int, default=320)
+    p.add_argument("--model", default=None, help="also time this model's engine decode graph")
+    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("bench/results/graph_launch.json"))
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -139,10 +246,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = [measure(int(n), a.repeats) for n in a.nodes.split(",")]
     print(table(rows))
+    kinds = measure_kinds(a.kind_nodes, a.repeats)
+    engine = None
+    if a.model is not None:
+        dot = a.out.with_suffix(".engine_graph.dot")
+        engine = measure_engine_graph(a.model, a.batch, a.repeats, dot)
+    print(kinds_table(kinds, engine))
     result = {
         "device": torch.cuda.get_device_name(),
         "rows": rows,
         "per_node_us": {s: per_node_us(rows, s) for s in SITUATIONS},
+        "kinds": kinds,
+        "engine_graph": engine,
     }
     write_results(result, a.out, None)
     return 0

@@ -41,6 +41,24 @@ def test_table_lists_every_row_and_the_slopes() -> None:
     assert "  400 " in text and "same 2.000" in text and "idle 0.500" in text
 
 
+def test_kinds_table_lists_each_kind_and_the_engine_graph() -> None:
+    kinds = [
+        {"kind": "gemm", "nodes": 320, "idle": 400.0, "same": 410.0},
+        {"kind": "triton", "nodes": 320, "idle": 20.0, "same": 15.0},
+    ]
+    engine = {
+        "batch": 32,
+        "nodes": 321,
+        "idle": 500.0,
+        "same": 520.0,
+        "node_kinds": {"KERNEL": 320, "MEMCPY": 1},
+    }
+    text = gl.kinds_table(kinds, engine)
+    assert "gemm" in text and "400.0" in text and "engine b32" in text
+    assert "KERNEL 320, MEMCPY 1" in text
+    assert "engine" not in gl.kinds_table(kinds, None)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_without_cuda_nothing_is_measured(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "g.json"

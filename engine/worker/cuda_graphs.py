@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import bisect
 import logging
+import re
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -241,6 +244,42 @@ class DecodeGraphs:
             "captured %d CUDA graphs of the decode forward in %.1f s", len(self.sizes), seconds
         )
         return seconds
+
+    def graph(self, size: int) -> torch.cuda.CUDAGraph:
+        """The captured graph of ``size`` rows (for benchmarks that time its replay).
+
+        Raises:
+            KeyError: no graph of that size was captured.
+        """
+        return self._graphs[size][0]
+
+    @torch.inference_mode()
+    def debug_dump(self, size: int, path: Path) -> dict[str, int]:
+        """Captures the forward of ``size`` rows once more in debug mode, writes its node list
+        (``cudaGraphDebugDotPrint``) to ``path`` and returns a count per node kind read from it.
+        Writes only into the null block, as `capture` does.
+
+        Raises:
+            RuntimeError: not on a CUDA device.
+        """
+        if self.io.stream is None:
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        with self.io.on_stream():
+            self._pad_only(size)
+            torch.cuda.current_stream().synchronize()
+            graph = torch.cuda.CUDAGraph()
+            graph.enable_debug_mode()
+            with torch.cuda.graph(graph, stream=self.io.stream):
+                self._forward(size)
+            torch.cuda.current_stream().synchronize()
+        graph.debug_dump(str(path))
+        text = path.read_text(errors="replace")
+        kinds = re.findall(
+            r"\b(KERNEL|MEMCPY|MEMSET|HOST|EVENT_RECORD|WAIT_EVENT|MEM_ALLOC|"
+            r"MEM_FREE|EMPTY|GRAPH|CONDITIONAL|BATCH_MEM_OP)\b",
+            text,
+        )
+        return dict(Counter(kinds))
 
     def load(self, pad: DecodePadding, tables: torch.Tensor) -> None:
         """Queues the copies of one decode step's values into the buffers (on the runner's
