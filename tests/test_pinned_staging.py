@@ -95,7 +95,7 @@ def test_the_ring_refuses_what_it_cannot_hold():
         ring.take(-1)
 
 
-def test_packed_arrays_start_aligned_and_unpack_to_their_values():
+def test_packed_arrays_start_64_byte_aligned_and_unpack_to_their_values():
     arrays = [
         np.arange(3, dtype=np.int32),
         np.arange(6, dtype=np.int64).reshape(2, 3),
@@ -104,7 +104,7 @@ def test_packed_arrays_start_aligned_and_unpack_to_their_values():
         torch.arange(5, dtype=torch.int32),
     ]
     offsets, total = packed_layout(arrays)
-    assert offsets == [0, 16, 64, 72, 80] and total == 104
+    assert offsets == [0, 64, 128, 192, 256] and total == 320
     packed = torch.zeros(total, dtype=torch.uint8)
     for a, off in zip(arrays, offsets, strict=True):
         src = a if isinstance(a, torch.Tensor) else torch.from_numpy(a)

@@ -31,8 +31,10 @@ HostArray = np.ndarray | torch.Tensor
 """A host value to stage: a numpy array or a CPU tensor (read without numpy, so a sync checker
 sees no host read)."""
 
-_ALIGN = 8
-"""Each staged array starts at a multiple of this many bytes, so any dtype can view it."""
+_ALIGN = 64
+"""Each staged array starts at a multiple of this many bytes: any dtype can view it, and Triton,
+which specialises (and compiles) a kernel for pointers divisible by 16 or not, sees every staged
+tensor alike whatever the sizes before it in the region."""
 
 
 def stage_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -122,7 +124,7 @@ class StagingRing:
 class PinnedStaging:
     """A persistent pinned host buffer through which host arrays reach a CUDA device.
 
-    `to_device` packs arrays of any dtypes into one region (each 8-byte aligned), copies it
+    `to_device` packs arrays of any dtypes into one region (each 64-byte aligned), copies it
     with one non-blocking transfer on the current stream, and returns device views of it. A
     transfer larger than the buffer falls back to a pinned copy of its own.
     """
@@ -207,7 +209,7 @@ def check_copy_into(dst: torch.Tensor, array: np.ndarray) -> None:
 
 
 def packed_layout(arrays: Sequence[HostArray]) -> tuple[list[int], int]:
-    """Each array's byte offset in one buffer (8-byte aligned) and the buffer's size."""
+    """Each array's byte offset in one buffer (64-byte aligned) and the buffer's size."""
     offsets = []
     total = 0
     for a in arrays:
