@@ -351,10 +351,13 @@ def build_llm(
     device: str = "cpu",
     worker_threads: int | None = None,
     enforce_eager: bool = False,
+    fill_thread: bool | None = None,
 ) -> LLM:
     """An engine over ``ckpt`` sized for the benchmark (``worker_threads`` torch threads in
-    its model worker, None: the engine's default; ``enforce_eager``: no CUDA graphs), warmed
+    its model worker, None: the engine's default; ``enforce_eager``: no CUDA graphs;
+    ``fill_thread``: the grammar fill thread on or off, None: the engine's default), warmed
     up on ``warm`` (first-call costs, the schema's grammar compile)."""
+    extra = {} if fill_thread is None else {"grammar_fill_thread": fill_thread}
     blocks_per_seq = math.ceil(max_len / BLOCK_SIZE) + 1
     llm = LLM.from_checkpoint(
         ckpt,
@@ -370,6 +373,7 @@ def build_llm(
         block_size=BLOCK_SIZE,
         num_kv_blocks=max_batch * blocks_per_seq + 8,
         enforce_eager=enforce_eager,
+        **extra,
     )
     llm.generate(warm, request_params(len(warm), 0.5, WARMUP_TOKENS), use_tqdm=False)
     return llm

@@ -173,7 +173,7 @@ def stages(out: Path, model: str | None, prep: Path = DEFAULT_PREP) -> list[Stag
     eager = [*engine, "--repeats", "1", "--enforce-eager", "--out", str(out / "engine_eager.json")]
     engine += ["--repeats", "2", "--out", str(out / "engine.json")]
     profile = [py, "-m", "baton.bench.gpu_profile", "--out", str(out / "profile"), *models]
-    profile += ["--cases", "async_free_graphs,async_json_graphs,sync_json_drafts"]
+    profile += ["--cases", "async_free_graphs,async_json_graphs,async_json_graphs_nofill"]
     tests = [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--timeout", "120"]
     tests += [f"--junitxml={out / 'gpu_tests.xml'}", *gpu_test_files()]
     attention = [py, "-m", "baton.bench.paged_attention", "--repeats", "7", "--inner", "10"]

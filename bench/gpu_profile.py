@@ -28,12 +28,16 @@ from baton.bench.engine import WARMUP_TOKENS, build_llm, conversations, request_
 from baton.engine.loader import load_checkpoint
 from baton.engine.worker.host_times import RUNNER_TIMES_ENV
 
-# name: (async scheduling, JSON share, enforce_eager)
+# name: (async scheduling, JSON share, enforce_eager, grammar fill thread: None = default)
 CASES = {
-    "async_free_graphs": (True, 0.0, False),
-    "async_json_graphs": (True, 1.0, False),
-    "sync_json_drafts": (False, 1.0, False),
-    "async_free_eager": (True, 0.0, True),
+    "async_free_graphs": (True, 0.0, False, None),
+    "async_json_graphs": (True, 1.0, False, None),
+    # Without the fill thread: whether the runner's host laps (the graph replay's among them:
+    # 1.0 ms a step with JSON against 0.5 ms free at e6fd73d) grow from waiting for the GIL
+    # the fill thread holds.
+    "async_json_graphs_nofill": (True, 1.0, False, False),
+    "sync_json_drafts": (False, 1.0, False, None),
+    "async_free_eager": (True, 0.0, True, None),
 }
 
 
@@ -58,7 +62,7 @@ def profile_case(
     name: str, model: str | None, batch: int, output_len: int, out: Path, device: str
 ) -> str:
     """Profiles one case; writes ``out/<name>.txt`` and returns its first line."""
-    async_on, fraction, eager = CASES[name]
+    async_on, fraction, eager, fill_thread = CASES[name]
     ckpt = load_checkpoint(model)
     tok = ckpt.tokenizer
     chats = conversations(1000, 4 * batch + 4)
@@ -66,7 +70,7 @@ def profile_case(
     warm, runs = prompts[:4], [prompts[4 + i * batch : 4 + (i + 1) * batch] for i in range(4)]
     max_len = max(len(p) for p in prompts) + max(output_len, WARMUP_TOKENS) + 1
     os.environ[RUNNER_TIMES_ENV] = "1"  # the runner's own host laps (engine/worker/host_times.py)
-    llm = build_llm(ckpt, async_on, batch, max_len, warm, device, None, eager)
+    llm = build_llm(ckpt, async_on, batch, max_len, warm, device, None, eager, fill_thread)
     params = request_params(batch, fraction, output_len)
     try:
         llm.generate(runs[0], params, use_tqdm=False)  # warm at this batch size

@@ -22,8 +22,11 @@ eager launches of the same kernels for comparison. Without CUDA it prints one li
 The engine's own decode graph cost ~0.5 ms a replay at batch 32 (stop 41, H200: 320 nodes) where
 these chains of adds cost 10-25 µs, so it also times graphs of --kind-nodes nodes of each kind
 the engine's graph holds (torch elementwise, cuBLAS GEMMs of the model's shapes, a Triton kernel)
-and, with --model, the engine's decode graph itself (idle and same), and writes that graph's
-node list (``cudaGraphDebugDotPrint``) beside the results.
+and, with --model, the engine's decode graph itself, and writes that graph's node list
+(``cudaGraphDebugDotPrint``) beside the results. Those add a situation, ``running``: the same
+graph was launched on an idle GPU just before, so it is executing (not queued) at the launch.
+In the engine the previous step's graph may still run when the next is launched; the
+``same`` situation only covers a launch still queued behind other work.
 
     python -m baton.bench.graph_launch [--nodes 10,100,400,1000] [--repeats 50]
         [--kind-nodes 320] [--model DIR] [--out bench/results/graph_launch.json]
@@ -102,12 +105,17 @@ def measure_kinds(nodes: int, repeats: int) -> list[dict[str, Any]]:
             busy()
             graph.replay()
 
+        def running_before(graph: torch.cuda.CUDAGraph = graph) -> None:
+            torch.cuda.synchronize()
+            graph.replay()
+
         rows.append(
             {
                 "kind": kind,
                 "nodes": nodes,
                 "idle": host_us(graph.replay, torch.cuda.synchronize, repeats),
                 "same": host_us(graph.replay, same_before, repeats),
+                "running": host_us(graph.replay, running_before, repeats),
             }
         )
     return rows
@@ -135,10 +143,15 @@ def measure_engine_graph(model: str, batch: int, repeats: int, dot: Path) -> dic
             busy()
             graph.replay()
 
+        def running_before() -> None:
+            torch.cuda.synchronize()
+            graph.replay()  # starts at once on the idle GPU: the timed launch finds it running
+
         row: dict[str, Any] = {
             "batch": batch,
             "idle": host_us(graph.replay, torch.cuda.synchronize, repeats),
             "same": host_us(graph.replay, same_before, repeats),
+            "running": host_us(graph.replay, running_before, repeats),
         }
         row["node_kinds"] = kinds
         row["nodes"] = sum(kinds.values())
@@ -219,14 +232,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def kinds_table(rows: list[dict[str, Any]], engine: dict[str, Any] | None) -> str:
     """The per-kind rows and the engine's graph as text."""
-    lines = ["kind          nodes      idle      same  (host us)"]
-    for r in rows:
-        lines.append(f"{r['kind']:<12} {r['nodes']:>6} {r['idle']:>9.1f} {r['same']:>9.1f}")
-    if engine is not None:
+    lines = ["kind          nodes      idle      same   running  (host us)"]
+    for r in [
+        *rows,
+        *([] if engine is None else [{**engine, "kind": f"engine b{engine['batch']}"}]),
+    ]:
         lines.append(
-            f"{'engine b' + str(engine['batch']):<12} {engine['nodes']:>6} "
-            f"{engine['idle']:>9.1f} {engine['same']:>9.1f}"
+            f"{r['kind']:<12} {r['nodes']:>6} {r['idle']:>9.1f} {r['same']:>9.1f} "
+            f"{r.get('running', float('nan')):>9.1f}"
         )
+    if engine is not None:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(engine["node_kinds"].items()))
         lines.append(f"engine graph nodes: {kinds}")
     return "\n".join(lines)
