@@ -32,6 +32,19 @@ class _Fence:
         self.passed = True
 
 
+def _ring_of_running_copies(
+    capacity: int, count: int, size: int
+) -> tuple[StagingRing, list[_Fence]]:
+    """A ring with ``count`` regions of ``size`` bytes taken, each held by a copy still running."""
+    ring = StagingRing(capacity)
+    fences = []
+    for _ in range(count):
+        ring.take(size)
+        fences.append(_Fence())
+        ring.hold(fences[-1])
+    return ring, fences
+
+
 def test_the_ring_hands_out_consecutive_regions_and_wraps_when_the_end_is_near():
     ring = StagingRing(100)
     assert ring.take(30) == 0
@@ -45,12 +58,7 @@ def test_the_ring_hands_out_consecutive_regions_and_wraps_when_the_end_is_near()
 
 
 def test_a_region_is_not_handed_out_again_before_its_copy_has_passed():
-    ring = StagingRing(100)
-    fences = []
-    for _ in range(3):
-        ring.take(30)
-        fences.append(_Fence())
-        ring.hold(fences[-1])
+    ring, fences = _ring_of_running_copies(100, 3, 30)
     # Wraps onto the first region, whose copy is still running: it waits for that one only.
     assert ring.take(20) == 0
     assert [f.waited for f in fences] == [1, 0, 0]
@@ -63,12 +71,7 @@ def test_a_region_is_not_handed_out_again_before_its_copy_has_passed():
 
 
 def test_waiting_for_the_newest_overlapping_copy_covers_the_older_ones():
-    ring = StagingRing(90)
-    fences = []
-    for _ in range(3):
-        ring.take(30)
-        fences.append(_Fence())
-        ring.hold(fences[-1])
+    ring, fences = _ring_of_running_copies(90, 3, 30)
     assert ring.take(50) == 0  # overlaps regions 0 and 1
     assert fences[1].waited == 1 and fences[0].waited == 0
     assert not fences[2].passed
