@@ -267,7 +267,9 @@ class DecodeGraphs:
         with self.io.on_stream():
             self._pad_only(size)
             torch.cuda.current_stream().synchronize()
-            graph = torch.cuda.CUDAGraph()
+            # Kept un-instantiated: with debug mode alone the H200's torch 2.11 had destroyed
+            # the graph by the time of the dump (no file written).
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
             graph.enable_debug_mode()
             with torch.cuda.graph(graph, stream=self.io.stream):
                 self._forward(size)
