@@ -225,6 +225,38 @@ def test_cpu_uni_executor_is_synchronous_and_times_the_device(tiny_model_dir):
         engine.shutdown()
 
 
+# ----------------------------------------------------------------- grammar
+@pytest.mark.parametrize(
+    "grammar_ids",
+    [("a", "b", "c"), ("c", "a"), ("b",)],
+    ids=["every-row-in-order", "reordered-subset", "one-row"],
+)
+def test_grammar_rows_mask_the_logits_rows_of_their_requests(tiny_model_dir, grammar_ids):
+    """Mask row i goes to the logits row of grammar request i, whether the rows line up (no
+    gather) or are a reordered subset (gathered)."""
+    from baton.engine.scheduler_output import GrammarOutput
+
+    engine = _engine(tiny_model_dir, async_scheduling=False)
+    try:
+        runner = engine.core.executor.runner
+        vocab = 64
+        allowed = {"a": 5, "b": 17, "c": 40}
+        bitmask = torch.zeros(len(grammar_ids), vocab // 32, dtype=torch.int32)
+        for i, rid in enumerate(grammar_ids):
+            bitmask[i, allowed[rid] // 32] = 1 << (allowed[rid] % 32)
+        rows = np.arange(3, dtype=np.int64)
+        fwd = mr.ForwardOutput(
+            0, ("a", "b", "c"), ("a", "b", "c"), rows, torch.from_numpy(rows), torch.zeros(3, vocab)
+        )
+        logits = torch.zeros(3, vocab)
+        runner._apply_grammar(logits, fwd, GrammarOutput(tuple(grammar_ids), bitmask))
+        for i, rid in enumerate(("a", "b", "c")):
+            finite = torch.isfinite(logits[i]).nonzero().flatten().tolist()
+            assert finite == ([allowed[rid]] if rid in grammar_ids else list(range(vocab)))
+    finally:
+        engine.shutdown()
+
+
 # ----------------------------------------------------------------- staging
 def test_cpu_staging_is_free_views_and_waits_for_nothing():
     io = DeviceIO.for_device("cpu")

@@ -520,6 +520,16 @@ class ModelRunner:
     def _apply_grammar(
         self, logits: torch.Tensor, fwd: ForwardOutput, grammar: GrammarOutput
     ) -> None:
+        if (
+            fwd.drafts is None
+            and not grammar.row_counts
+            and grammar.request_ids == fwd.sample_request_ids
+        ):
+            # Every sampling row is structured, in order (a JSON-only decode batch): mask row
+            # i is logits row i, so no rows are gathered or sent.
+            (bitmask,) = self.io.to_device([grammar.bitmask[: len(grammar.request_ids)]])
+            apply_token_bitmask_(logits, bitmask)
+            return
         index = {r: i for i, r in enumerate(fwd.sample_request_ids)}
         starts = None if fwd.drafts is None else fwd.drafts.starts.tolist()
         logit_list: list[int] = []
