@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gzip
 import io
 import os
 import pstats
@@ -104,6 +105,13 @@ def profile_case(
         llm.shutdown()
     stats_text = io.StringIO()
     pstats.Stats(py, stream=stats_text).sort_stats("cumulative").print_stats(45)
+    # The timeline, gzipped: whether a replay's host call waits for the GPU (its
+    # cudaGraphLaunch span against the previous graph's kernels) only shows on it.
+    trace = out / f"{name}.trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+        packed.writelines(raw)
+    trace.unlink()
     averages = prof.key_averages()
     # Kernels and copies on the GPU (graph replays' kernels included), per engine step.
     on_gpu = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
