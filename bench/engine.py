@@ -295,6 +295,9 @@ def summarize(
     mean_device = _mean([rec.device_s for rec in steady])
     bound = max(mean_cpu, mean_device) if mean_cpu is not None and mean_device is not None else 0
     tpot = _mean([t for r in runs for t in r.tpots])
+    # A one-off stall (a kernel compiled on first use, a collection) shows as one long step.
+    walls = [(rec.wall_s, i) for r in runs for i, rec in enumerate(r.records)]
+    longest = max(walls, default=(0.0, -1))
     return {
         "regime": regime,
         "async": bool(llm.config.async_scheduling),
@@ -311,6 +314,9 @@ def summarize(
         "device_busy": min(1.0, device_s / engine_s) if engine_s > 0 else None,
         "device_busy_of_wall": device_s / seconds if seconds > 0 else None,
         "outside_steps_s": seconds - engine_s,
+        "run_seconds": [r.seconds for r in runs],
+        "longest_step_ms": longest[0] * 1e3,
+        "longest_step_at": longest[1],
         "steady_steps": len(steady),
         "steady_device_busy": (
             min(1.0, sum(rec.device_s for rec in steady) / steady_wall) if steady_wall > 0 else None
