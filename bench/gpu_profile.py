@@ -27,18 +27,23 @@ from torch.profiler import ProfilerActivity, profile
 
 from baton.bench.engine import WARMUP_TOKENS, build_llm, conversations, request_params
 from baton.engine.loader import load_checkpoint
+from baton.engine.worker.cuda_graphs import GRAPH_COPIES_ENV
 from baton.engine.worker.host_times import RUNNER_TIMES_ENV
 
-# name: (async scheduling, JSON share, enforce_eager, grammar fill thread: None = default)
+# name: (async scheduling, JSON share, enforce_eager, grammar fill thread: None = default,
+# graphs per batch size)
 CASES = {
-    "async_free_graphs": (True, 0.0, False, None),
-    "async_json_graphs": (True, 1.0, False, None),
+    "async_free_graphs": (True, 0.0, False, None, 1),
+    "async_json_graphs": (True, 1.0, False, None, 1),
     # Without the fill thread: whether the runner's host laps (the graph replay's among them:
     # 1.0 ms a step with JSON against 0.5 ms free at e6fd73d) grow from waiting for the GIL
     # the fill thread holds.
-    "async_json_graphs_nofill": (True, 1.0, False, False),
-    "sync_json_drafts": (False, 1.0, False, None),
-    "async_free_eager": (True, 0.0, True, None),
+    "async_json_graphs_nofill": (True, 1.0, False, False, 1),
+    # Two graphs per size replayed in turn: whether a replay waits for the previous run of
+    # the same graph (engine/worker/cuda_graphs.py GRAPH_COPIES_ENV).
+    "async_free_graphs_2copies": (True, 0.0, False, None, 2),
+    "sync_json_drafts": (False, 1.0, False, None, 1),
+    "async_free_eager": (True, 0.0, True, None, 1),
 }
 
 
@@ -63,7 +68,7 @@ def profile_case(
     name: str, model: str | None, batch: int, output_len: int, out: Path, device: str
 ) -> str:
     """Profiles one case; writes ``out/<name>.txt`` and returns its first line."""
-    async_on, fraction, eager, fill_thread = CASES[name]
+    async_on, fraction, eager, fill_thread, copies = CASES[name]
     ckpt = load_checkpoint(model)
     tok = ckpt.tokenizer
     chats = conversations(1000, 4 * batch + 4)
@@ -71,7 +76,11 @@ def profile_case(
     warm, runs = prompts[:4], [prompts[4 + i * batch : 4 + (i + 1) * batch] for i in range(4)]
     max_len = max(len(p) for p in prompts) + max(output_len, WARMUP_TOKENS) + 1
     os.environ[RUNNER_TIMES_ENV] = "1"  # the runner's own host laps (engine/worker/host_times.py)
-    llm = build_llm(ckpt, async_on, batch, max_len, warm, device, None, eager, fill_thread)
+    os.environ[GRAPH_COPIES_ENV] = str(copies)
+    try:
+        llm = build_llm(ckpt, async_on, batch, max_len, warm, device, None, eager, fill_thread)
+    finally:
+        os.environ.pop(GRAPH_COPIES_ENV, None)
     params = request_params(batch, fraction, output_len)
     try:
         llm.generate(runs[0], params, use_tqdm=False)  # warm at this batch size

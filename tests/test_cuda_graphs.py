@@ -16,11 +16,13 @@ from baton.engine.entrypoints.args import add_engine_args, config_from_args
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.processing.llm_engine import LLMEngine
 from baton.engine.worker.cuda_graphs import (
+    GRAPH_COPIES_ENV,
     MAX_CAPTURE_SIZE,
     NULL_SLOT,
     DecodeGraphs,
     DecodePadding,
     capture_sizes,
+    graph_copies,
 )
 
 _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -219,7 +221,9 @@ def test_graph_replay_matches_the_eager_forward(tiny_model_dir):
 
 @pytest.mark.gpu
 @_needs_cuda
-def test_cuda_engine_with_graphs_gives_the_eager_engine_tokens(tiny_model_dir):
+@pytest.mark.parametrize("copies", [1, 2])
+def test_cuda_engine_with_graphs_gives_the_eager_engine_tokens(tiny_model_dir, monkeypatch, copies):
+    monkeypatch.setenv(GRAPH_COPIES_ENV, str(copies))
     kw = {"device": "cuda", "dtype": torch.float32, "max_num_seqs": 8}
     eager = LLMEngine(EngineConfig(model=str(tiny_model_dir), enforce_eager=True, **kw))
     try:
@@ -231,6 +235,42 @@ def test_cuda_engine_with_graphs_gives_the_eager_engine_tokens(tiny_model_dir):
     try:
         got = _run(engine, _requests())
         assert engine.core.executor.runner.graphs.replays > 20
+        assert engine.core.executor.runner.graphs.copies == copies
     finally:
         engine.shutdown()
     assert got == expected
+
+
+def test_graph_copies_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv(GRAPH_COPIES_ENV, raising=False)
+    assert graph_copies() == 1
+    monkeypatch.setenv(GRAPH_COPIES_ENV, "2")
+    assert graph_copies() == 2
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(GRAPH_COPIES_ENV, bad)
+        with pytest.raises(ValueError, match=GRAPH_COPIES_ENV):
+            graph_copies()
+
+
+class _CountingGraph:
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def test_copies_of_a_size_are_replayed_in_turn(tiny_model_dir):
+    engine = _engine(tiny_model_dir, sizes=(4,))
+    try:
+        graphs = engine.core.executor.runner.graphs
+        copies = [_CountingGraph(), _CountingGraph()]
+        # Stand-ins for captured graphs (nothing can be captured on a CPU).
+        graphs._graphs[4] = [(copies[0], torch.zeros(4, 8)), (copies[1], torch.ones(4, 8))]
+        pad = DecodePadding.of(graphs.sizes, np.array([3, 5]), np.array([[1], [2]]), BLOCK)
+        outs = [graphs.run(pad) for _ in range(5)]
+        assert [c.replays for c in copies] == [3, 2]
+        assert [float(o[0, 0]) for o in outs] == [0.0, 1.0, 0.0, 1.0, 0.0]
+        assert outs[0].shape == (2, 8)
+    finally:
+        engine.shutdown()

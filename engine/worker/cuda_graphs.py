@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import re
 import time
 from collections import Counter
@@ -46,6 +47,27 @@ MAX_CAPTURE_SIZE = _SIZES[-1]
 
 NULL_SLOT = 0
 """The KV slot pad rows write to: offset 0 of the null block."""
+
+GRAPH_COPIES_ENV = "BATON_DECODE_GRAPH_COPIES"
+"""Experimental: graphs captured per batch size, replayed in turn (default 1). On the H200 a
+replay cost 8 us alone but 0.5 ms in the engine's loop; if a launch waits for the previous run
+of the same graph, two copies in turn do not (``bench/gpu_profile.py`` measures both)."""
+
+
+def graph_copies() -> int:
+    """`GRAPH_COPIES_ENV` as an int >= 1 (1 when unset).
+
+    Raises:
+        ValueError: a value that is not an integer >= 1.
+    """
+    raw = os.environ.get(GRAPH_COPIES_ENV, "1")
+    try:
+        copies = int(raw)
+    except ValueError:
+        copies = 0
+    if copies < 1:
+        raise ValueError(f"{GRAPH_COPIES_ENV} must be an integer >= 1, got {raw!r}")
+    return copies
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -190,7 +212,8 @@ class DecodeGraphs:
                 if model.tp is None
                 else None
             )
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.copies = graph_copies()
+        self._graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
         self.replays = 0
 
     @property
@@ -216,9 +239,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Captures one graph per size, largest first, sharing one memory pool; returns the
-        seconds it took. Each size runs twice eagerly first (Triton compiles, cuBLAS picks its
-        kernels). Writes only into the null block.
+        """Captures one graph per size (`copies` of each), largest first, sharing one memory
+        pool (one graph runs at a time, in stream order); returns the seconds it took. Each
+        size runs twice eagerly first (Triton compiles, cuBLAS picks its kernels). Writes only
+        into the null block.
 
         Raises:
             RuntimeError: not on a CUDA device, or a capture failed.
@@ -233,15 +257,18 @@ class DecodeGraphs:
                 for _ in range(2):
                     self._forward(size)
                 torch.cuda.current_stream().synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=self.io.stream):
-                    out = self._forward(size)
-                pool = graph.pool()
-                self._graphs[size] = (graph, out)
+                for _ in range(self.copies):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=self.io.stream):
+                        out = self._forward(size)
+                    pool = graph.pool()
+                    self._graphs.setdefault(size, []).append((graph, out))
             torch.cuda.current_stream().synchronize()
         seconds = time.perf_counter() - t0
         log.info(
-            "captured %d CUDA graphs of the decode forward in %.1f s", len(self.sizes), seconds
+            "captured %d CUDA graphs of the decode forward in %.1f s",
+            len(self.sizes) * self.copies,
+            seconds,
         )
         return seconds
 
@@ -251,7 +278,7 @@ class DecodeGraphs:
         Raises:
             KeyError: no graph of that size was captured.
         """
-        return self._graphs[size][0]
+        return self._graphs[size][0][0]
 
     @torch.inference_mode()
     def debug_dump(self, size: int, path: Path) -> dict[str, int]:
@@ -296,10 +323,10 @@ class DecodeGraphs:
         ``[pad.num_seqs, hidden]``: a view of the graph's output, valid until the next step is
         queued (read it, as the LM head does, before that); `logits` has the LM head's
         output."""
-        entry = self._graphs.get(pad.size)
-        if entry is None:
+        entries = self._graphs.get(pad.size)
+        if entries is None:
             return self._forward(pad.size)[: pad.num_seqs]
-        graph, out = entry
+        graph, out = entries[self.replays % len(entries)]
         graph.replay()
         self.replays += 1
         return out[: pad.num_seqs]
