@@ -12,6 +12,7 @@ the mask, padding indices) is computed once per step in
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -88,6 +89,7 @@ class AttentionMetadata:
         block_tables: np.ndarray | torch.Tensor,
         block_size: int,
         device: torch.device | str | None = None,
+        stage: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None,
     ) -> AttentionMetadata:
         """Builds the metadata from per-sequence lengths and block tables known on the host.
 
@@ -103,6 +105,8 @@ class AttentionMetadata:
                 order; unused entries may hold any valid block id.
             block_size: tokens per cache block.
             device: where the metadata is used; None = the CPU.
+            stage: how host arrays reach ``device`` (the model runner's `DeviceIO.to_device`,
+                through its pinned staging buffer); None: `stage_to_device`.
 
         The arrays are numpy arrays or CPU tensors (reading a tensor's values counts as a host
         read for ``BATON_SYNC_CHECK``: the model runner passes numpy arrays).
@@ -137,10 +141,13 @@ class AttentionMetadata:
         # Pure decode needs no padded layout (nothing to stage).
         query_index = token_seq[:0] if max_q == 1 else token_seq * max_q + token_off
         used_tables = np.ascontiguousarray(tables[:, : -(-max_s // block_size)])
-        slots_d, query_d, seq_d, ctx_d, q_d, tables_d = stage_to_device(
-            [slot_mapping, query_index, s, ctx_lens, q, used_tables],
-            torch.device("cpu") if device is None else torch.device(device),
-        )
+        arrays = [slot_mapping, query_index, s, ctx_lens, q, used_tables]
+        if stage is None:
+            target = torch.device("cpu") if device is None else torch.device(device)
+            staged = stage_to_device(arrays, target)
+        else:
+            staged = stage(arrays)
+        slots_d, query_d, seq_d, ctx_d, q_d, tables_d = staged
 
         # Flat slot of every (sequence, key position) pair.
         key_pos = torch.arange(max_s, device=seq_d.device)

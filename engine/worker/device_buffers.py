@@ -326,13 +326,6 @@ class DeviceIO:
         else:
             dst.copy_(_pinned(array), non_blocking=True)
 
-    def tensor_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device: itself on the CPU; on CUDA a pinned copy (taken now, so
-        the caller may reuse ``tensor`` at once) sent with ``non_blocking=True``."""
-        if self.is_host or tensor.device == self.device:
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
     def to_host(self, tensors: Sequence[torch.Tensor]) -> HostCopy:
         """Starts copying device tensors to host memory; `HostCopy.wait` collects them.
 

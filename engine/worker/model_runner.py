@@ -294,6 +294,7 @@ class ModelRunner:
                     self.states.block_table[plan.rows],
                     self.block_size,
                     self.io.device,
+                    stage=self.io.to_device,
                 )
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
             laps.lap("forward")
