@@ -201,7 +201,7 @@ class DecodeGraphs:
         self.block_size = block_size
         top, dev = self.sizes[-1], io.device
         with io.on_stream():
-            # Zero-filled: every pad row starts as a valid token in the null block.
+            # Zero-filled; `load` and `_pad_only` (before each capture) write whole layouts.
             self._input_ids = torch.zeros(top, dtype=torch.int64, device=dev)
             self._meta = torch.zeros(4 * top, dtype=torch.int64, device=dev)
             self._tables = torch.zeros(top, max_blocks, dtype=torch.int64, device=dev)
