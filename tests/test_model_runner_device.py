@@ -25,6 +25,7 @@ from baton.engine.sync_check import SyncChecker, SyncCheckError
 from baton.engine.worker import model_runner as mr
 from baton.engine.worker.device_buffers import DeviceIO, HostCopy, stage_to_device
 from baton.engine.worker.request_states import RequestStates
+from baton.engine.worker.runner_values import ForwardOutput
 from baton.sampler.metadata import SamplingMetadata
 
 SCHEMA = {
@@ -245,7 +246,7 @@ def test_grammar_rows_mask_the_logits_rows_of_their_requests(tiny_model_dir, gra
         for i, rid in enumerate(grammar_ids):
             bitmask[i, allowed[rid] // 32] = 1 << (allowed[rid] % 32)
         rows = np.arange(3, dtype=np.int64)
-        fwd = mr.ForwardOutput(
+        fwd = ForwardOutput(
             0, ("a", "b", "c"), ("a", "b", "c"), rows, torch.from_numpy(rows), torch.zeros(3, vocab)
         )
         logits = torch.zeros(3, vocab)

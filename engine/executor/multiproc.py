@@ -38,7 +38,7 @@ from baton.engine.scheduler_output import GrammarOutput, ModelRunnerOutput, Sche
 from baton.engine.sync_check import SyncChecker
 from baton.engine.worker.build import RunnerSpec
 from baton.engine.worker.cpu_threads import ThreadState
-from baton.engine.worker.model_runner import runner_output
+from baton.engine.worker.runner_values import runner_output
 from baton.engine.worker.shared_memory import SharedBuffer, pack_layouts
 from baton.engine.worker.spec_decode import DraftLayout
 from baton.engine.worker.step_broadcast import StepBroadcaster

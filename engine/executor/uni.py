@@ -17,7 +17,8 @@ from baton.engine.scheduler_output import GrammarOutput, ModelRunnerOutput, Sche
 from baton.engine.sync_check import SyncChecker
 from baton.engine.worker.cpu_threads import ThreadGovernor, ThreadState
 from baton.engine.worker.device_buffers import DeviceIO
-from baton.engine.worker.model_runner import ForwardOutput, ModelRunner, SampledTokens
+from baton.engine.worker.model_runner import ModelRunner
+from baton.engine.worker.runner_values import ForwardOutput, SampledTokens
 
 # Start and end marks of a piece of device work (see ``DeviceIO.mark``).
 _Span = tuple[torch.cuda.Event | float, torch.cuda.Event | float]

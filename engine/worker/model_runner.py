@@ -9,7 +9,6 @@ value on the host, so on CUDA both calls only queue work; results come back thro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +19,6 @@ from baton.engine.models.llama import KVCache, LlamaForCausalLM
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import (
     GrammarOutput,
-    Logprobs,
     ModelRunnerOutput,
     SchedulerOutput,
 )
@@ -28,169 +26,12 @@ from baton.engine.worker.cuda_graphs import DecodeGraphs, DecodePadding
 from baton.engine.worker.device_buffers import DeviceIO, HostCopy
 from baton.engine.worker.host_times import HostTimes
 from baton.engine.worker.request_states import RequestStates
-from baton.engine.worker.spec_decode import DraftLayout, accepted_tokens, record_verified_
+from baton.engine.worker.runner_values import ForwardOutput, SampledTokens, StepPlan
+from baton.engine.worker.spec_decode import DraftLayout, record_verified_
 from baton.sampler import Sampler, SamplingMetadata, apply_token_bitmask_
 from baton.sampler.outputs import LogprobsTensors
 
 _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """A step's batch structure, computed on the host from the CPU mirrors (int64 arrays).
-
-    Attributes:
-        rows: state row of each scheduled request ``[B]``.
-        query_lens, seq_lens: new tokens this step, and tokens after it ``[B]``.
-        token_rows, positions: row and position of every flat token ``[T]``.
-        sample_idx: batch indices of the requests that sample ``[N]``.
-        hidden_index: flat index of their last token ``[N]``.
-    """
-
-    rows: np.ndarray
-    query_lens: np.ndarray
-    seq_lens: np.ndarray
-    token_rows: np.ndarray
-    positions: np.ndarray
-    sample_idx: np.ndarray
-    hidden_index: np.ndarray
-
-    @property
-    def sample_rows(self) -> np.ndarray:
-        """State rows of the requests that sample ``[N]``."""
-        return self.rows[self.sample_idx]
-
-
-@dataclass(frozen=True)
-class ForwardOutput:
-    """What ``execute_model`` hands to ``sample_tokens``: a value, not runner state.
-
-    Attributes:
-        request_ids: every scheduled request, in batch order.
-        sample_request_ids: those that sample this step (reached their last known token).
-        sample_rows: their state rows, int64 ``[N]`` on the host.
-        sample_rows_device: the same rows on the device.
-        logits: the logits of their last tokens ``[N, vocab]`` (device); with ``drafts``, of
-            their last token and each draft token ``[M, vocab]``. Queued with the forward, so
-            that a step whose sampling waits for its grammar bitmask waits with the LM head
-            already done.
-        drafts: where the logits rows of requests with draft tokens lie; None: one row each.
-    """
-
-    step_id: int
-    request_ids: tuple[str, ...]
-    sample_request_ids: tuple[str, ...]
-    sample_rows: np.ndarray
-    sample_rows_device: torch.Tensor
-    logits: torch.Tensor
-    drafts: DraftLayout | None = None
-
-
-@dataclass(frozen=True)
-class SampledTokens:
-    """One step's sampled tokens: device tensors, and their copy to the host under way.
-
-    Attributes:
-        token_ids: int64 ``[N]`` device tensor, in ``sample_request_ids`` order.
-        logprob_tensors: the sampler's logprobs (device), when some row asked for them.
-        num_logprobs: per sampling row, the top-k it asked for (None: no logprobs).
-        host: host copies of ``token_ids`` then the logprob tensors; waiting on it is the
-            one wait for the step's results.
-        drafts: where each request's rows lie when some carry drafts (``token_ids`` then holds
-            one token per logits row); None: one row each.
-    """
-
-    request_ids: tuple[str, ...]
-    sample_request_ids: tuple[str, ...]
-    token_ids: torch.Tensor
-    logprob_tensors: LogprobsTensors | None
-    num_logprobs: tuple[int | None, ...]
-    host: HostCopy
-    drafts: DraftLayout | None = None
-
-    @property
-    def logprobs(self) -> dict[str, Logprobs]:
-        """Logprobs of the rows that asked for them (waits for the host copy)."""
-        host = self.host.wait()
-        if len(host) == 1:  # no row asked: no token list to build
-            return {}
-        kept = kept_tokens(host[0].tolist(), self.drafts)
-        return _logprobs(self.sample_request_ids, self.num_logprobs, host[1:], self.drafts, kept)
-
-    def to_runner_output(self) -> ModelRunnerOutput:
-        """The scheduler's view of the step (waits for the host copy)."""
-        host = self.host.wait()
-        kept = kept_tokens(host[0].tolist(), self.drafts)
-        logprobs = _logprobs(
-            self.sample_request_ids, self.num_logprobs, host[1:], self.drafts, kept
-        )
-        return _runner_output(self.request_ids, self.sample_request_ids, kept, logprobs)
-
-
-def runner_output(
-    request_ids: tuple[str, ...],
-    sample_request_ids: tuple[str, ...],
-    tokens: list[int],
-    logprobs: dict[str, Logprobs],
-    drafts: DraftLayout | None = None,
-) -> ModelRunnerOutput:
-    """The scheduler's view of a step: per scheduled request, its new tokens (none, one, or
-    with drafts its accepted drafts and one more)."""
-    return _runner_output(request_ids, sample_request_ids, kept_tokens(tokens, drafts), logprobs)
-
-
-def _runner_output(
-    request_ids: tuple[str, ...],
-    sample_request_ids: tuple[str, ...],
-    kept: list[list[int]],
-    logprobs: dict[str, Logprobs],
-) -> ModelRunnerOutput:
-    sampled = dict(zip(sample_request_ids, kept, strict=True))
-    return ModelRunnerOutput(
-        request_ids=list(request_ids),
-        sampled_token_ids=[sampled.get(r, []) for r in request_ids],
-        logprobs=logprobs,
-    )
-
-
-def kept_tokens(tokens: list[int], drafts: DraftLayout | None) -> list[list[int]]:
-    """Per sampling request, the tokens it keeps from its rows: its one token, or with drafts
-    its accepted drafts and the token after them."""
-    if drafts is None:
-        return [[t] for t in tokens]
-    return [
-        accepted_tokens(tokens[start : start + count], d)
-        for start, count, d in zip(
-            drafts.starts.tolist(), drafts.counts.tolist(), drafts.drafts, strict=True
-        )
-    ]
-
-
-def _logprobs(
-    request_ids: tuple[str, ...],
-    ks: tuple[int | None, ...],
-    host: Sequence[torch.Tensor],
-    drafts: DraftLayout | None,
-    kept: list[list[int]],
-) -> dict[str, Logprobs]:
-    """Per request that asked, each kept token's logprob and its top-k, from host tensors:
-    with drafts, the rows of its accepted drafts and the one after them (each row's
-    distribution is the one a step without drafts has at that position)."""
-    if not host:
-        return {}
-    ids, vals, ranks = (t.tolist() for t in host)
-    first = range(len(request_ids)) if drafts is None else drafts.starts.tolist()
-    out = {}
-    for i, rid, k, tokens in zip(first, request_ids, ks, kept, strict=True):
-        if k is None:
-            continue
-        rows = range(i, i + len(tokens))
-        out[rid] = Logprobs(
-            [ids[r][: k + 1] for r in rows],
-            [vals[r][: k + 1] for r in rows],
-            [ranks[r] for r in rows],
-        )
-    return out
 
 
 class ModelRunner:

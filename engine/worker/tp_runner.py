@@ -17,7 +17,8 @@ import torch.distributed as dist
 from baton.engine.models.parallel import TensorParallel
 from baton.engine.scheduler_output import GrammarOutput
 from baton.engine.worker.device_buffers import HostCopy
-from baton.engine.worker.model_runner import ForwardOutput, ModelRunner, SampledTokens
+from baton.engine.worker.model_runner import ModelRunner
+from baton.engine.worker.runner_values import ForwardOutput, SampledTokens
 
 # How long a rank waits for the others, to join or inside a collective, before it fails
 # (a dead rank is noticed by the engine first; this only bounds a hang).

@@ -36,7 +36,8 @@ from baton.engine.gc_heap import freeze_startup_heap
 from baton.engine.scheduler_output import GrammarOutput, Logprobs, SchedulerOutput, bitmask_rows
 from baton.engine.worker.build import RunnerSpec, build_runner
 from baton.engine.worker.cpu_threads import ThreadGovernor, ThreadState, read_cpu
-from baton.engine.worker.model_runner import ForwardOutput, ModelRunner
+from baton.engine.worker.model_runner import ModelRunner
+from baton.engine.worker.runner_values import ForwardOutput
 from baton.engine.worker.shared_memory import SharedBuffer, TensorLayout
 from baton.engine.worker.step_broadcast import BroadcastLayout, StepReader
 from baton.engine.worker.tp_runner import join_group
