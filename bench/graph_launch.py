@@ -35,8 +35,10 @@ In the engine the previous step's graph may still run when the next is launched;
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,69 +96,67 @@ def kind_ops() -> dict[str, Callable[[], object]]:
     }
 
 
+def replay_situations(
+    graph: torch.cuda.CUDAGraph, busy: Callable[[], None], repeats: int
+) -> dict[str, float]:
+    """Host µs of ``graph.replay()``: with the GPU idle, with the same graph queued behind
+    ``busy`` work (``same``), and with the same graph executing (``running``: launched on an
+    idle GPU just before)."""
+
+    def same_before() -> None:
+        busy()
+        graph.replay()
+
+    def running_before() -> None:
+        torch.cuda.synchronize()
+        graph.replay()
+
+    return {
+        "idle": host_us(graph.replay, torch.cuda.synchronize, repeats),
+        "same": host_us(graph.replay, same_before, repeats),
+        "running": host_us(graph.replay, running_before, repeats),
+    }
+
+
 def measure_kinds(nodes: int, repeats: int) -> list[dict[str, Any]]:
-    """Host µs of a replay (idle, and with the same graph still running) per kind of node."""
+    """`replay_situations` of a graph of ``nodes`` kernels of each kind in `kind_ops`."""
     busy = _busy_work()
     rows = []
     for kind, op in kind_ops().items():
         graph = capture_chain(nodes, torch.zeros(1, device="cuda"), op)
-
-        def same_before(graph: torch.cuda.CUDAGraph = graph) -> None:
-            busy()
-            graph.replay()
-
-        def running_before(graph: torch.cuda.CUDAGraph = graph) -> None:
-            torch.cuda.synchronize()
-            graph.replay()
-
-        rows.append(
-            {
-                "kind": kind,
-                "nodes": nodes,
-                "idle": host_us(graph.replay, torch.cuda.synchronize, repeats),
-                "same": host_us(graph.replay, same_before, repeats),
-                "running": host_us(graph.replay, running_before, repeats),
-            }
-        )
+        rows.append({"kind": kind, "nodes": nodes, **replay_situations(graph, busy, repeats)})
     return rows
 
 
+NODE_KINDS = re.compile(
+    r"\b(KERNEL|MEMCPY|MEMSET|HOST|EVENT_RECORD|WAIT_EVENT|MEM_ALLOC|MEM_FREE|EMPTY|GRAPH|"
+    r"CONDITIONAL|BATCH_MEM_OP)\b"
+)
+
+
+def count_node_kinds(dot: str) -> dict[str, int]:
+    """Nodes per kind named in a ``cudaGraphDebugDotPrint`` file's text."""
+    return dict(Counter(NODE_KINDS.findall(dot)))
+
+
 def measure_engine_graph(model: str, batch: int, repeats: int, dot: Path) -> dict[str, Any]:
-    """Host µs of a replay of the engine's own decode graph of ``batch`` rows (idle, and with
-    the same graph still running), and its node kinds from a debug capture written to ``dot``."""
+    """`replay_situations` of the engine's own decode graph of ``batch`` rows, and its node
+    kinds from a debug capture written to ``dot``."""
     from baton.engine.config import EngineConfig
     from baton.engine.processing.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model, device="cuda", max_num_seqs=batch))
     try:
         graphs = engine.core.executor.runner.graphs
-        graph = graphs.graph(batch)
-        busy = _busy_work()
+        row: dict[str, Any] = {"batch": batch, "node_kinds": {}}
         # First: the debug capture also leaves pad rows in the buffers the replays read.
         try:
-            kinds: dict[str, int] = graphs.debug_dump(batch, dot)
-            error = None
+            graphs.debug_dump(batch, dot)
+            row["node_kinds"] = count_node_kinds(dot.read_text(errors="replace"))
         except Exception as exc:  # the timing is worth having without the node list
-            kinds, error = {}, f"{type(exc).__name__}: {exc}"
-
-        def same_before() -> None:
-            busy()
-            graph.replay()
-
-        def running_before() -> None:
-            torch.cuda.synchronize()
-            graph.replay()  # starts at once on the idle GPU: the timed launch finds it running
-
-        row: dict[str, Any] = {
-            "batch": batch,
-            "idle": host_us(graph.replay, torch.cuda.synchronize, repeats),
-            "same": host_us(graph.replay, same_before, repeats),
-            "running": host_us(graph.replay, running_before, repeats),
-        }
-        row["node_kinds"] = kinds
-        row["nodes"] = sum(kinds.values())
-        if error is not None:
-            row["dump_error"] = error
+            row["dump_error"] = f"{type(exc).__name__}: {exc}"
+        row.update(replay_situations(graphs.graph(batch), _busy_work(), repeats))
+        row["nodes"] = sum(row["node_kinds"].values())
         return row
     finally:
         engine.shutdown()

@@ -78,3 +78,9 @@ def test_the_gpu_check_collects_and_renders_it(tmp_path: Path) -> None:
     text = gpu_check_table(data)
     assert "400 nodes idle 205 us, busy 7 us, same 810 us, other 9 us" in text
     assert "per node: idle 0.50 us" in text and "same 2.00 us" in text
+
+
+def test_node_kinds_are_counted_from_a_dot_file() -> None:
+    dot = 'n0 [label="KERNEL\\n_rms_norm_kernel"]\nn1 [label="KERNEL"]\nn2 [label="MEMCPY"]'
+    assert gl.count_node_kinds(dot) == {"KERNEL": 2, "MEMCPY": 1}
+    assert gl.count_node_kinds("digraph {}") == {}

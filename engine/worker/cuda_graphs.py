@@ -22,9 +22,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-import re
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,10 +279,10 @@ class DecodeGraphs:
         return self._graphs[size][0][0]
 
     @torch.inference_mode()
-    def debug_dump(self, size: int, path: Path) -> dict[str, int]:
-        """Captures the forward of ``size`` rows once more in debug mode, writes its node list
-        (``cudaGraphDebugDotPrint``) to ``path`` and returns a count per node kind read from it.
-        Writes only into the null block, as `capture` does.
+    def debug_dump(self, size: int, path: Path) -> None:
+        """Captures the forward of ``size`` rows once more in debug mode and writes its node
+        list (``cudaGraphDebugDotPrint``) to ``path``. Writes only into the null block, as
+        `capture` does.
 
         Raises:
             RuntimeError: not on a CUDA device.
@@ -302,13 +300,6 @@ class DecodeGraphs:
                 self._forward(size)
             torch.cuda.current_stream().synchronize()
         graph.debug_dump(str(path))
-        text = path.read_text(errors="replace")
-        kinds = re.findall(
-            r"\b(KERNEL|MEMCPY|MEMSET|HOST|EVENT_RECORD|WAIT_EVENT|MEM_ALLOC|"
-            r"MEM_FREE|EMPTY|GRAPH|CONDITIONAL|BATCH_MEM_OP)\b",
-            text,
-        )
-        return dict(Counter(kinds))
 
     def load(self, pad: DecodePadding, tables: torch.Tensor) -> None:
         """Queues the copies of one decode step's values into the buffers (on the runner's
