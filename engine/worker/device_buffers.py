@@ -266,7 +266,8 @@ class HostCopy:
 
 @dataclass(frozen=True)
 class DeviceIO:
-    """The runner's device, its compute stream and its copy-back stream (both None on the CPU).
+    """The runner's device, its compute and copy-back streams and its pinned staging buffer (all
+    None on the CPU; a CUDA device always gets a staging buffer).
 
     Build it with `DeviceIO.for_device`. All methods are no-copy, no-wait passthroughs on the CPU.
     """
@@ -275,6 +276,12 @@ class DeviceIO:
     stream: torch.cuda.Stream | None = None
     copy_stream: torch.cuda.Stream | None = None
     staging: PinnedStaging | None = None
+
+    def __post_init__(self) -> None:
+        # Every transfer to a CUDA device goes through the staging buffer: one is made here
+        # when the caller built the streams without it.
+        if self.staging is None and self.device.type != "cpu":
+            object.__setattr__(self, "staging", PinnedStaging(self.device))
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> DeviceIO:
@@ -287,7 +294,7 @@ class DeviceIO:
             raise ValueError(f"device must be a CPU or CUDA device, got {device}")
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        return cls(device, stream, torch.cuda.Stream(device), PinnedStaging(device))
+        return cls(device, stream, torch.cuda.Stream(device))
 
     @property
     def is_host(self) -> bool:
@@ -304,10 +311,8 @@ class DeviceIO:
         """The host arrays or CPU tensors (any dtypes) as tensors of the same shapes on this
         device, queued inside `on_stream`: the arrays' own memory on the CPU, one copy through
         the pinned `PinnedStaging` buffer on CUDA (the caller may reuse the arrays at once)."""
-        if self.is_host:
+        if self.staging is None:  # the CPU
             return [a if isinstance(a, torch.Tensor) else torch.from_numpy(a) for a in arrays]
-        if self.staging is None:
-            return [_pinned(a).to(self.device, non_blocking=True) for a in arrays]
         return self.staging.to_device(arrays)
 
     def copy_into(self, dst: torch.Tensor, array: np.ndarray) -> None:
@@ -321,10 +326,7 @@ class DeviceIO:
             self.staging.copy_into(dst, array)
             return
         check_copy_into(dst, array)
-        if self.is_host:
-            dst.copy_(torch.from_numpy(array))
-        else:
-            dst.copy_(_pinned(array), non_blocking=True)
+        dst.copy_(torch.from_numpy(array))  # the CPU
 
     def to_host(self, tensors: Sequence[torch.Tensor]) -> HostCopy:
         """Starts copying device tensors to host memory; `HostCopy.wait` collects them.
