@@ -112,15 +112,17 @@ class ModelRunner:
             graph_logits: torch.Tensor | None = None
             if pad is not None:
                 # A decode graph gathers its own input ids; its plan is all host arrays.
-                sample_rows, tables = self.io.to_device([plan.sample_rows, pad.tables])
+                sample_rows, tables, index = self.io.to_device(
+                    [plan.sample_rows, pad.tables, plan.hidden_index]
+                )
+                # A decode step usually samples every row, in order: no gather then.
+                hidden_index = None if plan.sample_idx.size == pad.num_seqs else index
                 laps.lap("plan_and_copy")
                 self.graphs.load(pad, tables)
                 laps.lap("graph_inputs")
                 hidden = self.graphs.run(pad)
                 graph_logits = self.graphs.logits(pad)
                 self.decode_graph_steps += 1
-                if plan.sample_idx.size != pad.num_seqs:
-                    (hidden_index,) = self.io.to_device([plan.hidden_index])
             else:
                 token_rows, positions, hidden_index, sample_rows = self.io.to_device(
                     [plan.token_rows, plan.positions, plan.hidden_index, plan.sample_rows]
@@ -152,7 +154,7 @@ class ModelRunner:
             elif graph_logits is not None:  # the LM head ran in the graph
                 logits = graph_logits if hidden_index is None else graph_logits[hidden_index]
             elif hidden_index is None:
-                logits = head(hidden)  # a decode graph step samples every row, in order
+                logits = head(hidden)
             else:
                 logits = head(hidden[hidden_index])
             laps.lap("logits")
