@@ -1,9 +1,10 @@
 """Linear-kernel benchmark: every linear layer of the model (LM head included) at a few row
-counts, as dense float32, dense bfloat16 and int8 weight-only (bfloat16 activations).
+counts, as dense float32 and bfloat16 (``F.linear``), the same with weights packed once for
+oneDNN (``engine/models/packed.py``), and int8 weight-only (bfloat16 activations).
 
-It is the measurement behind ``engine/models/quant.py``'s ``INT8_MAX_ROWS``: the number of
-rows up to which the int8 kernel beats the dense bfloat16 GEMM. The kernels are interleaved
-trial by trial in one run. Writes JSON and a PNG.
+It is the measurement behind ``engine/models/quant.py``'s ``INT8_MAX_ROWS`` (the rows up to
+which the int8 kernel beats the packed bfloat16 GEMM) and behind packing at every row
+count. The kernels are interleaved trial by trial in one run. Writes JSON and a PNG.
 
     baton bench linear_kernels [--model PATH] [--rows 1,2,4,8,16] [--trials 7]
 """
@@ -22,9 +23,15 @@ import torch.nn.functional as F
 from baton.bench.common import add_common_args, write_results
 from baton.bench.plotting import pyplot
 from baton.engine.loader import load_checkpoint
+from baton.engine.models.packed import (
+    PackedWeight,
+    pack_linear,
+    packed_linear,
+    packing_available,
+)
 from baton.engine.models.quant import INT8_MAX_ROWS, Int8Weight, int8_linear, quantize_int8
 
-KERNELS = ("float32", "bfloat16", "int8")
+KERNELS = ("float32", "float32_packed", "bfloat16", "bfloat16_packed", "int8")
 
 
 def linear_weights(weights: dict[str, torch.Tensor], tied: bool) -> list[torch.Tensor]:
@@ -56,7 +63,19 @@ def _runner(kernel: str, weights: list[torch.Tensor]) -> Callable[[int], float]:
             return time.perf_counter() - t0
 
         return run
-    dtype = getattr(torch, kernel)
+    dtype = getattr(torch, kernel.removesuffix("_packed"))
+    if kernel.endswith("_packed"):
+        packed: list[PackedWeight] = [pack_linear(w.to(dtype)) for w in weights]
+        shapes = [w.shape[1] for w in weights]
+
+        def run_packed(rows: int) -> float:
+            xs = [torch.randn(rows, n, dtype=dtype) for n in shapes]
+            t0 = time.perf_counter()
+            for x, w in zip(xs, packed, strict=True):
+                packed_linear(x, w)
+            return time.perf_counter() - t0
+
+        return run_packed
     dense = [w.to(dtype) for w in weights]
 
     def run_dense(rows: int) -> float:
@@ -73,25 +92,33 @@ def _runner(kernel: str, weights: list[torch.Tensor]) -> Callable[[int], float]:
 def run(model: str | None, rows: list[int], trials: int) -> dict:
     ckpt = load_checkpoint(model)
     weights = linear_weights(ckpt.weights, ckpt.config.tie_word_embeddings)
-    runners = {k: _runner(k, weights) for k in KERNELS}
+    kernels = [
+        k
+        for k in KERNELS
+        if not k.endswith("_packed") or packing_available(getattr(torch, k.removesuffix("_packed")))
+    ]
+    runners = {k: _runner(k, weights) for k in kernels}
     for fn in runners.values():  # warm-up: first calls pack weights, pick kernels
         fn(rows[0])
     table = []
     for m in rows:
-        times: dict[str, list[float]] = {k: [] for k in KERNELS}
+        times: dict[str, list[float]] = {k: [] for k in kernels}
         for _ in range(trials):
             for k, fn in runners.items():  # interleaved, so drift hits every kernel alike
                 times[k].append(fn(m))
         ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         table.append({"rows": m, **{f"{k}_ms": v for k, v in ms.items()}})
         print(f"M={m:<3} " + "  ".join(f"{k} {v:7.2f} ms" for k, v in ms.items()), flush=True)
-    faster = [r["rows"] for r in table if r["int8_ms"] < r["bfloat16_ms"]]
+    dense_bf16 = "bfloat16_packed" if "bfloat16_packed" in kernels else "bfloat16"
+    faster = [r["rows"] for r in table if r["int8_ms"] < r[f"{dense_bf16}_ms"]]
     return {
         "model": str(ckpt.path),
         "weights": len(weights),
         "parameters": sum(w.numel() for w in weights),
         "trials": trials,
         "rows": table,
+        "kernels": kernels,
+        "int8_faster_than": dense_bf16,
         "int8_faster_than_bfloat16_at": faster,
         "int8_max_rows_in_engine": INT8_MAX_ROWS,
     }
@@ -103,7 +130,7 @@ def plot(result: dict, path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ms = [r["rows"] for r in result["rows"]]
-    for k in KERNELS:
+    for k in result.get("kernels", KERNELS):
         ax.plot(ms, [r[f"{k}_ms"] for r in result["rows"]], marker="o", label=k)
     ax.axvline(result["int8_max_rows_in_engine"], color="gray", linestyle=":", label="engine")
     ax.set_xscale("log", base=2)
@@ -122,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=7)
     a = p.parse_args(argv)
     result = run(a.model, [int(r) for r in a.rows.split(",")], a.trials)
-    write_results(result, a.out, plot, dtype="float32,bfloat16,int8")
+    write_results(result, a.out, plot, dtype=",".join(result["kernels"]))
     return 0
 
 

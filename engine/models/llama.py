@@ -11,6 +11,7 @@ from torch import nn
 from baton.engine.models.attention import AttentionMetadata, paged_attention, sdpa_backends
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from baton.engine.models.packed import PackedWeight, pack_linear, packed_linear
 from baton.engine.models.parallel import TensorParallel, VocabParallelEmbedding
 from baton.engine.models.quant import Int8Weight, int8_linear, quantize_int8
 from baton.engine.models.sharding import shard_config
@@ -46,14 +47,36 @@ class DecoderLayer(nn.Module):
         # int8 copies of the four projections (set by ``quantize_int8``), in the order
         # qkv, o, gate_up, down.
         self.int8: tuple[Int8Weight, ...] | None = None
+        # The projections packed for oneDNN, same order (set by ``pack_weights``): then every
+        # step the int8 copies do not take multiplies with these.
+        self.packed: tuple[PackedWeight, ...] | None = None
+
+    def _projections(self) -> tuple[nn.Linear, ...]:
+        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
 
     def quantize_int8(self) -> None:
         """Adds int8 weight-only copies of the projections (the dense weights stay)."""
         dtype = self.qkv_proj.weight.dtype
-        self.int8 = tuple(
-            quantize_int8(lin.weight, dtype)
-            for lin in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        )
+        self.int8 = tuple(quantize_int8(lin.weight, dtype) for lin in self._projections())
+
+    def pack_weights(self) -> None:
+        """Packs the projections for oneDNN (``models/packed.py``) and releases their dense
+        weights, which no step uses from then on (a call that reached one would fail on its
+        empty weight)."""
+        self.packed = tuple(pack_linear(lin.weight, lin.bias) for lin in self._projections())
+        for lin in self._projections():
+            lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+
+    def _project(
+        self, i: int, x: torch.Tensor, int8: tuple[Int8Weight, ...] | None
+    ) -> torch.Tensor:
+        """Projection ``i`` (qkv, o, gate_up, down) of ``x`` with the step's kernel."""
+        linear = self._projections()[i]
+        if int8 is not None:
+            return int8_linear(x, int8[i], linear.bias)
+        if self.packed is not None:
+            return packed_linear(x, self.packed[i])
+        return linear(x)
 
     def forward(
         self,
@@ -76,25 +99,25 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
-        if int8 is None:
+        if int8 is None and self.packed is None:
             q, k, v = fused_linear(h, self.qkv_proj, sizes)
         else:
-            q, k, v = int8_linear(h, int8[0], self.qkv_proj.bias).split(sizes, dim=-1)
+            q, k, v = self._project(0, h, int8).split(sizes, dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, *rope)
         attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale).reshape(t, self.q_size)
-        out = self.o_proj(attn) if int8 is None else int8_linear(attn, int8[1])
+        out = self._project(1, attn, int8)
         out = out if self.reduce is None else self.reduce(out)
         h, residual = self.post_attention_layernorm.forward_add(out, residual)
         sizes = (self.intermediate_size, self.intermediate_size)
-        if int8 is None:
+        if int8 is None and self.packed is None:
             gate, up = fused_linear(h, self.gate_up_proj, sizes)
         else:
-            gate, up = int8_linear(h, int8[2]).split(sizes, dim=-1)
+            gate, up = self._project(2, h, int8).split(sizes, dim=-1)
         act = silu_mul(gate, up)  # one kernel on CUDA
-        out = self.down_proj(act) if int8 is None else int8_linear(act, int8[3])
+        out = self._project(3, act, int8)
         return (out if self.reduce is None else self.reduce(out)), residual
 
 
@@ -156,6 +179,8 @@ class LlamaForCausalLM(nn.Module):
         # ``quantize_int8``.
         self.int8_max_rows = 0
         self.lm_head_int8: Int8Weight | None = None
+        # The LM head packed for oneDNN (set by ``pack_weights``).
+        self.lm_head_packed: PackedWeight | None = None
 
     def quantize_int8(self, max_rows: int) -> None:
         """Adds int8 weight-only copies of every linear layer (LM head included) and uses
@@ -174,6 +199,25 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_head_int8 = quantize_int8(head, head.dtype)
         self.int8_max_rows = max_rows
+
+    def pack_weights(self) -> None:
+        """Packs every linear layer's weight (LM head included) for oneDNN and uses the packed
+        weights for every step the int8 copies (``quantize_int8``, called first) do not take;
+        the projections' and an untied LM head's dense weights are released (the embedding
+        stays). Call after the weights are loaded and the model has its final dtype (CPU).
+
+        Raises:
+            ValueError: the model is not on the CPU, or its dtype cannot be packed
+                (``packed.packing_available``).
+        """
+        if self.embed_tokens.weight.device.type != "cpu":
+            raise ValueError("packed weights are for the CPU only")
+        for layer in self.layers:
+            layer.pack_weights()
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head_packed = pack_linear(head)
+        if self.lm_head is not None:
+            self.lm_head.weight = nn.Parameter(head.new_empty(0), requires_grad=False)
 
     def forward(
         self,
@@ -209,6 +253,8 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.lm_head_int8 is not None and hidden.shape[0] <= self.int8_max_rows:
             logits = int8_linear(hidden, self.lm_head_int8)
+        elif self.lm_head_packed is not None:
+            logits = packed_linear(hidden, self.lm_head_packed)
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight)

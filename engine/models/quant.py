@@ -5,7 +5,8 @@ bound by how fast the weights stream through the cores. Per-output-channel int8 
 scale per row, symmetric) are half the bytes of bfloat16, and torch's CPU kernel
 ``aten._weight_int8pack_mm`` multiplies them with bfloat16 activations without widening the
 weight in memory. Above a few rows the dense bfloat16 GEMM (AVX512-BF16 / AMX) wins, so the
-model keeps both and picks per step by the number of rows (``INT8_MAX_ROWS``).
+model keeps both and picks per step by the number of rows (``INT8_MAX_ROWS``); the dense
+ones are packed for oneDNN on the CPU (``packed.py``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 # Most rows (tokens in the step, or sampling rows for the LM head) that take the int8 kernel.
-# ``baton bench linear_kernels`` (bench/results/linear_kernels.json: every linear of the
-# default model, LM head included, 2 cores with AMX): int8 beats dense bfloat16 through 6 rows
-# (M=1 9.9 vs 20.2 ms, M=5 20.1 vs 21.7, M=6 20.9 vs 21.3), ties at 7 and loses from 8 on
-# (M=16 38.4 vs 21.8). 6 keeps a batch-1 verification step with up to 5 drafts on the int8
-# kernel (measured `baton bench spec` at batch 1: auto/off 1.21 -> 1.29 on the peers workload).
-INT8_MAX_ROWS = 6
+# ``baton bench linear_kernels`` (every linear of the default model, LM head included, 2 cores
+# with AMX, 2026-12-04): against bfloat16 weights packed for oneDNN (``models/packed.py``,
+# what larger steps take), int8 wins at 1 and 2 rows (M=1 14.0 vs 23.1 ms, M=2 16.3 vs
+# 20.1), ties at 3-4 (18.0 vs 16.7, 17.9 vs 17.4) and loses from 6 on (M=6 29.3 vs 16.3).
+# Against dense unpacked bfloat16 it had won through 6 rows.
+INT8_MAX_ROWS = 2
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import torch
 
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.models.packed import packing_available
 from baton.engine.models.parallel import TensorParallel
 from baton.engine.models.quant import INT8_MAX_ROWS
 from baton.engine.worker.cuda_graphs import capture_sizes
@@ -69,6 +70,8 @@ def build_runner(
     model.to(device)
     if spec.int8_small_batches:
         model.quantize_int8(INT8_MAX_ROWS)
+    if device.type == "cpu" and packing_available(spec.dtype):
+        model.pack_weights()
     caches = allocate_kv_cache(
         model.local_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
     )
