@@ -21,7 +21,7 @@ llama-3.1-8b``; ``--sim-device none`` skips it), replaying the spec-off outputs 
 as traces (``bench/spec_sim.py``): what the drafts are worth at GPU speed.
 
     baton bench spec [--concurrency 1,16] [--num-prompts 8] [--max-tokens 96]
-        [--num-speculative-tokens 3] [--modes off,grammar,ngram,auto] [--dtype auto]
+        [--num-speculative-tokens 5] [--modes off,grammar,ngram,auto] [--dtype auto]
         [--sim-device sim:h200] [--sim-shape llama-3.1-8b] [--repeats 3]
 """
 
@@ -124,7 +124,7 @@ class SpecBenchConfig:
     concurrency: tuple[int, ...] = (1, 16)
     num_prompts: int = 8
     max_tokens: int = 96
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = 5
     modes: tuple[str, ...] = MODES
     workloads: tuple[str, ...] = WORKLOADS
     sim_device: str | None = "sim:h200"
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=csv_of(int), default=(1, 16))
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--modes", type=csv_of(str), default=MODES)
     parser.add_argument("--workloads", type=csv_of(str), default=WORKLOADS)
     parser.add_argument("--sim-device", default="sim:h200", help="'none' skips the sim runs")

@@ -25,7 +25,7 @@ class SpeculativeConfig:
             requests only), "ngram" (prompt lookup: the tokens that followed the last
             occurrence of the sequence's final n-gram, trimmed to what the grammar accepts), or
             "auto" (the grammar's forced tokens, then n-gram lookup for the rest).
-        num_speculative_tokens: most draft tokens per request and step (1 to 16; default 3).
+        num_speculative_tokens: most draft tokens per request and step (1 to 16; default 5).
         prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first (vLLM's
             names), 1 <= min <= max <= 8.
         structured_only: draft for structured requests only (free text is served without
@@ -41,11 +41,14 @@ class SpeculativeConfig:
     """
 
     method: str = "auto"
-    # 3 by measurement (`baton bench spec`, batch 1, bfloat16, 2026-12-03): a verification step
-    # of 1 + 3 rows stays in the int8 kernel's first block of 4 rows (13.6 ms for the linears
-    # against 9.9 at one row; 5 rows take 20.1), and a 4th draft was rarely accepted: auto/off
-    # peers 1.31-1.37x at k=3 vs 1.33 at k=4, extraction 1.62-1.68x vs 1.49 (k=2: 1.26, 1.46).
-    num_speculative_tokens: int = 3
+    # 5 by measurement (`baton bench spec --modes off,auto --num-speculative-tokens K`, bfloat16,
+    # 2026-12-04, one run each, auto/off): k=3 peers 1.47 at concurrency 1 and 1.20 at 16,
+    # extraction 1.99 and 1.25; k=5 peers 2.05 and 1.31, extraction 2.40 and 1.28; k=7 no more
+    # tokens per step than k=5 (peers 2.22 vs 2.20 at concurrency 1) and more rejected rows.
+    # With the dense GEMMs on packed weights, a verification step of 3 to 8 rows costs about
+    # what one of 2 rows does on the int8 kernel (models/quant.py), so drafts past the third
+    # are nearly free at batch 1.
+    num_speculative_tokens: int = 5
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     structured_only: bool = False

@@ -90,7 +90,7 @@ def test_engine_config_refuses_what_is_not_built_yet():
     sim_sync = EngineConfig(device="sim:h200", speculative_config=spec, async_scheduling=False)
     assert sim_sync.async_scheduling is False
     # Structured drafts by default on the simulator, sync or async (measured faster there).
-    default = SpeculativeConfig("auto", 3, structured_only=True)
+    default = SpeculativeConfig("auto", 5, structured_only=True)
     sim_async = EngineConfig(device="sim:h200")
     assert sim_async.async_scheduling is True and sim_async.speculative_config == default
     sim_sync = EngineConfig(device="sim:h200", async_scheduling=False)
@@ -104,13 +104,13 @@ def test_structured_drafts_are_on_by_default_where_they_can_run():
     cfg = EngineConfig()  # this machine: sync in-process wherever the CPU has < 3 cores
     if cfg.async_scheduling or cfg.executor != "uni":
         pytest.skip("the default engine here schedules asynchronously")
-    assert cfg.speculative_config == SpeculativeConfig("auto", 3, structured_only=True)
+    assert cfg.speculative_config == SpeculativeConfig("auto", 5, structured_only=True)
     assert EngineConfig(structured_drafts=False).speculative_config is None
     # Not measured faster in a worker process: off by default there, on when asked for.
     assert EngineConfig(executor="mp").speculative_config is None
     assert EngineConfig(async_scheduling=True, executor="mp").speculative_config is None
     asked = EngineConfig(structured_drafts=True, executor="mp", async_scheduling=True)
-    assert asked.speculative_config == SpeculativeConfig("auto", 3, structured_only=True)
+    assert asked.speculative_config == SpeculativeConfig("auto", 5, structured_only=True)
     with pytest.raises(ValueError, match="structured_drafts=True is not supported with"):
         EngineConfig(structured_drafts=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="structured_drafts must be None, True or False"):
