@@ -48,7 +48,8 @@ def build_runner(
     spec: RunnerSpec, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None
 ) -> ModelRunner:
     """Builds the model from ``weights`` on ``spec.device`` (with int8 copies of its linears
-    when ``spec.int8_small_batches``), allocates its KV cache there and wraps both in a
+    when ``spec.int8_small_batches``, and on a CPU its dense linears packed for oneDNN where
+    ``packed.packing_available``), allocates its KV cache there and wraps both in a
     runner; with ``spec.cuda_graphs`` the runner captures its decode graphs before it is
     returned. With ``tp`` (a joined tensor-parallel group of ``spec.tensor_parallel_size``
     ranks), ``weights`` are this rank's shard (``sharding.shard_weights``) and the runner is a
