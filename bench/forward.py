@@ -6,10 +6,11 @@ position only in prefill (transformers with ``logits_to_keep=1``) and for every 
 decode. Prints a table with the ratio baton / transformers in the same dtype (lower is
 better; the goal is <= 1.0) and writes JSON and a PNG next to the README's results.
 
-With ``--dtype bfloat16`` two more columns: baton as the engine runs it by default (int8
-weight-only GEMMs for steps of at most ``INT8_MAX_ROWS`` rows, bfloat16 above) and
-transformers in float32, the reference of the issue's batch-1 goal (engine step <= 0.6x
-transformers' float32 step).
+``baton`` is the model with plain ``F.linear`` layers, kernel for kernel what transformers
+runs. Two more columns: baton as the engine builds it (its dense linears packed for oneDNN
+where the CPU has it, ``engine/models/packed.py``; in bfloat16 also int8 weight-only GEMMs
+for steps of at most ``INT8_MAX_ROWS`` rows) and transformers in float32, the reference of
+the issue's batch-1 goal (engine step <= 0.6x transformers' float32 step).
 
     baton bench forward [--model PATH] [--batches 1,8,32,64] [--trials 5]
         [--dtype float32|bfloat16]
@@ -32,6 +33,7 @@ from baton.engine.loader import load_checkpoint
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.models.packed import packing_available
 from baton.engine.models.quant import INT8_MAX_ROWS
 
 RESULTS = RESULTS_DIR
@@ -136,13 +138,16 @@ def run(
     baton = LlamaForCausalLM(ckpt.config)
     baton.load_weights(ckpt.weights)
     baton.to(dtype)
-    batons = {"baton": baton}
     hfs = {"transformers": build_transformers(ckpt.config, ckpt.weights).to(dtype)}
+    # What the engine builds (engine/worker/build.py): int8 copies in bfloat16, packed weights.
+    engine = copy.deepcopy(baton)
     if dtype == torch.bfloat16:
-        engine = copy.deepcopy(baton)
-        engine.quantize_int8(INT8_MAX_ROWS)  # what the engine runs by default in bfloat16
-        batons["baton_engine"] = engine
+        engine.quantize_int8(INT8_MAX_ROWS)
         hfs["transformers_float32"] = build_transformers(ckpt.config, ckpt.weights).float()
+    packed = packing_available(dtype)
+    if packed:
+        engine.pack_weights()
+    batons = {"baton": baton, "baton_engine": engine}
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in batches:
@@ -167,7 +172,8 @@ def run(
         "model": str(ckpt.path),
         "context_tokens": context,
         "dtype": str(dtype).removeprefix("torch."),
-        "int8_max_rows": INT8_MAX_ROWS if "baton_engine" in batons else None,
+        "int8_max_rows": INT8_MAX_ROWS if dtype == torch.bfloat16 else None,
+        "packed": packed,
         "prefill_logits": "last position only, both",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -183,10 +189,11 @@ def _row(name: str, times: dict[str, list[float]]) -> dict:
         "transformers_ms": ms["transformers"],
         "ratio": ms["baton"] / ms["transformers"],
     }
-    if "baton_engine" in ms:
-        row["baton_engine_ms"] = ms["baton_engine"]
-        row["transformers_float32_ms"] = ms["transformers_float32"]
-        row["engine_vs_transformers_float32"] = ms["baton_engine"] / ms["transformers_float32"]
+    # In float32 the transformers column is already the float32 reference.
+    hf32 = ms.get("transformers_float32", ms["transformers"])
+    row["baton_engine_ms"] = ms["baton_engine"]
+    row["transformers_float32_ms"] = hf32
+    row["engine_vs_transformers_float32"] = ms["baton_engine"] / hf32
     return row
 
 
@@ -209,6 +216,16 @@ def print_table(result: dict) -> None:
         print(line)
 
 
+def engine_label(result: dict) -> str:
+    """What the engine column ran: the dtype, int8 rows and packing."""
+    parts = [result["dtype"]]
+    if result.get("int8_max_rows"):
+        parts.append(f"int8 <= {result['int8_max_rows']} rows")
+    if result.get("packed"):
+        parts.append("packed weights")
+    return ", ".join(parts)
+
+
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
@@ -217,10 +234,10 @@ def plot(result: dict, path: Path) -> None:
     dtype = result["dtype"]
     series = [("baton_ms", f"baton {dtype}"), ("transformers_ms", f"transformers {dtype}")]
     if "baton_engine_ms" in result["rows"][0]:
-        series += [
-            ("baton_engine_ms", f"baton default ({dtype}, int8 <= {result['int8_max_rows']} rows)"),
-            ("transformers_float32_ms", "transformers float32"),
-        ]
+        label = f"baton as the engine builds it ({engine_label(result)})"
+        series.append(("baton_engine_ms", label))
+        if dtype != "float32":
+            series.append(("transformers_float32_ms", "transformers float32"))
     x = range(len(names))
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(8, 3.8))

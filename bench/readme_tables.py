@@ -18,8 +18,13 @@ def forward_table(d: dict[str, Any]) -> str:
     engine = "baton_engine_ms" in d["rows"][0]
     header = ["case", "baton ms", "transformers ms", "baton / transformers"]
     if engine:
+        label = (
+            f"int8 <= {d['int8_max_rows']} rows" if d.get("int8_max_rows") else d.get("dtype", "")
+        )
+        if d.get("packed"):
+            label += ", packed"
         header += [
-            f"baton default (int8 <= {d['int8_max_rows']} rows) ms",
+            f"baton as the engine builds it ({label}) ms",
             "transformers float32 ms",
             "default / transformers float32",
         ]
