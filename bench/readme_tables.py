@@ -26,7 +26,7 @@ def forward_table(d: dict[str, Any]) -> str:
         header += [
             f"baton as the engine builds it ({label}) ms",
             "transformers float32 ms",
-            "default / transformers float32",
+            "engine / transformers float32",
         ]
     rows = []
     for r in d["rows"]:
