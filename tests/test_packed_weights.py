@@ -68,7 +68,7 @@ def test_packed_model_matches_dense_and_releases_dense_weights(tied):
     assert (out - ref).abs().max().item() <= 1e-4
     for layer in packed.layers:
         assert layer.packed is not None
-        assert all(lin.weight.numel() == 0 for lin in layer._projections())
+        assert all(lin.weight.numel() == 0 for lin in layer._linears)
     # The embedding still looks tokens up; an untied head's dense weight is gone.
     assert packed.embed_tokens.weight.numel() == dense.embed_tokens.weight.numel()
     if not tied:
@@ -99,3 +99,12 @@ def test_pack_weights_refuses_a_model_off_the_cpu():
     model = model.to("meta")
     with pytest.raises(ValueError, match="CPU"):
         model.pack_weights()
+
+
+def test_packing_is_once_and_after_int8():
+    _, model = _tiny_pair()
+    model.pack_weights()
+    with pytest.raises(ValueError, match="packed already"):
+        model.pack_weights()
+    with pytest.raises(ValueError, match="before pack_weights"):
+        model.quantize_int8(max_rows=2)

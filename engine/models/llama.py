@@ -44,6 +44,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.intermediate_size = c.intermediate_size
+        # The four projections in the order of ``int8`` and ``packed`` (a plain tuple: the
+        # modules are registered above).
+        self._linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         # int8 copies of the four projections (set by ``quantize_int8``), in the order
         # qkv, o, gate_up, down.
         self.int8: tuple[Int8Weight, ...] | None = None
@@ -51,27 +54,24 @@ class DecoderLayer(nn.Module):
         # step the int8 copies do not take multiplies with these.
         self.packed: tuple[PackedWeight, ...] | None = None
 
-    def _projections(self) -> tuple[nn.Linear, ...]:
-        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-
     def quantize_int8(self) -> None:
         """Adds int8 weight-only copies of the projections (the dense weights stay)."""
         dtype = self.qkv_proj.weight.dtype
-        self.int8 = tuple(quantize_int8(lin.weight, dtype) for lin in self._projections())
+        self.int8 = tuple(quantize_int8(lin.weight, dtype) for lin in self._linears)
 
     def pack_weights(self) -> None:
         """Packs the projections for oneDNN (``models/packed.py``) and releases their dense
         weights, which no step uses from then on (a call that reached one would fail on its
         empty weight)."""
-        self.packed = tuple(pack_linear(lin.weight, lin.bias) for lin in self._projections())
-        for lin in self._projections():
+        self.packed = tuple(pack_linear(lin.weight, lin.bias) for lin in self._linears)
+        for lin in self._linears:
             lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
 
     def _project(
         self, i: int, x: torch.Tensor, int8: tuple[Int8Weight, ...] | None
     ) -> torch.Tensor:
         """Projection ``i`` (qkv, o, gate_up, down) of ``x`` with the step's kernel."""
-        linear = self._projections()[i]
+        linear = self._linears[i]
         if int8 is not None:
             return int8_linear(x, int8[i], linear.bias)
         if self.packed is not None:
@@ -192,6 +192,10 @@ class LlamaForCausalLM(nn.Module):
         """
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if self.lm_head_packed is not None:
+            raise ValueError(
+                "quantize_int8 must come before pack_weights (it drops the dense weights)"
+            )
         if self.embed_tokens.weight.device.type != "cpu":
             raise ValueError("int8 weight-only kernels run on the CPU only")
         for layer in self.layers:
@@ -207,11 +211,13 @@ class LlamaForCausalLM(nn.Module):
         stays). Call after the weights are loaded and the model has its final dtype (CPU).
 
         Raises:
-            ValueError: the model is not on the CPU, or its dtype cannot be packed
-                (``packed.packing_available``).
+            ValueError: the model is not on the CPU or packed already, or its dtype cannot be
+                packed (``packed.packing_available``).
         """
         if self.embed_tokens.weight.device.type != "cpu":
             raise ValueError("packed weights are for the CPU only")
+        if self.lm_head_packed is not None:
+            raise ValueError("the model's weights are packed already")
         for layer in self.layers:
             layer.pack_weights()
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
