@@ -35,6 +35,7 @@ from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
 from baton.engine.models.packed import packing_available
 from baton.engine.models.quant import INT8_MAX_ROWS
+from baton.engine.worker.build import add_cpu_kernels
 
 RESULTS = RESULTS_DIR
 BLOCK = 16
@@ -139,14 +140,12 @@ def run(
     baton.load_weights(ckpt.weights)
     baton.to(dtype)
     hfs = {"transformers": build_transformers(ckpt.config, ckpt.weights).to(dtype)}
-    # What the engine builds (engine/worker/build.py): int8 copies in bfloat16, packed weights.
+    # What the engine builds: int8 copies in bfloat16 (its default there), packed weights.
     engine = copy.deepcopy(baton)
+    add_cpu_kernels(engine, int8_small_batches=dtype == torch.bfloat16)
     if dtype == torch.bfloat16:
-        engine.quantize_int8(INT8_MAX_ROWS)
         hfs["transformers_float32"] = build_transformers(ckpt.config, ckpt.weights).float()
     packed = packing_available(dtype)
-    if packed:
-        engine.pack_weights()
     batons = {"baton": baton, "baton_engine": engine}
     gen = torch.Generator().manual_seed(0)
     rows = []

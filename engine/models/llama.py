@@ -11,7 +11,12 @@ from torch import nn
 from baton.engine.models.attention import AttentionMetadata, paged_attention, sdpa_backends
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
-from baton.engine.models.packed import PackedWeight, pack_linear, packed_linear
+from baton.engine.models.packed import (
+    PackedWeight,
+    pack_and_release,
+    pack_linear,
+    packed_linear,
+)
 from baton.engine.models.parallel import TensorParallel, VocabParallelEmbedding
 from baton.engine.models.quant import Int8Weight, int8_linear, quantize_int8
 from baton.engine.models.sharding import shard_config
@@ -63,9 +68,7 @@ class DecoderLayer(nn.Module):
         """Packs the projections for oneDNN (``models/packed.py``) and releases their dense
         weights, which no step uses from then on (a call that reached one would fail on its
         empty weight)."""
-        self.packed = tuple(pack_linear(lin.weight, lin.bias) for lin in self._linears)
-        for lin in self._linears:
-            lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+        self.packed = tuple(pack_and_release(lin) for lin in self._linears)
 
     def _project(
         self, i: int, x: torch.Tensor, int8: tuple[Int8Weight, ...] | None
@@ -220,10 +223,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("the model's weights are packed already")
         for layer in self.layers:
             layer.pack_weights()
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head_packed = pack_linear(head)
-        if self.lm_head is not None:
-            self.lm_head.weight = nn.Parameter(head.new_empty(0), requires_grad=False)
+        self.lm_head_packed = (
+            pack_linear(self.embed_tokens.weight)  # tied: the embedding stays for lookups
+            if self.lm_head is None
+            else pack_and_release(self.lm_head)
+        )
 
     def forward(
         self,

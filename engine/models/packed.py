@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 # The row count oneDNN is told to expect when it picks the packed layout; the layout serves
 # any row count (measured at 1-64 rows: hints 1, 16 and 64 within noise of each other).
@@ -65,3 +66,15 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
 def packed_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]`` of the weight's dtype."""
     return torch.ops.mkldnn._linear_pointwise(x, weight.weight, weight.bias, "none", [], "")
+
+
+def pack_and_release(linear: nn.Linear) -> PackedWeight:
+    """``linear``'s weight and bias packed (``pack_linear``); the module's dense weight is
+    replaced by an empty one, so a call that still reached it would fail instead of running.
+
+    Raises:
+        ValueError: as ``pack_linear``.
+    """
+    packed = pack_linear(linear.weight, linear.bias)
+    linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+    return packed

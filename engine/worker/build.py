@@ -44,6 +44,19 @@ class RunnerSpec:
     max_drafts: int = 0
 
 
+def add_cpu_kernels(model: LlamaForCausalLM, int8_small_batches: bool) -> None:
+    """What a CPU model gets once its weights are loaded in their final dtype: int8 copies of
+    its linears for steps of at most ``INT8_MAX_ROWS`` rows (when ``int8_small_batches``),
+    then its dense linears packed for oneDNN where ``packing_available``. Nothing on CUDA."""
+    weight = model.embed_tokens.weight
+    if weight.device.type != "cpu":
+        return
+    if int8_small_batches:
+        model.quantize_int8(INT8_MAX_ROWS)
+    if packing_available(weight.dtype):
+        model.pack_weights()
+
+
 def build_runner(
     spec: RunnerSpec, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None
 ) -> ModelRunner:
@@ -69,10 +82,7 @@ def build_runner(
     model.eval()
     device = torch.device(spec.device)
     model.to(device)
-    if spec.int8_small_batches:
-        model.quantize_int8(INT8_MAX_ROWS)
-    if device.type == "cpu" and packing_available(spec.dtype):
-        model.pack_weights()
+    add_cpu_kernels(model, spec.int8_small_batches)
     caches = allocate_kv_cache(
         model.local_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
     )
