@@ -290,7 +290,11 @@ def test_int8_linear_equals_its_dequantized_reference(dtype):
     assert (int8_linear(x, parts[1]).float() - ref[:, 16:] + bias[16:].float()).abs().max() <= tol
 
 
-def test_bfloat16_decode_attention_computes_in_float32():
+def test_bfloat16_decode_attention_upcast_computes_in_float32(monkeypatch):
+    """Where a CPU's half-precision SDPA is slow (no AMX), decode attends in float32."""
+    from baton.engine.models import attention
+
+    monkeypatch.setattr(attention, "HALF_DECODE_SDPA_FAST", False)
     gen = torch.Generator().manual_seed(5)
     kv = allocate_kv_cache(_tiny_pair()[1].config, 8, BLOCK, torch.bfloat16)[0]
     kv[0].copy_(torch.randn(kv[0].shape, generator=gen))
@@ -314,3 +318,33 @@ def test_bfloat16_decode_attention_computes_in_float32():
         ref = torch.einsum("hn,nhd->hd", weights, values)
         # Within one bfloat16 rounding of the float32 result.
         assert ((out[i].float() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
+
+
+@pytest.mark.parametrize("half_fast", [False, True])
+def test_bf16_decode_attention_either_way_matches_float64(monkeypatch, half_fast):
+    """A bfloat16 decode step attends in bfloat16 (CPUs with AMX) or upcast to float32
+    (elsewhere); either way it is the float64 attention to bfloat16 rounding."""
+    from baton.engine.models import attention
+
+    monkeypatch.setattr(attention, "HALF_DECODE_SDPA_FAST", half_fast)
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, lens = 4, 2, 16, [3, 9, 14]
+    tables = torch.tensor([[1 + 4 * i + j for j in range(4)] for i in range(len(lens))])
+    kc = torch.randn(16, BLOCK, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(16, BLOCK, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(torch.bfloat16)
+    k = torch.randn(len(lens), kv_heads, dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(len(lens), kv_heads, dim, generator=gen).to(torch.bfloat16)
+    meta = AttentionMetadata.build(
+        torch.ones(len(lens), dtype=torch.long), torch.tensor(lens), tables, BLOCK
+    )
+    assert meta.query_index is None  # the one-query decode layout
+    out = paged_attention(q, k, v, kc, vc, meta, dim**-0.5)
+    assert out.dtype == torch.bfloat16
+    for i, n in enumerate(lens):
+        slots = [int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for p in range(n)]
+        keys = kc.view(-1, kv_heads, dim)[slots].double().repeat_interleave(2, dim=1)
+        values = vc.view(-1, kv_heads, dim)[slots].double().repeat_interleave(2, dim=1)
+        scores = torch.einsum("hd,shd->hs", q[i].double(), keys) * dim**-0.5
+        ref = torch.einsum("hs,shd->hd", scores.softmax(-1), values)
+        assert (out[i].double() - ref).abs().max().item() <= 2e-2

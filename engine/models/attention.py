@@ -189,6 +189,15 @@ def _host_int64(value: np.ndarray | torch.Tensor, name: str) -> np.ndarray:
 # cuDNN's attention builds a plan per new shape, and a prompt or draft step's key length is new
 # every step: on an H200 (torch 2.11) synchronous JSON steps with drafts took 100-170 ms, and
 # under bench/gpu_profile.py cuDNN attention held 40% of their host time, about 1 ms per layer.
+# One query per sequence on a CPU without AMX, torch's half-precision SDPA is 3-5x slower than
+# its float32 one (AVX512-BF16 without AMX, 1 thread: batch 1 x 100 keys 255 vs 39 us; batch 16
+# 3.8 vs 0.95 ms), so decode attends in float32 there. With AMX it is the other way round
+# (Xeon with AMX, torch 2.13, 2 threads, bfloat16 vs float32 with the upcasts: batch 1 x 100
+# keys 20 vs 41 us; batch 16 x 110 keys 151 vs 937 us; batch 64 x 150 keys 0.71 vs 4.8 ms).
+HALF_DECODE_SDPA_FAST: bool = bool(torch.cpu._is_amx_tile_supported())
+"""Whether a one-query-per-sequence (decode) step attends in its half-precision dtype on the
+CPU (True where the CPU has AMX) instead of upcasting to float32."""
+
 _CUDA_SDPA_BACKENDS = [
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
@@ -250,10 +259,12 @@ def paged_attention(
     keys = flat_k.index_select(0, flat_index).view(kv_shape).transpose(1, 2)  # [B, kvh, S, D]
     values = flat_v.index_select(0, flat_index).view(kv_shape).transpose(1, 2)
     queries = qp.transpose(1, 2)
-    # One query per sequence on the CPU: torch's half-precision SDPA is 3-5x slower than its
-    # float32 one there (measured, 1 thread: batch 1 x 100 keys 255 vs 39 us; batch 16 3.8 vs
-    # 0.95 ms; a 128-token prefill is as fast in bfloat16), so decode attends in float32.
-    upcast = meta.query_index is None and not q.is_cuda and q.dtype != torch.float32
+    upcast = (
+        meta.query_index is None
+        and not q.is_cuda
+        and q.dtype != torch.float32
+        and not HALF_DECODE_SDPA_FAST
+    )
     if upcast:
         queries, keys, values = queries.float(), keys.float(), values.float()
     gqa = num_heads != num_kv_heads
