@@ -47,13 +47,18 @@ def add_common_args(
     )
 
 
-def _git(*args: str, env: dict[str, str] | None = None) -> str:
-    """``git -C <repository root> args...``'s output, stripped.
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+# What a benchmark writes, not the code it measures: changed files there leave a run "clean", so
+# several benchmarks run one after another on one commit all name that commit.
+_NOT_CODE = ("bench/results", "README.md")
+
+
+def _git(*args: str, env: dict[str, str] | None = None, root: Path = _REPO_ROOT) -> str:
+    """``git -C <root> args...``'s output, stripped (``root``: this repository's).
 
     Raises:
         OSError, subprocess.SubprocessError: git is missing, fails or hangs.
     """
-    root = Path(__file__).resolve().parent.parent
     return subprocess.run(
         ["git", "-C", str(root), *args],
         capture_output=True,
@@ -70,12 +75,16 @@ def run_order(items: Sequence[T], repeat: int) -> list[T]:
     return list(items) if repeat % 2 == 0 else list(reversed(items))
 
 
-def git_commit() -> str:
-    """The commit of the code being measured, with ``+dirty`` when the tree has uncommitted
-    changes, or ``unknown`` outside a git checkout."""
+def git_commit(root: Path = _REPO_ROOT) -> str:
+    """The commit of the code being measured, with ``+dirty`` when tracked files other than
+    results and the README (``_NOT_CODE``) have uncommitted changes, or ``unknown`` outside a
+    git checkout."""
+    excluded = [f":(exclude){p}" for p in _NOT_CODE]
     try:
-        head = _git("rev-parse", "HEAD")
-        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        head = _git("rev-parse", "HEAD", root=root)
+        dirty = _git(
+            "status", "--porcelain", "--untracked-files=no", "--", ".", *excluded, root=root
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{head}+dirty" if dirty else head

@@ -65,3 +65,25 @@ def test_config_from_args_maps_fields_and_turns_validation_into_a_usage_error() 
     with pytest.raises(SystemExit) as exc:
         common.config_from_args(p, p.parse_args(["--repeats", "0"]), Cfg)
     assert exc.value.code == 2
+
+
+def test_git_commit_is_dirty_for_code_changes_only(tmp_path: Path) -> None:
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    for name in ("engine.py", "README.md", "bench/results/x.json"):
+        (tmp_path / name).write_text("0\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = git("rev-parse", "HEAD")
+    assert common.git_commit(tmp_path) == head
+    # What benchmarks write leaves the measured code clean.
+    (tmp_path / "README.md").write_text("1\n")
+    (tmp_path / "bench" / "results" / "x.json").write_text("1\n")
+    assert common.git_commit(tmp_path) == head
+    (tmp_path / "engine.py").write_text("1\n")
+    assert common.git_commit(tmp_path) == f"{head}+dirty"
