@@ -16,11 +16,14 @@ from dataclasses import dataclass
 import torch
 
 # Most rows (tokens in the step, or sampling rows for the LM head) that take the int8 kernel.
-# ``baton bench linear_kernels`` (every linear of the default model, LM head included, 2 cores
-# with AMX, 2026-12-04): against bfloat16 weights packed for oneDNN (``models/packed.py``,
-# what larger steps take), int8 wins at 1 and 2 rows (M=1 14.0 vs 23.1 ms, M=2 16.3 vs
-# 20.1), ties at 3-4 (18.0 vs 16.7, 17.9 vs 17.4) and loses from 6 on (M=6 29.3 vs 16.3).
-# Against dense unpacked bfloat16 it had won through 6 rows.
+# ``baton bench linear_kernels`` (every linear of the default model, LM head included, 2 cores,
+# 2026-12-04), against bfloat16 weights packed for oneDNN (``models/packed.py``, what larger
+# steps take): on an AMD EPYC with AVX512-BF16 and no AMX int8 won at 1 and 2 rows (M=1 14.0
+# vs 23.1 ms, M=2 16.3 vs 20.1), tied at 3-4 (18.0 vs 16.7, 17.9 vs 17.4) and lost from 6 on
+# (M=6 29.3 vs 16.3); on a Xeon with AMX it won through 4 rows by a little (M=3 13.3 vs 16.3,
+# M=4 14.4 vs 15.4) and lost from 6 on (21.9 vs 15.5). 2 is right on both; 3-4 rows would
+# gain a millisecond or two on AMX only. Against dense unpacked bfloat16 it had won through
+# 6 rows.
 INT8_MAX_ROWS = 2
 
 
