@@ -9,7 +9,7 @@ linear_kernels``, every linear of the default model, LM head included): float32 
 20.8, M=64 67.2 -> 54.5, from M=512 on a tie). So on the CPU every step the int8 kernel does
 not take multiplies with packed weights, and the dense ones are released once packed
 (``LlamaForCausalLM.pack_weights``). On a Xeon with AMX (2026-12-04) packed bfloat16 still won
-from 2 rows on, but packed float32 lost at 1-3 rows (M=1 25.3 against 20.6 ms) and won from 4
+below 512 rows, but packed float32 lost at 1-3 rows (M=1 25.3 against 20.6 ms) and won from 4
 on (M=16 42.6 against 52.0); float32 is the parity dtype there, bfloat16 the default.
 """
 
