@@ -6,8 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.baton-installed
 # Extraction from a given text: what a 135M model does well, greedily. (Asked to invent a
-# person, it repeats itself: "hobbies":["Fashion","Fashion",...].)
-PROMPT ?= Extract name, age, job, city and hobbies as JSON: Maria Lopez is 34 years old. She is a nurse in Madrid and her hobbies are hiking, chess and baking.
+# person, it repeats itself: "hobbies":["Fashion","Fashion",...].) Worded so that the model
+# copies every fact in float32 and in bfloat16, with and without drafts (checked 2026-12-04):
+# "is 34 years old" came out as age 23 in bfloat16 without drafts, and "hiking" as
+# "Horseback riding" in every dtype.
+PROMPT ?= Extract name, age, job, city and hobbies as JSON: Maria Lopez (age 34) is a nurse in Madrid. Her hobbies are painting, chess and baking.
 SCHEMA ?= {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120},"job":{"type":"string","maxLength":40},"city":{"type":"string","maxLength":40},"hobbies":{"type":"array","items":{"type":"string","maxLength":30},"minItems":1,"maxItems":3}},"required":["name","age","job","city","hobbies"],"additionalProperties":false}
 
 .PHONY: demo test lint setup
