@@ -29,11 +29,11 @@ import torch
 
 from baton.bench.common import RESULTS_DIR, add_common_args, write_results
 from baton.bench.plotting import pyplot
+from baton.bench.readme_tables import engine_label
 from baton.engine.loader import load_checkpoint
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
-from baton.engine.models.packed import packing_available
 from baton.engine.models.quant import INT8_MAX_ROWS
 from baton.engine.worker.build import add_cpu_kernels
 
@@ -145,7 +145,6 @@ def run(
     add_cpu_kernels(engine, int8_small_batches=dtype == torch.bfloat16)
     if dtype == torch.bfloat16:
         hfs["transformers_float32"] = build_transformers(ckpt.config, ckpt.weights).float()
-    packed = packing_available(dtype)
     batons = {"baton": baton, "baton_engine": engine}
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -172,7 +171,7 @@ def run(
         "context_tokens": context,
         "dtype": str(dtype).removeprefix("torch."),
         "int8_max_rows": INT8_MAX_ROWS if dtype == torch.bfloat16 else None,
-        "packed": packed,
+        "packed": engine.lm_head_packed is not None,
         "prefill_logits": "last position only, both",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -213,16 +212,6 @@ def print_table(result: dict) -> None:
                 f"{r['engine_vs_transformers_float32']:>15.2f}"
             )
         print(line)
-
-
-def engine_label(result: dict) -> str:
-    """What the engine column ran: the dtype, int8 rows and packing."""
-    parts = [result["dtype"]]
-    if result.get("int8_max_rows"):
-        parts.append(f"int8 <= {result['int8_max_rows']} rows")
-    if result.get("packed"):
-        parts.append("packed weights")
-    return ", ".join(parts)
 
 
 def plot(result: dict, path: Path) -> None:

@@ -14,17 +14,22 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def engine_label(d: dict[str, Any]) -> str:
+    """What ``bench/forward.py``'s engine column ran: the dtype, int8 rows and packing."""
+    parts = [d.get("dtype", "")]
+    if d.get("int8_max_rows"):
+        parts.append(f"int8 <= {d['int8_max_rows']} rows")
+    if d.get("packed"):
+        parts.append("packed weights")
+    return ", ".join(parts)
+
+
 def forward_table(d: dict[str, Any]) -> str:
     engine = "baton_engine_ms" in d["rows"][0]
     header = ["case", "baton ms", "transformers ms", "baton / transformers"]
     if engine:
-        label = (
-            f"int8 <= {d['int8_max_rows']} rows" if d.get("int8_max_rows") else d.get("dtype", "")
-        )
-        if d.get("packed"):
-            label += ", packed"
         header += [
-            f"baton as the engine builds it ({label}) ms",
+            f"baton as the engine builds it ({engine_label(d)}) ms",
             "transformers float32 ms",
             "engine / transformers float32",
         ]

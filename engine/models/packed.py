@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 # The row count oneDNN is told to expect when it picks the packed layout; the layout serves
-# any row count (measured at 1-64 rows: hints 1, 16 and 64 within noise of each other).
+# any row count (measured at 1-64 rows: hints 1, 16 and 64 within noise of each other on the
+# AMD machine; on the AMX Xeon hints 4-64 were, while hint 1 made float32 about 2x slower at
+# 1-2 rows).
 _PACK_HINT_ROWS = 64
 
 
