@@ -23,6 +23,7 @@ Nothing here depends on a backend or on the engine.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -191,6 +192,20 @@ def _held_back(text: str, marker: str) -> int:
     return 0
 
 
+def _without_cut_end(arguments: str, end: str) -> str:
+    """An unfinished call's ``arguments`` less a start of ``end`` cut off after them, when
+    what comes before it is a whole JSON value (the call was cut inside its end marker);
+    otherwise all of ``arguments`` (it was cut inside them)."""
+    for n in range(min(len(arguments), len(end) - 1), 0, -1):
+        if end.startswith(arguments[-n:]):
+            try:
+                json.loads(arguments[:-n])
+            except ValueError:
+                continue
+            return arguments[:-n]
+    return arguments
+
+
 def parse_tool_calls(text: str, fmt: ToolCallFormat = HERMES, *, final: bool) -> ParsedOutput:
     """The calls in ``text`` and the text around them.
 
@@ -203,8 +218,9 @@ def parse_tool_calls(text: str, fmt: ToolCallFormat = HERMES, *, final: bool) ->
     trigger, a call whose name has not ended, and the end of each unfinished call's arguments
     that may be the start of ``fmt.end``. So the content and the arguments of an earlier
     parse are always prefixes of a later one's, and a stream can send the difference. With
-    ``final``, an unfinished call keeps all its arguments and a call header cut before its
-    name ends stays in the content.
+    ``final``, an unfinished call keeps all its arguments (less the start of ``fmt.end`` when
+    the text was cut inside it after whole arguments), and a call header cut before its name
+    ends stays in the content.
     """
     stretches = [""]  # text between calls: before the first, between, after the last
     calls: list[ParsedToolCall] = []
@@ -237,6 +253,8 @@ def parse_tool_calls(text: str, fmt: ToolCallFormat = HERMES, *, final: bool) ->
             arguments = text[args_start:]
             if not final:
                 arguments = arguments[: len(arguments) - _held_back(arguments, fmt.end)]
+            else:
+                arguments = _without_cut_end(arguments, fmt.end)
             calls.append(ParsedToolCall(text[name_start:name_end], arguments, False))
             break
         calls.append(ParsedToolCall(text[name_start:name_end], text[args_start:end], True))

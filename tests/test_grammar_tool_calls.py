@@ -142,6 +142,19 @@ def test_parse_whole_outputs() -> None:
     assert out.tool_calls == (
         ParsedToolCall("get_weather", cut[len(HERMES.begin("get_weather")) :], False),
     )
+    # Cut inside the end marker: the arguments are whole, and only they are kept.
+    for k in range(1, len(HERMES.end)):
+        out = parse_tool_calls(PARIS[:-k], final=True)
+        assert out.tool_calls == (
+            ParsedToolCall("get_weather", '{"city":"Paris","unit":"celsius"}', False),
+        ), k
+    # A closing brace that may end the arguments or start the marker: JSON decides.
+    args = '{"tz":{"a":{}}}'
+    nested = HERMES.render("get_time", args)
+    for k in range(1, len(HERMES.end) + 4):
+        (call,) = parse_tool_calls(nested[:-k], final=True).tool_calls
+        whole = args if k <= len(HERMES.end) else args[: len(args) - (k - len(HERMES.end))]
+        assert call.arguments == whole, k
     # Cut inside the header: no call, the text stays.
     out = parse_tool_calls('Hi <tool_call>\n{"na', final=True)
     assert out.content == 'Hi <tool_call>\n{"na' and out.tool_calls == ()
