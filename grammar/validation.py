@@ -210,13 +210,45 @@ def _check_regex(spec: StructuredOutputsParams, regex: str) -> None:
     raise ValueError(f"regex {regex[:200]!r} is invalid ({detail})")
 
 
-def _check_grammar(text: str) -> None:
+def ebnf_grammar_error(text: str) -> str | None:
+    """xgrammar's complaint about ``text`` as EBNF (GBNF), None when it parses."""
     import xgrammar
 
     try:
         xgrammar.Grammar.from_ebnf(text)
-    except Exception as exc:
-        raise ValueError(f"grammar is not valid EBNF: {_xgrammar_message(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises several types
+        return _xgrammar_message(exc)
+    return None
+
+
+def _guidance_grammar_error(text: str) -> str | None:
+    """llguidance's complaint about ``text`` as Lark or GBNF, None when it takes it."""
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
+    except Exception as exc:  # noqa: BLE001 - the converter raises several types
+        return " ".join(str(exc).split())[:300] or type(exc).__name__
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    return " ".join(" ".join(messages).split())[:300] if failed else None
+
+
+def _check_grammar(spec: StructuredOutputsParams, text: str) -> None:
+    # xgrammar reads EBNF (GBNF); llguidance reads Lark too (vLLM's guidance backend does).
+    errors: dict[str, str] = {}
+    for backend in _allowed(spec):
+        if backend == "xgrammar":
+            if (error := ebnf_grammar_error(text)) is None:
+                return
+            errors[backend] = f"not valid EBNF: {error}"
+        elif backend == "guidance":
+            if (error := _guidance_grammar_error(text)) is None:
+                return
+            errors[backend] = f"not valid Lark or EBNF: {error}"
+    if errors:  # else no allowed backend takes grammars: check_enforceable says so
+        detail = "; ".join(f"{name}: {message}" for name, message in errors.items())
+        raise ValueError(f"grammar is invalid ({detail})")
 
 
 def _check_structural_tag(spec: StructuredOutputsParams, max_bytes: int, max_depth: int) -> None:
@@ -278,7 +310,7 @@ def validate_spec(
     elif kind == "grammar":
         text = spec.grammar or ""
         _check_size("grammar", text, max_spec_bytes)
-        _check_grammar(text)
+        _check_grammar(spec, text)
     elif kind == "structural_tag":
         _check_structural_tag(spec, max_spec_bytes, max_depth)
 

@@ -42,6 +42,7 @@ from baton.grammar.structural_tag import (
     map_json_schema_formats,
     normalise_structural_tag,
 )
+from baton.grammar.validation import ebnf_grammar_error
 from baton.grammar.vocab import Vocab, VocabSource, build_vocab
 from baton.grammar.xgrammar_rewrites import rewrite_json_ebnf
 
@@ -298,9 +299,12 @@ class XGrammarBackend(GrammarBackend):
     # ------------------------------------------------------------------ specs
 
     def unsupported_reason(self, spec: StructuredOutputsParams) -> str | None:
-        """None for every spec kind, except a JSON schema (or a structural tag holding one)
-        with keywords xgrammar would not enforce (unless ``spec.allow_unenforced``): then a
-        message naming them."""
+        """None for every spec kind, except a grammar that is not EBNF (such as Lark, which
+        llguidance reads), and a JSON schema (or a structural tag holding one) with keywords
+        xgrammar would not enforce (unless ``spec.allow_unenforced``): then why."""
+        if spec.kind == "grammar":
+            error = ebnf_grammar_error(spec.grammar or "")
+            return None if error is None else f"xgrammar reads EBNF grammars only: {error}"
         if spec.allow_unenforced or spec.kind not in ("json", "structural_tag"):
             return None
         try:

@@ -210,6 +210,14 @@ def test_grammar_json_object_and_pydantic(llm):
     ebnf = 'root ::= "yes" | "no" | "maybe " [0-9]'
     out = _one(llm, StructuredOutputsParams(grammar=ebnf))
     assert re.fullmatch(r"yes|no|maybe [0-9]", out.outputs[0].text)
+    assert out.structured_output_backend == "xgrammar"
+    # Lark, as vLLM's guidance backend takes it: xgrammar reads EBNF only, so auto picks
+    # llguidance without a failed compile first.
+    lark = 'start: "yes" | "no" | "maybe " DIGIT\nDIGIT: /[0-9]/'
+    out = _one(llm, StructuredOutputsParams(grammar=lark))
+    assert re.fullmatch(r"yes|no|maybe [0-9]", out.outputs[0].text)
+    assert out.structured_output_backend == "guidance"
+    assert "EBNF" in (out.structured_output_fallback_reason or "")
     out = _one(llm, StructuredOutputsParams(json_object=True), "A JSON object about a cat:")
     assert isinstance(json.loads(out.outputs[0].text), dict)
     out = llm.chat(
@@ -356,7 +364,7 @@ def test_generate_waits_when_the_compile_queue_is_full(tiny_model_dir):
         (StructuredOutputsParams(json="{not json"), "JSON"),
         (StructuredOutputsParams(json={"type": 5}), "schema"),
         (StructuredOutputsParams(regex="("), "regex"),
-        (StructuredOutputsParams(grammar="root ::= "), "grammar|EBNF"),
+        (StructuredOutputsParams(grammar="root ::= ("), "grammar|EBNF"),
     ],
 )
 def test_bad_specs_are_refused_before_scheduling(llm, spec, match):
