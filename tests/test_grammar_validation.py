@@ -54,7 +54,7 @@ def _nested(depth: int) -> dict:
         (StructuredOutputsParams(grammar='root ::= "a'), ["EBNF", "line 1"]),
         (StructuredOutputsParams(grammar='start ::= "a"', backend="xgrammar"), ["EBNF", "root"]),
         (StructuredOutputsParams(grammar='start: "a"', backend="xgrammar"), ["EBNF", "xgrammar"]),
-        (StructuredOutputsParams(grammar='start: foo'), ["xgrammar", "guidance", "unknown name"]),
+        (StructuredOutputsParams(grammar="start: foo"), ["xgrammar", "guidance", "unknown name"]),
         (StructuredOutputsParams(choice=["a", ""]), ["choice 1", "empty"]),
         (StructuredOutputsParams(structural_tag="{"), ["structural_tag", "JSON"]),
         (StructuredOutputsParams(structural_tag="[1]"), ["structural_tag", "object"]),
