@@ -116,9 +116,10 @@ def apply_token_bitmask_inplace_cpu(
     and -0.0 included): every logit is ANDed with all ones (allowed) or zero (disallowed),
     then the disallowed ones are ORed with the bits of -inf. On the CPU this ran about 4x
     faster than the reference's ``masked_fill`` at 32 x 49152 float32 logits (0.8-1.3 ms
-    against 4-4.4 ms). With `indices` covering at least half the logits rows, the unlisted
-    rows get an all-allowed bitmask row instead of a gather and a scatter of the listed
-    ones. 8-bit float logits go through the reference.
+    against 4-4.4 ms); it works through the rows in chunks of about 1.5 MB. With `indices`
+    covering at least half the logits rows, the unlisted rows get an all-allowed bitmask row
+    instead of a gather and a scatter of the listed ones. 8-bit float logits go through the
+    reference.
 
     Raises:
         ValueError: as `apply_token_bitmask_inplace_torch`.
@@ -145,19 +146,29 @@ def apply_token_bitmask_inplace_cpu(
     _and_or_mask(logits, bitmask, int_dtype)
 
 
+# Logits bytes per pass of ``_and_or_mask``: the keep words of a chunk this size stay in the
+# cache between its ops. Measured on the AMX Xeon (49152 tokens, 2 threads): 256 float32 rows
+# took 22 ms in one pass and 5.9 ms in 8-row chunks; 96 rows 3.2 and 2.4 ms; bfloat16 256 rows
+# 5.0 and 3.7 ms (16-row chunks).
+_CHUNK_BYTES = 3 << 19
+
+
 def _and_or_mask(logits: torch.Tensor, bitmask: torch.Tensor, int_dtype: torch.dtype) -> None:
     """Row i of ``bitmask`` (at least as wide as the vocabulary) applied to row i of
-    ``logits`` with two in-place integer ops."""
+    ``logits`` with two in-place integer ops, a chunk of rows at a time."""
     rows, vocab = logits.shape
     if rows == 0 or vocab == 0:
         return
     table = _keep_table(logits.device, int_dtype)
-    data = bitmask.contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
-    keep = table.index_select(0, data).reshape(rows, -1)[:, :vocab]
-    bits = logits.view(int_dtype)
-    bits.bitwise_and_(keep)
     neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype).view(int_dtype).item()
-    bits.bitwise_or_(keep.bitwise_not_().bitwise_and_(neg_inf))
+    step = max(1, _CHUNK_BYTES // (vocab * logits.element_size()))
+    for start in range(0, rows, step):
+        chunk = logits[start : start + step]
+        data = bitmask[start : start + step].contiguous().view(torch.uint8).reshape(-1)
+        keep = table.index_select(0, data.to(torch.int64)).reshape(chunk.shape[0], -1)[:, :vocab]
+        bits = chunk.view(int_dtype)
+        bits.bitwise_and_(keep)
+        bits.bitwise_or_(keep.bitwise_not_().bitwise_and_(neg_inf))
 
 
 _KEEP_TABLES: dict[tuple[str, torch.dtype], torch.Tensor] = {}

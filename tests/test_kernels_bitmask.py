@@ -187,6 +187,30 @@ def test_cpu_kernel_matches_torch_reference(name: str) -> None:
     assert torch.equal(base, _reference(case))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cpu_kernel_matches_torch_reference_across_row_chunks(
+    dtype: torch.dtype, transposed: bool
+) -> None:
+    """Rows enough for several of the kernel's chunks (a last one short), listed or not."""
+    gen = torch.Generator().manual_seed(7)
+    rows, vocab = 41, 49152 - 5
+    step = kb._CHUNK_BYTES // (vocab * torch.tensor([], dtype=dtype).element_size())
+    assert rows / step > 2 and rows % step, "the case spans several chunks, the last short"
+    base = torch.randn(rows, vocab, generator=gen).to(dtype)
+    if transposed:
+        base = base.t().contiguous().t()
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, (vocab + 31) // 32), generator=gen)
+    bitmask = bitmask.to(torch.int32)
+    for indices in (None, torch.randperm(rows, generator=gen)[: rows - 3]):
+        mask = bitmask if indices is None else bitmask[: len(indices)]
+        got, want = base.clone(), base.clone()
+        kb.apply_token_bitmask_inplace_cpu(got, mask, indices)
+        kb.apply_token_bitmask_inplace_torch(want, mask, indices)
+        assert torch.equal(got, want)
+        assert not torch.equal(got, base)
+
+
 @pytest.mark.parametrize("rows", [None, [2, 0, 1], [1]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_cpu_kernel_keeps_the_reference_bits_for_special_values(
