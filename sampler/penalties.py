@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from baton.sampler.row_chunks import rows_per_pass
+
 
 def apply_penalties(
     logits: torch.Tensor,
@@ -40,21 +42,42 @@ def apply_penalties(
         if tensor is not None and tuple(tensor.shape) != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {tuple(tensor.shape)}")
 
+    if repetition_penalty is not None and (prompt_mask is None or output_counts is None):
+        raise ValueError("repetition_penalty needs prompt_mask and output_counts")
+    for name, penalty in (("frequency", frequency_penalty), ("presence", presence_penalty)):
+        if penalty is not None and output_counts is None:
+            raise ValueError(f"{name}_penalty needs output_counts")
+    tensors = (repetition_penalty, presence_penalty, frequency_penalty, prompt_mask, output_counts)
+    step = rows_per_pass(logits, 4)
+    if step >= n:
+        return _penalised(logits, *tensors)
+    out = torch.empty((n, v), dtype=torch.float32, device=logits.device)
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
+        out[rows] = _penalised(logits[rows], *(None if t is None else t[rows] for t in tensors))
+    return out
+
+
+def _penalised(
+    logits: torch.Tensor,
+    repetition_penalty: torch.Tensor | None,
+    presence_penalty: torch.Tensor | None,
+    frequency_penalty: torch.Tensor | None,
+    prompt_mask: torch.Tensor | None,
+    output_counts: torch.Tensor | None,
+) -> torch.Tensor:
     out = logits.float()
     if repetition_penalty is not None:
-        if prompt_mask is None or output_counts is None:
-            raise ValueError("repetition_penalty needs prompt_mask and output_counts")
+        assert prompt_mask is not None and output_counts is not None
         r = repetition_penalty.float().unsqueeze(1)
         seen = prompt_mask | (output_counts > 0)
         penalised = torch.where(out > 0, out / r, out * r)
         out = torch.where(seen, penalised, out)
     if frequency_penalty is not None:
-        if output_counts is None:
-            raise ValueError("frequency_penalty needs output_counts")
+        assert output_counts is not None
         out = out - frequency_penalty.float().unsqueeze(1) * output_counts.float()
     if presence_penalty is not None:
-        if output_counts is None:
-            raise ValueError("presence_penalty needs output_counts")
+        assert output_counts is not None
         out = out - presence_penalty.float().unsqueeze(1) * (output_counts > 0).float()
     if out is logits:
         # Every penalty was None: still honour "logits is not modified" for callers

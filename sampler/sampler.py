@@ -24,6 +24,7 @@ from baton.sampler.metadata import SamplingMetadata
 from baton.sampler.outputs import LogprobsTensors, SamplerOutput
 from baton.sampler.penalties import apply_penalties
 from baton.sampler.random import row_uniforms
+from baton.sampler.row_chunks import rows_per_pass
 from baton.sampler.topk_topp import Candidates, apply_min_p_, top_k_top_p_candidates
 
 # Heaviest tokens examined first for top-p; a row whose kept set reaches past
@@ -316,6 +317,18 @@ def _weights(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 
 def _sample_full(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample over the whole vocabulary, in token id order."""
+    rows = weights.shape[0]
+    step = rows_per_pass(weights, 8)  # the float64 CDF
+    if step >= rows:
+        return _sample_cdf(weights, uniforms)
+    tokens = torch.empty(rows, dtype=torch.int64, device=weights.device)
+    for start in range(0, rows, step):
+        end = start + step
+        tokens[start:end] = _sample_cdf(weights[start:end], uniforms[start:end])
+    return tokens
+
+
+def _sample_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)
     target = (uniforms * cdf[:, -1]).unsqueeze(1)
     # The first index whose cumulative weight reaches a target in (0, total]: its

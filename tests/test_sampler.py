@@ -310,6 +310,23 @@ def test_extreme_uniforms_never_pick_zero_weight_tokens() -> None:
     assert _sample_candidates(candidates, uniforms).tolist() == [1, 1, 2]
 
 
+def test_full_sampling_in_row_chunks_draws_what_one_pass_draws() -> None:
+    """The CPU scans the CDF a few rows at a time: the same tokens as one pass over them all,
+    masked tokens and an all-masked row included."""
+    from baton.sampler.sampler import _sample_cdf, _sample_full
+
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 23, 49152
+    weights = torch.rand(rows, vocab, generator=gen) ** 8
+    weights[weights < 0.5] = 0.0
+    weights[5] = 0.0
+    uniforms = torch.rand(rows, generator=gen, dtype=torch.float64).clamp_(min=2.0**-53)
+    assert _sample_full(weights[:1], uniforms[:1]).shape == (1,)
+    tokens = _sample_full(weights, uniforms)
+    assert torch.equal(tokens, _sample_cdf(weights, uniforms))
+    assert bool((weights.gather(1, tokens.unsqueeze(1)).squeeze(1) > 0).sum() == rows - 1)
+
+
 @pytest.mark.parametrize("sampler", SAMPLERS, ids=SAMPLER_IDS)
 def test_filtered_and_masked_tokens_are_never_drawn(sampler: Sampler) -> None:
     gen = torch.Generator().manual_seed(6)
@@ -401,6 +418,38 @@ def test_penalties_match_reference(which: str) -> None:
         output_counts=meta.output_counts,
     )
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(got, logits)
+
+
+def test_penalties_in_row_chunks_match_one_row_at_a_time() -> None:
+    """On the CPU the penalties run a few rows at a time (a last chunk short): each row gets
+    exactly what it gets alone."""
+    from baton.sampler.penalties import apply_penalties
+
+    gen = torch.Generator().manual_seed(12)
+    n, vocab = 11, 49152
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    history = [torch.randint(0, vocab, (50,), generator=gen).tolist() for _ in range(n)]
+    meta = _meta(
+        n,
+        repetition_penalty=[1.0 + 0.1 * (i % 3) for i in range(n)],
+        presence_penalty=[0.5 * (i % 2) for i in range(n)],
+        frequency_penalty=[0.25] * n,
+        prompt_token_ids=[h[:20] for h in history],
+        output_token_ids=[h[20:] for h in history],
+        vocab_size=vocab,
+    )
+    tensors = {
+        "repetition_penalty": meta.repetition_penalty,
+        "presence_penalty": meta.presence_penalty,
+        "frequency_penalty": meta.frequency_penalty,
+        "prompt_mask": meta.prompt_mask,
+        "output_counts": meta.output_counts,
+    }
+    got = apply_penalties(logits, **tensors)
+    for i in range(n):
+        alone = apply_penalties(logits[i : i + 1], **{k: t[i : i + 1] for k, t in tensors.items()})
+        assert torch.equal(got[i : i + 1], alone), i
     assert not torch.equal(got, logits)
 
 
