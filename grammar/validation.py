@@ -180,7 +180,13 @@ def _guidance_regex_error(regex: str) -> str | None:
     """llguidance's complaint about ``regex`` on one line, None when it takes it."""
     import llguidance
 
-    grammar = llguidance.LLMatcher.grammar_from_regex(regex)
+    return _llguidance_complaint(llguidance.LLMatcher.grammar_from_regex(regex))
+
+
+def _llguidance_complaint(grammar: str) -> str | None:
+    """llguidance's complaint about its own grammar text on one line, None when it is valid."""
+    import llguidance
+
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
     return " ".join(" ".join(messages).split())[:300] if failed else None
 
@@ -230,8 +236,7 @@ def _guidance_grammar_error(text: str) -> str | None:
         grammar = llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
     except Exception as exc:  # noqa: BLE001 - the converter raises several types
         return " ".join(str(exc).split())[:300] or type(exc).__name__
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
-    return " ".join(" ".join(messages).split())[:300] if failed else None
+    return _llguidance_complaint(grammar)
 
 
 def _check_grammar(spec: StructuredOutputsParams, text: str) -> None:
