@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from baton.sampler.row_chunks import rows_per_pass
-
 
 def apply_penalties(
     logits: torch.Tensor,
@@ -48,13 +46,45 @@ def apply_penalties(
         if penalty is not None and output_counts is None:
             raise ValueError(f"{name}_penalty needs output_counts")
     tensors = (repetition_penalty, presence_penalty, frequency_penalty, prompt_mask, output_counts)
-    step = rows_per_pass(logits, 4)
-    if step >= n:
-        return _penalised(logits, *tensors)
-    out = torch.empty((n, v), dtype=torch.float32, device=logits.device)
-    for start in range(0, n, step):
-        rows = slice(start, start + step)
-        out[rows] = _penalised(logits[rows], *(None if t is None else t[rows] for t in tensors))
+    if not logits.is_cuda:
+        return _penalised_where_seen(logits, *tensors)
+    return _penalised(logits, *tensors)
+
+
+def _penalised_where_seen(
+    logits: torch.Tensor,
+    repetition_penalty: torch.Tensor | None,
+    presence_penalty: torch.Tensor | None,
+    frequency_penalty: torch.Tensor | None,
+    prompt_mask: torch.Tensor | None,
+    output_counts: torch.Tensor | None,
+) -> torch.Tensor:
+    """``_penalised`` computed only at the tokens a penalty changes (those of the prompt or
+    the output), for the CPU: the same float32 operations on those values, instead of about
+    eight passes over [N, V] (64 rows x 49152 tokens: 25.7 ms dense, AMX Xeon). Elsewhere the
+    dense version subtracts zero, which can only turn a logit of -0.0 into +0.0."""
+    out = logits.to(torch.float32, copy=True)
+    if output_counts is None:
+        return out
+    seen = output_counts > 0
+    if repetition_penalty is not None:
+        assert prompt_mask is not None
+        seen |= prompt_mask
+    at = seen.view(-1).nonzero().squeeze(1)
+    if at.numel() == 0:
+        return out
+    rows = at // logits.shape[1]
+    flat = out.view(-1)
+    values = flat[at]
+    if repetition_penalty is not None:
+        r = repetition_penalty.float()[rows]
+        values = torch.where(values > 0, values / r, values * r)
+    counts = output_counts.reshape(-1)[at]
+    if frequency_penalty is not None:
+        values = values - frequency_penalty.float()[rows] * counts.float()
+    if presence_penalty is not None:
+        values = values - presence_penalty.float()[rows] * (counts > 0).float()
+    flat[at] = values
     return out
 
 

@@ -421,20 +421,21 @@ def test_penalties_match_reference(which: str) -> None:
     assert not torch.equal(got, logits)
 
 
-def test_penalties_in_row_chunks_match_one_row_at_a_time() -> None:
-    """On the CPU the penalties run a few rows at a time (a last chunk short): each row gets
-    exactly what it gets alone."""
-    from baton.sampler.penalties import apply_penalties
+def test_penalties_on_the_cpu_match_the_dense_computation() -> None:
+    """On the CPU the penalties are computed only where they apply: the same values as the
+    dense version (which CUDA runs), each row as alone, negative penalties included."""
+    from baton.sampler.penalties import _penalised, apply_penalties
 
     gen = torch.Generator().manual_seed(12)
     n, vocab = 11, 49152
     logits = torch.randn(n, vocab, generator=gen) * 3
     history = [torch.randint(0, vocab, (50,), generator=gen).tolist() for _ in range(n)]
+    history[3] = history[3][:20]  # a row with no output yet
     meta = _meta(
         n,
         repetition_penalty=[1.0 + 0.1 * (i % 3) for i in range(n)],
-        presence_penalty=[0.5 * (i % 2) for i in range(n)],
-        frequency_penalty=[0.25] * n,
+        presence_penalty=[0.5 * (i % 2) - 0.2 for i in range(n)],
+        frequency_penalty=[0.25 - 0.1 * (i % 4) for i in range(n)],
         prompt_token_ids=[h[:20] for h in history],
         output_token_ids=[h[20:] for h in history],
         vocab_size=vocab,
@@ -446,11 +447,26 @@ def test_penalties_in_row_chunks_match_one_row_at_a_time() -> None:
         "prompt_mask": meta.prompt_mask,
         "output_counts": meta.output_counts,
     }
-    got = apply_penalties(logits, **tensors)
-    for i in range(n):
-        alone = apply_penalties(logits[i : i + 1], **{k: t[i : i + 1] for k, t in tensors.items()})
-        assert torch.equal(got[i : i + 1], alone), i
-    assert not torch.equal(got, logits)
+    for drop in (None, "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        given = {k: (None if k == drop else t) for k, t in tensors.items()}
+        got = apply_penalties(logits, **given)
+        assert torch.equal(got, _penalised(logits, *given.values())), drop
+        assert not torch.equal(got, logits)
+        for i in (0, 3, n - 1):
+            alone = {k: None if t is None else t[i : i + 1] for k, t in given.items()}
+            assert torch.equal(got[i : i + 1], apply_penalties(logits[i : i + 1], **alone))
+    assert torch.equal(
+        logits.bfloat16().float(),
+        apply_penalties(
+            logits.bfloat16(),
+            **{
+                **tensors,
+                "repetition_penalty": None,
+                "presence_penalty": None,
+                "frequency_penalty": None,
+            },
+        ),
+    )
 
 
 # ---------------------------------------------------------------- logprobs
