@@ -15,10 +15,11 @@ import torch
 CHUNK_BYTES = 3 << 19
 
 
-def rows_per_pass(tensor: torch.Tensor, itemsize: int) -> int:
+def rows_per_pass(tensor: torch.Tensor, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Rows of ``tensor`` (``[rows, vocab]``) to handle per pass when each of its values takes
-    ``itemsize`` bytes in the temporaries: all of them on CUDA."""
+    ``itemsize`` bytes in the temporaries, about ``chunk_bytes`` a pass: all of them on
+    CUDA."""
     rows, vocab = tensor.shape
     if tensor.is_cuda:
         return max(rows, 1)
-    return max(1, CHUNK_BYTES // (itemsize * max(vocab, 1)))
+    return max(1, chunk_bytes // (itemsize * max(vocab, 1)))

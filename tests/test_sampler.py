@@ -472,6 +472,23 @@ def test_penalties_on_the_cpu_match_the_dense_computation() -> None:
 # ---------------------------------------------------------------- logprobs
 
 
+def test_logprobs_of_many_rows_match_each_row_alone() -> None:
+    """On the CPU many rows go a chunk at a time: each row's values are what it gets alone."""
+    from baton.sampler.logprobs import compute_logprobs
+
+    gen = torch.Generator().manual_seed(13)
+    n, vocab = 37, 49152
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    sampled = torch.randint(0, vocab, (n,), generator=gen)
+    got = compute_logprobs(logits, sampled, 5)
+    assert got.token_ids.shape == (n, 6) and got.ranks.shape == (n,)
+    for i in range(n):
+        alone = compute_logprobs(logits[i : i + 1], sampled[i : i + 1], 5)
+        assert torch.equal(got.token_ids[i], alone.token_ids[0]), i
+        assert torch.equal(got.logprobs[i], alone.logprobs[0]), i
+        assert torch.equal(got.ranks[i], alone.ranks[0]), i
+
+
 @pytest.mark.parametrize("k", [0, 1, 5])
 def test_logprobs_are_raw_log_softmax_with_ranks(k: int) -> None:
     gen = torch.Generator().manual_seed(8)
