@@ -24,7 +24,7 @@ from baton.sampler.metadata import SamplingMetadata
 from baton.sampler.outputs import LogprobsTensors, SamplerOutput
 from baton.sampler.penalties import apply_penalties
 from baton.sampler.random import row_uniforms
-from baton.sampler.row_chunks import rows_per_pass
+from baton.sampler.row_chunks import CHUNK_BYTES, rows_per_pass
 from baton.sampler.topk_topp import Candidates, apply_min_p_, top_k_top_p_candidates
 
 # Heaviest tokens examined first for top-p; a row whose kept set reaches past
@@ -116,7 +116,24 @@ class Sampler:
         return torch.where(metadata.temperature > 0, sampled, _greedy(work))
 
     def _sample_random(self, x: torch.Tensor, params: _RandomParams, host: bool) -> torch.Tensor:
-        """Sample every row of `x` (logits of rows with temperature > 0)."""
+        """Sample every row of `x` (logits of rows with temperature > 0); on the CPU a chunk
+        of rows at a time (see row_chunks)."""
+        # About 6 MB of weights a pass: each pass also pays the top-k/top-p calls. Sampler
+        # with temperature 1, 64 / 256 rows x 49152 tokens: 13-16 / 75-78 ms in one pass,
+        # 4.5 / 17 ms so; top-k 50: 5.2 / 36 -> 5.8 / 25 ms (AMX Xeon).
+        rows = x.shape[0]
+        step = rows_per_pass(x, 4, 4 * CHUNK_BYTES)
+        if step >= rows:
+            return self._sample_random_rows(x, params, host)
+        tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
+        for start in range(0, rows, step):
+            part = slice(start, start + step)
+            tokens[part] = self._sample_random_rows(x[part], params.select(part), host)
+        return tokens
+
+    def _sample_random_rows(
+        self, x: torch.Tensor, params: _RandomParams, host: bool
+    ) -> torch.Tensor:
         weights = _weights(x, params.temperature)
         if params.min_p is not None:
             apply_min_p_(weights, params.min_p)
@@ -223,7 +240,7 @@ class _RandomParams:
             min_p=metadata.min_p,
         )
 
-    def select(self, rows: torch.Tensor) -> _RandomParams:
+    def select(self, rows: torch.Tensor | slice) -> _RandomParams:
         """Return the parameters of rows `rows` only."""
         return _RandomParams(
             **{

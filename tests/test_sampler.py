@@ -143,6 +143,21 @@ def test_same_seed_position_logits_same_token_whatever_the_batch(sampler: Sample
                 assert int(out[new_pos]) == int(alone[old]), (trial, old)
 
 
+def test_a_batch_sampled_in_row_chunks_draws_what_each_row_draws_alone() -> None:
+    """With the model's vocabulary the CPU samples a few rows at a time; every feature mixed
+    in, each row's token is the one it gets alone, on both paths."""
+    gen = torch.Generator().manual_seed(14)
+    n, vocab = 70, 49152
+    rows = [_row_params(gen, vocab) for _ in range(n)]
+    logits = torch.randn(n, vocab, generator=gen) * torch.linspace(0.5, 8, n).unsqueeze(1)
+    meta = _build(rows)
+    batch = Sampler()(logits, meta).token_ids
+    assert torch.equal(batch, Sampler(allow_host_sync=False)(logits, meta).token_ids)
+    for i in range(n):
+        alone = Sampler()(logits[i : i + 1], _build([rows[i]])).token_ids
+        assert int(batch[i]) == int(alone[0]), i
+
+
 def test_host_and_device_paths_agree() -> None:
     gen = torch.Generator().manual_seed(3)
     rows = [_row_params(gen, 2000) for _ in range(40)]
