@@ -175,6 +175,19 @@ def test_chat_batch_and_single(llm):
     assert len(batch) == 2
 
 
+def test_dict_prompts_as_vllm_writes_them(llm):
+    """vLLM's TextPrompt and TokensPrompt dicts, alone or in a list, are the same prompts."""
+    text = "The capital of France is"
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=True)
+    plain = llm.generate([text, ids], GREEDY, use_tqdm=False)
+    dicts = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    for a, b in zip(plain, dicts, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert dicts[0].prompt == text
+    (one,) = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert one.outputs[0].token_ids == plain[1].outputs[0].token_ids
+
+
 @pytest.mark.parametrize(
     "prompt,params,match",
     [
@@ -182,6 +195,11 @@ def test_chat_batch_and_single(llm):
         ([], SamplingParams(), "empty"),
         ("x " * 600, SamplingParams(), "max_model_len"),
         ([1, 2, 99999999], SamplingParams(), "token ids"),
+        ({"prompt": "hi", "multi_modal_data": {}}, SamplingParams(), "multi_modal_data"),
+        ({}, SamplingParams(), "exactly one"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, SamplingParams(), "exactly one"),
+        ({"prompt_token_ids": "abc"}, SamplingParams(), "list of ints"),
+        ([{"prompt": "ok"}, {"prompt": 5}], SamplingParams(), "must be a string"),
     ],
 )
 def test_bad_input_raises_before_scheduling(llm, prompt, params, match):

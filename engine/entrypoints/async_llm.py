@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from baton.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 _JOIN_TIMEOUT_S = 30.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from baton.engine.processing.llm_engine import LLMEngine
 from baton.engine.sampling_params import SamplingParams, as_params_list
 from baton.engine.tokenizer import Tokenizer
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = dict[str, Any]
 
 _BUSY_WAIT_S = 0.01
@@ -100,7 +100,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Completes every prompt; returns one finished RequestOutput per prompt, in order.
 
-        Prompts are strings or lists of token ids. ``sampling_params=None`` means
+        Prompts are strings, lists of token ids, or vLLM's dicts (``{"prompt": text}``,
+        ``{"prompt_token_ids": ids}``). ``sampling_params=None`` means
         ``get_default_sampling_params()`` (the model's generation config). All prompts are
         validated before any is queued, so a bad one raises ``ValueError`` and nothing runs.
         When the grammar compile queue is full, the next prompts wait (the engine runs
@@ -191,7 +192,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     prompts = list(prompts)
     if not prompts:
@@ -199,8 +200,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [prompts]  # a single token-id prompt
     for p in prompts:
-        if not isinstance(p, (str, list, tuple)):
+        if not isinstance(p, (str, list, tuple, Mapping)):
             raise ValueError(
-                f"each prompt must be a string or a list of token ids, got {type(p).__name__}"
+                "each prompt must be a string, a list of token ids or a dict with 'prompt' or "
+                f"'prompt_token_ids', got {type(p).__name__}"
             )
     return prompts

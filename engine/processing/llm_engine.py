@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -132,7 +133,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Mapping[str, Any],
         params: SamplingParams,
         final_only: bool = False,
     ) -> None:
@@ -203,13 +204,22 @@ class LLMEngine:
                 exc.retry_after_s,
             ) from None
 
-    def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(
+        self, prompt: str | Sequence[int] | Mapping[str, Any]
+    ) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids) and token ids, checked; queues nothing.
+
+        A prompt is text, token ids, or vLLM's dict forms ``{"prompt": text}`` and
+        ``{"prompt_token_ids": ids}``.
 
         Raises:
             ValueError: empty prompt, text with lone surrogates, token ids outside the
-                vocabulary, or a prompt that leaves no room for output within max_model_len.
+                vocabulary, a prompt that leaves no room for output within max_model_len, or
+                a dict with other keys (such as multi-modal data) or without exactly one of
+                those two.
         """
+        if isinstance(prompt, Mapping):
+            prompt = prompt_from_dict(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -335,3 +345,31 @@ class LLMEngine:
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def prompt_from_dict(prompt: Mapping[str, Any]) -> str | Sequence[int]:
+    """The text or token ids of a vLLM-style dict prompt (``TextPrompt``, ``TokensPrompt``).
+
+    Raises:
+        ValueError: keys other than "prompt" and "prompt_token_ids" (baton takes no
+            multi-modal data, embeddings or extra fields, and says so rather than drop them),
+            or not exactly one of the two.
+    """
+    extra = sorted(str(k) for k in prompt if k not in _PROMPT_KEYS)
+    if extra:
+        raise ValueError(
+            f"prompt fields {extra} are not supported: a dict prompt holds 'prompt' (text) "
+            "or 'prompt_token_ids'"
+        )
+    given = [k for k in _PROMPT_KEYS if k in prompt]
+    if len(given) != 1:
+        raise ValueError("a dict prompt must hold exactly one of 'prompt' and 'prompt_token_ids'")
+    value = prompt[given[0]]
+    if given[0] == "prompt" and not isinstance(value, str):
+        raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
+    if given[0] == "prompt_token_ids" and not isinstance(value, (list, tuple)):
+        raise ValueError(f"'prompt_token_ids' must be a list of ints, got {type(value).__name__}")
+    return value
