@@ -72,9 +72,15 @@ def test_validation_errors_raise_in_caller(llm: AsyncLLM) -> None:
         bad = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": 7}}})
         with pytest.raises(ValueError, match="json schema is invalid"):
             await llm.add_request("hi", SamplingParams(structured_outputs=bad))
-        # The engine goes on serving.
+        with pytest.raises(ValueError, match="multi_modal_data"):
+            await llm.add_request({"prompt": "hi", "multi_modal_data": {}}, SamplingParams())
+        # The engine goes on serving, vLLM's dict prompts too.
         outs = [o async for o in llm.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True))]
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        ids = list(outs[-1].prompt_token_ids)
+        gen = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, ignore_eos=True))
+        outs = [o async for o in gen]
+        assert outs[-1].prompt_token_ids == ids and len(outs[-1].outputs[0].token_ids) == 2
 
     asyncio.run(run())
 

@@ -29,7 +29,7 @@ from baton.engine.entrypoints.output_slot import OutputSlot
 from baton.engine.errors import EngineBusyError
 from baton.engine.loader import Checkpoint
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from baton.engine.processing.llm_engine import LLMEngine
+from baton.engine.processing.llm_engine import LLMEngine, prompt_from_dict
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import Tokenizer
 
@@ -204,6 +204,8 @@ class AsyncLLM:
         """
         if request_id is None:
             request_id = f"async-{next(self._ids)}"
+        if isinstance(prompt, Mapping):
+            prompt = prompt_from_dict(prompt)
         if self._engine is not None and self._dead is None:
             failure = self._engine.failure()
             if failure is not None:
