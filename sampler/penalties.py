@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class Penalties(NamedTuple):
+    """``apply_penalties``' tensors, for its two ways of applying them."""
+
+    repetition_penalty: torch.Tensor | None
+    presence_penalty: torch.Tensor | None
+    frequency_penalty: torch.Tensor | None
+    prompt_mask: torch.Tensor | None
+    output_counts: torch.Tensor | None
 
 
 def apply_penalties(
@@ -45,24 +57,20 @@ def apply_penalties(
     for name, penalty in (("frequency", frequency_penalty), ("presence", presence_penalty)):
         if penalty is not None and output_counts is None:
             raise ValueError(f"{name}_penalty needs output_counts")
-    tensors = (repetition_penalty, presence_penalty, frequency_penalty, prompt_mask, output_counts)
+    given = Penalties(
+        repetition_penalty, presence_penalty, frequency_penalty, prompt_mask, output_counts
+    )
     if not logits.is_cuda:
-        return _penalised_where_seen(logits, *tensors)
-    return _penalised(logits, *tensors)
+        return _penalised_where_seen(logits, given)
+    return _penalised(logits, given)
 
 
-def _penalised_where_seen(
-    logits: torch.Tensor,
-    repetition_penalty: torch.Tensor | None,
-    presence_penalty: torch.Tensor | None,
-    frequency_penalty: torch.Tensor | None,
-    prompt_mask: torch.Tensor | None,
-    output_counts: torch.Tensor | None,
-) -> torch.Tensor:
+def _penalised_where_seen(logits: torch.Tensor, given: Penalties) -> torch.Tensor:
     """``_penalised`` computed only at the tokens a penalty changes (those of the prompt or
     the output), for the CPU: the same float32 operations on those values, instead of about
     eight passes over [N, V] (64 rows x 49152 tokens: 25.7 ms dense, AMX Xeon). Elsewhere the
     dense version subtracts zero, which can only turn a logit of -0.0 into +0.0."""
+    repetition_penalty, presence_penalty, frequency_penalty, prompt_mask, output_counts = given
     out = logits.to(torch.float32, copy=True)
     if output_counts is None:
         return out
@@ -88,14 +96,9 @@ def _penalised_where_seen(
     return out
 
 
-def _penalised(
-    logits: torch.Tensor,
-    repetition_penalty: torch.Tensor | None,
-    presence_penalty: torch.Tensor | None,
-    frequency_penalty: torch.Tensor | None,
-    prompt_mask: torch.Tensor | None,
-    output_counts: torch.Tensor | None,
-) -> torch.Tensor:
+def _penalised(logits: torch.Tensor, given: Penalties) -> torch.Tensor:
+    """The penalties over all of [N, V] (CUDA)."""
+    repetition_penalty, presence_penalty, frequency_penalty, prompt_mask, output_counts = given
     out = logits.float()
     if repetition_penalty is not None:
         assert prompt_mask is not None and output_counts is not None

@@ -439,7 +439,7 @@ def test_penalties_match_reference(which: str) -> None:
 def test_penalties_on_the_cpu_match_the_dense_computation() -> None:
     """On the CPU the penalties are computed only where they apply: the same values as the
     dense version (which CUDA runs), each row as alone, negative penalties included."""
-    from baton.sampler.penalties import _penalised, apply_penalties
+    from baton.sampler.penalties import Penalties, _penalised, apply_penalties
 
     gen = torch.Generator().manual_seed(12)
     n, vocab = 11, 49152
@@ -465,7 +465,7 @@ def test_penalties_on_the_cpu_match_the_dense_computation() -> None:
     for drop in (None, "repetition_penalty", "frequency_penalty", "presence_penalty"):
         given = {k: (None if k == drop else t) for k, t in tensors.items()}
         got = apply_penalties(logits, **given)
-        assert torch.equal(got, _penalised(logits, *given.values())), drop
+        assert torch.equal(got, _penalised(logits, Penalties(**given))), drop
         assert not torch.equal(got, logits)
         for i in (0, 3, n - 1):
             alone = {k: None if t is None else t[i : i + 1] for k, t in given.items()}
