@@ -494,20 +494,27 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
         """Render ``messages`` with the chat template, as transformers' ``apply_chat_template``.
 
         Extra keyword arguments (``tools``, ``documents``, anything the template reads) are passed
         to the template and override the special-token variables. Keys whose value is None are
-        dropped from each message. With ``tokenize`` the text is encoded without adding special
-        tokens. Raises ``ValueError`` when there is no template or no message, ``TypeError`` for a
-        message that is not a dict and ``jinja2.TemplateError`` when the template rejects the chat.
+        dropped from each message. With ``continue_final_message`` the text ends where the last
+        message's content ends (its end-of-turn markup cut off), so generation continues that
+        message. With ``tokenize`` the text is encoded without adding special tokens. Raises
+        ``ValueError`` when there is no template or no message, when ``continue_final_message``
+        comes with ``add_generation_prompt`` or the template does not write the last message's
+        text, ``TypeError`` for a message that is not a dict and ``jinja2.TemplateError`` when
+        the template rejects the chat.
         """
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         chat = []
         for message in messages:
             if not isinstance(message, Mapping):
@@ -519,6 +526,8 @@ class Tokenizer:
         text = _compile_chat_template(self.chat_template).render(
             messages=chat, add_generation_prompt=add_generation_prompt, **variables
         )
+        if continue_final_message:
+            text = _up_to_final_message(text, chat[-1].get("content"))
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def __repr__(self) -> str:
@@ -526,6 +535,24 @@ class Tokenizer:
             f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
             f"eos_token_ids={self.eos_token_ids}, add_bos_token={self.add_bos_token})"
         )
+
+
+def _up_to_final_message(text: str, content: Any) -> str:
+    """``text`` (a rendered chat) cut right after the last message's ``content``: templates may
+    strip the content, so it is looked for stripped, and its leading and trailing spaces are
+    kept only where the template kept them (transformers' rule)."""
+    if not isinstance(content, str):
+        raise ValueError("continue_final_message needs the last message's content as text")
+    stripped = content.strip()
+    at = text.rfind(stripped)
+    if not stripped or at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not write the last message's text"
+        )
+    kept = content.lstrip()
+    if text[at : at + len(kept)] == kept:
+        return text[: at + len(kept)]
+    return text[: at + len(stripped)]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

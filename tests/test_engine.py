@@ -175,6 +175,24 @@ def test_chat_batch_and_single(llm):
     assert len(batch) == 2
 
 
+def test_chat_continues_the_final_message(llm):
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    ids = tokenizer.encode(text[: text.rindex("is") + 2], add_special_tokens=False)
+    (plain,) = llm.generate([ids], GREEDY, use_tqdm=False)
+    (cont,) = llm.chat(
+        messages, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert cont.prompt_token_ids == ids
+    assert cont.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="cannot both be set"):
+        llm.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True)
+
+
 def test_dict_prompts_as_vllm_writes_them(llm):
     """vLLM's TextPrompt and TokensPrompt dicts, alone or in a list, are the same prompts."""
     text = "The capital of France is"

@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 from conftest import DEFAULT_SERVED_MODEL as MODEL
 
+from baton.engine.loader import load_tokenizer
 from baton.engine.server.constraints import request_constraint
 from baton.engine.server.errors import APIError
 from baton.engine.server.protocol import CompletionRequest
@@ -260,6 +261,7 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         "cannot accept any value",
     ),
     ("completions", {"echo": True}, "echo", "echo"),
+    ("chat", {"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
     ("completions", {"suffix": "x"}, "suffix", "suffix"),
     ("completions", {"logit_bias": {"1": -100}}, "logit_bias", "logit_bias"),
     ("completions", {"best_of": 3}, "best_of", "best_of"),
@@ -370,6 +372,32 @@ def test_fields_that_change_nothing_are_accepted(default_model_server: str, endp
         timeout=120,
     )
     assert r.status_code == 200, r.text
+
+
+def test_continue_final_message_continues_the_assistant_answer(default_model_server: str) -> None:
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    body = {
+        "model": CHAT["model"],
+        "messages": messages,
+        "max_tokens": 4,
+        "temperature": 0,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    r = httpx.post(f"{default_model_server}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    continued = r.json()["choices"][0]["message"]["content"]
+    # The same as completing the rendered text cut after the answer's start.
+    tokenizer = load_tokenizer(None)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    ids = tokenizer.encode(text[: text.rindex("is") + 2], add_special_tokens=False)
+    plain = COMPLETION | {"prompt": ids, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{default_model_server}/v1/completions", json=plain, timeout=60)
+    assert r.status_code == 200, r.text
+    assert continued == r.json()["choices"][0]["text"]
 
 
 def test_vllm_structured_outputs_options() -> None:

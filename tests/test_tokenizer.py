@@ -166,6 +166,60 @@ def test_default_chat_template_shape(tokenizer: Tokenizer) -> None:
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
+TRIMMING_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</{{ m['role'] }}>\n"
+    "{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("content", ["My colour is", "My colour is ", "  padded  "])
+@pytest.mark.parametrize("template", [None, TRIMMING_TEMPLATE])
+def test_continue_final_message_equals_transformers(
+    tokenizer: Tokenizer, hf_tokenizer: Any, content: str, template: str | None
+) -> None:
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": content},
+    ]
+    ours = tokenizer
+    if template is not None:
+        ours = Tokenizer(
+            tokenizer.backend,
+            eos_token_ids=tokenizer.eos_token_ids,
+            bos_token_id=tokenizer.bos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            unk_token_id=tokenizer.unk_token_id,
+            chat_template=template,
+        )
+    expected = hf_tokenizer.apply_chat_template(
+        messages,
+        chat_template=template,
+        tokenize=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    got = ours.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert got == expected
+    assert got.rstrip().endswith(content.strip())
+    with pytest.raises(ValueError, match="cannot both be set"):
+        ours.apply_chat_template(messages, continue_final_message=True)
+
+
+def test_continue_final_message_needs_the_text_in_the_chat(tokenizer: Tokenizer) -> None:
+    dropping = Tokenizer(
+        tokenizer.backend,
+        eos_token_ids=tokenizer.eos_token_ids,
+        chat_template="{% for m in messages %}{{ m['role'] }}\n{% endfor %}",
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    with pytest.raises(ValueError, match="does not write the last message"):
+        dropping.apply_chat_template(
+            messages, add_generation_prompt=False, continue_final_message=True
+        )
+
+
 CUSTOM_TEMPLATE = """
 {%- set ns = namespace(count=0) -%}
 {{ bos_token }}

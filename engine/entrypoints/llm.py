@@ -127,9 +127,17 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Renders one conversation (a list of messages) or a batch of them with the
-        model's chat template, then generates."""
+        model's chat template, then generates. With ``continue_final_message`` (and
+        ``add_generation_prompt=False``, as in vLLM) the output continues the last message,
+        such as an assistant answer already begun.
+
+        Raises:
+            ValueError: no messages, both ``continue_final_message`` and
+                ``add_generation_prompt``, or a template that cannot render the chat.
+        """
         if not messages:
             raise ValueError("messages must not be empty")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -139,6 +147,7 @@ class LLM:
                 list(conv),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
+                continue_final_message=continue_final_message,
                 **(chat_template_kwargs or {}),
             )
             prompts.append(list(ids))

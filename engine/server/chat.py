@@ -49,9 +49,14 @@ def render_chat(
     (with the tools, earlier calls and tool results as ``prepare_messages`` lays them out).
 
     Raises:
-        APIError: 400 for non-text content parts, malformed tool calls, or a conversation the
-            template rejects.
+        APIError: 400 for non-text content parts, malformed tool calls, a conversation the
+            template rejects, or ``continue_final_message`` with ``add_generation_prompt``.
     """
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request(
+            "continue_final_message needs add_generation_prompt set to false",
+            "continue_final_message",
+        )
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(body.messages):
         content = m.content
@@ -74,6 +79,7 @@ def render_chat(
             messages,
             add_generation_prompt=body.add_generation_prompt,
             tokenize=True,
+            continue_final_message=body.continue_final_message,
             **{**variables, **(body.chat_template_kwargs or {})},
         )
     except (ValueError, TypeError, jinja2.TemplateError) as exc:

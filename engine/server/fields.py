@@ -68,7 +68,6 @@ _CHAT_REFUSED: dict[str, tuple[str, Any]] = {
     "web_search_options": ("web search is not supported", lambda v: False),
     "moderation": ("moderation is not supported", lambda v: False),
     "chat_template": ("a request's own chat template is not supported", lambda v: False),
-    "continue_final_message": ("continue_final_message is not supported", _is(False)),
     "documents": ("documents are not supported", _empty),
     "echo": ("echo is not supported", _is(False)),
 }
