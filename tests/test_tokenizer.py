@@ -166,6 +166,18 @@ def test_default_chat_template_shape(tokenizer: Tokenizer) -> None:
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
+def _with_template(tokenizer: Tokenizer, template: str) -> Tokenizer:
+    """``tokenizer`` with another chat template."""
+    return Tokenizer(
+        tokenizer.backend,
+        eos_token_ids=tokenizer.eos_token_ids,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        unk_token_id=tokenizer.unk_token_id,
+        chat_template=template,
+    )
+
+
 TRIMMING_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</{{ m['role'] }}>\n"
     "{% endfor %}"
@@ -181,16 +193,7 @@ def test_continue_final_message_equals_transformers(
         {"role": "user", "content": "Name a colour."},
         {"role": "assistant", "content": content},
     ]
-    ours = tokenizer
-    if template is not None:
-        ours = Tokenizer(
-            tokenizer.backend,
-            eos_token_ids=tokenizer.eos_token_ids,
-            bos_token_id=tokenizer.bos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            unk_token_id=tokenizer.unk_token_id,
-            chat_template=template,
-        )
+    ours = tokenizer if template is None else _with_template(tokenizer, template)
     expected = hf_tokenizer.apply_chat_template(
         messages,
         chat_template=template,
@@ -208,11 +211,7 @@ def test_continue_final_message_equals_transformers(
 
 
 def test_continue_final_message_needs_the_text_in_the_chat(tokenizer: Tokenizer) -> None:
-    dropping = Tokenizer(
-        tokenizer.backend,
-        eos_token_ids=tokenizer.eos_token_ids,
-        chat_template="{% for m in messages %}{{ m['role'] }}\n{% endfor %}",
-    )
+    dropping = _with_template(tokenizer, "{% for m in messages %}{{ m['role'] }}\n{% endfor %}")
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
     with pytest.raises(ValueError, match="does not write the last message"):
         dropping.apply_chat_template(
@@ -246,14 +245,7 @@ def test_custom_template_features_equal_transformers(
         {"role": "user", "content": "again"},
         {"role": "user", "content": "dropped by break"},
     ]
-    custom = Tokenizer(
-        tokenizer.backend,
-        eos_token_ids=tokenizer.eos_token_ids,
-        bos_token_id=tokenizer.bos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        unk_token_id=tokenizer.unk_token_id,
-        chat_template=CUSTOM_TEMPLATE,
-    )
+    custom = _with_template(tokenizer, CUSTOM_TEMPLATE)
     for kwargs in ({}, {"extra": "value"}):
         for prompt in (True, False):
             expected = hf_tokenizer.apply_chat_template(
