@@ -15,7 +15,7 @@ from baton.engine.entrypoints.args import engine_config
 from baton.engine.errors import EngineBusyError
 from baton.engine.loader import Checkpoint
 from baton.engine.outputs import RequestOutput
-from baton.engine.processing.llm_engine import LLMEngine
+from baton.engine.processing.llm_engine import LLMEngine, prompt_from_dict
 from baton.engine.sampling_params import SamplingParams, as_params_list
 from baton.engine.tokenizer import Tokenizer
 
@@ -200,9 +200,10 @@ class LLM:
             pending.popleft()
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | Sequence[int]]:
+    """Text or token ids per prompt; dict prompts become what they hold."""
     if isinstance(prompts, (str, Mapping)):
-        return [prompts]
+        prompts = [prompts]
     prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts must not be empty")
@@ -214,4 +215,4 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
                 "each prompt must be a string, a list of token ids or a dict with 'prompt' or "
                 f"'prompt_token_ids', got {type(p).__name__}"
             )
-    return prompts
+    return [prompt_from_dict(p) if isinstance(p, Mapping) else p for p in prompts]

@@ -133,7 +133,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int] | Mapping[str, Any],
+        prompt: str | Sequence[int],
         params: SamplingParams,
         final_only: bool = False,
     ) -> None:
@@ -204,22 +204,13 @@ class LLMEngine:
                 exc.retry_after_s,
             ) from None
 
-    def tokenize_prompt(
-        self, prompt: str | Sequence[int] | Mapping[str, Any]
-    ) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids) and token ids, checked; queues nothing.
-
-        A prompt is text, token ids, or vLLM's dict forms ``{"prompt": text}`` and
-        ``{"prompt_token_ids": ids}``.
 
         Raises:
             ValueError: empty prompt, text with lone surrogates, token ids outside the
-                vocabulary, a prompt that leaves no room for output within max_model_len, or
-                a dict with other keys (such as multi-modal data) or without exactly one of
-                those two.
+                vocabulary, or a prompt that leaves no room for output within max_model_len.
         """
-        if isinstance(prompt, Mapping):
-            prompt = prompt_from_dict(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -351,7 +342,8 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def prompt_from_dict(prompt: Mapping[str, Any]) -> str | Sequence[int]:
-    """The text or token ids of a vLLM-style dict prompt (``TextPrompt``, ``TokensPrompt``).
+    """The text or token ids of a vLLM-style dict prompt (``TextPrompt``, ``TokensPrompt``):
+    the entry points turn dict prompts into what ``tokenize_prompt`` takes with it.
 
     Raises:
         ValueError: keys other than "prompt" and "prompt_token_ids" (baton takes no
