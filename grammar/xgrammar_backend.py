@@ -129,6 +129,9 @@ class XGrammarMatcher(GrammarMatcher):
     def __init__(self, compiled: xgr.CompiledGrammar, backend: XGrammarBackend) -> None:
         self._m = xgr.GrammarMatcher(compiled)
         self._backend = backend
+        # Mirrors xgrammar's is_terminated(), which only accepting a stop token can change: a
+        # structured request's token then costs one call into xgrammar instead of three.
+        self._terminated = False
 
     @property
     def xgr_matcher(self) -> xgr.GrammarMatcher:
@@ -136,16 +139,20 @@ class XGrammarMatcher(GrammarMatcher):
         return self._m
 
     def _accept(self, token: int) -> bool:
-        if self._backend.never_allowed(token) or self._m.is_terminated():
+        if self._terminated or self._backend.never_allowed(token):
             return False
-        return bool(self._m.accept_token(int(token)))
+        if not self._m.accept_token(int(token)):
+            return False
+        if token in self._backend.eos_token_ids:
+            self._terminated = bool(self._m.is_terminated())
+        return True
 
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
         """Advances by all ``tokens``, or (when one is rejected) by none of them."""
         for i, token in enumerate(tokens):
             if not self._accept(token):
                 if i:
-                    self._m.rollback(i)
+                    self._rollback(i)
                 return False
         return True
 
@@ -156,7 +163,7 @@ class XGrammarMatcher(GrammarMatcher):
                 break
             n += 1
         if n:
-            self._m.rollback(n)
+            self._rollback(n)
         return n
 
     def rollback(self, num_tokens: int) -> None:
@@ -170,9 +177,13 @@ class XGrammarMatcher(GrammarMatcher):
         if num_tokens == 0:
             return
         try:
-            self._m.rollback(num_tokens)
+            self._rollback(num_tokens)
         except RuntimeError as exc:
             raise ValueError(f"cannot roll back {num_tokens} tokens: {_reason(exc)}") from None
+
+    def _rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+        self._terminated = bool(self._m.is_terminated())
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes this matcher's allowed tokens into ``bitmask[row]``.
@@ -181,19 +192,20 @@ class XGrammarMatcher(GrammarMatcher):
             ValueError: ``bitmask`` is not a CPU int32 ``[rows, ceil(vocab/32)]`` tensor.
         """
         self._backend.check_bitmask(bitmask)
-        if self._m.is_terminated():
+        if self._terminated:
             bitmask[row].copy_(self._backend.eos_row)
         else:
             self._m.fill_next_token_bitmask(bitmask, row)
 
     def is_terminated(self) -> bool:
-        return bool(self._m.is_terminated())
+        return self._terminated
 
     def reset(self) -> None:
         self._m.reset()
+        self._terminated = False
 
     def jump_forward_string(self) -> str:
-        if self._m.is_terminated():
+        if self._terminated:
             return ""
         return str(self._m.find_jump_forward_string())
 
@@ -460,7 +472,7 @@ class XGrammarBackend(GrammarBackend):
             if not isinstance(matcher, XGrammarMatcher):
                 raise TypeError(f"expected an XGrammarMatcher, got {type(matcher).__name__}")
             # The native batch call refuses terminated matchers.
-            if matcher.xgr_matcher.is_terminated():
+            if matcher.is_terminated():
                 bitmask[row].copy_(self.eos_row)
             else:
                 live.append(matcher.xgr_matcher)
