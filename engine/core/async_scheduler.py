@@ -40,9 +40,11 @@ class AsyncScheduler(Scheduler):
         so = super().schedule()
         pending = False
         spec = so.scheduled_spec_decode_tokens
+        requests = self.requests
         for rid in so.num_scheduled_tokens:
-            req = self.requests[rid]
-            if req.num_computed_tokens < req.num_tokens_with_placeholders:
+            req = requests[rid]
+            known = len(req.prompt_token_ids) + len(req.output_token_ids)
+            if req.num_computed_tokens < known + req.num_output_placeholders:
                 continue  # a prefill chunk short of the prompt's end samples nothing
             if req.num_output_placeholders and rid in so.structured_request_ids:
                 pending = True

@@ -124,13 +124,14 @@ class Scheduler:
         preempted: list[Request] = []
         drafts: dict[str, tuple[int, ...]] = {}
 
+        drafter = self.drafter
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:
                 continue
-            proposed = self._propose_drafts(req, n, budget)
+            proposed = self._propose_drafts(req, n, budget) if drafter is not None else ()
             n += len(proposed)
             while (
                 blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
@@ -301,16 +302,19 @@ class Scheduler:
             return ()
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = req.num_tokens_with_placeholders - req.num_computed_tokens
-        if req.num_output_placeholders and self._surely_finishes(req):
+        # Once per request a step: the properties' arithmetic inlined.
+        in_flight = req.num_output_placeholders
+        n = len(req.prompt_token_ids) + len(req.output_token_ids) + in_flight
+        n -= req.num_computed_tokens
+        if in_flight and self._surely_finishes(req):
             return 0
         return max(0, min(n, budget, self.max_model_len - req.num_computed_tokens))
 
     def _surely_finishes(self, req: Request) -> bool:
         # An in-flight token that reaches max_tokens ends the request anyway.
         max_tokens = req.sampling_params.max_tokens or self.max_model_len
-        produced = req.num_output_tokens + req.num_output_placeholders
-        return produced >= max_tokens or req.num_tokens_with_placeholders >= self.max_model_len
+        produced = len(req.output_token_ids) + req.num_output_placeholders
+        return produced >= max_tokens or len(req.prompt_token_ids) + produced >= self.max_model_len
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
