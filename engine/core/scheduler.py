@@ -488,7 +488,8 @@ class Scheduler:
             if self._check_stop(req, tok):
                 break
         self._cache_known(req)
-        finish = req.status.finish_reason
+        status = req.status
+        finish = None if status is RequestStatus.RUNNING else status.finish_reason
         if finish is not None:
             self._remove_finished(req)
         return EngineCoreOutput(
@@ -528,18 +529,18 @@ class Scheduler:
 
     def _cache_known(self, req: Request) -> None:
         """Registers the request's blocks now full of known tokens for prefix reuse."""
-        known = self._known_computed(req)
+        known = min(
+            req.num_computed_tokens - req.num_output_placeholders,
+            len(req.prompt_token_ids) + len(req.output_token_ids),
+        )
         if self.kv.fills_new_block(req.request_id, known):  # the token list costs µs
             self.kv.cache_blocks(req.request_id, req.all_token_ids, known)
 
-    def _known_computed(self, req: Request) -> int:
-        return min(req.num_computed_tokens - req.num_output_placeholders, req.num_tokens)
-
     def _check_stop(self, req: Request, token: int) -> bool:
-        if req.status == RequestStatus.FINISHED_STOPPED:  # the grammar ended
+        if req.status is RequestStatus.FINISHED_STOPPED:  # the grammar ended
             return True
         sp = req.sampling_params
-        n_out = req.num_output_tokens
+        n_out = len(req.output_token_ids)
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and token in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
@@ -549,7 +550,7 @@ class Scheduler:
                 req.stop_reason = token
                 return True
         if (sp.max_tokens is not None and n_out >= sp.max_tokens) or (
-            req.num_tokens >= self.max_model_len
+            len(req.prompt_token_ids) + n_out >= self.max_model_len
         ):
             req.status = RequestStatus.FINISHED_LENGTH
             return True
