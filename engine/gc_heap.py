@@ -1,4 +1,5 @@
-"""The engine's startup heap, kept out of the garbage collector's full passes.
+"""The engine and Python's garbage collector: the startup heap kept out of its full passes,
+and collections moved to where the engine thread waits for the device.
 
 A full (oldest-generation) collection walks every tracked object: with a model, a tokenizer
 and grammar compilers loaded, one took 90-139 ms on the engine thread in the middle of a
@@ -9,8 +10,10 @@ engine's heap after start-up the same way (``vllm/utils/gc_utils.py``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -31,3 +34,60 @@ def release_heap() -> None:
     """Gives the frozen objects back to the collector (an engine's shutdown: its objects that
     sit in reference cycles can then be freed)."""
     gc.unfreeze()
+
+
+class StepCollector:
+    """Runs the cyclic garbage collector at the engine thread's waits for the device instead
+    of at whichever allocation crosses the young generation's threshold.
+
+    Inside a step the young generation's count peaks while the step's short-lived objects
+    (one output per request, block lists) are alive: automatic collection then traverses
+    them, promotes the survivors, and later pays for full passes over them, all on the
+    host's critical path. Measured on the simulated H200 at batch 256 with every request
+    structured: collections at the waits instead cut the device idle from 2.6-6.1% to
+    1.1-1.8% (vLLM has the same opt-in control, ``ManualGCController``, collecting just
+    before it blocks on the device's output).
+
+    The thresholds stay Python's own (``gc.get_threshold()``), counted at each wait: a young
+    pass when the young count reached its threshold, and the older generations when their
+    counts of younger passes reach theirs, as the interpreter decides. Process-global, so
+    automatic collection is held off only inside ``deferred()`` (the engine core's step),
+    and left alone where the process turned it off itself.
+    """
+
+    def __init__(self) -> None:
+        self._active = False
+        self.passes = 0
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Holds automatic collection off for the block (``collect_if_due`` collects
+        instead); restores it on the way out, also on an exception. Not re-entrant across
+        threads: one engine thread uses it."""
+        if self._active or not gc.isenabled():
+            yield
+            return
+        gc.disable()
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+            gc.enable()
+
+    def collect_if_due(self) -> bool:
+        """Collects the generations that are due, inside ``deferred()`` (otherwise nothing);
+        True when it collected."""
+        if not self._active:
+            return False
+        young, middle, old = gc.get_threshold()
+        counts = gc.get_count()
+        # The interpreter's rule: a generation is due once its count exceeds its threshold.
+        if young <= 0 or counts[0] <= young:
+            return False
+        generation = 0
+        if counts[1] > middle:
+            generation = 2 if counts[2] > old else 1
+        gc.collect(generation)
+        self.passes += 1
+        return True

@@ -406,3 +406,23 @@ def test_the_engine_freezes_its_startup_heap_until_shutdown(tiny_model_dir, toke
     finally:
         engine.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+def test_steps_collect_garbage_at_their_waits_and_leave_collection_on(
+    tiny_model_dir, tokenizer, tmp_path
+):
+    # Automatic collection is held off inside a step and runs where the engine thread waits
+    # for the device; between steps the process collects as it always does.
+    json_prompts, _ = _traces(tokenizer, tmp_path / "t.jsonl")
+    engine = _engine(tiny_model_dir, tmp_path / "t.jsonl")
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # due at every wait
+    try:
+        final = run_to_end(engine, [(p, _json_sp()) for p in json_prompts])
+        assert gc.isenabled()
+        stats = engine.stats()
+    finally:
+        gc.set_threshold(*threshold)
+        engine.shutdown()
+    assert all(f[1] == "stop" for f in final.values())
+    assert stats["gc_s"] > 0

@@ -27,6 +27,7 @@ from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.stats import EngineStats
 from baton.engine.core.structured_outputs import BitmaskInProgress
 from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
+from baton.engine.gc_heap import StepCollector
 from baton.engine.scheduler_output import (
     EngineCoreOutput,
     GrammarOutput,
@@ -86,6 +87,7 @@ class EngineCore:
         # never with drafters, which read matchers while scheduling).
         overlap = fill_thread and async_scheduling and scheduler.fills_beside_schedule()
         self._filler = FillThread() if overlap else None
+        self._gc = StepCollector()
 
     def add_request(self, request: Request) -> None:
         if self._dead is not None:
@@ -119,7 +121,7 @@ class EngineCore:
         wait0, device0 = self.stats.device_wait_s, self.executor.device_seconds
         deferred0 = self.stats.deferred_steps
         try:
-            with self.checker.guard():
+            with self.checker.guard(), self._gc.deferred():
                 if self.async_scheduling:
                     outputs, ongoing = self._overlap_step(last)
                 else:
@@ -245,8 +247,13 @@ class EngineCore:
         return SampledStep(so, output)
 
     def _wait(self, step: SampledStep) -> ModelRunnerOutput:
-        """The step's tokens: the engine thread's one wait for the device."""
+        """The step's tokens: the engine thread's one wait for the device, after the garbage
+        collections that are due (the device works meanwhile)."""
         t0 = time.perf_counter()
+        if self._gc.collect_if_due():
+            t1 = time.perf_counter()
+            self.stats.add("gc", t0, t1, step.so.step_id)
+            t0 = t1
         out = step.output.get_output()
         self.stats.add("wait", t0, time.perf_counter(), step.so.step_id)
         return out

@@ -10,8 +10,9 @@ _RECENT_SPANS = 65536
 
 # The host phases of a step, as spans record them. "launch" is the time spent handing work
 # to the executor (execute_model, sample_tokens: IPC for a worker process), "wait" the time
-# blocked in get_output(), "output" the front end's detokenising and output building.
-PHASES = ("schedule", "bitmask", "launch", "wait", "update", "output")
+# blocked in get_output(), "output" the front end's detokenising and output building, "gc"
+# the garbage collections the engine runs before it waits (``gc_heap.StepCollector``).
+PHASES = ("schedule", "bitmask", "launch", "wait", "update", "output", "gc")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class EngineStats:
     device_wait_s: float = 0.0
     update_s: float = 0.0
     output_s: float = 0.0
+    gc_s: float = 0.0
     engine_s: float = 0.0
     device_s: float = 0.0
     recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=_RECENT_STEPS))
@@ -82,6 +84,7 @@ class EngineStats:
             "device_wait_s": self.device_wait_s,
             "update_s": self.update_s,
             "output_s": self.output_s,
+            "gc_s": self.gc_s,
             "engine_s": self.engine_s,
             "device_s": self.device_s,
         }
