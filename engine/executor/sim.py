@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,9 +51,9 @@ _RECENT_OPS = 65536
 _SPIN_S = 150e-6
 
 
-@dataclass(frozen=True)
-class DeviceOp:
-    """One piece of simulated device work, on the host's ``perf_counter`` clock."""
+class DeviceOp(NamedTuple):
+    """One piece of simulated device work, on the host's ``perf_counter`` clock (a named
+    tuple, which the garbage collector stops tracking; see ``stats.StepRecord``)."""
 
     kind: str  # "forward" or "sample"
     step_id: int
