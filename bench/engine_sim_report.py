@@ -36,8 +36,9 @@ def print_report(result: dict[str, Any]) -> None:
     """The rows, ratios and goals as text."""
     print(
         f"\n{'async':<8} {'json':>4} {'batch':>5} {'tok/s':>8} {'steady':>8} {'idle':>6} "
-        f"{'step ms':>7} {'dev ms':>7} {'host ms':>7} {'us/req':>7} {'defer':>5} "
-        f"{'sched':>6} {'mask':>6} {'launch':>6} {'update':>6} {'output':>6} {'late':>5} "
+        f"{'step ms':>7} {'dev ms':>7} {'host ms':>7} {'us/req':>7} {'cpu ms':>6} {'cores':>5} "
+        f"{'defer':>5} {'sched':>6} {'mask':>6} {'launch':>6} {'update':>6} {'output':>6} "
+        f"{'gc':>6} {'late':>5} "
         f"{'err':>3} {'bad':>3}"
     )
     for r in result["rows"]:
@@ -53,7 +54,7 @@ def print_report(result: dict[str, Any]) -> None:
             f"{r['deferred_steps']:>5} "
             + " ".join(
                 f"{fmt(ph.get(p), '.2f'):>6}"
-                for p in ("schedule", "bitmask", "launch", "update", "output")
+                for p in ("schedule", "bitmask", "launch", "update", "output", "gc")
             )
             + f" {fmt(r.get('wake_late_ms_per_step'), '.2f'):>5}"
             + f" {r['errors']:>3} {r['json_invalid']:>3}"

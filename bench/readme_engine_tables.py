@@ -67,7 +67,7 @@ def engine_sim_table(d: dict[str, Any]) -> str:
                 _cpu_cell(r),
                 " / ".join(
                     num_cell(phases.get(p), ".2f")
-                    for p in ("schedule", "bitmask", "launch", "update", "output")
+                    for p in ("schedule", "bitmask", "launch", "update", "output", "gc")
                 ),
                 str(r["deferred_steps"]),
                 num_cell(r.get("wake_late_ms_per_step"), ".2f"),
@@ -84,7 +84,7 @@ def engine_sim_table(d: dict[str, Any]) -> str:
         "host ms/step",
         "host µs/request-step",
         "CPU ms/step, all threads (cores busy)",
-        "schedule / bitmask / launch / update / output ms",
+        "schedule / bitmask / launch / update / output / gc ms",
         "deferred steps",
         "late wake-up ms/step (OS)",
         "errors, invalid JSON",
