@@ -10,6 +10,8 @@ chunking never changes a value. On CUDA everything runs in one pass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 CHUNK_BYTES = 3 << 19
@@ -23,3 +25,25 @@ def rows_per_pass(tensor: torch.Tensor, itemsize: int, chunk_bytes: int = CHUNK_
     if tensor.is_cuda:
         return max(rows, 1)
     return max(1, chunk_bytes // (itemsize * max(vocab, 1)))
+
+
+def row_slices(tensor: torch.Tensor, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> list[slice]:
+    """The row ranges of ``tensor`` to handle one pass each (``rows_per_pass`` rows): a single
+    range over every row where one pass holds them all (always on CUDA)."""
+    step = rows_per_pass(tensor, itemsize, chunk_bytes)
+    return [slice(i, i + step) for i in range(0, max(tensor.shape[0], 1), step)]
+
+
+def cat_row_chunks(
+    fn: Callable[[slice], torch.Tensor],
+    tensor: torch.Tensor,
+    itemsize: int,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> torch.Tensor:
+    """``fn`` (which takes a row range of ``tensor``) over each range of ``row_slices``, the
+    results concatenated; one call with every row (``slice(None)``) where one pass holds
+    them all."""
+    parts = row_slices(tensor, itemsize, chunk_bytes)
+    if len(parts) == 1:
+        return fn(slice(None))
+    return torch.cat([fn(part) for part in parts])

@@ -24,7 +24,7 @@ from baton.sampler.metadata import SamplingMetadata
 from baton.sampler.outputs import LogprobsTensors, SamplerOutput
 from baton.sampler.penalties import apply_penalties
 from baton.sampler.random import row_uniforms
-from baton.sampler.row_chunks import CHUNK_BYTES, rows_per_pass
+from baton.sampler.row_chunks import CHUNK_BYTES, cat_row_chunks
 from baton.sampler.topk_topp import Candidates, apply_min_p_, top_k_top_p_candidates
 
 # Heaviest tokens examined first for top-p; a row whose kept set reaches past
@@ -121,15 +121,12 @@ class Sampler:
         # About 6 MB of weights a pass: each pass also pays the top-k/top-p calls. Sampler
         # with temperature 1, 64 / 256 rows x 49152 tokens: 13-16 / 75-78 ms in one pass,
         # 4.5 / 17 ms so; top-k 50: 5.2 / 36 -> 5.8 / 25 ms (AMX Xeon).
-        rows = x.shape[0]
-        step = rows_per_pass(x, 4, 4 * CHUNK_BYTES)
-        if step >= rows:
-            return self._sample_random_rows(x, params, host)
-        tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
-        for start in range(0, rows, step):
-            part = slice(start, start + step)
-            tokens[part] = self._sample_random_rows(x[part], params.select(part), host)
-        return tokens
+        return cat_row_chunks(
+            lambda part: self._sample_random_rows(x[part], params.select(part), host),
+            x,
+            4,
+            4 * CHUNK_BYTES,
+        )
 
     def _sample_random_rows(
         self, x: torch.Tensor, params: _RandomParams, host: bool
@@ -334,15 +331,8 @@ def _weights(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 
 def _sample_full(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample over the whole vocabulary, in token id order."""
-    rows = weights.shape[0]
-    step = rows_per_pass(weights, 8)  # the float64 CDF
-    if step >= rows:
-        return _sample_cdf(weights, uniforms)
-    tokens = torch.empty(rows, dtype=torch.int64, device=weights.device)
-    for start in range(0, rows, step):
-        end = start + step
-        tokens[start:end] = _sample_cdf(weights[start:end], uniforms[start:end])
-    return tokens
+    # 8 bytes a value: the float64 CDF.
+    return cat_row_chunks(lambda part: _sample_cdf(weights[part], uniforms[part]), weights, 8)
 
 
 def _sample_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.sampler.row_chunks import rows_per_pass
+from baton.sampler.row_chunks import cat_row_chunks
 
 
 def apply_min_p_(weights: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -66,12 +66,8 @@ def _canonical_window(weights: torch.Tensor, width: int) -> tuple[torch.Tensor, 
 
 def _row_totals(weights: torch.Tensor) -> torch.Tensor:
     """Return each row's weight sum as float64, independent of the batch around it."""
-    rows = weights.shape[0]
-    step = rows_per_pass(weights, 4)
-    if step >= rows:
-        return weights.cumsum(dim=-1)[:, -1].to(torch.float64)
-    parts = [weights[i : i + step].cumsum(dim=-1)[:, -1] for i in range(0, rows, step)]
-    return torch.cat(parts).to(torch.float64)
+    totals = cat_row_chunks(lambda part: weights[part].cumsum(dim=-1)[:, -1], weights, 4)
+    return totals.to(torch.float64)
 
 
 def top_k_top_p_candidates(
