@@ -241,8 +241,8 @@ def invalid_json(
 def measure(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> RunMeasure:
     """Runs one batch to the end; the engine statistics are deltas over this call only."""
     core_stats = llm.engine.core.stats
-    # The per-step deque is bounded: emptying it makes "this run's steps" exact.
-    core_stats.recent.clear()
+    # The recent steps are bounded: emptying them makes "this run's steps" exact.
+    core_stats.clear_recent()
     before = llm.stats()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -263,7 +263,7 @@ def measure(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) ->
         checked=checked,
         invalid=invalid,
         stats=delta,
-        records=list(core_stats.recent),
+        records=core_stats.recent_steps(),
         cpu_threads=int(after["cpu_threads"]) if "cpu_threads" in after else None,
     )
 

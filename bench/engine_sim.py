@@ -165,7 +165,7 @@ def run_case(llm: LLM, requests: Sequence[Request], batch: int) -> dict[str, Any
     cpu = time.process_time() - cpu0
     after = llm.stats()
     ops = [o for o in executor.device_ops() if o.start >= t0]
-    spans = [s for s in stats.spans if s.start >= t0]
+    spans = stats.recent_spans(since=t0)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     checked = invalid = errors = 0
     for out, req in zip(outs, requests, strict=True):
@@ -236,7 +236,8 @@ def timeline(llm: LLM, t0: float, batch: int) -> dict[str, Any] | None:
         return None
     mid = len(full) // 2
     start, end = full[mid].start, full[mid + TIMELINE_STEPS].start
-    spans: list[Span] = [s for s in llm.engine.core.stats.spans if start <= s.start < end]
+    recent = llm.engine.core.stats.recent_spans(since=start)
+    spans: list[Span] = [s for s in recent if s.start < end]
     return {
         "device": [
             {

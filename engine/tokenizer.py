@@ -236,7 +236,7 @@ class Tokenizer:
         special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
         special.update(i for i in (bos_token_id, pad_token_id, unk_token_id, *eos) if i is not None)
         self.all_special_ids: frozenset[int] = frozenset(special)
-        self._token_strings: list[str] | None = None
+        self._token_strings: tuple[str, ...] | None = None
 
     # ------------------------------------------------------------------ constructors
 
@@ -455,16 +455,18 @@ class Tokenizer:
         strings = self.token_strings()
         return [strings[i] for i in self._checked_ids(ids)]
 
-    def token_strings(self) -> list[str]:
+    def token_strings(self) -> tuple[str, ...]:
         """Every vocabulary string indexed by id, added tokens included (for grammar backends).
 
-        Computed once and cached; callers must not modify the returned list.
+        Computed once and cached.
         """
         if self._token_strings is None:
             strings = [""] * self.vocab_size
             for token, index in self.backend.get_vocab(with_added_tokens=True).items():
                 strings[index] = token
-            self._token_strings = strings
+            # A tuple of strings, which the garbage collector stops tracking: a list of the
+            # 49,152 strings was walked by every full collection on the engine thread.
+            self._token_strings = tuple(strings)
         return self._token_strings
 
     def _checked_ids(self, ids: Sequence[int]) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Protocol
@@ -17,7 +18,7 @@ class VocabSource(Protocol):
     all_special_ids: frozenset[int]
     eos_token_ids: tuple[int, ...]
 
-    def token_strings(self) -> list[str]: ...
+    def token_strings(self) -> Sequence[str]: ...
 
 
 @dataclass(frozen=True)

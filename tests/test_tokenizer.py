@@ -129,7 +129,7 @@ def test_special_tokens(tokenizer: Tokenizer, hf_tokenizer: Any) -> None:
 
 def test_token_strings_equal_transformers(tokenizer: Tokenizer, hf_tokenizer: Any) -> None:
     strings = tokenizer.token_strings()
-    assert strings == hf_tokenizer.convert_ids_to_tokens(list(range(49152)))
+    assert list(strings) == hf_tokenizer.convert_ids_to_tokens(list(range(49152)))
     assert strings[1] == "<|im_start|>" and strings[216] == "Ġ"
     assert tokenizer.token_strings() is strings  # cached
     ids = tokenizer.encode("Hello world")

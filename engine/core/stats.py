@@ -17,11 +17,7 @@ PHASES = ("schedule", "bitmask", "launch", "wait", "update", "output", "gc")
 
 
 class StepRecord(NamedTuple):
-    """One engine step: wall time, the CPU phases, the wait and the device time it retired.
-
-    This and ``Span`` are named tuples: the collector stops tracking a tuple of numbers, while
-    every frozen dataclass in the engine's 65,536 recent spans stayed tracked, and a full
-    collection walked them all (8 ms pauses on the engine thread at batch 256, measured)."""
+    """One engine step: wall time, the CPU phases, the wait and the device time it retired."""
 
     wall_s: float
     cpu_s: float
@@ -59,21 +55,45 @@ class EngineStats:
     gc_s: float = 0.0
     engine_s: float = 0.0
     device_s: float = 0.0
-    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=_RECENT_STEPS))
-    spans: deque[Span] = field(default_factory=lambda: deque(maxlen=_RECENT_SPANS))
+    # The recent records are kept as plain tuples and named on the way out: the collector
+    # stops tracking a plain tuple of numbers and strings at its first pass over it, never a
+    # named tuple (a subclass) or a dataclass. Named, the 65,536 spans stayed tracked, and
+    # each full collection on the engine thread walked them: at batch 256 on the simulated
+    # H200 a full pass grew from 10 to 20 ms over one benchmark run (measured).
+    _recent: deque[tuple[float, float, float, float, bool]] = field(
+        default_factory=lambda: deque(maxlen=_RECENT_STEPS), init=False, repr=False
+    )
+    _spans: deque[tuple[str, float, float, int]] = field(
+        default_factory=lambda: deque(maxlen=_RECENT_SPANS), init=False, repr=False
+    )
 
     def add(self, phase: str, start: float, end: float, step_id: int = 0) -> None:
         """Adds a host phase's span (``phase`` in ``PHASES``) to its total and the recent spans."""
         name = "device_wait_s" if phase == "wait" else f"{phase}_s"
         setattr(self, name, getattr(self, name) + (end - start))
-        self.spans.append(Span(phase, start, end, step_id))
+        self._spans.append((phase, start, end, step_id))
 
     def record(self, wall_s: float, device_wait_s: float, device_s: float, deferred: bool) -> None:
         """Adds one engine step (the phase totals are added by the core as they happen)."""
         self.engine_s += wall_s
         self.device_s += device_s
         cpu = max(0.0, wall_s - device_wait_s)
-        self.recent.append(StepRecord(wall_s, cpu, device_wait_s, device_s, deferred))
+        self._recent.append((wall_s, cpu, device_wait_s, device_s, deferred))
+
+    def recent_steps(self) -> list[StepRecord]:
+        """The most recent steps (at most 4,096), oldest first."""
+        return [StepRecord._make(r) for r in self._recent]
+
+    def recent_spans(self, since: float = float("-inf")) -> list[Span]:
+        """The most recent host spans (at most 65,536) that start at or after ``since``
+        (``time.perf_counter``), oldest first."""
+        return [Span._make(s) for s in self._spans if s[1] >= since]
+
+    def clear_recent(self) -> None:
+        """Forgets the recent steps and spans (the totals stay): a caller measuring one run
+        clears them first so that the recent ones are exactly that run's."""
+        self._recent.clear()
+        self._spans.clear()
 
     def as_dict(self) -> dict[str, float | int]:
         busy = self.device_s / self.engine_s if self.engine_s > 0 else 0.0

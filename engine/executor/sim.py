@@ -52,8 +52,7 @@ _SPIN_S = 150e-6
 
 
 class DeviceOp(NamedTuple):
-    """One piece of simulated device work, on the host's ``perf_counter`` clock (a named
-    tuple, which the garbage collector stops tracking; see ``stats.StepRecord``)."""
+    """One piece of simulated device work, on the host's ``perf_counter`` clock."""
 
     kind: str  # "forward" or "sample"
     step_id: int
@@ -138,7 +137,9 @@ class SimExecutor(Executor):
         self._device_s = 0.0
         self._host_s = 0.0
         self._wake_late_s = 0.0
-        self._ops: deque[DeviceOp] = deque(maxlen=_RECENT_OPS)
+        # Plain tuples, named on the way out: the collector untracks a plain tuple of numbers
+        # (see ``stats.EngineStats``), so the recent ops cost the engine's collections nothing.
+        self._ops: deque[tuple[str, int, float, float, int, int, int]] = deque(maxlen=_RECENT_OPS)
 
     # ----------------------------------------------------------------- steps
     def execute_model(self, so: SchedulerOutput) -> None:
@@ -208,7 +209,7 @@ class SimExecutor(Executor):
         """Puts work on the timeline behind what is queued; returns when it ends."""
         start = max(now, self._free_at)
         self._free_at = start + seconds
-        self._ops.append(DeviceOp(kind, step_id, start, self._free_at, reqs, toks, sampled))
+        self._ops.append((kind, step_id, start, self._free_at, reqs, toks, sampled))
         return self._free_at
 
     def _sample(self, fwd: _Forward, grammar: GrammarOutput | None) -> ModelRunnerOutput:
@@ -335,7 +336,7 @@ class SimExecutor(Executor):
 
     def device_ops(self) -> list[DeviceOp]:
         """The recent device work, oldest first (for timelines and idle fractions)."""
-        return list(self._ops)
+        return [DeviceOp._make(o) for o in self._ops]
 
 
 class _SimOutput(AsyncOutput):
