@@ -91,3 +91,30 @@ def test_older_generations_follow_their_thresholds() -> None:
     # Young passes count up in the middle generation; once its count exceeds its threshold
     # the next pass collects it too.
     assert counts == [(1, 0), (2, 0), (3, 0), (0, 1)]
+
+
+def test_a_full_pass_waits_until_the_oldest_generation_grew_by_a_quarter() -> None:
+    """The interpreter's own condition for a full pass, which the collector keeps: passes
+    due by the counts alone collect the middle generation instead."""
+    gc.enable()
+    gc.collect()
+    collector = StepCollector()
+
+    def run_passes(n: int) -> None:
+        for _ in range(n):
+            _cycle()
+            assert collector.collect_if_due()
+
+    with collector.deferred():
+        gc.set_threshold(1, 1, 1)
+        run_passes(20)
+        assert collector.full_passes == 1  # the first full pass follows the counts
+        run_passes(30)  # due by the counts several times over; garbage dies young
+        assert collector.full_passes == 1
+        survivors = [_Node() for _ in range(len(gc.get_objects()) // 2)]
+        run_passes(10)  # promoted to the oldest generation: a full pass follows
+        assert collector.full_passes == 2
+        ref = _cycle()
+        run_passes(10)
+        assert ref() is None
+    assert len(survivors) > 0
