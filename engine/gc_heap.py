@@ -53,9 +53,10 @@ class StepCollector:
     its count of younger passes exceeds its own. A full pass also needs the interpreter's
     extra condition, that the long-lived objects grew by a quarter since the last full pass;
     the interpreter's own count of them cannot be read from Python, so the collector counts
-    the oldest generation itself when the counts make a full pass due. Without that
-    condition a full pass ran about every 100 young ones, 3-9 ms each at batch 256 (it walks
-    every running request's token lists), mostly finding nothing. Process-global, so
+    the oldest generation itself when the counts make a full pass due. That keeps full passes
+    as rare as automatic collection would make them where the long-lived heap is stable; at
+    batch 256 on the simulated H200 the running requests turn over fast enough that the
+    condition held at every due pass (about two a second, 3-6 ms each). Process-global, so
     automatic collection is held off only inside ``deferred()`` (the engine core's step),
     and left alone where something else in the process turned it off.
     """
@@ -105,10 +106,10 @@ class StepCollector:
         return True
 
     def _old_grew(self) -> bool:
-        """Whether the oldest generation grew by a quarter since the last full pass (its
-        garbage cycles, if any, can only be that growth): the interpreter's condition."""
+        """Whether the oldest generation grew by a quarter since the last full pass (garbage
+        cycles that reached it can only show as growth): the interpreter's condition."""
         if self._old_after_full is None:
             return True
-        # Counting means listing the generation: tens of microseconds for the ~10k objects
-        # of a running engine, once every ~100 young passes.
+        # Counting means listing the generation (thousands of objects in a running engine):
+        # only at middle-generation passes once the counts make a full pass due.
         return len(gc.get_objects(generation=2)) - self._old_after_full >= self._old_after_full // 4
