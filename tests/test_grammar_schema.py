@@ -24,6 +24,7 @@ from baton.grammar.schema.xgrammar_keywords import xgrammar_unenforced_keywords
 from baton.grammar.schema.xgrammar_normal_form import (
     URI_TEMPLATE_PATTERN,
     anchored_search,
+    counted_optional_groups,
     xgrammar_normal_form,
 )
 from baton.grammar.spec import StructuredOutputsParams
@@ -196,14 +197,35 @@ def test_anchored_search_gives_unanchored_sides_any_text() -> None:
     assert list(keys["patternProperties"]) == [f"^(?:(?:v){anything})$"]
 
 
+def test_counted_optional_groups_rewrites_group_quantifiers_only() -> None:
+    cases = {
+        "^(?:xa*)?$": "^(?:xa*){0,1}$",
+        "(a)??b": "(a){0,1}b",
+        "(?:a(b)?)?": "(?:a(b){0,1}){0,1}",
+        # An escaped parenthesis, one in a class, and other quantifiers stay.
+        "\\)?": "\\)?",
+        "[)?]": "[)?]",
+        "[^\\])?]x(b)?": "[^\\])?]x(b){0,1}",
+        "a?b*?(c)*?(d){2}?": "a?b*?(c)*?(d){2}?",
+    }
+    for pattern, written in cases.items():
+        assert counted_optional_groups(pattern) == written, pattern
+    # Same language, on strings around each pattern.
+    for pattern in cases:
+        for text in ("", "a", "b", "ab", "xa", "x", ")", "bcd", "bccdd", "]b"):
+            expected = re.fullmatch(pattern, text) is not None
+            assert (re.fullmatch(counted_optional_groups(pattern), text) is not None) == expected
+
+
 def test_xgrammar_normal_form_writes_uri_template_as_its_pattern() -> None:
+    written = counted_optional_groups(URI_TEMPLATE_PATTERN)
     assert xgrammar_normal_form({"type": "string", "format": "uri-template"}) == {
         "type": "string",
-        "pattern": URI_TEMPLATE_PATTERN,
+        "pattern": written,
     }
     # The untyped form is split by type, the string branch with the pattern.
     untyped = xgrammar_normal_form({"format": "uri-template"})
-    assert untyped["anyOf"][0] == {"type": "string", "pattern": URI_TEMPLATE_PATTERN}
+    assert untyped["anyOf"][0] == {"type": "string", "pattern": written}
     # A pattern already there: both must hold, so the format stays.
     both = {"type": "string", "format": "uri-template", "pattern": "^a$"}
     assert xgrammar_normal_form(both) == both

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -633,6 +634,31 @@ def test_enforced_format(backend: XGrammarBackend, tokenizer: Tokenizer, fmt: st
     assert xgrammar_unenforced_keywords(schema) == set()
 
 
+def test_uri_reference_takes_absolute_and_relative_references(
+    backend: XGrammarBackend, tokenizer: Tokenizer
+) -> None:
+    # xgrammar's own uri-reference grammar rejected every absolute URI; the normal form
+    # writes RFC 3986's URI-reference as a pattern instead.
+    schema = {"type": "string", "format": "uri-reference"}
+    for text in (
+        "https://example.com/probs/out-of-credit",
+        "http://x.com:8080/p?q=1#f",
+        "ldap://[2001:db8::7]/c=GB?objectClass?one",
+        "urn:isbn:0451450523",
+        "mailto:John.Doe@example.com",
+        "file:///etc/hosts",
+        "//foo.bar/?baz=qux#quux",
+        "/abc",
+        "../a/b:c",
+        "?q=1",
+        "#fragment",
+        "",
+    ):
+        assert accepts(backend, tokenizer, schema, text), text
+    for text in ("\\\\WINDOWS\\share", "#frag#ment", "http:// a", "1a:b", "100%", "a{b}"):
+        assert not accepts(backend, tokenizer, schema, text), text
+
+
 @pytest.mark.parametrize("fmt", sorted(UNENFORCED_FORMAT_EVIDENCE))
 def test_unenforced_format(backend: XGrammarBackend, tokenizer: Tokenizer, fmt: str) -> None:
     schema = {"type": "string", "format": fmt}
@@ -1015,6 +1041,32 @@ def test_the_rewrites_keep_xgrammars_masks(backend: XGrammarBackend, tokenizer: 
         assert torch.equal(a, b)
         assert mine.accept_tokens([token]) and raw.accept_token(token)
     assert mine.is_terminated()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "valid", "invalid"),
+    [
+        # xgrammar 0.2.9 read each of these optional groups as if only its first element were
+        # optional: "^(?:xa*)?$" accepted "a".
+        ("^(?:xa*)?$", ["", "x", "xaa"], ["a", "aa"]),
+        ("^v(?:-[a-z]+)?$", ["v", "v-beta"], ["vbeta", "v-"]),
+        ("^([0-9]+(\\.[0-9]+)?)?s$", ["s", "1s", "1.5s"], [".5s", "1.s"]),
+        ("^(?:a(?:b|c)+)??d$", ["d", "abd", "acbd"], ["bd", "cd"]),
+    ],
+)
+def test_optional_groups_in_patterns_keep_their_language(
+    backend: XGrammarBackend, tokenizer: Tokenizer, pattern: str, valid: list, invalid: list
+) -> None:
+    schema = {"type": "string", "pattern": pattern}
+    for text in valid:
+        assert re.search(pattern, text) and accepts(backend, tokenizer, schema, text), text
+    for text in invalid:
+        assert not re.search(pattern, text), text
+        assert not accepts(backend, tokenizer, schema, text), text
+    # As a patternProperties key too.
+    keyed = {"type": "object", "patternProperties": {pattern: {"type": "integer"}}}
+    assert accepts(backend, tokenizer, keyed, {valid[-1]: 1})
+    assert not accepts(backend, tokenizer, keyed, {invalid[0]: 1})
 
 
 def test_patterns_counting_past_128_are_rebuilt_and_keep_their_language(

@@ -59,10 +59,15 @@ XGRAMMAR_ENFORCED_KEYWORDS: Mapping[str, str] = {
     "any text, as JSON Schema searches, except beside an inner anchor, a (?...) group or a "
     "count past 128); such a string holds no escape sequence (stricter than JSON Schema); "
     "lookarounds are ignored; one that counts a repetition past 128 holds plain characters "
-    "only, no escape sequence (stricter than JSON Schema)",
-    "format": "the formats in XGRAMMAR_ENFORCED_FORMATS, syntax only (no calendar checks)",
-    "minimum": "integer and number",
-    "maximum": "integer and number",
+    "only, no escape sequence (stricter than JSON Schema); an optional group is written "
+    "(...){0,1}, which xgrammar reads right (it misread (...)?)",
+    "format": "the formats in XGRAMMAR_ENFORCED_FORMATS, syntax only (no calendar checks); "
+    "uri-reference and uri-template as the normal form's patterns (xgrammar's own uri-reference "
+    "took relative references only)",
+    "minimum": "integer and number; a number with a bound is written with at most 6 fraction "
+    "digits and no exponent (stricter than JSON Schema)",
+    "maximum": "integer and number; a number with a bound is written with at most 6 fraction "
+    "digits and no exponent (stricter than JSON Schema)",
     "exclusiveMinimum": "numeric form (the draft 4 boolean form fails to compile)",
     "exclusiveMaximum": "numeric form (the draft 4 boolean form fails to compile)",
     "multipleOf": "integer type with an integer divisor only",

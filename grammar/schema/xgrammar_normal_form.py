@@ -43,7 +43,30 @@ URI_TEMPLATE_PATTERN = (
     + _VARSPEC
     + r")*\})*$"
 )
-_FORMAT_PATTERNS = {"uri-template": URI_TEMPLATE_PATTERN}
+
+# RFC 3986's URI-reference: a URI (scheme ":" hier-part) or a relative reference, each with
+# an optional query and fragment. xgrammar's own uri-reference grammar (0.2.9) takes relative
+# references only: "https://example.com/a" was rejected. Characters outside RFC 3986's sets
+# (space, quotes, backslash, "<", ">", "{", "}") and a "%" without two hex digits are not URI text.
+_HEX2 = r"%[0-9A-Fa-f]{2}"
+_PCHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|" + _HEX2 + ")"
+_SEGMENT_NC = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=@]|" + _HEX2 + ")+"  # first segment, no scheme
+_SEGMENTS = r"(?:/" + _PCHAR + r"*)*"
+_HOST = (
+    r"(?:\[(?:[0-9A-Fa-f:.]+|[vV][0-9A-Fa-f]+\.[A-Za-z0-9\-._~!$&'()*+,;=:]+)\]"
+    r"|(?:[A-Za-z0-9\-._~!$&'()*+,;=]|" + _HEX2 + r")*)"
+)
+_AUTHORITY = r"(?:(?:[A-Za-z0-9\-._~!$&'()*+,;=:]|" + _HEX2 + r")*@)?" + _HOST + r"(?::[0-9]*)?"
+_SCHEME = r"[A-Za-z][A-Za-z0-9+\-.]*:"
+_PATH_ABSOLUTE = r"/(?:" + _PCHAR + r"+" + _SEGMENTS + r")?"
+_HIER_PARTS = (
+    r"(?:" + _SCHEME + r")?(?://" + _AUTHORITY + _SEGMENTS + r"|" + _PATH_ABSOLUTE + r")",
+    _SCHEME + r"(?:" + _PCHAR + r"+" + _SEGMENTS + r")?",  # rootless, or empty, after a scheme
+    r"(?:" + _SEGMENT_NC + _SEGMENTS + r")?",  # relative path, or empty
+)
+_QUERY_FRAGMENT = r"(?:\?(?:" + _PCHAR + r"|[/?])*)?(?:#(?:" + _PCHAR + r"|[/?])*)?"
+URI_REFERENCE_PATTERN = r"^(?:" + "|".join(_HIER_PARTS) + r")" + _QUERY_FRAGMENT + r"$"
+_FORMAT_PATTERNS = {"uri-template": URI_TEMPLATE_PATTERN, "uri-reference": URI_REFERENCE_PATTERN}
 
 # Every JSON type once ("number" covers "integer"), in the order the rest branch lists them.
 _JSON_TYPES = ("null", "boolean", "number", "string", "array", "object")
@@ -221,6 +244,40 @@ def anchored_search(pattern: str) -> str | None:
     return "^(?:" + "|".join(written) + ")$"
 
 
+def counted_optional_groups(pattern: str) -> str:
+    """``pattern`` with each optional group ``(...)?`` (or lazy ``(...)??``) written
+    ``(...){0,1}``, the same language.
+
+    xgrammar (0.2.9) misreads an optional group inside a JSON-schema ``pattern`` (its
+    ``json_string`` regex path; ``Grammar.from_regex`` reads it right): ``^(?:xa*)?$`` accepted
+    "a", as if it were ``x?a*``. A differential run of random patterns against Python's ``re``
+    (every string up to 4 characters) found 24 of 300 patterns misread this way, and none once
+    optional groups were counted.
+    """
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            step = 2 if pattern.startswith("[^", i) else 1
+            out.append(pattern[i : i + step])
+            i += step
+            continue
+        elif ch == ")" and pattern.startswith("?", i + 1):
+            out.append("){0,1}")
+            i += 3 if pattern.startswith("??", i + 1) else 2
+            continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
 def xgrammar_normal_form(schema: Any) -> Any:
     """``schema`` in the shape baton hands xgrammar, with the same instances: integral counts
     as ints, every ``allOf`` merged into one schema where it can be (``_merged_all_of``,
@@ -288,11 +345,13 @@ def xgrammar_normal_form(schema: Any) -> Any:
         # JSON Schema searches for it anywhere ("^v" admits "vroom").
         out = node
         pattern = node.get("pattern")
-        if isinstance(pattern, str) and (anchored := anchored_search(pattern)) is not None:
-            out = {**out, "pattern": anchored}
+        if isinstance(pattern, str):
+            written = counted_optional_groups(anchored_search(pattern) or pattern)
+            if written != pattern:
+                out = {**out, "pattern": written}
         patterns = node.get("patternProperties")
         if isinstance(patterns, dict) and not pointed_into(path, ("patternProperties",)):
-            keys = {p: anchored_search(p) or p for p in patterns}
+            keys = {p: counted_optional_groups(anchored_search(p) or p) for p in patterns}
             if keys != {p: p for p in patterns} and len(set(keys.values())) == len(keys):
                 out = {**out, "patternProperties": {keys[p]: v for p, v in patterns.items()}}
         return out
@@ -429,4 +488,10 @@ def xgrammar_normal_form(schema: Any) -> Any:
     return out if any_change else schema
 
 
-__all__ = ["URI_TEMPLATE_PATTERN", "anchored_search", "xgrammar_normal_form"]
+__all__ = [
+    "URI_REFERENCE_PATTERN",
+    "URI_TEMPLATE_PATTERN",
+    "anchored_search",
+    "counted_optional_groups",
+    "xgrammar_normal_form",
+]
