@@ -7,7 +7,7 @@ between a JSON string's quotes (``outlines_pattern``), where that can be said ex
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 # What outlines-core itself writes for free string text, and ECMA's "." in the JSON text (no
@@ -52,9 +52,11 @@ def strip_anchors(regex: str) -> str:
     return regex
 
 
-def split_top_level(pattern: str) -> list[str]:
-    """Splits a pattern at its top-level ``|``."""
-    parts, depth, start, i, in_class = [], 0, 0, 0, False
+def outside_classes(pattern: str) -> Iterator[int]:
+    """The indexes of ``pattern``'s characters that are regex syntax or literals outside a
+    character class: escapes (the backslash and its character), classes and their brackets
+    are skipped."""
+    i, in_class = 0, False
     while i < len(pattern):
         ch = pattern[i]
         if ch == "\\":
@@ -64,16 +66,25 @@ def split_top_level(pattern: str) -> list[str]:
             in_class = ch != "]"
         elif ch == "[":
             in_class = True
-            if pattern.startswith("[^]", i) or pattern.startswith("[]", i):
-                i += 1
-        elif ch == "(":
+            i += 2 if pattern.startswith("[^", i) else 1
+            continue
+        else:
+            yield i
+        i += 1
+
+
+def split_top_level(pattern: str) -> list[str]:
+    """Splits a pattern at its top-level ``|``."""
+    parts, depth, start = [], 0, 0
+    for i in outside_classes(pattern):
+        ch = pattern[i]
+        if ch == "(":
             depth += 1
         elif ch == ")":
             depth -= 1
         elif ch == "|" and depth == 0:
             parts.append(pattern[start:i])
             start = i + 1
-        i += 1
     parts.append(pattern[start:])
     return parts
 
@@ -278,6 +289,7 @@ def estimate_dfa_states(regex: str) -> int:
 
 
 __all__ = [
+    "outside_classes",
     "FREE_TEXT",
     "PatternRefused",
     "choice_regex",

@@ -11,7 +11,7 @@ from typing import Any
 
 from baton.grammar.schema.merge import cousins_ok, merge_schemas
 from baton.grammar.schema.normalise import Path, Rewrite, integral_counts, map_schemas
-from baton.grammar.schema.pattern_regex import split_top_level
+from baton.grammar.schema.pattern_regex import outside_classes, split_top_level
 from baton.grammar.schema.refs import (
     inside_a_target,
     is_local_ref,
@@ -196,22 +196,7 @@ _COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
 def _inner_anchor(branch: str) -> bool:
     """Whether ``branch`` has a ``^`` or ``$`` outside a class (escapes skipped)."""
-    i, in_class = 0, False
-    while i < len(branch):
-        ch = branch[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-            i += 2 if branch.startswith("[^", i) else 1
-            continue
-        elif ch in "^$":
-            return True
-        i += 1
-    return False
+    return any(branch[i] in "^$" for i in outside_classes(branch))
 
 
 def anchored_search(pattern: str) -> str | None:
@@ -254,27 +239,12 @@ def counted_optional_groups(pattern: str) -> str:
     (every string up to 4 characters) found 24 of 300 patterns misread this way, and none once
     optional groups were counted.
     """
-    out, i, in_class = [], 0, False
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\":
-            out.append(pattern[i : i + 2])
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-            step = 2 if pattern.startswith("[^", i) else 1
-            out.append(pattern[i : i + step])
-            i += step
-            continue
-        elif ch == ")" and pattern.startswith("?", i + 1):
-            out.append("){0,1}")
-            i += 3 if pattern.startswith("??", i + 1) else 2
-            continue
-        out.append(ch)
-        i += 1
+    out, start = [], 0
+    for i in outside_classes(pattern):
+        if pattern[i] == ")" and pattern.startswith("?", i + 1):
+            out.append(pattern[start:i] + "){0,1}")
+            start = i + (3 if pattern.startswith("??", i + 1) else 2)
+    out.append(pattern[start:])
     return "".join(out)
 
 
