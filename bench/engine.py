@@ -302,6 +302,7 @@ def summarize(
         "regime": regime,
         "async": bool(llm.config.async_scheduling),
         "executor": llm.config.executor,
+        "dtype": str(llm.config.dtype).removeprefix("torch."),
         "json_fraction": json_fraction,
         "batch": batch,
         "runs": len(runs),
@@ -565,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_trace": trace,
     }
     print_report(result)
-    write_results(result, a.out, plot)
+    write_results(result, a.out, plot, dtype=",".join(sorted({r["dtype"] for r in rows})))
     return 0
 
 

@@ -24,7 +24,6 @@ import asyncio
 import json
 import math
 import os
-import re
 import tempfile
 import time
 from collections.abc import Sequence
@@ -39,8 +38,10 @@ from baton.bench.common import add_common_args, config_from_args, csv_of, write_
 from baton.bench.engine import SCHEMA, TinyModelShape, conversations
 from baton.bench.serve_report import plot, print_report
 from baton.bench.server_process import (
+    COMPUTE_INFO,
     ServerProcess,
     parse_metrics,
+    served_dtype,
     sigterm_as_exit,
     write_tiny_model_dir,
 )
@@ -369,20 +370,6 @@ def engine_metrics(samples: dict[str, float]) -> dict[str, float]:
     out.update({k: v for k, v in samples.items() if k.startswith("baton_requests_total{")})
     out.update({k: v for k, v in samples.items() if k.startswith(f"{COMPUTE_INFO}{{")})
     return out
-
-
-COMPUTE_INFO = "baton_model_compute_info"
-
-
-def served_dtype(samples: dict[str, float]) -> str | None:
-    """The dtype the server reports computing in (its ``baton_model_compute_info`` labels),
-    or None when it reports none."""
-    for key in samples:
-        if key.startswith(f"{COMPUTE_INFO}{{"):
-            match = re.search(r'dtype="([^"]*)"', key)
-            if match:
-                return match.group(1)
-    return None
 
 
 # ------------------------------------------------------------------ running

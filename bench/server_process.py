@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,6 +48,20 @@ def serve_command(
     if model is not None:
         cmd += ["--model", model]
     return cmd + list(extra)
+
+
+COMPUTE_INFO = "baton_model_compute_info"
+
+
+def served_dtype(samples: dict[str, float]) -> str | None:
+    """The dtype the server reports computing in (its ``baton_model_compute_info`` labels),
+    or None when it reports none."""
+    for key in samples:
+        if key.startswith(f"{COMPUTE_INFO}{{"):
+            match = re.search(r'dtype="([^"]*)"', key)
+            if match:
+                return match.group(1)
+    return None
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -41,7 +41,12 @@ import httpx
 
 from baton.bench.common import add_common_args, config_from_args, write_results
 from baton.bench.plotting import pyplot
-from baton.bench.server_process import ServerProcess, parse_metrics, write_tiny_model_dir
+from baton.bench.server_process import (
+    ServerProcess,
+    parse_metrics,
+    served_dtype,
+    write_tiny_model_dir,
+)
 from baton.bench.soak_requests import (
     VALID_KINDS,
     Outcome,
@@ -314,6 +319,7 @@ def summarize(
             if latencies
             else None
         ),
+        "dtype": served_dtype(metrics),
         "kv_free_blocks": metrics.get("baton_kv_free_blocks"),
         "kv_total_blocks": metrics.get("baton_kv_total_blocks"),
         "num_running_after": metrics.get("baton_num_requests_running"),
@@ -485,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = config_from_args(parser, a, SoakConfig)
     result = run_soak(config, a.log)
     print_report(result)
-    write_results(result, a.out, plot)
+    write_results(result, a.out, plot, dtype=result["figures"]["dtype"])
     return 0 if result["passed"] else 1
 
 

@@ -46,6 +46,9 @@ def test_bench_engine_smallest_run_writes_every_row(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["worker_threads"] == 1
     rows = result["rows"]
+    # The dtype each row computed in, and their set in the run's provenance.
+    assert {r["dtype"] for r in rows} <= {"float32", "bfloat16"}
+    assert result["run"]["dtype"] == ",".join(sorted({r["dtype"] for r in rows}))
     cases = {(r["async"], r["json_fraction"], r["batch"]) for r in rows}
     assert cases == {(a, f, b) for a in (True, False) for f in (0.0, 1.0) for b in (1, 2)}
     for row in rows:

@@ -118,6 +118,7 @@ def test_short_soak_meets_every_criterion(tiny_model_dir: Path, tmp_path: Path) 
     assert f["server_requests_total"]["rejected"] == 6
     assert f["server_requests_total"]["aborted"] >= 1  # the hung-up streams were aborted
     assert f["rss_last_quarter_mb"] is not None and f["rss_growth"] is not None
+    assert f["dtype"] in ("float32", "bfloat16")  # what the server reported computing in
 
 
 # ---------------------------------------------------------------- SIGTERM
