@@ -248,6 +248,12 @@ def counted_optional_groups(pattern: str) -> str:
     return "".join(out)
 
 
+def _xgrammar_pattern(pattern: str) -> str:
+    """A ``pattern`` (or patternProperties key) as xgrammar is handed it, the same language:
+    the search made whole-string (``anchored_search``), optional groups counted."""
+    return counted_optional_groups(anchored_search(pattern) or pattern)
+
+
 def xgrammar_normal_form(schema: Any) -> Any:
     """``schema`` in the shape baton hands xgrammar, with the same instances: integral counts
     as ints, every ``allOf`` merged into one schema where it can be (``_merged_all_of``,
@@ -316,12 +322,12 @@ def xgrammar_normal_form(schema: Any) -> Any:
         out = node
         pattern = node.get("pattern")
         if isinstance(pattern, str):
-            written = counted_optional_groups(anchored_search(pattern) or pattern)
+            written = _xgrammar_pattern(pattern)
             if written != pattern:
                 out = {**out, "pattern": written}
         patterns = node.get("patternProperties")
         if isinstance(patterns, dict) and not pointed_into(path, ("patternProperties",)):
-            keys = {p: counted_optional_groups(anchored_search(p) or p) for p in patterns}
+            keys = {p: _xgrammar_pattern(p) for p in patterns}
             if keys != {p: p for p in patterns} and len(set(keys.values())) == len(keys):
                 out = {**out, "patternProperties": {keys[p]: v for p, v in patterns.items()}}
         return out
