@@ -1,0 +1,185 @@
+// Linear layers with GGUF block-quantised weights (Q8_0, Q4_0, Q4_1) on x86-64 CPUs:
+// y[M, N] = x[M, K] @ dequant(W)[N, K]^T, float32 accumulation, batch-invariant.
+//
+// Built by torch.utils.cpp_extension.load without any -m flag: each instruction set's code is
+// compiled under its own `#pragma GCC target` region (a per-function target attribute) and
+// picked at run time by the caller from isa_supported(), so one build runs on an AVX2-only
+// EPYC and uses AVX-512 on a machine that has it. The weight layout is written by
+// quant_linear.py's repack(); the kernels themselves are in quant_linear_body.h.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Format codes shared with quant_linear.py (_FORMAT_CODES).
+constexpr int kQ8_0 = 0;
+constexpr int kQ4_0 = 1;
+constexpr int kQ4_1 = 2;
+// Instruction sets shared with quant_linear.py (ISAS).
+constexpr int64_t kIsaAvx2 = 0;
+constexpr int64_t kIsaAvx512 = 1;
+
+// Output columns per tile: the tile's blocks are interleaved column by column so that one tile
+// is one sequential stream of bytes (see repack()).
+constexpr int kTile = 4;
+
+// One repacked weight: tiles of kTile rows of W, each tile laid out as
+//   fp16 d[blocks][kTile], (Q4_1: fp16 m[blocks][kTile]), quants[blocks][kTile][quant_bytes].
+struct Layout {
+  int format;
+  int64_t blocks;       // K / 32
+  int64_t quant_bytes;  // 16 (4-bit) or 32 (8-bit) per block
+  int64_t scales;       // fp16 values per block: 1 (d) or 2 (d, m)
+  int64_t tile_bytes() const { return blocks * kTile * (2 * scales + quant_bytes); }
+  int64_t k() const { return blocks * 32; }
+};
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+
+struct V16 {
+  __m256 a, b;  // lanes 0..7, 8..15
+};
+static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float* p, V16 v) {
+  _mm256_storeu_ps(p, v.a);
+  _mm256_storeu_ps(p + 8, v.b);
+}
+static inline V16 vset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+static inline V16 vfma(V16 x, V16 y, V16 z) {
+  return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
+}
+static inline V16 vmul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+static inline void vsum8(V16 v, float out[8]) { _mm256_storeu_ps(out, _mm256_add_ps(v.a, v.b)); }
+static inline V16 u8_to_v16(__m128i bytes) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))};
+}
+static inline void nibbles(const uint8_t* q, V16& lo, V16& hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  lo = u8_to_v16(_mm_and_si128(v, mask));
+  hi = u8_to_v16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+}
+static inline V16 s8_to_v16(const uint8_t* q) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
+}
+static inline void bytes_s8(const uint8_t* q, V16& lo, V16& hi) {
+  lo = s8_to_v16(q);
+  hi = s8_to_v16(q + 16);
+}
+// 16 ymm registers: one row fused (8 accumulators), 2x2 (rows x columns) when buffered.
+constexpr int kFusedMaxRows = 1;
+constexpr int kRowGroup = 2;
+constexpr int kColGroup = 2;
+
+#include "quant_linear_body.h"
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+namespace avx512 {
+
+struct V16 {
+  __m512 v;
+};
+static inline V16 vzero() { return {_mm512_setzero_ps()}; }
+static inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline void vstore(float* p, V16 x) { _mm512_storeu_ps(p, x.v); }
+static inline V16 vset1(float s) { return {_mm512_set1_ps(s)}; }
+static inline V16 vfma(V16 x, V16 y, V16 z) { return {_mm512_fmadd_ps(x.v, y.v, z.v)}; }
+static inline V16 vmul(V16 x, V16 y) { return {_mm512_mul_ps(x.v, y.v)}; }
+static inline void vsum8(V16 x, float out[8]) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm512_castps512_ps256(x.v), hi));
+}
+static inline void nibbles(const uint8_t* q, V16& lo, V16& hi) {
+  const __m512i v =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)))};
+  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))};
+}
+static inline void bytes_s8(const uint8_t* q, V16& lo, V16& hi) {
+  lo = {_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))))};
+  hi = {_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))))};
+}
+// 32 zmm registers: up to 4 rows x 4 columns of accumulators (16) beside x and weights.
+constexpr int kFusedMaxRows = 4;
+constexpr int kRowGroup = 4;
+constexpr int kColGroup = 4;
+
+#include "quant_linear_body.h"
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace {
+
+bool isa_supported(int64_t isa) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (isa == kIsaAvx2) return avx2;
+  if (isa == kIsaAvx512)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  return false;
+}
+
+// The Python wrapper validates arguments with clear ValueErrors; these checks only keep a
+// direct caller from reading out of bounds.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t n,
+                        int64_t k, int64_t isa) {
+  TORCH_CHECK(format == kQ8_0 || format == kQ4_0 || format == kQ4_1, "unknown format ", format);
+  TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && k % 32 == 0 && n > 0, "bad x or K");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "bad dtype");
+  const Layout L{static_cast<int>(format), k / 32, format == kQ8_0 ? 32 : 16,
+                 format == kQ4_1 ? 2 : 1};
+  const int64_t ntiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.numel() == ntiles * L.tile_bytes(),
+              "packed weight does not match format, N and K");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  at::Tensor y = at::empty({M, n}, xf.options());
+  if (M == 0) return y.to(x.scalar_type());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Threads only for tiles worth it (about 64K weights each); results do not depend on this.
+  const int64_t grain = std::max<int64_t>(1, 16384 / k);
+  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+    if (isa == kIsaAvx512)
+      avx512::run_tiles(L, wp, xp, M, yp, n, t0, t1);
+    else
+      avx2::run_tiles(L, wp, xp, M, yp, n, t0, t1);
+  });
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear", &quant_linear, "y = x @ dequant(w)^T (see quant_linear.py)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("isa_supported", &isa_supported, "whether this CPU runs the instruction set code");
+}

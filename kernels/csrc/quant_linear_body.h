@@ -1,0 +1,188 @@
+// The ISA-generic part of the quantised linear kernels. quant_linear.cpp includes this file
+// once per instruction set, inside a namespace and a `#pragma GCC target` region (which gives
+// every function here that target's attribute), after defining for it:
+//   struct V16;                       a 16-lane float32 vector (one zmm, or two ymm)
+//   V16 vzero(); V16 vload(const float*); void vstore(float*, V16); V16 vset1(float);
+//   V16 vfma(V16 a, V16 b, V16 c);    a * b + c, one rounding
+//   V16 vmul(V16 a, V16 b);
+//   void vsum8(V16 a, float out[8]);  out[i] = a[i] + a[i + 8]
+//   void nibbles(const uint8_t* q, V16& lo, V16& hi);  16 bytes -> low and high nibbles
+//   void bytes_s8(const uint8_t* q, V16& lo, V16& hi); 32 int8 -> 16 + 16 floats
+//   constexpr int kFusedMaxRows, kRowGroup, kColGroup;  register blocking (see below)
+// and with Layout, kTile and the format codes (kQ8_0, ...) in scope. It includes nothing itself:
+// the standard headers it uses are included by quant_linear.cpp before any target region.
+//
+// Batch invariance holds by construction: every output element y[m, n] is one 16-lane
+// accumulator that takes, block after block (32 weights), lane l += x[32b+l] * w[32b+l] and then
+// lane l += x[32b+16+l] * w[32b+16+l], each a single-rounding FMA, then the fixed tree `hsum16`.
+// Nothing in that sequence depends on M, on the other rows, on how rows and columns are
+// blocked into registers, or on which thread computes the tile. The AVX2 build performs the
+// same operations lane by lane (a V16 there is two ymm), so both builds give identical bits.
+
+// Lanes 0..7 + 8..15, then a fixed scalar tree; the same code for every ISA.
+static inline float hsum16(V16 a) {
+  float s8[8];
+  vsum8(a, s8);
+  const float s4[4] = {s8[0] + s8[4], s8[1] + s8[5], s8[2] + s8[6], s8[3] + s8[7]};
+  const float s2[2] = {s4[0] + s4[2], s4[1] + s4[3]};
+  return s2[0] + s2[1];
+}
+
+// Weights of block i (= b * kTile + column) as floats, exactly as gguf's dequantisation: each
+// product and FMA below is exact or rounds once where gguf's numpy rounds once (see
+// quant_linear.py's docstring).
+template <int FMT>
+static inline void dequant(const Layout& L, const uint8_t* qs, const float* sd, const float* sb,
+                           int64_t i, V16& lo, V16& hi) {
+  const uint8_t* q = qs + i * L.quant_bytes;
+  const V16 d = vset1(sd[i]);
+  if (FMT == kQ8_0) {
+    bytes_s8(q, lo, hi);
+    lo = vmul(lo, d);
+    hi = vmul(hi, d);
+  } else {  // Q4_0: q * d + (-8 d); Q4_1: q * d + m
+    nibbles(q, lo, hi);
+    const V16 o = vset1(sb[i]);
+    lo = vfma(lo, d, o);
+    hi = vfma(hi, d, o);
+  }
+}
+
+// M <= kFusedMaxRows: dequantise each block into registers and use it for every row at once.
+template <int FMT, int R>
+static void tile_fused(const Layout& L, const uint8_t* qs, const float* sd, const float* sb,
+                       const float* x, int64_t ldx, float* y, int64_t ldy, int64_t ncols) {
+  V16 acc[R][kTile];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kTile; ++c) acc[r][c] = vzero();
+  for (int64_t b = 0; b < L.blocks; ++b) {
+    V16 xl[R], xh[R];
+    for (int r = 0; r < R; ++r) {
+      xl[r] = vload(x + r * ldx + 32 * b);
+      xh[r] = vload(x + r * ldx + 32 * b + 16);
+    }
+    for (int c = 0; c < kTile; ++c) {
+      V16 lo, hi;
+      dequant<FMT>(L, qs, sd, sb, b * kTile + c, lo, hi);
+      for (int r = 0; r < R; ++r) {
+        acc[r][c] = vfma(xl[r], lo, acc[r][c]);
+        acc[r][c] = vfma(xh[r], hi, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < ncols; ++c) y[r * ldy + c] = hsum16(acc[r][c]);
+}
+
+constexpr int64_t kChunkBlocks = 8;  // blocks dequantised into L1 at a time (4 KiB of floats)
+
+// R rows (R <= kRowGroup) of the buffered path: accumulators come from and go back to `accs`
+// ([row][column][16]) so that the per-element sequence continues across chunks unchanged.
+template <int R>
+static void row_group(const float* wbuf, int64_t cb, const float* x, int64_t ldx, float* accs) {
+  for (int c0 = 0; c0 < kTile; c0 += kColGroup) {
+    V16 acc[R][kColGroup];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kColGroup; ++c) acc[r][c] = vload(accs + (r * kTile + c0 + c) * 16);
+    for (int64_t bb = 0; bb < cb; ++bb) {
+      for (int r = 0; r < R; ++r) {
+        const V16 xl = vload(x + r * ldx + 32 * bb);
+        const V16 xh = vload(x + r * ldx + 32 * bb + 16);
+        for (int c = 0; c < kColGroup; ++c) {
+          const float* w = wbuf + (bb * kTile + c0 + c) * 32;
+          acc[r][c] = vfma(xl, vload(w), acc[r][c]);
+          acc[r][c] = vfma(xh, vload(w + 16), acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kColGroup; ++c) vstore(accs + (r * kTile + c0 + c) * 16, acc[r][c]);
+  }
+}
+
+static void row_group_any(int rows, const float* wbuf, int64_t cb, const float* x, int64_t ldx,
+                          float* accs) {
+  static_assert(kRowGroup <= 4, "row_group_any dispatches 1..4 rows");
+  switch (rows) {
+    case 1: row_group<1>(wbuf, cb, x, ldx, accs); break;
+    case 2: row_group<(kRowGroup >= 2 ? 2 : 1)>(wbuf, cb, x, ldx, accs); break;
+    case 3: row_group<(kRowGroup >= 3 ? 3 : 1)>(wbuf, cb, x, ldx, accs); break;
+    default: row_group<kRowGroup>(wbuf, cb, x, ldx, accs); break;
+  }
+}
+
+// M > kFusedMaxRows: dequantise a chunk of the tile once into L1, then run every row over it.
+template <int FMT>
+static void tile_buffered(const Layout& L, const uint8_t* qs, const float* sd, const float* sb,
+                          const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
+                          int64_t ncols, std::vector<float>& accs) {
+  alignas(64) float wbuf[kChunkBlocks * kTile * 32];
+  accs.assign(static_cast<size_t>(M) * kTile * 16, 0.0f);
+  for (int64_t b0 = 0; b0 < L.blocks; b0 += kChunkBlocks) {
+    const int64_t cb = std::min(kChunkBlocks, L.blocks - b0);
+    for (int64_t bb = 0; bb < cb; ++bb)
+      for (int c = 0; c < kTile; ++c) {
+        V16 lo, hi;
+        dequant<FMT>(L, qs, sd, sb, (b0 + bb) * kTile + c, lo, hi);
+        vstore(wbuf + (bb * kTile + c) * 32, lo);
+        vstore(wbuf + (bb * kTile + c) * 32 + 16, hi);
+      }
+    for (int64_t r0 = 0; r0 < M; r0 += kRowGroup) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowGroup, M - r0));
+      row_group_any(rows, wbuf, cb, x + r0 * ldx + 32 * b0, ldx, accs.data() + r0 * kTile * 16);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t c = 0; c < ncols; ++c)
+      y[r * ldy + c] = hsum16(vload(accs.data() + (r * kTile + c) * 16));
+}
+
+template <int FMT>
+static void tiles(const Layout& L, const uint8_t* w, const float* x, int64_t M, float* y,
+                  int64_t N, int64_t t0, int64_t t1) {
+  std::vector<float> sd(L.blocks * kTile), sb(L.blocks * kTile), accs;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * L.tile_bytes();
+    const uint8_t* qs = tile + L.blocks * kTile * 2 * L.scales;
+    // Scales to float once per tile; Q4_0's offset -8 d is exact (a power-of-two multiple).
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(tile);
+    for (int64_t i = 0; i < L.blocks * kTile; ++i) {
+      uint16_t d16, m16 = 0;
+      std::memcpy(&d16, h + i, 2);
+      if (L.scales == 2) std::memcpy(&m16, h + L.blocks * kTile + i, 2);
+      sd[i] = _cvtsh_ss(d16);
+      sb[i] = FMT == kQ4_0 ? -8.0f * sd[i] : _cvtsh_ss(m16);
+    }
+    const int64_t n0 = t * kTile, ncols = std::min<int64_t>(kTile, N - n0);
+    float* yt = y + n0;
+    if (M > kFusedMaxRows) {
+      tile_buffered<FMT>(L, qs, sd.data(), sb.data(), x, M, L.k(), yt, N, ncols, accs);
+      continue;
+    }
+    switch (M) {
+      case 1: tile_fused<FMT, 1>(L, qs, sd.data(), sb.data(), x, L.k(), yt, N, ncols); break;
+      case 2:
+        tile_fused<FMT, (kFusedMaxRows >= 2 ? 2 : 1)>(L, qs, sd.data(), sb.data(), x, L.k(), yt,
+                                                      N, ncols);
+        break;
+      case 3:
+        tile_fused<FMT, (kFusedMaxRows >= 3 ? 3 : 1)>(L, qs, sd.data(), sb.data(), x, L.k(), yt,
+                                                      N, ncols);
+        break;
+      default:
+        tile_fused<FMT, (kFusedMaxRows >= 4 ? 4 : 1)>(L, qs, sd.data(), sb.data(), x, L.k(), yt,
+                                                      N, ncols);
+        break;
+    }
+  }
+}
+
+// y[M, N] (float32) = x[M, K] (float32) @ dequant(w)^T for tiles [t0, t1).
+static void run_tiles(const Layout& L, const uint8_t* w, const float* x, int64_t M, float* y,
+                      int64_t N, int64_t t0, int64_t t1) {
+  switch (L.format) {
+    case kQ8_0: tiles<kQ8_0>(L, w, x, M, y, N, t0, t1); break;
+    case kQ4_0: tiles<kQ4_0>(L, w, x, M, y, N, t0, t1); break;
+    default: tiles<kQ4_1>(L, w, x, M, y, N, t0, t1); break;
+  }
+}
