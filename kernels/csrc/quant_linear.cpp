@@ -67,11 +67,12 @@ static inline V16 u8_to_v16(__m128i bytes) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))};
 }
-static inline void nibbles(const uint8_t* q, V16& lo, V16& hi) {
+static inline void dequant_nibbles(const uint8_t* q, float d, float o, V16& lo, V16& hi) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   const __m128i mask = _mm_set1_epi8(0x0F);
-  lo = u8_to_v16(_mm_and_si128(v, mask));
-  hi = u8_to_v16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+  const V16 vd = vset1(d), vo = vset1(o);
+  lo = vfma(u8_to_v16(_mm_and_si128(v, mask)), vd, vo);
+  hi = vfma(u8_to_v16(_mm_and_si128(_mm_srli_epi16(v, 4), mask)), vd, vo);
 }
 static inline V16 s8_to_v16(const uint8_t* q) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -82,10 +83,11 @@ static inline void bytes_s8(const uint8_t* q, V16& lo, V16& hi) {
   lo = s8_to_v16(q);
   hi = s8_to_v16(q + 16);
 }
-// 16 ymm registers: one row fused (8 accumulators), 2x2 (rows x columns) when buffered.
+// 16 ymm registers: one row fused (8 accumulators); 2 rows x 1 column when buffered (x 8,
+// accumulators 4, weights 4).
 constexpr int kFusedMaxRows = 1;
 constexpr int kRowGroup = 2;
-constexpr int kColGroup = 2;
+constexpr int kColGroup = 1;
 
 #include "quant_linear_body.h"
 
@@ -109,11 +111,15 @@ static inline void vsum8(V16 x, float out[8]) {
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1));
   _mm256_storeu_ps(out, _mm256_add_ps(_mm512_castps512_ps256(x.v), hi));
 }
-static inline void nibbles(const uint8_t* q, V16& lo, V16& hi) {
+// The block's 16 possible weights fma(i, d, o) (the same exact values as converting each
+// nibble), then looked up per weight: vpermps reads only the low 4 bits of each index.
+static inline void dequant_nibbles(const uint8_t* q, float d, float o, V16& lo, V16& hi) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(o));
   const __m512i v =
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)))};
-  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))};
+  lo = {_mm512_permutexvar_ps(v, table)};
+  hi = {_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table)};
 }
 static inline void bytes_s8(const uint8_t* q, V16& lo, V16& hi) {
   lo = {_mm512_cvtepi32_ps(

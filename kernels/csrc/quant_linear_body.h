@@ -6,7 +6,8 @@
 //   V16 vfma(V16 a, V16 b, V16 c);    a * b + c, one rounding
 //   V16 vmul(V16 a, V16 b);
 //   void vsum8(V16 a, float out[8]);  out[i] = a[i] + a[i + 8]
-//   void nibbles(const uint8_t* q, V16& lo, V16& hi);  16 bytes -> low and high nibbles
+//   void dequant_nibbles(const uint8_t* q, float d, float o, V16& lo, V16& hi);
+//                                     16 bytes of nibbles -> fma(nibble, d, o), low then high
 //   void bytes_s8(const uint8_t* q, V16& lo, V16& hi); 32 int8 -> 16 + 16 floats
 //   constexpr int kFusedMaxRows, kRowGroup, kColGroup;  register blocking (see below)
 // and with Layout, kTile and the format codes (kQ8_0, ...) in scope. It includes nothing itself:
@@ -35,17 +36,21 @@ template <int FMT>
 static inline void dequant(const Layout& L, const uint8_t* qs, const float* sd, const float* sb,
                            int64_t i, V16& lo, V16& hi) {
   const uint8_t* q = qs + i * L.quant_bytes;
-  const V16 d = vset1(sd[i]);
   if (FMT == kQ8_0) {
+    const V16 d = vset1(sd[i]);
     bytes_s8(q, lo, hi);
     lo = vmul(lo, d);
     hi = vmul(hi, d);
   } else {  // Q4_0: q * d + (-8 d); Q4_1: q * d + m
-    nibbles(q, lo, hi);
-    const V16 o = vset1(sb[i]);
-    lo = vfma(lo, d, o);
-    hi = vfma(hi, d, o);
+    dequant_nibbles(q, sd[i], sb[i], lo, hi);
   }
+}
+
+// fp16 scales to float32, four at a time (count is a multiple of kTile = 4).
+static inline void convert_scales(const uint8_t* h, int64_t count, float* out) {
+  for (int64_t i = 0; i < count; i += 4)
+    _mm_storeu_ps(out + i,
+                  _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + 2 * i))));
 }
 
 // M <= kFusedMaxRows: dequantise each block into registers and use it for every row at once.
@@ -74,7 +79,7 @@ static void tile_fused(const Layout& L, const uint8_t* qs, const float* sd, cons
     for (int64_t c = 0; c < ncols; ++c) y[r * ldy + c] = hsum16(acc[r][c]);
 }
 
-constexpr int64_t kChunkBlocks = 8;  // blocks dequantised into L1 at a time (4 KiB of floats)
+constexpr int64_t kChunkBlocks = 32;  // blocks dequantised into L1 at a time (16 KiB of floats)
 
 // R rows (R <= kRowGroup) of the buffered path: accumulators come from and go back to `accs`
 // ([row][column][16]) so that the per-element sequence continues across chunks unchanged.
@@ -84,14 +89,19 @@ static void row_group(const float* wbuf, int64_t cb, const float* x, int64_t ldx
     V16 acc[R][kColGroup];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < kColGroup; ++c) acc[r][c] = vload(accs + (r * kTile + c0 + c) * 16);
+    // x of every row in registers, each weight vector loaded once for all R rows.
     for (int64_t bb = 0; bb < cb; ++bb) {
+      V16 xl[R], xh[R];
       for (int r = 0; r < R; ++r) {
-        const V16 xl = vload(x + r * ldx + 32 * bb);
-        const V16 xh = vload(x + r * ldx + 32 * bb + 16);
-        for (int c = 0; c < kColGroup; ++c) {
-          const float* w = wbuf + (bb * kTile + c0 + c) * 32;
-          acc[r][c] = vfma(xl, vload(w), acc[r][c]);
-          acc[r][c] = vfma(xh, vload(w + 16), acc[r][c]);
+        xl[r] = vload(x + r * ldx + 32 * bb);
+        xh[r] = vload(x + r * ldx + 32 * bb + 16);
+      }
+      for (int c = 0; c < kColGroup; ++c) {
+        const float* w = wbuf + (bb * kTile + c0 + c) * 32;
+        const V16 lo = vload(w), hi = vload(w + 16);
+        for (int r = 0; r < R; ++r) {
+          acc[r][c] = vfma(xl[r], lo, acc[r][c]);
+          acc[r][c] = vfma(xh[r], hi, acc[r][c]);
         }
       }
     }
@@ -145,14 +155,11 @@ static void tiles(const Layout& L, const uint8_t* w, const float* x, int64_t M, 
     const uint8_t* tile = w + t * L.tile_bytes();
     const uint8_t* qs = tile + L.blocks * kTile * 2 * L.scales;
     // Scales to float once per tile; Q4_0's offset -8 d is exact (a power-of-two multiple).
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(tile);
-    for (int64_t i = 0; i < L.blocks * kTile; ++i) {
-      uint16_t d16, m16 = 0;
-      std::memcpy(&d16, h + i, 2);
-      if (L.scales == 2) std::memcpy(&m16, h + L.blocks * kTile + i, 2);
-      sd[i] = _cvtsh_ss(d16);
-      sb[i] = FMT == kQ4_0 ? -8.0f * sd[i] : _cvtsh_ss(m16);
-    }
+    const int64_t count = L.blocks * kTile;
+    convert_scales(tile, count, sd.data());
+    if (FMT == kQ4_1) convert_scales(tile + 2 * count, count, sb.data());
+    if (FMT == kQ4_0)
+      for (int64_t i = 0; i < count; ++i) sb[i] = -8.0f * sd[i];
     const int64_t n0 = t * kTile, ncols = std::min<int64_t>(kTile, N - n0);
     float* yt = y + n0;
     if (M > kFusedMaxRows) {
