@@ -1,9 +1,11 @@
-"""Linear layers on GGUF block-quantised weights (Q8_0, Q4_0, Q4_1) kept quantised on the CPU:
-a C++ kernel (``csrc/quant_linear.cpp``) and its torch reference.
+"""Linear layers on GGUF block-quantised weights (Q8_0, Q4_0, Q4_1, Q4_K) kept quantised on
+the CPU: a C++ kernel (``csrc/quant_linear.cpp``) and its torch reference. The weights are
+repacked by ``quant_formats.repack``.
 
 ``y[M, N] = x[M, K] @ dequant(W)[N, K]^T`` for ``x`` float32 or bfloat16; the result is in
 ``x``'s dtype, accumulated in float32. The formats, per block of 32 weights of a row of W:
-Q8_0 ``d * q`` (int8 q, fp16 d), Q4_0 ``d * (q - 8)`` (4-bit q), Q4_1 ``d * q + m`` (fp16 d, m).
+Q8_0 ``d * q`` (int8 q, fp16 d), Q4_0 ``d * (q - 8)`` (4-bit q), Q4_1 ``d * q + m`` (fp16 d, m);
+Q4_K ``(d * sc) * q - dmin * m`` (fp16 d, dmin per 256 weights, 6-bit sc, m per 32).
 
 What torch already gives, measured 2026-12-06 with torch 2.13.0 on an AMD EPYC (Genoa, AVX-512,
 AVX512-BF16), a 512 x 2048 weight quantised with ``gguf.quants.quantize``, 1 and 2 threads:
@@ -23,148 +25,31 @@ own; ``bench/quant_linear.py`` measures torch's int4 kernel beside ours for Q4_0
 
 This kernel's weights are bit-exact to ``gguf.quants.dequantize``: every product of an fp16
 scale and a small integer is exact in float32, Q4_0's ``q * d - 8 d`` is one exact FMA, and
-Q4_1's ``fma(q, d, m)`` rounds once where gguf's ``d * q + m`` rounds once (after an exact
-product). Each output element is one 16-lane float32 accumulator walked over K in a fixed order
-and summed by a fixed tree, whatever M, the other rows, the register blocking or the thread
-count: the kernel is batch-invariant by construction, and the AVX2 and AVX-512 builds compute
-the same bits (``csrc/quant_linear_body.h``). AVX512-BF16 / VNNI are not used: both multiply
-rounded or integer-quantised activations, which would give up the float32 numerics above.
+Q4_1's ``fma(q, d, m)`` and Q4_K's ``fma(q, d * sc, -(dmin * m))`` round once where gguf's
+``d * q + m`` and ``(d * sc) * q - dmin * m`` round once (after exact products). Each output
+element is one 16-lane float32 accumulator walked over K in a fixed order and summed by a fixed
+tree, whatever M, the other rows, the register blocking or the thread count: the kernel is
+batch-invariant by construction, and the AVX2 and AVX-512 builds compute the same bits
+(``csrc/quant_linear_body.h``). AVX512-BF16 / VNNI are not used: both multiply rounded or
+integer-quantised activations, which would give up the float32 numerics above.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import torch
 
 from baton.kernels.checks import check_tensor
-
-TILE = 4
-"""Rows of W per tile of the packed layout (the C++ ``kTile``)."""
+from baton.kernels.quant_formats import FORMATS, QuantWeight, block_format, dequantize
 
 ISAS = ("avx2", "avx512")
 """Instruction sets the kernel is built for, by code (0: AVX2+FMA+F16C, 1: AVX-512 F/BW/VL)."""
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    """A GGUF block format this kernel takes.
-
-    Attributes:
-        code: the C++ format code.
-        block_bytes: bytes of one 32-weight block in the GGUF file.
-        quant_bytes: bytes of quants in one block (16: 4-bit, 32: 8-bit).
-        scales: fp16 values heading a block (1: d; 2: d and m).
-    """
-
-    code: int
-    block_bytes: int
-    quant_bytes: int
-    scales: int
-
-
-FORMATS: dict[str, BlockFormat] = {
-    "Q8_0": BlockFormat(0, 34, 32, 1),
-    "Q4_0": BlockFormat(1, 18, 16, 1),
-    "Q4_1": BlockFormat(2, 20, 16, 2),
-}
-"""GGUF tensor type name -> its block format, for every type the kernel multiplies."""
-
-
-@dataclass(frozen=True)
-class QuantWeight:
-    """A linear weight ``[n, k]`` repacked for `quant_linear` (see `repack`).
-
-    Attributes:
-        format: the GGUF type name (a key of `FORMATS`).
-        n: output features (rows of W).
-        k: input features (a multiple of 32).
-        data: the packed bytes, 1-D uint8: ceil(n / TILE) tiles, each ``fp16 d[k/32][TILE]``,
-            for Q4_1 ``fp16 m[k/32][TILE]``, then ``quants[k/32][TILE][quant_bytes]`` (rows
-            past n are zero).
-    """
-
-    format: str
-    n: int
-    k: int
-    data: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the packed weight holds in memory."""
-        return self.data.numel()
-
-
-def _block_format(format: str) -> BlockFormat:
-    if format not in FORMATS:
-        raise ValueError(
-            f"tensor type {format!r} has no quantised kernel; supported: {', '.join(FORMATS)}"
-        )
-    return FORMATS[format]
-
-
-def repack(raw: np.ndarray, format: str) -> QuantWeight:
-    """The weight whose GGUF blocks are ``raw`` (uint8 ``[n, k / 32 * block_bytes]``, a tensor's
-    ``data`` as ``engine/loader/gguf_reader.py`` maps it) in `quant_linear`'s layout.
-
-    Reads ``raw`` (a view of a memory map is fine) and writes a new array of about the same
-    size (rows padded to a multiple of TILE); never a float copy.
-
-    Raises:
-        ValueError: ``format`` is not in `FORMATS`, or ``raw`` is not a 2-D uint8 array whose
-            rows are whole blocks.
-    """
-    fmt = _block_format(format)
-    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
-        got = f"{raw.dtype} {raw.shape}" if isinstance(raw, np.ndarray) else type(raw).__name__
-        raise ValueError(f"raw must be a 2-D uint8 array of {format} blocks, got {got}")
-    n, row_bytes = raw.shape
-    if n == 0 or row_bytes == 0 or row_bytes % fmt.block_bytes:
-        raise ValueError(
-            f"raw rows of {row_bytes} bytes are not whole {format} blocks of {fmt.block_bytes}"
-        )
-    nb = row_bytes // fmt.block_bytes
-    blocks = raw.reshape(n, nb, fmt.block_bytes)
-    pad = -n % TILE
-    if pad:
-        blocks = np.concatenate([blocks, np.zeros((pad, nb, fmt.block_bytes), np.uint8)])
-    tiles = (n + pad) // TILE
-    blocks = blocks.reshape(tiles, TILE, nb, fmt.block_bytes).transpose(0, 2, 1, 3)
-    head = 2 * fmt.scales
-    # [tile][scale][block][column][2 bytes]: all d of a tile, then all m.
-    scales = blocks[..., :head].reshape(tiles, nb, TILE, fmt.scales, 2).transpose(0, 3, 1, 2, 4)
-    packed = np.concatenate(
-        [scales.reshape(tiles, -1), blocks[..., head:].reshape(tiles, -1)], axis=1
-    )
-    return QuantWeight(format, n, nb * 32, torch.from_numpy(packed.reshape(-1)))
-
-
-def dequantize(weight: QuantWeight) -> torch.Tensor:
-    """``weight`` as a float32 ``[n, k]`` tensor, computed as ``gguf.quants.dequantize`` does
-    (bit-identical to it); the torch reference of the kernel's weights. Allocates the full
-    float32 matrix."""
-    fmt = _block_format(weight.format)
-    nb = weight.k // 32
-    tiles = -(-weight.n // TILE)
-    data = weight.data.view(tiles, -1)
-    head = nb * TILE * 2 * fmt.scales
-    scales = data[:, :head].contiguous().view(torch.float16).float()
-    scales = scales.view(tiles, fmt.scales, nb, TILE, 1)
-    quants = data[:, head:].reshape(tiles, nb, TILE, fmt.quant_bytes)
-    d = scales[:, 0]
-    if weight.format == "Q8_0":
-        w = quants.view(torch.int8).float() * d
-    else:
-        q = torch.cat([quants & 0x0F, quants >> 4], dim=-1).float()
-        w = d * (q - 8) if weight.format == "Q4_0" else d * q + scales[:, 1]
-    return w.permute(0, 2, 1, 3).reshape(tiles * TILE, weight.k)[: weight.n]
 
 
 def quant_linear_torch(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
@@ -179,7 +64,7 @@ def quant_linear_torch(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
 
 
 def _check_input(x: object, weight: QuantWeight) -> torch.Tensor:
-    _block_format(weight.format)
+    block_format(weight.format)
     x = check_tensor("x", x, 2, (torch.float32, torch.bfloat16), "a 2-D float32/bfloat16 tensor")
     if x.device.type != "cpu":
         raise ValueError(f"x must be on the CPU, got {x.device}")
@@ -246,18 +131,3 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, isa: str | None = None) -
         )
     code = FORMATS[weight.format].code
     return _extension().quant_linear(x, weight.data, code, weight.n, weight.k, ISAS.index(isa))
-
-
-__all__ = [
-    "FORMATS",
-    "ISAS",
-    "TILE",
-    "BlockFormat",
-    "QuantWeight",
-    "available_isas",
-    "dequantize",
-    "quant_linear",
-    "quant_linear_torch",
-    "repack",
-    "selected_isa",
-]

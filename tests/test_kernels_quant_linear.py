@@ -17,15 +17,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from baton.kernels.quant_linear import (
-    FORMATS,
-    ISAS,
-    available_isas,
-    dequantize,
-    quant_linear,
-    quant_linear_torch,
-    repack,
-)
+from baton.kernels.quant_formats import FORMATS, dequantize, repack
+from baton.kernels.quant_linear import ISAS, available_isas, quant_linear, quant_linear_torch
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the kernel is built for x86-64 only"
@@ -40,6 +33,13 @@ def _require(isa: str) -> None:
         pytest.skip(f"this CPU lacks the {isa} instructions the kernel's {isa} build needs")
 
 
+# Where each format's fp16 fields sit in a GGUF block (every other byte is quants or packed
+# small scales, any value valid).
+_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2)}
+# Formats gguf's numpy quantiser writes (it has no K-quant quantiser).
+_QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1")
+
+
 def _quantized(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     """GGUF blocks of a random [n, k] weight made by gguf's quantiser: rows of different
     magnitudes and offsets (Q4_1's m), one row all zeros."""
@@ -50,14 +50,35 @@ def _quantized(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
 
 
 def _random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Hand-built blocks: random quant bytes and random fp16 scales of either sign (gguf's
-    quantiser never writes, e.g., a negative Q4_0 d)."""
+    """Hand-built blocks: random quant and small-scale bytes, random fp16 scales of either sign
+    (gguf's quantiser never writes, e.g., a negative Q4_0 d)."""
     rng = np.random.default_rng(seed)
     spec = FORMATS[fmt]
-    blocks = rng.integers(0, 256, (n, k // 32, spec.block_bytes), dtype=np.uint8)
-    scales = (rng.standard_normal((n, k // 32, spec.scales)) * 0.05).astype(np.float16)
-    blocks[..., : 2 * spec.scales] = scales.view(np.uint8).reshape(n, k // 32, -1)
+    nblocks = k // spec.block_weights
+    blocks = rng.integers(0, 256, (n, nblocks, spec.block_bytes), dtype=np.uint8)
+    for at in _FP16_FIELDS[fmt]:
+        scales = (rng.standard_normal((n, nblocks)) * 0.05).astype(np.float16)
+        blocks[..., at : at + 2] = scales.view(np.uint8).reshape(n, nblocks, 2)
     return blocks.reshape(n, -1)
+
+
+def _shapes(fmt: str) -> list[tuple[int, int]]:
+    """[n, k] cases: n off the tile of 4, k as small and as odd as the format allows."""
+    if FORMATS[fmt].block_weights == 256:
+        return [(1, 256), (7, 512), (13, 768), (130, 1536)]
+    return [(1, 32), (7, 96), (13, 576), (130, 1536)]
+
+
+_CASES = [
+    (fmt, n, k, blocks)
+    for fmt in sorted(FORMATS)
+    for n, k in _shapes(fmt)
+    for blocks in (("quantize", "random") if fmt in _QUANTIZABLE else ("random",))
+]
+
+
+def _blocks(kind: str, fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    return (_quantized if kind == "quantize" else _random_blocks)(fmt, n, k, seed)
 
 
 def _reference(x: torch.Tensor, raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,12 +101,9 @@ def _tolerance(k: int, magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return bound
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (5, 96), (13, 576), (64, 256)])
-@pytest.mark.parametrize("blocks", ["quantize", "random"])
+@pytest.mark.parametrize(("fmt", "n", "k", "blocks"), _CASES)
 def test_dequantize_is_gguf_bit_for_bit(fmt: str, n: int, k: int, blocks: str) -> None:
-    make = _quantized if blocks == "quantize" else _random_blocks
-    raw = make(fmt, n, k, seed=n * k)
+    raw = _blocks(blocks, fmt, n, k, seed=n * k)
     expected = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[fmt]))
     got = dequantize(repack(raw, fmt))
     assert got.dtype == torch.float32 and got.shape == (n, k)
@@ -94,23 +112,22 @@ def test_dequantize_is_gguf_bit_for_bit(fmt: str, n: int, k: int, blocks: str) -
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_packed_is_as_compact_as_the_file(fmt: str) -> None:
-    raw = _quantized(fmt, 64, 2048, seed=1)
-    assert repack(raw, fmt).nbytes == raw.nbytes  # n a multiple of the tile: no padding
-    odd = _quantized(fmt, 65, 2048, seed=1)
-    assert repack(odd, fmt).nbytes == raw.nbytes // 64 * 68  # padded to the next tile of 4
+    raw = _random_blocks(fmt, 64, 2048, seed=1)
+    # Q4_K keeps its 12 bytes of 6-bit scales and mins as 16 bytes; the rest as in the file.
+    extra = 4 * 2048 // 256 if fmt == "Q4_K" else 0
+    assert repack(raw, fmt).nbytes == raw.nbytes + 64 * extra  # no padding rows at n = 64
+    odd = _random_blocks(fmt, 65, 2048, seed=1)
+    assert repack(odd, fmt).nbytes == (raw.nbytes // 64 + extra) * 68  # padded to a tile of 4
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 96), (13, 576), (130, 1536)])
-@pytest.mark.parametrize("blocks", ["quantize", "random"])
+@pytest.mark.parametrize(("fmt", "n", "k", "blocks"), _CASES)
 def test_matches_float64_product_of_gguf_weights(
     isa: str, fmt: str, dtype: torch.dtype, n: int, k: int, blocks: str
 ) -> None:
     _require(isa)
-    make = _quantized if blocks == "quantize" else _random_blocks
-    raw = make(fmt, n, k, seed=n + k)
+    raw = _blocks(blocks, fmt, n, k, seed=n + k)
     weight = repack(raw, fmt)
     gen = torch.Generator().manual_seed(k)
     for m in (1, 3, 4, 5, 9, 33):  # across the fused/buffered switch and the row groups
@@ -125,12 +142,12 @@ def test_matches_float64_product_of_gguf_weights(
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_torch_reference_within_the_same_bound(fmt: str) -> None:
-    raw = _quantized(fmt, 9, 320, seed=3)
-    x = torch.randn(4, 320, generator=torch.Generator().manual_seed(3))
+    raw = _random_blocks(fmt, 9, 512, seed=3)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(3))
     exact, magnitude = _reference(x, raw, fmt)
     err = (quant_linear_torch(x, repack(raw, fmt)).double() - exact).abs()
     # torch's float32 GEMM sums in another order; a sequential sum's bound covers it.
-    assert bool((err <= 320 * U32 / (1 - 320 * U32) * magnitude).all())
+    assert bool((err <= 512 * U32 / (1 - 512 * U32) * magnitude).all())
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -138,8 +155,8 @@ def test_torch_reference_within_the_same_bound(fmt: str) -> None:
 def test_instruction_sets_give_the_same_bits(fmt: str, dtype: torch.dtype) -> None:
     for isa in ISAS:
         _require(isa)
-    weight = repack(_random_blocks(fmt, 37, 640, seed=5), fmt)
-    x = torch.randn(11, 640, generator=torch.Generator().manual_seed(5)).to(dtype)
+    weight = repack(_random_blocks(fmt, 37, 768, seed=5), fmt)
+    x = torch.randn(11, 768, generator=torch.Generator().manual_seed(5)).to(dtype)
     outs = [quant_linear(x, weight, isa=isa) for isa in ISAS]
     assert torch.equal(outs[0], outs[1])
 
@@ -197,5 +214,7 @@ def test_bad_inputs_name_what_is_wrong() -> None:
         repack(raw.view(np.int8), "Q8_0")
     with pytest.raises(ValueError, match=r"rows of 68 bytes are not whole Q4_0 blocks of 18"):
         repack(raw, "Q4_0")
+    with pytest.raises(ValueError, match=r"rows of 68 bytes are not whole Q4_K blocks of 144"):
+        repack(raw, "Q4_K")
     with pytest.raises(ValueError, match=r"isa 'sse2' is not available on this CPU"):
         quant_linear(torch.zeros(1, 64), weight, isa="sse2")

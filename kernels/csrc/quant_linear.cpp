@@ -19,10 +19,11 @@
 
 namespace {
 
-// Format codes shared with quant_linear.py (_FORMAT_CODES).
+// Format codes shared with quant_formats.py (FORMATS).
 constexpr int kQ8_0 = 0;
 constexpr int kQ4_0 = 1;
 constexpr int kQ4_1 = 2;
+constexpr int kQ4_K = 3;
 // Instruction sets shared with quant_linear.py (ISAS).
 constexpr int64_t kIsaAvx2 = 0;
 constexpr int64_t kIsaAvx512 = 1;
@@ -31,15 +32,24 @@ constexpr int64_t kIsaAvx512 = 1;
 // is one sequential stream of bytes (see repack()).
 constexpr int kTile = 4;
 
-// One repacked weight: tiles of kTile rows of W, each tile laid out as
-//   fp16 d[blocks][kTile], (Q4_1: fp16 m[blocks][kTile]), quants[blocks][kTile][quant_bytes].
+// One repacked weight (quant_formats.py's layout): tiles of kTile rows of W, each tile its
+// format's sections one after another, a section being [units][kTile][width] values:
+//   Q8_0: fp16 d per block, int8 q[32];   Q4_0: fp16 d, q[16] (nibbles: j low, j + 16 high)
+//   Q4_1: fp16 d, fp16 m, q[16];          Q4_K: fp16 d, fp16 dmin per 256; u8 sc, u8 m, q[16]
+// (a block is 32 weights). The quants come last, after every scale of the tile.
 struct Layout {
   int format;
-  int64_t blocks;       // K / 32
-  int64_t quant_bytes;  // 16 (4-bit) or 32 (8-bit) per block
-  int64_t scales;       // fp16 values per block: 1 (d) or 2 (d, m)
-  int64_t tile_bytes() const { return blocks * kTile * (2 * scales + quant_bytes); }
+  int64_t blocks;  // K / 32
+  int64_t quant_bytes() const { return format == kQ8_0 ? 32 : 16; }
+  int64_t head_bytes() const {  // scales of one tile
+    const int64_t per_tile = blocks * kTile;
+    if (format == kQ4_1) return per_tile * 4;
+    if (format == kQ4_K) return per_tile / 8 * 4 + per_tile * 2;
+    return per_tile * 2;
+  }
+  int64_t tile_bytes() const { return head_bytes() + blocks * kTile * quant_bytes(); }
   int64_t k() const { return blocks * 32; }
+  int64_t block_weights() const { return format == kQ4_K ? 256 : 32; }
 };
 
 }  // namespace
@@ -154,12 +164,12 @@ bool isa_supported(int64_t isa) {
 // direct caller from reading out of bounds.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t n,
                         int64_t k, int64_t isa) {
-  TORCH_CHECK(format == kQ8_0 || format == kQ4_0 || format == kQ4_1, "unknown format ", format);
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ4_K, "unknown format ", format);
   TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && k % 32 == 0 && n > 0, "bad x or K");
+  const Layout L{static_cast<int>(format), k / 32};
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && k > 0 && k % L.block_weights() == 0 && n > 0,
+              "bad x or K");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "bad dtype");
-  const Layout L{static_cast<int>(format), k / 32, format == kQ8_0 ? 32 : 16,
-                 format == kQ4_1 ? 2 : 1};
   const int64_t ntiles = (n + kTile - 1) / kTile;
   TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() &&
                   w.numel() == ntiles * L.tile_bytes(),

@@ -35,13 +35,13 @@ static inline float hsum16(V16 a) {
 template <int FMT>
 static inline void dequant(const Layout& L, const uint8_t* qs, const float* sd, const float* sb,
                            int64_t i, V16& lo, V16& hi) {
-  const uint8_t* q = qs + i * L.quant_bytes;
+  const uint8_t* q = qs + i * L.quant_bytes();
   if (FMT == kQ8_0) {
     const V16 d = vset1(sd[i]);
     bytes_s8(q, lo, hi);
     lo = vmul(lo, d);
     hi = vmul(hi, d);
-  } else {  // Q4_0: q * d + (-8 d); Q4_1: q * d + m
+  } else {  // Q4_0: q * d + (-8 d); Q4_1: q * d + m; Q4_K: q * (d sc) + (-(dmin m))
     dequant_nibbles(q, sd[i], sb[i], lo, hi);
   }
 }
@@ -147,19 +147,42 @@ static void tile_buffered(const Layout& L, const uint8_t* qs, const float* sd, c
       y[r * ldy + c] = hsum16(vload(accs.data() + (r * kTile + c) * 16));
 }
 
+// The tile's scales as float32, per block and column (i = b * kTile + c): sd the factor, sb
+// the offset of dequant(). Every value is exact: fp16 times a small integer, or 8 d.
+template <int FMT>
+static void tile_scales(const Layout& L, const uint8_t* tile, float* sd, float* sb,
+                        float* super_scales) {
+  const int64_t count = L.blocks * kTile;
+  if (FMT == kQ4_K) {
+    const int64_t supers = count / 8;  // fp16 d and dmin per super block and column
+    float* d = super_scales;
+    float* dmin = super_scales + supers;
+    convert_scales(tile, supers, d);
+    convert_scales(tile + 2 * supers, supers, dmin);
+    const uint8_t* sc = tile + 4 * supers;
+    const uint8_t* mn = sc + count;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t s = (i / (8 * kTile)) * kTile + i % kTile;
+      sd[i] = d[s] * static_cast<float>(sc[i]);
+      sb[i] = -(dmin[s] * static_cast<float>(mn[i]));
+    }
+    return;
+  }
+  convert_scales(tile, count, sd);
+  if (FMT == kQ4_1) convert_scales(tile + 2 * count, count, sb);
+  if (FMT == kQ4_0)
+    for (int64_t i = 0; i < count; ++i) sb[i] = -8.0f * sd[i];
+}
+
 template <int FMT>
 static void tiles(const Layout& L, const uint8_t* w, const float* x, int64_t M, float* y,
                   int64_t N, int64_t t0, int64_t t1) {
   std::vector<float> sd(L.blocks * kTile), sb(L.blocks * kTile), accs;
+  std::vector<float> super_scales(L.blocks * kTile / 4 + 8);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * L.tile_bytes();
-    const uint8_t* qs = tile + L.blocks * kTile * 2 * L.scales;
-    // Scales to float once per tile; Q4_0's offset -8 d is exact (a power-of-two multiple).
-    const int64_t count = L.blocks * kTile;
-    convert_scales(tile, count, sd.data());
-    if (FMT == kQ4_1) convert_scales(tile + 2 * count, count, sb.data());
-    if (FMT == kQ4_0)
-      for (int64_t i = 0; i < count; ++i) sb[i] = -8.0f * sd[i];
+    const uint8_t* qs = tile + L.head_bytes();
+    tile_scales<FMT>(L, tile, sd.data(), sb.data(), super_scales.data());
     const int64_t n0 = t * kTile, ncols = std::min<int64_t>(kTile, N - n0);
     float* yt = y + n0;
     if (M > kFusedMaxRows) {
@@ -190,6 +213,7 @@ static void run_tiles(const Layout& L, const uint8_t* w, const float* x, int64_t
   switch (L.format) {
     case kQ8_0: tiles<kQ8_0>(L, w, x, M, y, N, t0, t1); break;
     case kQ4_0: tiles<kQ4_0>(L, w, x, M, y, N, t0, t1); break;
-    default: tiles<kQ4_1>(L, w, x, M, y, N, t0, t1); break;
+    case kQ4_1: tiles<kQ4_1>(L, w, x, M, y, N, t0, t1); break;
+    default: tiles<kQ4_K>(L, w, x, M, y, N, t0, t1); break;
   }
 }
