@@ -9,7 +9,8 @@ before its quants so that they can be converted to float32 once per tile. The 4-
 every format are stored as Q4_0 stores them: byte j of a 32-weight block holds weight j in its
 low nibble and weight j + 16 in its high nibble. Nothing is widened: the layout takes the bytes
 of the file, plus at most three padding rows (Q4_K: 4 more bytes per 256 weights, its 6-bit
-scales as bytes; Q6_K: the same size as the file).
+scales as bytes; Q6_K: the same size as the file, its 2-bit high parts regrouped so that a byte
+holds weights j, j + 8, j + 16 and j + 24 of a block).
 
 ``dequantize`` computes what ``gguf.quants.dequantize`` computes, bit for bit (the same float32
 products and roundings), from the packed layout.
@@ -77,6 +78,12 @@ FORMATS: dict[str, BlockFormat] = {
             Section("m", _U8, 32, 1),
             Section("q", _U8, 32, 16),
         ),
+    ),
+    "Q6_K": BlockFormat(
+        4,
+        210,
+        256,
+        (Section("d", _F16, 256, 1), Section("sc", _I8, 32, 2), Section("q", _U8, 32, 24)),
     ),
 }
 """GGUF tensor type name -> its format, for every type the kernel multiplies."""
@@ -148,11 +155,24 @@ def _split_q4_k(blocks: np.ndarray, fmt: BlockFormat) -> dict[str, np.ndarray]:
     }
 
 
+def _split_q6_k(blocks: np.ndarray, fmt: BlockFormat) -> dict[str, np.ndarray]:
+    n, nsb = blocks.shape[:2]
+    # As gguf's Q6_K.dequantize_blocks: 256 six-bit values from ql (low 4) and qh (high 2).
+    ql = blocks[..., :128].reshape(n, nsb, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    qh = blocks[..., 128:192].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    values = (ql & 0x0F).reshape(n, nsb * 8, 32) | ((qh & 0x03).reshape(n, nsb * 8, 32) << 4)
+    high = values >> 4  # byte j of the pairs: weights j, j + 8, j + 16, j + 24
+    pairs = high[..., 0:8] | high[..., 8:16] << 2 | high[..., 16:24] << 4 | high[..., 24:32] << 6
+    q = np.concatenate([_nibbles_q4_0_order(values & 0x0F), pairs], axis=-1)
+    return {"d": blocks[..., 208:210], "sc": blocks[..., 192:208].reshape(n, nsb * 8, 2), "q": q}
+
+
 _SPLIT: dict[str, Callable[[np.ndarray, BlockFormat], dict[str, np.ndarray]]] = {
     "Q8_0": _split_simple,
     "Q4_0": _split_simple,
     "Q4_1": _split_simple,
     "Q4_K": _split_q4_k,
+    "Q6_K": _split_q6_k,
 }
 
 
@@ -228,7 +248,12 @@ def dequantize(weight: QuantWeight) -> torch.Tensor:
         w = p["d"].float() * (_nibbles(p["q"]) - 8)
     elif weight.format == "Q4_1":
         w = p["d"].float() * _nibbles(p["q"]) + p["m"].float()
-    else:  # Q4_K: (d * sc) * q - dmin * m, each product exact in float32
+    elif weight.format == "Q4_K":  # (d * sc) * q - dmin * m, each product exact in float32
         scale = _per_block(p["d"]) * p["sc"].float()
         w = scale * _nibbles(p["q"]) - _per_block(p["dmin"]) * p["m"].float()
+    else:  # Q6_K: (d * sc) * (q - 32), sc per 16 weights, exact in float32
+        scale = (_per_block(p["d"]) * p["sc"].float()).repeat_interleave(16, dim=-1)
+        pairs = p["q"][..., 16:]
+        high = torch.cat([(pairs >> s) & 0x03 for s in (0, 2, 4, 6)], dim=-1)
+        w = scale * ((_nibbles(p["q"][..., :16]) + 16 * high.float()) - 32)
     return w.reshape(weight.n, weight.k)

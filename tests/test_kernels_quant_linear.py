@@ -35,7 +35,7 @@ def _require(isa: str) -> None:
 
 # Where each format's fp16 fields sit in a GGUF block (every other byte is quants or packed
 # small scales, any value valid).
-_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2)}
+_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
 # Formats gguf's numpy quantiser writes (it has no K-quant quantiser).
 _QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1")
 

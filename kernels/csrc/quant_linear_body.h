@@ -8,6 +8,7 @@
 //   void vsum8(V16 a, float out[8]);  out[i] = a[i] + a[i + 8]
 //   void dequant_nibbles(const uint8_t* q, float d, float o, V16& lo, V16& hi);
 //                                     16 bytes of nibbles -> fma(nibble, d, o), low then high
+//   void dequant_q6(const uint8_t* q, float s_lo, float s_hi, V16& lo, V16& hi);
 //   void bytes_s8(const uint8_t* q, V16& lo, V16& hi); 32 int8 -> 16 + 16 floats
 //   constexpr int kFusedMaxRows, kRowGroup, kColGroup;  register blocking (see below)
 // and with Layout, kTile and the format codes (kQ8_0, ...) in scope. It includes nothing itself:
@@ -41,6 +42,8 @@ static inline void dequant(const Layout& L, const uint8_t* qs, const float* sd, 
     bytes_s8(q, lo, hi);
     lo = vmul(lo, d);
     hi = vmul(hi, d);
+  } else if (FMT == kQ6_K) {  // (q - 32) * (d sc), each half of the block its own sc
+    dequant_q6(q, sd[i], sb[i], lo, hi);
   } else {  // Q4_0: q * d + (-8 d); Q4_1: q * d + m; Q4_K: q * (d sc) + (-(dmin m))
     dequant_nibbles(q, sd[i], sb[i], lo, hi);
   }
@@ -148,7 +151,8 @@ static void tile_buffered(const Layout& L, const uint8_t* qs, const float* sd, c
 }
 
 // The tile's scales as float32, per block and column (i = b * kTile + c): sd the factor, sb
-// the offset of dequant(). Every value is exact: fp16 times a small integer, or 8 d.
+// the offset of dequant() (Q6_K: the factors of the block's two halves). Every value is exact:
+// fp16 times a small integer, or 8 d.
 template <int FMT>
 static void tile_scales(const Layout& L, const uint8_t* tile, float* sd, float* sb,
                         float* super_scales) {
@@ -165,6 +169,17 @@ static void tile_scales(const Layout& L, const uint8_t* tile, float* sd, float* 
       const int64_t s = (i / (8 * kTile)) * kTile + i % kTile;
       sd[i] = d[s] * static_cast<float>(sc[i]);
       sb[i] = -(dmin[s] * static_cast<float>(mn[i]));
+    }
+    return;
+  }
+  if (FMT == kQ6_K) {
+    const int64_t supers = count / 8;
+    convert_scales(tile, supers, super_scales);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(tile + 2 * supers);
+    for (int64_t i = 0; i < count; ++i) {
+      const float d = super_scales[(i / (8 * kTile)) * kTile + i % kTile];
+      sd[i] = d * static_cast<float>(sc[2 * i]);
+      sb[i] = d * static_cast<float>(sc[2 * i + 1]);
     }
     return;
   }
@@ -214,6 +229,7 @@ static void run_tiles(const Layout& L, const uint8_t* w, const float* x, int64_t
     case kQ8_0: tiles<kQ8_0>(L, w, x, M, y, N, t0, t1); break;
     case kQ4_0: tiles<kQ4_0>(L, w, x, M, y, N, t0, t1); break;
     case kQ4_1: tiles<kQ4_1>(L, w, x, M, y, N, t0, t1); break;
-    default: tiles<kQ4_K>(L, w, x, M, y, N, t0, t1); break;
+    case kQ4_K: tiles<kQ4_K>(L, w, x, M, y, N, t0, t1); break;
+    default: tiles<kQ6_K>(L, w, x, M, y, N, t0, t1); break;
   }
 }
