@@ -41,10 +41,14 @@ constexpr int kTile = 4;
 //         Q4_0 orders them, then 8 bytes of high 2-bit pairs, byte j holding weights j, j + 8,
 //         j + 16, j + 24 in bits 0-1, 2-3, 4-5, 6-7
 // (a block is 32 weights). The quants come last, after every scale of the tile.
+constexpr int64_t quant_bytes_of(int format) {
+  return format == kQ8_0 ? 32 : format == kQ6_K ? 24 : 16;
+}
+
 struct Layout {
   int format;
   int64_t blocks;  // K / 32
-  int64_t quant_bytes() const { return format == kQ8_0 ? 32 : format == kQ6_K ? 24 : 16; }
+  int64_t quant_bytes() const { return quant_bytes_of(format); }
   int64_t head_bytes() const {  // scales of one tile
     const int64_t per_tile = blocks * kTile;
     if (format == kQ4_1) return per_tile * 4;
@@ -88,24 +92,6 @@ static inline void dequant_nibbles(const uint8_t* q, float d, float o, V16& lo, 
   const V16 vd = vset1(d), vo = vset1(o);
   lo = vfma(u8_to_v16(_mm_and_si128(v, mask)), vd, vo);
   hi = vfma(u8_to_v16(_mm_and_si128(_mm_srli_epi16(v, 4), mask)), vd, vo);
-}
-// Q6_K: 6-bit q (low nibbles plus 2-bit pairs, see Layout) -> fma(q, s, -32 s) per half.
-static inline void dequant_q6(const uint8_t* q, float s_lo, float s_hi, V16& lo, V16& hi) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i nib_lo = _mm_and_si128(v, mask), nib_hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-  const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16)));
-  const __m256i three = _mm256_set1_epi32(3);
-  auto six = [&](__m128i nib, int shift) {
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi32(h, shift), three);
-    return _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_cvtepu8_epi32(nib), _mm256_slli_epi32(high, 4)));
-  };
-  const __m256 sl = _mm256_set1_ps(s_lo), sh = _mm256_set1_ps(s_hi);
-  const __m256 ol = _mm256_set1_ps(-32.0f * s_lo), oh = _mm256_set1_ps(-32.0f * s_hi);
-  lo = {_mm256_fmadd_ps(six(nib_lo, 0), sl, ol),
-        _mm256_fmadd_ps(six(_mm_srli_si128(nib_lo, 8), 2), sl, ol)};
-  hi = {_mm256_fmadd_ps(six(nib_hi, 4), sh, oh),
-        _mm256_fmadd_ps(six(_mm_srli_si128(nib_hi, 8), 6), sh, oh)};
 }
 static inline V16 s8_to_v16(const uint8_t* q) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -160,24 +146,8 @@ static inline void bytes_s8(const uint8_t* q, V16& lo, V16& hi) {
   hi = {_mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))))};
 }
-// Q6_K: 6-bit q (low nibbles plus 2-bit pairs, see Layout) -> fma(q, s, -32 s) per half. The
-// 8 bytes of pairs are read twice over 16 lanes; a per-lane shift picks each weight's pair.
-static inline void dequant_q6(const uint8_t* q, float s_lo, float s_hi, V16& lo, V16& hi) {
-  const __m512i v =
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  const __m128i h8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16));
-  const __m512i h = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(h8, h8)), 4);
-  const __m512i lo_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-  const __m512i hi_shift = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
-  const __m512i high_bits = _mm512_set1_epi32(0x30), low_bits = _mm512_set1_epi32(0x0F);
-  const __m512i q_lo = _mm512_or_si512(_mm512_and_si512(v, low_bits),
-                                       _mm512_and_si512(_mm512_srlv_epi32(h, lo_shift), high_bits));
-  const __m512i q_hi = _mm512_or_si512(_mm512_srli_epi32(v, 4),
-                                       _mm512_and_si512(_mm512_srlv_epi32(h, hi_shift), high_bits));
-  lo = {_mm512_fmadd_ps(_mm512_cvtepi32_ps(q_lo), _mm512_set1_ps(s_lo),
-                        _mm512_set1_ps(-32.0f * s_lo))};
-  hi = {_mm512_fmadd_ps(_mm512_cvtepi32_ps(q_hi), _mm512_set1_ps(s_hi),
-                        _mm512_set1_ps(-32.0f * s_hi))};
+static inline V16 u8_to_v16(__m128i bytes) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes))};
 }
 // 32 zmm registers: up to 4 rows x 4 columns of accumulators (16) beside x and weights.
 constexpr int kFusedMaxRows = 4;

@@ -8,7 +8,7 @@
 //   void vsum8(V16 a, float out[8]);  out[i] = a[i] + a[i + 8]
 //   void dequant_nibbles(const uint8_t* q, float d, float o, V16& lo, V16& hi);
 //                                     16 bytes of nibbles -> fma(nibble, d, o), low then high
-//   void dequant_q6(const uint8_t* q, float s_lo, float s_hi, V16& lo, V16& hi);
+//   V16 u8_to_v16(__m128i bytes);     16 unsigned bytes -> 16 floats
 //   void bytes_s8(const uint8_t* q, V16& lo, V16& hi); 32 int8 -> 16 + 16 floats
 //   constexpr int kFusedMaxRows, kRowGroup, kColGroup;  register blocking (see below)
 // and with Layout, kTile and the format codes (kQ8_0, ...) in scope. It includes nothing itself:
@@ -30,20 +30,38 @@ static inline float hsum16(V16 a) {
   return s2[0] + s2[1];
 }
 
+// Q6_K's 32 six-bit values of a block as bytes, weights 0-15 and 16-31: the low nibbles ORed
+// with their 2-bit pairs (byte j of the pairs holds weights j, j + 8, j + 16, j + 24), built
+// in 128-bit registers before anything is widened.
+static inline void q6_bytes(const uint8_t* q, __m128i& lo, __m128i& hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i h8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16));
+  const __m128i h = _mm_unpacklo_epi64(h8, h8);  // pairs for weights 0-7 | 8-15 (then +16)
+  const __m128i shift = _mm_set_epi64x(2, 0);
+  const __m128i nib = _mm_set1_epi8(0x0F), top = _mm_set1_epi8(0x30);
+  const __m128i high_lo = _mm_and_si128(_mm_srlv_epi64(_mm_slli_epi64(h, 4), shift), top);
+  const __m128i high_hi = _mm_and_si128(_mm_srlv_epi64(h, shift), top);
+  lo = _mm_or_si128(_mm_and_si128(v, nib), high_lo);
+  hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 4), nib), high_hi);
+}
+
 // Weights of block i (= b * kTile + column) as floats, exactly as gguf's dequantisation: each
 // product and FMA below is exact or rounds once where gguf's numpy rounds once (see
 // quant_linear.py's docstring).
 template <int FMT>
 static inline void dequant(const Layout& L, const uint8_t* qs, const float* sd, const float* sb,
                            int64_t i, V16& lo, V16& hi) {
-  const uint8_t* q = qs + i * L.quant_bytes();
+  const uint8_t* q = qs + i * quant_bytes_of(FMT);  // a constant: no per-block arithmetic
   if (FMT == kQ8_0) {
     const V16 d = vset1(sd[i]);
     bytes_s8(q, lo, hi);
     lo = vmul(lo, d);
     hi = vmul(hi, d);
-  } else if (FMT == kQ6_K) {  // (q - 32) * (d sc), each half of the block its own sc
-    dequant_q6(q, sd[i], sb[i], lo, hi);
+  } else if (FMT == kQ6_K) {  // q * (d sc) + (-32 d sc), exact; each half its own sc
+    __m128i bl, bh;
+    q6_bytes(q, bl, bh);
+    lo = vfma(u8_to_v16(bl), vset1(sd[i]), vset1(-32.0f * sd[i]));
+    hi = vfma(u8_to_v16(bh), vset1(sb[i]), vset1(-32.0f * sb[i]));
   } else {  // Q4_0: q * d + (-8 d); Q4_1: q * d + m; Q4_K: q * (d sc) + (-(dmin m))
     dequant_nibbles(q, sd[i], sb[i], lo, hi);
   }
@@ -150,6 +168,13 @@ static void tile_buffered(const Layout& L, const uint8_t* qs, const float* sd, c
       y[r * ldy + c] = hsum16(vload(accs.data() + (r * kTile + c) * 16));
 }
 
+static inline __m128 bytes4_to_ps(const uint8_t* p, bool is_signed) {
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  const __m128i v = _mm_cvtsi32_si128(word);
+  return _mm_cvtepi32_ps(is_signed ? _mm_cvtepi8_epi32(v) : _mm_cvtepu8_epi32(v));
+}
+
 // The tile's scales as float32, per block and column (i = b * kTile + c): sd the factor, sb
 // the offset of dequant() (Q6_K: the factors of the block's two halves). Every value is exact:
 // fp16 times a small integer, or 8 d.
@@ -157,29 +182,32 @@ template <int FMT>
 static void tile_scales(const Layout& L, const uint8_t* tile, float* sd, float* sb,
                         float* super_scales) {
   const int64_t count = L.blocks * kTile;
-  if (FMT == kQ4_K) {
-    const int64_t supers = count / 8;  // fp16 d and dmin per super block and column
+  static_assert(kTile == 4, "the K-quant scales below go four columns at a time");
+  if (FMT == kQ4_K || FMT == kQ6_K) {
+    const int64_t supers = count / 8;  // fp16 d (and Q4_K's dmin) per super block and column
     float* d = super_scales;
     float* dmin = super_scales + supers;
     convert_scales(tile, supers, d);
-    convert_scales(tile + 2 * supers, supers, dmin);
-    const uint8_t* sc = tile + 4 * supers;
-    const uint8_t* mn = sc + count;
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t s = (i / (8 * kTile)) * kTile + i % kTile;
-      sd[i] = d[s] * static_cast<float>(sc[i]);
-      sb[i] = -(dmin[s] * static_cast<float>(mn[i]));
-    }
-    return;
-  }
-  if (FMT == kQ6_K) {
-    const int64_t supers = count / 8;
-    convert_scales(tile, supers, super_scales);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(tile + 2 * supers);
-    for (int64_t i = 0; i < count; ++i) {
-      const float d = super_scales[(i / (8 * kTile)) * kTile + i % kTile];
-      sd[i] = d * static_cast<float>(sc[2 * i]);
-      sb[i] = d * static_cast<float>(sc[2 * i + 1]);
+    if (FMT == kQ4_K) convert_scales(tile + 2 * supers, supers, dmin);
+    const uint8_t* sc = tile + (FMT == kQ4_K ? 4 : 2) * supers;
+    const __m128 sign = _mm_set1_ps(-0.0f);
+    // Q6_K's int8 scales come in pairs per column; these bytes pick the four first, then the
+    // four second ones.
+    const __m128i halves = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (int64_t i = 0; i < count; i += kTile) {
+      const int64_t s = (i / (8 * kTile)) * kTile;
+      const __m128 d4 = _mm_loadu_ps(d + s);
+      if (FMT == kQ4_K) {
+        _mm_storeu_ps(sd + i, _mm_mul_ps(d4, bytes4_to_ps(sc + i, false)));
+        const __m128 m4 = _mm_mul_ps(_mm_loadu_ps(dmin + s), bytes4_to_ps(sc + count + i, false));
+        _mm_storeu_ps(sb + i, _mm_xor_ps(m4, sign));  // -(dmin m), as gguf subtracts it
+      } else {
+        const __m128i pairs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 2 * i));
+        const __m128i split = _mm_shuffle_epi8(pairs, halves);
+        _mm_storeu_ps(sd + i, _mm_mul_ps(d4, _mm_cvtepi32_ps(_mm_cvtepi8_epi32(split))));
+        const __m128i second = _mm_srli_si128(split, 4);
+        _mm_storeu_ps(sb + i, _mm_mul_ps(d4, _mm_cvtepi32_ps(_mm_cvtepi8_epi32(second))));
+      }
     }
     return;
   }
