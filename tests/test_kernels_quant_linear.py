@@ -161,6 +161,16 @@ def test_instruction_sets_give_the_same_bits(fmt: str, dtype: torch.dtype) -> No
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_bfloat16_is_the_float32_result_rounded(fmt: str) -> None:
+    """bfloat16 x is widened exactly and the float32 result rounded as torch rounds it."""
+    weight = repack(_random_blocks(fmt, 37, 768, seed=6), fmt)
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(6)).bfloat16()
+    y = quant_linear(x, weight)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, quant_linear(x.float(), weight).bfloat16())
+
+
 @pytest.fixture
 def restore_threads():
     threads = torch.get_num_threads()

@@ -61,6 +61,26 @@ struct Layout {
   int64_t block_weights() const { return format >= kQ4_K ? 256 : 32; }
 };
 
+// The output [M, n] in x's dtype. Each thread stores its own tiles' results, so a bfloat16
+// call has no extra parallel pass (each one costs a wait for every thread, which on a shared
+// 2-core machine was a scheduler slice).
+struct Output {
+  float* f32;
+  at::BFloat16* bf16;
+  int64_t n;
+  // values [M][kTile] of columns n0 .. n0 + ncols
+  void store(const float* values, int64_t M, int64_t n0, int64_t ncols) const {
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < ncols; ++c) {
+        const float v = values[r * kTile + c];
+        if (f32 != nullptr)
+          f32[r * n + n0 + c] = v;
+        else
+          bf16[r * n + n0 + c] = at::BFloat16(v);  // round to nearest even, as torch's .to()
+      }
+  }
+};
+
 }  // namespace
 
 #pragma GCC push_options
@@ -186,22 +206,31 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format
   TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() &&
                   w.numel() == ntiles * L.tile_bytes(),
               "packed weight does not match format, N and K");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0);
-  at::Tensor y = at::empty({M, n}, xf.options());
-  if (M == 0) return y.to(x.scalar_type());
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+  at::Tensor xf = x.contiguous();
+  if (x.scalar_type() == at::kBFloat16) {  // exact widening, serial (see Output)
+    const at::Tensor xb = xf;
+    xf = at::empty({M, k}, x.options().dtype(at::kFloat));
+    const at::BFloat16* src = xb.data_ptr<at::BFloat16>();
+    float* dst = xf.data_ptr<float>();
+    for (int64_t i = 0; i < M * k; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const Output out{f32 ? y.data_ptr<float>() : nullptr,
+                   f32 ? nullptr : y.data_ptr<at::BFloat16>(), n};
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* xp = xf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   // Threads only for tiles worth it (about 64K weights each); results do not depend on this.
   const int64_t grain = std::max<int64_t>(1, 16384 / k);
   at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
     if (isa == kIsaAvx512)
-      avx512::run_tiles(L, wp, xp, M, yp, n, t0, t1);
+      avx512::run_tiles(L, wp, xp, M, out, t0, t1);
     else
-      avx2::run_tiles(L, wp, xp, M, yp, n, t0, t1);
+      avx2::run_tiles(L, wp, xp, M, out, t0, t1);
   });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
 }  // namespace

@@ -218,46 +218,42 @@ static void tile_scales(const Layout& L, const uint8_t* tile, float* sd, float* 
 }
 
 template <int FMT>
-static void tiles(const Layout& L, const uint8_t* w, const float* x, int64_t M, float* y,
-                  int64_t N, int64_t t0, int64_t t1) {
+static void tiles(const Layout& L, const uint8_t* w, const float* x, int64_t M, const Output& y,
+                  int64_t t0, int64_t t1) {
   std::vector<float> sd(L.blocks * kTile), sb(L.blocks * kTile), accs;
-  std::vector<float> super_scales(L.blocks * kTile / 4 + 8);
+  std::vector<float> super_scales(L.blocks * kTile / 4 + 8), out(M * kTile);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * L.tile_bytes();
     const uint8_t* qs = tile + L.head_bytes();
     tile_scales<FMT>(L, tile, sd.data(), sb.data(), super_scales.data());
-    const int64_t n0 = t * kTile, ncols = std::min<int64_t>(kTile, N - n0);
-    float* yt = y + n0;
+    const int64_t n0 = t * kTile, ncols = std::min<int64_t>(kTile, y.n - n0);
+    float* o = out.data();  // [M][kTile], then stored in the output's dtype
     if (M > kFusedMaxRows) {
-      tile_buffered<FMT>(L, qs, sd.data(), sb.data(), x, M, L.k(), yt, N, ncols, accs);
-      continue;
+      tile_buffered<FMT>(L, qs, sd.data(), sb.data(), x, M, L.k(), o, kTile, ncols, accs);
+    } else if (M == 1) {
+      tile_fused<FMT, 1>(L, qs, sd.data(), sb.data(), x, L.k(), o, kTile, ncols);
+    } else if (M == 2) {
+      tile_fused<FMT, (kFusedMaxRows >= 2 ? 2 : 1)>(L, qs, sd.data(), sb.data(), x, L.k(), o,
+                                                    kTile, ncols);
+    } else if (M == 3) {
+      tile_fused<FMT, (kFusedMaxRows >= 3 ? 3 : 1)>(L, qs, sd.data(), sb.data(), x, L.k(), o,
+                                                    kTile, ncols);
+    } else {
+      tile_fused<FMT, (kFusedMaxRows >= 4 ? 4 : 1)>(L, qs, sd.data(), sb.data(), x, L.k(), o,
+                                                    kTile, ncols);
     }
-    switch (M) {
-      case 1: tile_fused<FMT, 1>(L, qs, sd.data(), sb.data(), x, L.k(), yt, N, ncols); break;
-      case 2:
-        tile_fused<FMT, (kFusedMaxRows >= 2 ? 2 : 1)>(L, qs, sd.data(), sb.data(), x, L.k(), yt,
-                                                      N, ncols);
-        break;
-      case 3:
-        tile_fused<FMT, (kFusedMaxRows >= 3 ? 3 : 1)>(L, qs, sd.data(), sb.data(), x, L.k(), yt,
-                                                      N, ncols);
-        break;
-      default:
-        tile_fused<FMT, (kFusedMaxRows >= 4 ? 4 : 1)>(L, qs, sd.data(), sb.data(), x, L.k(), yt,
-                                                      N, ncols);
-        break;
-    }
+    y.store(o, M, n0, ncols);
   }
 }
 
-// y[M, N] (float32) = x[M, K] (float32) @ dequant(w)^T for tiles [t0, t1).
-static void run_tiles(const Layout& L, const uint8_t* w, const float* x, int64_t M, float* y,
-                      int64_t N, int64_t t0, int64_t t1) {
+// y[M, N] = x[M, K] (float32) @ dequant(w)^T for tiles [t0, t1).
+static void run_tiles(const Layout& L, const uint8_t* w, const float* x, int64_t M,
+                      const Output& y, int64_t t0, int64_t t1) {
   switch (L.format) {
-    case kQ8_0: tiles<kQ8_0>(L, w, x, M, y, N, t0, t1); break;
-    case kQ4_0: tiles<kQ4_0>(L, w, x, M, y, N, t0, t1); break;
-    case kQ4_1: tiles<kQ4_1>(L, w, x, M, y, N, t0, t1); break;
-    case kQ4_K: tiles<kQ4_K>(L, w, x, M, y, N, t0, t1); break;
-    default: tiles<kQ6_K>(L, w, x, M, y, N, t0, t1); break;
+    case kQ8_0: tiles<kQ8_0>(L, w, x, M, y, t0, t1); break;
+    case kQ4_0: tiles<kQ4_0>(L, w, x, M, y, t0, t1); break;
+    case kQ4_1: tiles<kQ4_1>(L, w, x, M, y, t0, t1); break;
+    case kQ4_K: tiles<kQ4_K>(L, w, x, M, y, t0, t1); break;
+    default: tiles<kQ6_K>(L, w, x, M, y, t0, t1); break;
   }
 }
