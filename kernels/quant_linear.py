@@ -92,8 +92,10 @@ def _extension() -> ModuleType:
     )
 
 
+@functools.cache
 def available_isas() -> tuple[str, ...]:
-    """The instruction sets of `ISAS` this CPU runs (compiles the extension on first use)."""
+    """The instruction sets of `ISAS` this CPU runs (compiles the extension on first use;
+    cached: it is asked on every call)."""
     ext = _extension()
     return tuple(name for code, name in enumerate(ISAS) if ext.isa_supported(code))
 
