@@ -169,12 +169,37 @@ static inline void bytes_s8(const uint8_t* q, V16& lo, V16& hi) {
 static inline V16 u8_to_v16(__m128i bytes) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes))};
 }
+// 16 accumulators summed at once by hsum16's tree (lanes i + 8, i + 4, i + 2, i + 1 at each
+// level, the same additions as the scalar code, so the same bits) with 15 vector adds instead
+// of 16 scalar trees; out[j] = hsum16(accumulator j).
+#define QUANT_LINEAR_HSUM16X16
+static inline void hsum16x16(const float* a, float* out) {
+  __m512 l1[8], l2[4], l3[2];
+  for (int m = 0; m < 8; ++m) {  // [acc 2m lanes 0-7 | acc 2m+1] + [their lanes 8-15]
+    const __m512 x = _mm512_loadu_ps(a + 32 * m), y = _mm512_loadu_ps(a + 32 * m + 16);
+    l1[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int p = 0; p < 4; ++p)  // 128-bit lane L: acc 4p + L, lanes 0-3 + 4-7
+    l2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * p], l1[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(l1[2 * p], l1[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int q = 0; q < 2; ++q)  // lane L: acc 8q + L and 8q + 4 + L, lanes 0-1 + 2-3
+    l3[q] = _mm512_add_ps(_mm512_shuffle_ps(l2[2 * q], l2[2 * q + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(l2[2 * q], l2[2 * q + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // r[4 L + e] is acc L + 4 e
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, r));
+}
+
 // 32 zmm registers: up to 4 rows x 4 columns of accumulators (16) beside x and weights.
 constexpr int kFusedMaxRows = 4;
 constexpr int kRowGroup = 4;
 constexpr int kColGroup = 4;
 
 #include "quant_linear_body.h"
+#undef QUANT_LINEAR_HSUM16X16
 
 }  // namespace avx512
 #pragma GCC pop_options

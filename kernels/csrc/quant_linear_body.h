@@ -45,6 +45,15 @@ static inline void q6_bytes(const uint8_t* q, __m128i& lo, __m128i& hi) {
   hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 4), nib), high_hi);
 }
 
+// out[j] = hsum16(accumulator j) for `count` accumulators of 16 floats at `accs`.
+static inline void hsum_many(const float* accs, int64_t count, float* out) {
+  int64_t j = 0;
+#ifdef QUANT_LINEAR_HSUM16X16
+  for (; j + 16 <= count; j += 16) hsum16x16(accs + 16 * j, out + j);
+#endif
+  for (; j < count; ++j) out[j] = hsum16(vload(accs + 16 * j));
+}
+
 // Weights of block i (= b * kTile + column) as floats, exactly as gguf's dequantisation: each
 // product and FMA below is exact or rounds once where gguf's numpy rounds once (see
 // quant_linear.py's docstring).
@@ -102,14 +111,17 @@ static void tile_fused(const Layout& L, const uint8_t* qs, const float* sd, cons
 
 constexpr int64_t kChunkBlocks = 32;  // blocks dequantised into L1 at a time (16 KiB of floats)
 
-// R rows (R <= kRowGroup) of the buffered path: accumulators come from and go back to `accs`
-// ([row][column][16]) so that the per-element sequence continues across chunks unchanged.
+// R rows (R <= kRowGroup) of the buffered path: accumulators start at zero (first chunk) or
+// come from `accs` ([row][column][16]) and go back there, so that the per-element sequence
+// continues across chunks unchanged.
 template <int R>
-static void row_group(const float* wbuf, int64_t cb, const float* x, int64_t ldx, float* accs) {
+static void row_group(const float* wbuf, int64_t cb, const float* x, int64_t ldx, float* accs,
+                      bool first) {
   for (int c0 = 0; c0 < kTile; c0 += kColGroup) {
     V16 acc[R][kColGroup];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kColGroup; ++c) acc[r][c] = vload(accs + (r * kTile + c0 + c) * 16);
+      for (int c = 0; c < kColGroup; ++c)
+        acc[r][c] = first ? vzero() : vload(accs + (r * kTile + c0 + c) * 16);
     // x of every row in registers, each weight vector loaded once for all R rows.
     for (int64_t bb = 0; bb < cb; ++bb) {
       V16 xl[R], xh[R];
@@ -132,23 +144,24 @@ static void row_group(const float* wbuf, int64_t cb, const float* x, int64_t ldx
 }
 
 static void row_group_any(int rows, const float* wbuf, int64_t cb, const float* x, int64_t ldx,
-                          float* accs) {
+                          float* accs, bool first) {
   static_assert(kRowGroup <= 4, "row_group_any dispatches 1..4 rows");
   switch (rows) {
-    case 1: row_group<1>(wbuf, cb, x, ldx, accs); break;
-    case 2: row_group<(kRowGroup >= 2 ? 2 : 1)>(wbuf, cb, x, ldx, accs); break;
-    case 3: row_group<(kRowGroup >= 3 ? 3 : 1)>(wbuf, cb, x, ldx, accs); break;
-    default: row_group<kRowGroup>(wbuf, cb, x, ldx, accs); break;
+    case 1: row_group<1>(wbuf, cb, x, ldx, accs, first); break;
+    case 2: row_group<(kRowGroup >= 2 ? 2 : 1)>(wbuf, cb, x, ldx, accs, first); break;
+    case 3: row_group<(kRowGroup >= 3 ? 3 : 1)>(wbuf, cb, x, ldx, accs, first); break;
+    default: row_group<kRowGroup>(wbuf, cb, x, ldx, accs, first); break;
   }
 }
 
 // M > kFusedMaxRows: dequantise a chunk of the tile once into L1, then run every row over it.
+// y gets the sums of all kTile columns (padding rows of W included) as [M][kTile].
 template <int FMT>
 static void tile_buffered(const Layout& L, const uint8_t* qs, const float* sd, const float* sb,
-                          const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
-                          int64_t ncols, std::vector<float>& accs) {
+                          const float* x, int64_t M, int64_t ldx, float* y,
+                          std::vector<float>& accs) {
   alignas(64) float wbuf[kChunkBlocks * kTile * 32];
-  accs.assign(static_cast<size_t>(M) * kTile * 16, 0.0f);
+  if (accs.size() < static_cast<size_t>(M) * kTile * 16) accs.resize(M * kTile * 16);
   for (int64_t b0 = 0; b0 < L.blocks; b0 += kChunkBlocks) {
     const int64_t cb = std::min(kChunkBlocks, L.blocks - b0);
     for (int64_t bb = 0; bb < cb; ++bb)
@@ -160,12 +173,11 @@ static void tile_buffered(const Layout& L, const uint8_t* qs, const float* sd, c
       }
     for (int64_t r0 = 0; r0 < M; r0 += kRowGroup) {
       const int rows = static_cast<int>(std::min<int64_t>(kRowGroup, M - r0));
-      row_group_any(rows, wbuf, cb, x + r0 * ldx + 32 * b0, ldx, accs.data() + r0 * kTile * 16);
+      row_group_any(rows, wbuf, cb, x + r0 * ldx + 32 * b0, ldx, accs.data() + r0 * kTile * 16,
+                    b0 == 0);
     }
   }
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t c = 0; c < ncols; ++c)
-      y[r * ldy + c] = hsum16(vload(accs.data() + (r * kTile + c) * 16));
+  hsum_many(accs.data(), M * kTile, y);
 }
 
 static inline __m128 bytes4_to_ps(const uint8_t* p, bool is_signed) {
@@ -229,7 +241,7 @@ static void tiles(const Layout& L, const uint8_t* w, const float* x, int64_t M, 
     const int64_t n0 = t * kTile, ncols = std::min<int64_t>(kTile, y.n - n0);
     float* o = out.data();  // [M][kTile], then stored in the output's dtype
     if (M > kFusedMaxRows) {
-      tile_buffered<FMT>(L, qs, sd.data(), sb.data(), x, M, L.k(), o, kTile, ncols, accs);
+      tile_buffered<FMT>(L, qs, sd.data(), sb.data(), x, M, L.k(), o, accs);
     } else if (M == 1) {
       tile_fused<FMT, 1>(L, qs, sd.data(), sb.data(), x, L.k(), o, kTile, ncols);
     } else if (M == 2) {
