@@ -9,7 +9,9 @@ weights dequantised: float32 and bfloat16 packed for oneDNN (``engine/models/pac
 per-row (``engine/models/quant.py``, bfloat16 activations), and for the 4-bit formats torch's
 ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations and scales, its fast path; its float32
 path, the exact one, is far slower still, see the kernel module's docstring). At M=1 it also
-reports each kernel's weight bytes per second against a measured copy bandwidth. Writes JSON
+reports each kernel's weight bytes per second against a measured copy bandwidth and a read
+(sum) bandwidth. Medians of the trials are the table; the best trial is recorded beside each
+(``_min_ms``), the better estimate on a machine shared with other work. Writes JSON
 and a PNG.
 
     baton bench quant_linear [--rows 1,2,4,8,16,32,64] [--trials 7]
@@ -168,23 +170,29 @@ def _int4pack(weights: tuple[tuple[np.ndarray, str], ...], ks: list[int]) -> tup
     return _runner(ks, torch.bfloat16, calls), nbytes
 
 
-def copy_bandwidth(mib: int = 256, trials: int = 5) -> float:
-    """GB/s of a large float32 tensor copy (bytes read + bytes written), best of ``trials``."""
+def memory_bandwidth(mib: int = 256, trials: int = 5) -> tuple[float, float]:
+    """GB/s of a large float32 tensor copy (bytes read + bytes written) and of a sum over it
+    (bytes read: what a weights-bound step does), best of ``trials`` each, on torch's
+    threads."""
     src = torch.ones(mib * 2**18)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_copy_time(src, dst) for _ in range(trials))
-    return 2 * src.numel() * 4 / best / 1e9
+    nbytes = src.numel() * 4
+    copy = min(_seconds(lambda: dst.copy_(src)) for _ in range(trials))
+    read = min(_seconds(src.sum) for _ in range(trials))
+    return 2 * nbytes / copy / 1e9, nbytes / read / 1e9
 
 
-def _copy_time(src: torch.Tensor, dst: torch.Tensor) -> float:
+def _seconds(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
-    dst.copy_(src)
+    fn()
     return time.perf_counter() - t0
 
 
 @torch.inference_mode()
-def run_workload(workload: Workload, rows: list[int], trials: int, copy_gbs: float) -> dict:
+def run_workload(
+    workload: Workload, rows: list[int], trials: int, bandwidth: tuple[float, float]
+) -> dict:
     fns, nbytes, repack_s = runners(workload)
     for fn in fns.values():  # warm-up: builds the extension, lets oneDNN pick its kernels
         fn(rows[0])
@@ -195,14 +203,21 @@ def run_workload(workload: Workload, rows: list[int], trials: int, copy_gbs: flo
             for k in run_order(list(fns), trial):  # interleaved, alternating order
                 times[k].append(fns[k](m))
         ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        table.append({"rows": m, **{f"{k}_ms": v for k, v in ms.items()}})
+        best = {f"{k}_min_ms": min(v) * 1e3 for k, v in times.items()}
+        table.append({"rows": m, **{f"{k}_ms": v for k, v in ms.items()}, **best})
         print(f"{workload.name} M={m:<3} " + "  ".join(f"{k} {v:.2f}" for k, v in ms.items()))
     m1 = next((r for r in table if r["rows"] == 1), None)
-    bandwidth = {}
-    if m1 is not None:
+    used = {}
+    if m1 is not None:  # weight bytes per second at M=1, median and best trial
         for k in fns:
             gbs = nbytes[k] / (m1[f"{k}_ms"] / 1e3) / 1e9
-            bandwidth[k] = {"GB/s": gbs, "of_copy": gbs / copy_gbs}
+            top = nbytes[k] / (m1[f"{k}_min_ms"] / 1e3) / 1e9
+            used[k] = {
+                "GB/s": gbs,
+                "of_copy": gbs / bandwidth[0],
+                "of_read": gbs / bandwidth[1],
+                "best_GB/s": top,
+            }
     return {
         "name": workload.name,
         "formats": sorted({fmt for _, fmt in workload.weights}),
@@ -211,20 +226,24 @@ def run_workload(workload: Workload, rows: list[int], trials: int, copy_gbs: flo
         "repack_s": repack_s,
         "kernels": list(fns),
         "rows": table,
-        "m1_weight_bandwidth": bandwidth,
+        "m1_weight_bandwidth": used,
     }
 
 
 def run(model: str | None, rows: list[int], trials: int, formats: list[str]) -> dict:
     load_before = os.getloadavg()
-    copy_gbs = copy_bandwidth()
-    print(f"copy bandwidth {copy_gbs:.1f} GB/s; kernel ISA {selected_isa()}", flush=True)
+    bandwidth = memory_bandwidth()
+    print(
+        f"copy {bandwidth[0]:.1f} GB/s, read {bandwidth[1]:.1f} GB/s; kernel ISA {selected_isa()}",
+        flush=True,
+    )
     path = Path(model) if model else default_model_path()
     workloads = [smollm2_workload(path)] + [llama_1b_layer(f) for f in formats]
-    results = [run_workload(w, rows, trials, copy_gbs) for w in workloads]
+    results = [run_workload(w, rows, trials, bandwidth) for w in workloads]
     return {
         "trials": trials,
-        "copy_bandwidth_GBps": copy_gbs,
+        "copy_bandwidth_GBps": bandwidth[0],
+        "read_bandwidth_GBps": bandwidth[1],
         "isa": selected_isa(),
         "available_isas": list(available_isas()),
         "load_average_before": load_before,
