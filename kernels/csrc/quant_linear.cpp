@@ -122,13 +122,49 @@ static inline void bytes_s8(const uint8_t* q, V16& lo, V16& hi) {
   lo = s8_to_v16(q);
   hi = s8_to_v16(q + 16);
 }
-// 16 ymm registers: one row fused (8 accumulators); 2 rows x 1 column when buffered (x 8,
-// accumulators 4, weights 4).
+// 16 ymm registers: one row fused (8 accumulators). Buffered, the two 8-lane halves of every
+// accumulator go in two passes (lanes are independent, so each keeps its order): 3 rows x 2
+// columns of half accumulators (6) beside x (6) and weights (2).
 constexpr int kFusedMaxRows = 1;
-constexpr int kRowGroup = 2;
-constexpr int kColGroup = 1;
+constexpr int kRowGroup = 3;
+constexpr int kColGroup = 2;
+
+#define QUANT_LINEAR_ROW_GROUP_HALVES
+// The buffered path's row group (see row_group in quant_linear_body.h), one 8-lane half at a
+// time: accs and wbuf hold 16-float accumulators and [lo 16 | hi 16] weight blocks.
+template <int R>
+static void row_group_halves(const float* wbuf, int64_t cb, const float* x, int64_t ldx,
+                             float* accs, bool first) {
+  for (int h = 0; h < 16; h += 8)
+    for (int c0 = 0; c0 < kTile; c0 += kColGroup) {
+      __m256 acc[R][kColGroup];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kColGroup; ++c)
+          acc[r][c] = first ? _mm256_setzero_ps()
+                            : _mm256_loadu_ps(accs + (r * kTile + c0 + c) * 16 + h);
+      for (int64_t bb = 0; bb < cb; ++bb) {
+        __m256 xl[R], xh[R];
+        for (int r = 0; r < R; ++r) {
+          xl[r] = _mm256_loadu_ps(x + r * ldx + 32 * bb + h);
+          xh[r] = _mm256_loadu_ps(x + r * ldx + 32 * bb + 16 + h);
+        }
+        for (int c = 0; c < kColGroup; ++c) {
+          const float* w = wbuf + (bb * kTile + c0 + c) * 32 + h;
+          const __m256 lo = _mm256_loadu_ps(w), hi = _mm256_loadu_ps(w + 16);
+          for (int r = 0; r < R; ++r) {
+            acc[r][c] = _mm256_fmadd_ps(xl[r], lo, acc[r][c]);
+            acc[r][c] = _mm256_fmadd_ps(xh[r], hi, acc[r][c]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kColGroup; ++c)
+          _mm256_storeu_ps(accs + (r * kTile + c0 + c) * 16 + h, acc[r][c]);
+    }
+}
 
 #include "quant_linear_body.h"
+#undef QUANT_LINEAR_ROW_GROUP_HALVES
 
 }  // namespace avx2
 #pragma GCC pop_options

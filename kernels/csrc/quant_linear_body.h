@@ -143,14 +143,24 @@ static void row_group(const float* wbuf, int64_t cb, const float* x, int64_t ldx
   }
 }
 
+template <int R>
+static inline void row_group_of(const float* wbuf, int64_t cb, const float* x, int64_t ldx,
+                                float* accs, bool first) {
+#ifdef QUANT_LINEAR_ROW_GROUP_HALVES
+  row_group_halves<R>(wbuf, cb, x, ldx, accs, first);
+#else
+  row_group<R>(wbuf, cb, x, ldx, accs, first);
+#endif
+}
+
 static void row_group_any(int rows, const float* wbuf, int64_t cb, const float* x, int64_t ldx,
                           float* accs, bool first) {
   static_assert(kRowGroup <= 4, "row_group_any dispatches 1..4 rows");
   switch (rows) {
-    case 1: row_group<1>(wbuf, cb, x, ldx, accs, first); break;
-    case 2: row_group<(kRowGroup >= 2 ? 2 : 1)>(wbuf, cb, x, ldx, accs, first); break;
-    case 3: row_group<(kRowGroup >= 3 ? 3 : 1)>(wbuf, cb, x, ldx, accs, first); break;
-    default: row_group<kRowGroup>(wbuf, cb, x, ldx, accs, first); break;
+    case 1: row_group_of<1>(wbuf, cb, x, ldx, accs, first); break;
+    case 2: row_group_of<(kRowGroup >= 2 ? 2 : 1)>(wbuf, cb, x, ldx, accs, first); break;
+    case 3: row_group_of<(kRowGroup >= 3 ? 3 : 1)>(wbuf, cb, x, ldx, accs, first); break;
+    default: row_group_of<kRowGroup>(wbuf, cb, x, ldx, accs, first); break;
   }
 }
 
