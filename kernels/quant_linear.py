@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 from pathlib import Path
 from types import ModuleType
 
@@ -97,7 +98,10 @@ def _extension() -> ModuleType:
 @functools.cache
 def available_isas() -> tuple[str, ...]:
     """The instruction sets of `ISAS` this CPU runs (compiles the extension on first use;
-    cached: it is asked on every call)."""
+    cached: it is asked on every call); none on a CPU other than x86-64, where the C++ source
+    does not compile."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ()
     ext = _extension()
     return tuple(name for code, name in enumerate(ISAS) if ext.isa_supported(code))
 
