@@ -212,19 +212,23 @@ def repack(raw: np.ndarray, format: str) -> QuantWeight:
     return QuantWeight(format, n, k, torch.from_numpy(data))
 
 
-def unpack(weight: QuantWeight) -> dict[str, torch.Tensor]:
-    """The sections of ``weight`` as tensors ``[n, units, width]`` of their dtypes (views
-    where the layout allows, else copies)."""
+def unpack(weight: QuantWeight, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The sections of ``weight`` as tensors ``[n, units, width]`` of their dtypes, or of the
+    given ``rows`` only (an int64 index tensor; ``[len(rows), units, width]``). Copies."""
     fmt = block_format(weight.format)
-    tiles = -(-weight.n // TILE)
-    data = weight.data.view(tiles, -1)
+    data = weight.data.view(-(-weight.n // TILE), -1)
+    if rows is not None:
+        data = data[rows // TILE]  # the tiles holding the rows, in the order asked
     out, offset = {}, 0
     for s in fmt.sections:
         units = weight.k // s.unit_weights
         size = units * TILE * s.width * s.dtype.itemsize
-        part = data[:, offset : offset + size].contiguous()
-        part = part.view(getattr(torch, s.dtype.name)).view(tiles, units, TILE, s.width)
-        out[s.name] = part.transpose(1, 2).reshape(tiles * TILE, units, s.width)[: weight.n]
+        part = data[:, offset : offset + size].contiguous().view(getattr(torch, s.dtype.name))
+        part = part.view(-1, units, TILE, s.width)
+        if rows is None:
+            out[s.name] = part.transpose(1, 2).reshape(-1, units, s.width)[: weight.n]
+        else:
+            out[s.name] = part[torch.arange(len(rows)), :, rows % TILE]
         offset += size
     return out
 
@@ -241,7 +245,26 @@ def _per_block(t: torch.Tensor) -> torch.Tensor:
 def dequantize(weight: QuantWeight) -> torch.Tensor:
     """``weight`` as a float32 ``[n, k]`` tensor, bit-identical to ``gguf.quants.dequantize``;
     the torch reference of the kernel's weights. Allocates the full float32 matrix."""
-    p = unpack(weight)
+    return _dequantize(weight, None)
+
+
+def dequantize_rows(weight: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (int64 indices, any 1-D order, repeats allowed) of the weight as float32
+    ``[len(rows), k]``, as `dequantize` gives them: an embedding lookup in a quantised token
+    embedding (which a tied LM head multiplies with as it is).
+
+    Raises:
+        ValueError: ``rows`` is not a 1-D integer tensor of indices in [0, n).
+    """
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.is_floating_point():
+        raise ValueError(f"rows must be a 1-D integer tensor, got {rows!r:.80}")
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= weight.n):
+        raise ValueError(f"rows must be in [0, {weight.n}), got {rows.min()}..{rows.max()}")
+    return _dequantize(weight, rows.long())
+
+
+def _dequantize(weight: QuantWeight, rows: torch.Tensor | None) -> torch.Tensor:
+    p = unpack(weight, rows)
     if weight.format == "Q8_0":
         w = p["q"].float() * p["d"].float()
     elif weight.format == "Q4_0":
@@ -256,4 +279,4 @@ def dequantize(weight: QuantWeight) -> torch.Tensor:
         pairs = p["q"][..., 16:]
         high = torch.cat([(pairs >> s) & 0x03 for s in (0, 2, 4, 6)], dim=-1)
         w = scale * ((_nibbles(p["q"][..., :16]) + 16 * high.float()) - 32)
-    return w.reshape(weight.n, weight.k)
+    return w.reshape(-1, weight.k)

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from baton.kernels.quant_formats import FORMATS, dequantize, repack
+from baton.kernels.quant_formats import FORMATS, dequantize, dequantize_rows, repack
 from baton.kernels.quant_linear import ISAS, available_isas, quant_linear, quant_linear_torch
 
 pytestmark = pytest.mark.skipif(
@@ -108,6 +108,21 @@ def test_dequantize_is_gguf_bit_for_bit(fmt: str, n: int, k: int, blocks: str) -
     got = dequantize(repack(raw, fmt))
     assert got.dtype == torch.float32 and got.shape == (n, k)
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # -0.0 too
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_dequantize_rows_is_an_embedding_lookup(fmt: str) -> None:
+    raw = _random_blocks(fmt, 13, 512, seed=4)
+    weight = repack(raw, fmt)
+    full = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[fmt]))
+    rows = torch.tensor([12, 0, 5, 5, 3, 8])
+    got = dequantize_rows(weight, rows)
+    assert torch.equal(got.view(torch.int32), full[rows].view(torch.int32))
+    assert dequantize_rows(weight, torch.tensor([], dtype=torch.long)).shape == (0, 512)
+    with pytest.raises(ValueError, match=r"rows must be in \[0, 13\), got 0..13"):
+        dequantize_rows(weight, torch.tensor([0, 13]))
+    with pytest.raises(ValueError, match="rows must be a 1-D integer tensor"):
+        dequantize_rows(weight, torch.tensor([[1]]))
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
