@@ -41,6 +41,8 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -81,11 +83,18 @@ def _check_input(x: object, weight: QuantWeight) -> torch.Tensor:
 
 @functools.cache
 def _extension() -> ModuleType:
+    """The compiled extension (built on first call; may put the interpreter's scripts folder on
+    PATH for ninja, see below)."""
     # Imported here: cpp_extension pulls in setuptools, which nothing else at import time needs.
     from torch.utils import cpp_extension
 
     # Compiled on first use into torch's extension cache (TORCH_EXTENSIONS_DIR, default
     # ~/.cache/torch_extensions), rebuilt only when the sources change; needs g++ and ninja.
+    # torch runs `ninja` from PATH; pip's ninja (the dev extra) sits beside this interpreter,
+    # which is not on PATH when a virtual environment is used without being activated.
+    scripts = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts) is not None:
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     return cpp_extension.load(
         name="baton_quant_linear",
         sources=[str(_CSRC / "quant_linear.cpp")],
