@@ -122,10 +122,13 @@ static inline void bytes_s8(const uint8_t* q, V16& lo, V16& hi) {
   lo = s8_to_v16(q);
   hi = s8_to_v16(q + 16);
 }
-// 16 ymm registers: one row fused (8 accumulators). Buffered, the two 8-lane halves of every
-// accumulator go in two passes (lanes are independent, so each keeps its order): 3 rows x 2
-// columns of half accumulators (6) beside x (6) and weights (2).
-constexpr int kFusedMaxRows = 1;
+// 16 ymm registers. Fused: one row with all 4 columns per pass (accumulators 8, x 4, weights
+// 4; four independent FMA chains), or 2 rows with one column per pass (accumulators 4, x 8,
+// weights 4). Buffered, the two 8-lane halves of every accumulator go in two passes (lanes
+// are independent, so each keeps its order): 3 rows x 2 columns of half accumulators (6)
+// beside x (6) and weights (2).
+constexpr int kFusedMaxRows = 2;
+constexpr int fused_columns(int rows) { return rows == 1 ? 4 : 1; }
 constexpr int kRowGroup = 3;
 constexpr int kColGroup = 2;
 
@@ -231,6 +234,7 @@ static inline void hsum16x16(const float* a, float* out) {
 
 // 32 zmm registers: up to 4 rows x 4 columns of accumulators (16) beside x and weights.
 constexpr int kFusedMaxRows = 4;
+constexpr int fused_columns(int) { return 4; }
 constexpr int kRowGroup = 4;
 constexpr int kColGroup = 4;
 

@@ -10,7 +10,7 @@
 //                                     16 bytes of nibbles -> fma(nibble, d, o), low then high
 //   V16 u8_to_v16(__m128i bytes);     16 unsigned bytes -> 16 floats
 //   void bytes_s8(const uint8_t* q, V16& lo, V16& hi); 32 int8 -> 16 + 16 floats
-//   constexpr int kFusedMaxRows, kRowGroup, kColGroup;  register blocking (see below)
+//   constexpr int kFusedMaxRows, kRowGroup, kColGroup, fused_columns(rows);  register blocking
 // and with Layout, kTile and the format codes (kQ8_0, ...) in scope. It includes nothing itself:
 // the standard headers it uses are included by quant_linear.cpp before any target region.
 //
@@ -83,30 +83,35 @@ static inline void convert_scales(const uint8_t* h, int64_t count, float* out) {
                   _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + 2 * i))));
 }
 
-// M <= kFusedMaxRows: dequantise each block into registers and use it for every row at once.
+// M <= kFusedMaxRows: dequantise each block into registers and use it for every row at once,
+// fused_columns(R) columns of the tile per pass over K (x, small, is read again each pass).
 template <int FMT, int R>
 static void tile_fused(const Layout& L, const uint8_t* qs, const float* sd, const float* sb,
                        const float* x, int64_t ldx, float* y, int64_t ldy, int64_t ncols) {
-  V16 acc[R][kTile];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kTile; ++c) acc[r][c] = vzero();
-  for (int64_t b = 0; b < L.blocks; ++b) {
-    V16 xl[R], xh[R];
-    for (int r = 0; r < R; ++r) {
-      xl[r] = vload(x + r * ldx + 32 * b);
-      xh[r] = vload(x + r * ldx + 32 * b + 16);
-    }
-    for (int c = 0; c < kTile; ++c) {
-      V16 lo, hi;
-      dequant<FMT>(L, qs, sd, sb, b * kTile + c, lo, hi);
+  constexpr int kFusedColumns = fused_columns(R);
+  for (int c0 = 0; c0 < kTile; c0 += kFusedColumns) {
+    V16 acc[R][kFusedColumns];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kFusedColumns; ++c) acc[r][c] = vzero();
+    for (int64_t b = 0; b < L.blocks; ++b) {
+      V16 xl[R], xh[R];
       for (int r = 0; r < R; ++r) {
-        acc[r][c] = vfma(xl[r], lo, acc[r][c]);
-        acc[r][c] = vfma(xh[r], hi, acc[r][c]);
+        xl[r] = vload(x + r * ldx + 32 * b);
+        xh[r] = vload(x + r * ldx + 32 * b + 16);
+      }
+      for (int c = 0; c < kFusedColumns; ++c) {
+        V16 lo, hi;
+        dequant<FMT>(L, qs, sd, sb, b * kTile + c0 + c, lo, hi);
+        for (int r = 0; r < R; ++r) {
+          acc[r][c] = vfma(xl[r], lo, acc[r][c]);
+          acc[r][c] = vfma(xh[r], hi, acc[r][c]);
+        }
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kFusedColumns; ++c)
+        if (c0 + c < ncols) y[r * ldy + c0 + c] = hsum16(acc[r][c]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < ncols; ++c) y[r * ldy + c] = hsum16(acc[r][c]);
 }
 
 constexpr int64_t kChunkBlocks = 32;  // blocks dequantised into L1 at a time (16 KiB of floats)
