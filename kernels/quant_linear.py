@@ -32,8 +32,11 @@ Q4_1's ``fma(q, d, m)`` and Q4_K's ``fma(q, d * sc, -(dmin * m))`` round once wh
 element is one 16-lane float32 accumulator walked over K in a fixed order and summed by a fixed
 tree, whatever M, the other rows, the register blocking or the thread count: the kernel is
 batch-invariant by construction, and the AVX2 and AVX-512 builds compute the same bits
-(``csrc/quant_linear_body.h``). AVX512-BF16 / VNNI are not used: both multiply rounded or
-integer-quantised activations, which would give up the float32 numerics above.
+(``csrc/quant_linear_body.h``). AVX512-BF16 / AMX-BF16 and VNNI / AMX-INT8 are not used:
+the first need bfloat16 weights, and a GGUF weight ``d * q`` with an fp16 d (11 significant
+bits) is not one; the second quantise the activations to int8, as llama.cpp does. Either gives
+up the float32 numerics above; at 8 or more rows the dense bfloat16 GEMM (``vdpbf16ps``, twice
+the multiply-adds of an FMA) stays about twice as fast as this kernel (``bench/quant_linear.py``).
 """
 
 from __future__ import annotations
