@@ -35,8 +35,9 @@ batch-invariant by construction, and the AVX2 and AVX-512 builds compute the sam
 (``csrc/quant_linear_body.h``). AVX512-BF16 / AMX-BF16 and VNNI / AMX-INT8 are not used:
 the first need bfloat16 weights, and a GGUF weight ``d * q`` with an fp16 d (11 significant
 bits) is not one; the second quantise the activations to int8, as llama.cpp does. Either gives
-up the float32 numerics above; at 8 or more rows the dense bfloat16 GEMM (``vdpbf16ps``, twice
-the multiply-adds of an FMA) stays about twice as fast as this kernel (``bench/quant_linear.py``).
+up the float32 numerics above; from 16 rows on, the dense bfloat16 GEMM (``vdpbf16ps``, twice
+the multiply-adds of an FMA) stays 1.6-2.7x as fast as this kernel, which keeps pace with the
+packed float32 GEMM there (``bench/quant_linear.py``, 1 thread).
 """
 
 from __future__ import annotations
