@@ -217,6 +217,13 @@ def test_batch_invariant(isa: str, fmt: str, dtype: torch.dtype, restore_threads
             assert torch.equal(out[at : at + 1], alone), f"{threads} threads, {others} others"
 
 
+def test_strided_x_is_the_same_as_contiguous() -> None:
+    weight = repack(_random_blocks("Q4_K", 9, 512, seed=8), "Q4_K")
+    wide = torch.randn(5, 1024, generator=torch.Generator().manual_seed(8))
+    x = wide[:, ::2]  # every other column: a strided view
+    assert torch.equal(quant_linear(x, weight), quant_linear(x.contiguous(), weight))
+
+
 def test_no_rows() -> None:
     weight = repack(_quantized("Q4_1", 6, 64, seed=0), "Q4_1")
     for dtype in (torch.float32, torch.bfloat16):
