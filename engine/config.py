@@ -15,6 +15,7 @@ from baton.engine.speculative_config import SpeculativeConfig
 logger = logging.getLogger(__name__)
 
 EXECUTORS = ("uni", "mp", "sim")
+SIM_RUNNER_CHOICES = ("calibrated", "off")
 # Below this many cores the engine thread competes with the worker's threads:
 # measured on 2 cores, async/sync throughput was 0.84-0.99 (default model) and
 # 0.58-0.90 (a tiny model), so async scheduling stays off by default there.
@@ -125,6 +126,14 @@ class EngineConfig:
             device replays; None: no traces (every request fails, naming the missing trace).
             With a "sim:" device the KV cache defaults to 90% of the GPU's memory left by the
             weights (``num_kv_blocks`` overrides it).
+        sim_runner: what a simulated device charges for the model runner: "calibrated"
+            (default: the runner's host time per step, spent on the engine thread as on a GPU,
+            and kernel floors, as fitted to the GPU check: ``executor/sim_runner.py``), "off"
+            (neither: the device's roofline only), or the path of another calibration file (as
+            ``bench/sim_calibration.py`` writes).
+        sim_time_scale: a simulated device's times are multiplied by this (> 0; default 1).
+            Set to how many times slower this host is than the GPU machine's, a run plays
+            that machine in slow motion (``bench/sim_calibration.py`` does).
         grammar_compile_timeout_s: time limit of one grammar compile's own running time
             (its worker process's CPU time: neither its wait in the compile queue nor a
             busy machine counts); past it the worker is killed and the spec fails.
@@ -232,6 +241,8 @@ class EngineConfig:
     dtype_reason: str = field(default="", init=False, compare=False)
     sim_shape: str | None = None
     sim_traces: str | None = None
+    sim_runner: str = "calibrated"
+    sim_time_scale: float = 1.0
     speculative_config: SpeculativeConfig | None = None
     structured_drafts: bool | None = None
     enforce_eager: bool = False
@@ -329,6 +340,7 @@ class EngineConfig:
                 "EngineConfig.sim_shape, sim_traces and executor='sim' need a simulated device "
                 f"(device='sim:<gpu>'), got device {self.device!r}"
             )
+        self._check_sim_runner()
         if self.sim_traces is not None and not isinstance(self.sim_traces, str):
             raise ValueError(
                 f"EngineConfig.sim_traces must be a path (str), got {self.sim_traces!r}"
@@ -381,6 +393,24 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             return f"tensor_parallel_size={self.tensor_parallel_size}"
         return None
+
+    def _check_sim_runner(self) -> None:
+        runner = self.sim_runner
+        if not isinstance(runner, str) or (
+            runner not in SIM_RUNNER_CHOICES and not os.path.isfile(runner)
+        ):
+            raise ValueError(
+                f"EngineConfig.sim_runner must be one of {list(SIM_RUNNER_CHOICES)} or the path "
+                f"of a calibration file, got {runner!r}"
+            )
+        scale = self.sim_time_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"EngineConfig.sim_time_scale must be a number > 0, got {scale!r}")
+        if not self.device.startswith("sim:") and (self.sim_runner != "calibrated" or scale != 1.0):
+            raise ValueError(
+                "EngineConfig.sim_runner and sim_time_scale need a simulated device "
+                f"(device='sim:<gpu>'), got device {self.device!r}"
+            )
 
     def _resolve_structured_drafts(self) -> None:
         if self.structured_drafts not in (None, True, False):
