@@ -405,7 +405,7 @@ def cmd_fit(a: argparse.Namespace) -> int:
         zero = zero_calibration(prof, local)
         zero_path.write_text(json.dumps({"calibration": zero.to_json()}))
         sim = run_cells(cells, a.model, str(zero_path), 1.0)
-    recorded = json.loads(a.gpu_result.read_text()).get("run", {}).get("host_speed_s")
+    recorded = json.loads(a.gpu_result.read_text()).get("env", {}).get("host_speed_s")
     ratio = local / recorded if recorded else host_ratio(sim, cells, prof)
     values, targets = fit(cells, sim, ratio, prof)
     dev = device_figures(prof, _num_layers())
