@@ -495,6 +495,31 @@ def cmd_check(a: argparse.Namespace) -> int:
     return 0
 
 
+def readme_table(result: dict[str, Any]) -> str:
+    """The README's table of a ``check`` result: each GPU cell's TPOT beside the simulator's."""
+    run = result.get("run", {})
+    lines = [
+        f"Every cell of the GPU check (`{Path(result['gpu_result']).name}`) run again on "
+        f"`sim:h200` with the calibration `{Path(result['calibration']).name}` "
+        f"({result['calibration_source']}), playing the GPU machine's host at time scale "
+        f"{result['time_scale']:.3f}; 1-minute load average {result['load']['start']:.1f} at "
+        f"the start, {result['load']['end']:.1f} at the end, on {run.get('cpu_cores', '?')} "
+        f"cores ({run.get('cpu', '?')}). **{result['cells_within']} of {len(result['rows'])} "
+        f"cells within +-{result['tolerance']:.0%}** of the GPU's TPOT.",
+        "",
+        "| forward | scheduling | requests | batch | GPU TPOT ms | sim TPOT ms | sim / GPU |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        flag = "" if r["within"] else " (out)"
+        lines.append(
+            f"| {'graphs' if r['graphs'] else 'eager'} | {'async' if r['async'] else 'sync'} | "
+            f"{'JSON' if r['json_fraction'] else 'free'} | {r['batch']} | "
+            f"{r['gpu_tpot_ms']:.2f} | {r['sim_tpot_ms']:.2f} | {r['sim_over_gpu']:.2f}{flag} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     """Sim TPOT against GPU TPOT per cell, on log axes, with the tolerance band."""
     import matplotlib
