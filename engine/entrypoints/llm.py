@@ -82,7 +82,7 @@ class LLM:
         ``device_busy_fraction``, and seconds spent in ``schedule_s``,
         ``bitmask_s``, ``device_wait_s``, ``update_s`` (plus ``engine_s``,
         ``device_s``); how the model computes: ``dtype``, ``dtype_reason``,
-        ``int8_small_batches`` (see ``LLMEngine.stats``); and the grammar compiles: queue
+        ``quantization`` (see ``LLMEngine.stats``); and the grammar compiles: queue
         length, running compiles, worker processes, compiles, errors, time-outs, worker
         kills, cache hits and the compile-time histogram (``grammar_*`` keys;
         ``CompileService.stats`` lists them)."""
