@@ -35,10 +35,11 @@ class LLM:
             or a torch dtype. ``stats()`` says which one was picked and why.
         **engine_args: any other ``EngineConfig`` field (max_num_seqs,
             max_num_batched_tokens, max_model_len, num_kv_blocks,
-            async_scheduling, executor, ...).
+            async_scheduling, executor, quantization, ...).
 
     Raises:
-        ModelLoadError: the model cannot be read. ValueError: a bad engine argument.
+        ModelLoadError: the model cannot be read. ValueError: a bad engine argument (a
+            removed one, such as ``int8_small_batches``, names its replacement).
     """
 
     def __init__(
