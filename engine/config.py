@@ -23,6 +23,8 @@ MIN_CORES_FOR_OVERLAP = 3
 
 
 DTYPE_AUTO = "auto"
+# Weight quantisations ``EngineConfig.quantization`` takes (None: the weights as loaded).
+QUANTIZATIONS = ("int8",)
 
 
 def auto_dtype(device: str) -> tuple[torch.dtype, str]:
@@ -159,13 +161,16 @@ class EngineConfig:
             stream on CUDA. None picks "uni" on CUDA; on CPU "mp" when async
             scheduling is on, else "uni".
         max_concurrent_batches: steps in flight under async scheduling.
-        int8_small_batches: int8 weight-only GEMMs (per-output-channel scales, quantised from
-            the loaded weights when the model is built) for steps with few rows, dense
-            ``dtype`` GEMMs for larger ones, chosen per step by the number of rows (the
-            crossover is measured in ``models/quant.py``). Batch-1 decode is bound by reading
-            the weights, which int8 halves against bfloat16. None: on for bfloat16 on a CPU,
-            off otherwise (float32 keeps matching transformers). Resolved to a bool at
-            construction.
+        quantization: weight quantisation the user asks for (vLLM's name); never switched
+            by load. None (default): the weights as loaded, on every step. "int8": every
+            linear layer and the LM head as int8 weight-only GEMMs (per-output-channel
+            scales, quantised from the loaded weights when the model is built; activations
+            stay in ``dtype``), on every step whatever its row count, and no dense copy of
+            the projections is kept (the embedding stays for lookups). Batch-1 decode is bound
+            by reading the weights, which int8 halves against bfloat16; steps of many rows are
+            slower than dense bfloat16 (``baton bench linear_kernels``). CPU only; the
+            model's linear layers need in_features divisible by 16 (checked when it is
+            built). Reported by ``stats()`` and ``/metrics`` ("none" or "int8").
         worker_threads: torch threads of the model worker process ("mp"; of each rank's
             under tensor parallelism); None leaves one core to the engine thread when there
             are more than two, and uses every core otherwise (shared out among the ranks),
@@ -234,7 +239,7 @@ class EngineConfig:
     executor: str | None = None
     max_concurrent_batches: int = 2
     worker_threads: int | None = None
-    int8_small_batches: bool | None = None
+    quantization: str | None = None
     adapt_cpu_threads: bool = True
     tensor_parallel_size: int = 1
     # Why ``dtype`` is what it is; set at construction.
@@ -346,6 +351,7 @@ class EngineConfig:
                 f"EngineConfig.sim_traces must be a path (str), got {self.sim_traces!r}"
             )
         self._resolve_dtype()
+        self._check_quantization()
         if self.executor == "mp" and self.device != "cpu":
             raise ValueError(
                 f"EngineConfig.executor='mp' runs the model in a CPU worker process and cannot "
@@ -462,19 +468,18 @@ class EngineConfig:
             )
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "dtype_reason", reason)
-        if self.int8_small_batches not in (None, True, False):
+
+    def _check_quantization(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                "EngineConfig.int8_small_batches must be None, True or False, "
-                f"got {self.int8_small_batches!r}"
+                "EngineConfig.quantization must be None (the weights as loaded) or one of "
+                f"{list(QUANTIZATIONS)}, got {self.quantization!r}"
             )
-        if self.int8_small_batches and self.device != "cpu":
+        if self.quantization == "int8" and self.device != "cpu":
             raise ValueError(
-                "EngineConfig.int8_small_batches=True needs device='cpu' (the int8 weight-only "
-                f"kernel is a CPU kernel), got {self.device!r}"
+                "EngineConfig.quantization='int8' needs device='cpu' (the int8 weight-only "
+                f"kernel is a CPU kernel), got {self.device!r}; use quantization=None there"
             )
-        if self.int8_small_batches is None:
-            on = dtype == torch.bfloat16 and self.device == "cpu"
-            object.__setattr__(self, "int8_small_batches", on)
 
     def _resolve_async(self) -> bool:
         blocker = None

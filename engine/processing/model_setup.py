@@ -88,7 +88,7 @@ def setup_model(
         tokenizer_vocab_size=ckpt.tokenizer.vocab_size,
         num_threads=threads,
         device=config.device,
-        int8_small_batches=bool(config.int8_small_batches),
+        quantization=config.quantization,
         tensor_parallel_size=config.tensor_parallel_size,
         adapt_threads=config.adapt_cpu_threads and config.device == "cpu",
         cuda_graphs=config.device.startswith("cuda") and not config.enforce_eager,
