@@ -7,10 +7,10 @@ decode. Prints a table with the ratio baton / transformers in the same dtype (lo
 better; the goal is <= 1.0) and writes JSON and a PNG next to the README's results.
 
 ``baton`` is the model with plain ``F.linear`` layers, kernel for kernel what transformers
-runs. Two more columns: baton as the engine builds it (its dense linears packed for oneDNN
-where the CPU has it, ``engine/models/packed.py``; in bfloat16 also int8 weight-only GEMMs
-for steps of at most ``INT8_MAX_ROWS`` rows) and transformers in float32, the reference of
-the issue's batch-1 goal (engine step <= 0.6x transformers' float32 step).
+runs. Two more columns: baton as the engine builds it by default (its linears packed for
+oneDNN where the CPU has it, ``engine/models/packed.py``; no quantisation) and transformers
+in float32, the reference of the issue's batch-1 goal (engine step <= 0.6x transformers'
+float32 step).
 
     baton bench forward [--model PATH] [--batches 1,8,32,64] [--trials 5]
         [--dtype float32|bfloat16]
@@ -34,7 +34,6 @@ from baton.engine.loader import load_checkpoint
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
-from baton.engine.models.quant import INT8_MAX_ROWS
 from baton.engine.worker.build import add_cpu_kernels
 
 RESULTS = RESULTS_DIR
@@ -140,9 +139,9 @@ def run(
     baton.load_weights(ckpt.weights)
     baton.to(dtype)
     hfs = {"transformers": build_transformers(ckpt.config, ckpt.weights).to(dtype)}
-    # What the engine builds: int8 copies in bfloat16 (its default there), packed weights.
+    # What the engine builds by default (quantization=None): packed weights where it can.
     engine = copy.deepcopy(baton)
-    add_cpu_kernels(engine, int8_small_batches=dtype == torch.bfloat16)
+    add_cpu_kernels(engine, quantization=None)
     if dtype == torch.bfloat16:
         hfs["transformers_float32"] = build_transformers(ckpt.config, ckpt.weights).float()
     batons = {"baton": baton, "baton_engine": engine}
@@ -170,7 +169,7 @@ def run(
         "model": str(ckpt.path),
         "context_tokens": context,
         "dtype": str(dtype).removeprefix("torch."),
-        "int8_max_rows": INT8_MAX_ROWS if dtype == torch.bfloat16 else None,
+        "quantization": None,
         "packed": engine.lm_head_packed is not None,
         "prefill_logits": "last position only, both",
         "threads": torch.get_num_threads(),

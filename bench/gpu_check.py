@@ -309,6 +309,8 @@ def run(out: Path, prep: Path, only: frozenset[str] | None = None) -> int:
     """
     import torch
 
+    from baton.engine.host_speed import measure_host_speed
+
     unknown = (only or frozenset()) - {s.name for s in stages(out, None, prep)}
     if unknown:
         raise ValueError(f"no such stage: {', '.join(sorted(unknown))}")
@@ -322,6 +324,9 @@ def run(out: Path, prep: Path, only: frozenset[str] | None = None) -> int:
         "cuda": torch.version.cuda,
         "python": sys.version.split()[0],
         "default_model": default_model_installed(),
+        # This host's speed at the engine's kind of work: the simulator's calibration
+        # (bench/sim_calibration.py) scales the runner's host costs between machines by it.
+        "host_speed_s": measure_host_speed(),
     }
     (out / "env.json").write_text(json.dumps(env, indent=2))
     t0 = time.monotonic()

@@ -2,9 +2,10 @@
 counts, as dense float32 and bfloat16 (``F.linear``), the same with weights packed once for
 oneDNN (``engine/models/packed.py``), and int8 weight-only (bfloat16 activations).
 
-It is the measurement behind ``engine/models/quant.py``'s ``INT8_MAX_ROWS`` (the rows up to
-which the int8 kernel beats the packed bfloat16 GEMM) and behind packing at every row
-count. The kernels are interleaved trial by trial in one run. Writes JSON and a PNG.
+It is the measurement behind packing at every row count, and the price by rows of
+``quantization="int8"`` (the rows up to which the int8 kernel beats the packed bfloat16
+GEMM, and by how much it loses above them). The kernels are interleaved trial by trial in
+one run. Writes JSON and a PNG.
 
     baton bench linear_kernels [--model PATH] [--rows 1,2,4,8,16] [--trials 7]
 """
@@ -29,7 +30,7 @@ from baton.engine.models.packed import (
     packed_linear,
     packing_available,
 )
-from baton.engine.models.quant import INT8_MAX_ROWS, Int8Weight, int8_linear, quantize_int8
+from baton.engine.models.quant import Int8Weight, int8_linear, quantize_int8
 
 KERNELS = ("float32", "float32_packed", "bfloat16", "bfloat16_packed", "int8")
 
@@ -120,7 +121,6 @@ def run(model: str | None, rows: list[int], trials: int) -> dict:
         "kernels": kernels,
         "int8_faster_than": dense_bf16,
         "int8_faster_than_bfloat16_at": faster,
-        "int8_max_rows_in_engine": INT8_MAX_ROWS,
     }
 
 
@@ -132,7 +132,6 @@ def plot(result: dict, path: Path) -> None:
     ms = [r["rows"] for r in result["rows"]]
     for k in result.get("kernels", KERNELS):
         ax.plot(ms, [r[f"{k}_ms"] for r in result["rows"]], marker="o", label=k)
-    ax.axvline(result["int8_max_rows_in_engine"], color="gray", linestyle=":", label="engine")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows (tokens in the step)")
     ax.set_ylabel("ms, all linear layers once")

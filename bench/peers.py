@@ -4,8 +4,8 @@ One run, one workload: the same chat prompts (as the same token ids), the same
 JSON schema, greedy decoding, the same ``--max-tokens``, at each
 ``--concurrency`` N (N prompts submitted at once), on the same weights, through
 
-* baton (``LLM.generate``, as its engine runs by default in that dtype: in bfloat16 with
-  int8 weight-only GEMMs for steps of at most a few rows),
+* baton (``LLM.generate``, as its engine runs by default in that dtype, without weight
+  quantisation),
 * transformers batched ``generate`` (left padding) with xgrammar's Hugging Face
   logits processor,
 * Outlines 1.x over the same transformers model (skipped with a note when

@@ -34,6 +34,7 @@ from baton.bench.readme_tables import (
     tensor_parallel_table,
     throughput_table,
 )
+from baton.bench.sim_calibration import readme_table as sim_calibration_table
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -65,6 +66,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "On an NVIDIA H200: the prepared GPU check",
         "bench/gpu_check.sh OUT, then python -m baton.bench.gpu_check collect --src OUT",
         gpu_check_table,
+    ),
+    (
+        "sim_calibration.json",
+        "The simulated H200 against the real one (calibrated runner costs)",
+        "python -m baton.bench.sim_calibration check",
+        sim_calibration_table,
     ),
     (
         "structured.json",

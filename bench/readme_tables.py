@@ -15,8 +15,11 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def engine_label(d: dict[str, Any]) -> str:
-    """What ``bench/forward.py``'s engine column ran: the dtype, int8 rows and packing."""
+    """What ``bench/forward.py``'s engine column ran: the dtype, its quantisation and packing
+    (``int8_max_rows``: results recorded before ``quantization`` replaced int8 by rows)."""
     parts = [d.get("dtype", "")]
+    if d.get("quantization"):
+        parts.append(f"{d['quantization']} weights")
     if d.get("int8_max_rows"):
         parts.append(f"int8 <= {d['int8_max_rows']} rows")
     if d.get("packed"):

@@ -13,9 +13,9 @@ caching off), warmed up on prompts of its own; every mode runs ``--repeats`` tim
 in alternating order, since this machine's speed drifts over minutes. Reports per workload,
 mode and concurrency: output tok/s (the median of the runs, and each run's), output tokens
 per engine step, drafts per step, acceptance rate, valid JSON
-share, and whether the tokens equal spec off's (they must in float32; in bfloat16 a step with
-drafts may take the dense GEMMs where a one-row step takes int8 ones, so a near-tie can go
-the other way). The goals of the issue are judged on the measured ratios (nothing asserted).
+share, and whether the tokens equal spec off's (they must in float32; in bfloat16 the dense
+GEMMs may compute a row differently in a step of more rows, as with drafts, so a near-tie can
+go the other way). The goals of the issue are judged on the measured ratios (nothing asserted).
 Then the same prompts run on the simulated accelerator (``--sim-device sim:h200 --sim-shape
 llama-3.1-8b``; ``--sim-device none`` skips it), replaying the spec-off outputs measured here
 as traces (``bench/spec_sim.py``): what the drafts are worth at GPU speed.

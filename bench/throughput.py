@@ -3,8 +3,8 @@
 Same model weights, same prompts, greedy, every request generating exactly
 ``--output-len`` tokens (EOS ignored on both sides), measured in one run.
 Each dtype runs both engines in that dtype (transformers casts its whole model,
-baton keeps norms and softmax in float32; baton in bfloat16 runs as its engine does by
-default, with int8 weight-only GEMMs for steps of at most a few rows). Both are warmed
+baton keeps norms and softmax in float32; baton runs as its engine does by default, without
+weight quantisation). Both are warmed
 up the same way, on prompts that are not measured, and baton runs with prefix caching off
 (transformers has none), so every measured prompt is prefilled in full by both. Prints
 tokens/s, the same-dtype ratio, and each baton run against transformers in float32 (stock
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=dtype,
             enable_prefix_caching=False,
         )
-        int8 = int(llm.stats()["int8_small_batches"])
+        quantization = str(llm.stats()["quantization"])
         run_baton(llm, warmup, WARMUP_TOKENS)
         b_time, b_tokens = run_baton(llm, prompts, a.output_len)
         llm.shutdown()
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             {
                 "dtype": name,
-                "baton_int8_small_batches": bool(int8),
+                "baton_quantization": quantization,
                 "baton": {"seconds": b_time, "tokens": b_tokens, "tok_per_s": b_tokens / b_time},
                 "transformers": {
                     "seconds": h_time,

@@ -15,6 +15,7 @@ from baton.engine.speculative_config import SpeculativeConfig
 logger = logging.getLogger(__name__)
 
 EXECUTORS = ("uni", "mp", "sim")
+SIM_RUNNER_CHOICES = ("calibrated", "off")
 # Below this many cores the engine thread competes with the worker's threads:
 # measured on 2 cores, async/sync throughput was 0.84-0.99 (default model) and
 # 0.58-0.90 (a tiny model), so async scheduling stays off by default there.
@@ -22,6 +23,8 @@ MIN_CORES_FOR_OVERLAP = 3
 
 
 DTYPE_AUTO = "auto"
+# Weight quantisations ``EngineConfig.quantization`` takes (None: the weights as loaded).
+QUANTIZATIONS = ("int8",)
 
 
 def auto_dtype(device: str) -> tuple[torch.dtype, str]:
@@ -125,6 +128,14 @@ class EngineConfig:
             device replays; None: no traces (every request fails, naming the missing trace).
             With a "sim:" device the KV cache defaults to 90% of the GPU's memory left by the
             weights (``num_kv_blocks`` overrides it).
+        sim_runner: what a simulated device charges for the model runner: "calibrated"
+            (default: the runner's host time per step, spent on the engine thread as on a GPU,
+            and kernel floors, as fitted to the GPU check: ``executor/sim_runner.py``), "off"
+            (neither: the device's roofline only), or the path of another calibration file (as
+            ``bench/sim_calibration.py`` writes).
+        sim_time_scale: a simulated device's times are multiplied by this (> 0; default 1).
+            Set to how many times slower this host is than the GPU machine's, a run plays
+            that machine in slow motion (``bench/sim_calibration.py`` does).
         grammar_compile_timeout_s: time limit of one grammar compile's own running time
             (its worker process's CPU time: neither its wait in the compile queue nor a
             busy machine counts); past it the worker is killed and the spec fails.
@@ -150,13 +161,16 @@ class EngineConfig:
             stream on CUDA. None picks "uni" on CUDA; on CPU "mp" when async
             scheduling is on, else "uni".
         max_concurrent_batches: steps in flight under async scheduling.
-        int8_small_batches: int8 weight-only GEMMs (per-output-channel scales, quantised from
-            the loaded weights when the model is built) for steps with few rows, dense
-            ``dtype`` GEMMs for larger ones, chosen per step by the number of rows (the
-            crossover is measured in ``models/quant.py``). Batch-1 decode is bound by reading
-            the weights, which int8 halves against bfloat16. None: on for bfloat16 on a CPU,
-            off otherwise (float32 keeps matching transformers). Resolved to a bool at
-            construction.
+        quantization: weight quantisation the user asks for (vLLM's name); never switched
+            by load. None (default): the weights as loaded, on every step. "int8": every
+            linear layer and the LM head as int8 weight-only GEMMs (per-output-channel
+            scales, quantised from the loaded weights when the model is built; activations
+            stay in ``dtype``), on every step whatever its row count, and no dense copy of
+            the projections is kept (the embedding stays for lookups). Batch-1 decode is bound
+            by reading the weights, which int8 halves against bfloat16; steps of many rows are
+            slower than dense bfloat16 (``baton bench linear_kernels``). CPU only; the
+            model's linear layers need in_features divisible by 16 (checked when it is
+            built). Reported by ``stats()`` and ``/metrics`` ("none" or "int8").
         worker_threads: torch threads of the model worker process ("mp"; of each rank's
             under tensor parallelism); None leaves one core to the engine thread when there
             are more than two, and uses every core otherwise (shared out among the ranks),
@@ -225,13 +239,15 @@ class EngineConfig:
     executor: str | None = None
     max_concurrent_batches: int = 2
     worker_threads: int | None = None
-    int8_small_batches: bool | None = None
+    quantization: str | None = None
     adapt_cpu_threads: bool = True
     tensor_parallel_size: int = 1
     # Why ``dtype`` is what it is; set at construction.
     dtype_reason: str = field(default="", init=False, compare=False)
     sim_shape: str | None = None
     sim_traces: str | None = None
+    sim_runner: str = "calibrated"
+    sim_time_scale: float = 1.0
     speculative_config: SpeculativeConfig | None = None
     structured_drafts: bool | None = None
     enforce_eager: bool = False
@@ -329,11 +345,13 @@ class EngineConfig:
                 "EngineConfig.sim_shape, sim_traces and executor='sim' need a simulated device "
                 f"(device='sim:<gpu>'), got device {self.device!r}"
             )
+        self._check_sim_runner()
         if self.sim_traces is not None and not isinstance(self.sim_traces, str):
             raise ValueError(
                 f"EngineConfig.sim_traces must be a path (str), got {self.sim_traces!r}"
             )
         self._resolve_dtype()
+        self._check_quantization()
         if self.executor == "mp" and self.device != "cpu":
             raise ValueError(
                 f"EngineConfig.executor='mp' runs the model in a CPU worker process and cannot "
@@ -381,6 +399,24 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             return f"tensor_parallel_size={self.tensor_parallel_size}"
         return None
+
+    def _check_sim_runner(self) -> None:
+        runner = self.sim_runner
+        if not isinstance(runner, str) or (
+            runner not in SIM_RUNNER_CHOICES and not os.path.isfile(runner)
+        ):
+            raise ValueError(
+                f"EngineConfig.sim_runner must be one of {list(SIM_RUNNER_CHOICES)} or the path "
+                f"of a calibration file, got {runner!r}"
+            )
+        scale = self.sim_time_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"EngineConfig.sim_time_scale must be a number > 0, got {scale!r}")
+        if not self.device.startswith("sim:") and (self.sim_runner != "calibrated" or scale != 1.0):
+            raise ValueError(
+                "EngineConfig.sim_runner and sim_time_scale need a simulated device "
+                f"(device='sim:<gpu>'), got device {self.device!r}"
+            )
 
     def _resolve_structured_drafts(self) -> None:
         if self.structured_drafts not in (None, True, False):
@@ -432,19 +468,18 @@ class EngineConfig:
             )
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "dtype_reason", reason)
-        if self.int8_small_batches not in (None, True, False):
+
+    def _check_quantization(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                "EngineConfig.int8_small_batches must be None, True or False, "
-                f"got {self.int8_small_batches!r}"
+                "EngineConfig.quantization must be None (the weights as loaded) or one of "
+                f"{list(QUANTIZATIONS)}, got {self.quantization!r}"
             )
-        if self.int8_small_batches and self.device != "cpu":
+        if self.quantization == "int8" and self.device != "cpu":
             raise ValueError(
-                "EngineConfig.int8_small_batches=True needs device='cpu' (the int8 weight-only "
-                f"kernel is a CPU kernel), got {self.device!r}"
+                "EngineConfig.quantization='int8' needs device='cpu' (the int8 weight-only "
+                f"kernel is a CPU kernel), got {self.device!r}; use quantization=None there"
             )
-        if self.int8_small_batches is None:
-            on = dtype == torch.bfloat16 and self.device == "cpu"
-            object.__setattr__(self, "int8_small_batches", on)
 
     def _resolve_async(self) -> bool:
         blocker = None

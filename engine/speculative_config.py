@@ -45,9 +45,10 @@ class SpeculativeConfig:
     # 2026-12-04, one run each, auto/off): k=3 peers 1.47 at concurrency 1 and 1.20 at 16,
     # extraction 1.99 and 1.25; k=5 peers 2.05 and 1.31, extraction 2.40 and 1.28; k=7 no more
     # tokens per step than k=5 (peers 2.22 vs 2.20 at concurrency 1) and more rejected rows.
-    # With the dense GEMMs on packed weights, a verification step of 3 to 8 rows costs about
-    # what one of 2 rows does on the int8 kernel (models/quant.py), so drafts past the third
-    # are nearly free at batch 1.
+    # Measured while bfloat16 steps of 1-2 rows took int8 weights by default (now only with
+    # quantization="int8"): with the dense GEMMs on packed weights, a verification step of 3
+    # to 8 rows cost about what one of 2 rows did on the int8 kernel (models/quant.py), so
+    # drafts past the third were nearly free at batch 1.
     num_speculative_tokens: int = 5
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3

@@ -110,11 +110,13 @@ def test_serve_options_build_the_data_parallel_config() -> None:
 
 
 def test_replica_stats_merge_like_one_engine() -> None:
-    a = {"steps": 10, "kv_usage": 0.5, "tensor_parallel_size": 2, "dtype": "bfloat16", "pid": 1}
-    b = {"steps": 5, "kv_usage": 0.1, "tensor_parallel_size": 2, "dtype": "bfloat16", "pid": 2}
+    same = {"tensor_parallel_size": 2, "dtype": "bfloat16", "quantization": "int8"}
+    a = {"steps": 10, "kv_usage": 0.5, **same, "pid": 1}
+    b = {"steps": 5, "kv_usage": 0.1, **same, "pid": 2}
     merged = merge_stats([a, b])
     assert merged["steps"] == 15
     assert merged["kv_usage"] == pytest.approx(0.3)
     assert merged["tensor_parallel_size"] == 2 and merged["dtype"] == "bfloat16"
+    assert merged["quantization"] == "int8"
     assert "pid" not in merged
     assert merge_stats([]) == {}

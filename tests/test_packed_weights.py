@@ -75,25 +75,6 @@ def test_packed_model_matches_dense_and_releases_dense_weights(tied):
         assert packed.lm_head.weight.numel() == 0
 
 
-def test_int8_steps_stay_int8_when_the_rest_is_packed():
-    _, dense = _tiny_pair()
-    dense = dense.to(torch.bfloat16) if packing_available(torch.bfloat16) else dense
-    dtype = dense.embed_tokens.weight.dtype
-    int8_only = copy.deepcopy(dense)
-    int8_only.quantize_int8(max_rows=4)
-    both = copy.deepcopy(int8_only)
-    both.pack_weights()
-    prompt = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        ref = _decode_logits(int8_only, prompt, 5, dtype)
-        out = _decode_logits(both, prompt, 5, dtype)
-        dense_ref = _decode_logits(dense, prompt, 0, dtype)
-    # One-row decode steps take the int8 copies in both: bit for bit.
-    assert torch.equal(out[1:], ref[1:])
-    # The 12-row prefill takes the packed weights: near the dense result.
-    assert (out[0] - dense_ref[0]).abs().max().item() <= 0.02 * dense_ref.abs().max().item()
-
-
 def test_pack_weights_refuses_a_model_off_the_cpu():
     _, model = _tiny_pair()
     model = model.to("meta")
@@ -101,10 +82,11 @@ def test_pack_weights_refuses_a_model_off_the_cpu():
         model.pack_weights()
 
 
-def test_packing_is_once_and_after_int8():
+def test_packing_is_once_and_never_with_int8():
     _, model = _tiny_pair()
     model.pack_weights()
     with pytest.raises(ValueError, match="packed already"):
         model.pack_weights()
-    with pytest.raises(ValueError, match="before pack_weights"):
-        model.quantize_int8(max_rows=2)
+    # int8 weights replace packing (quantization="int8"): one kernel for every step.
+    with pytest.raises(ValueError, match="int8 replaces packing"):
+        model.quantize_int8()

@@ -147,6 +147,7 @@ def test_models_health_and_metrics_format(server: Server) -> None:
         line for line in r.text.splitlines() if line.startswith("baton_model_compute_info{")
     )
     assert f'dtype="{stats["dtype"]}"' in info and info.endswith(" 1")
+    assert f'quantization="{stats["quantization"]}"' in info
 
 
 # ------------------------------------------------------- structured chat
@@ -667,8 +668,12 @@ def test_metrics_render() -> None:
         "grammar_compile_seconds_sum": 0.5,
         "grammar_compile_seconds_le_0.01": 1,
         "grammar_compile_seconds_le_0.5": 3,
+        "dtype": "bfloat16",
+        "quantization": "int8",
     }
     text = m.render(stats, healthy=True)
+    info = next(line for line in text.splitlines() if line.startswith("baton_model_compute_info"))
+    assert 'dtype="bfloat16"' in info and 'quantization="int8"' in info
     assert text.endswith("\n")
     assert metric(text, "baton_requests_total", 'status="finished"') == 1
     assert metric(text, "baton_requests_total", 'status="aborted"') == 1

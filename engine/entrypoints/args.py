@@ -12,10 +12,21 @@ from typing import Any
 
 import torch
 
-from baton.engine.config import DTYPE_AUTO, EngineConfig
+from baton.engine.config import DTYPE_AUTO, QUANTIZATIONS, EngineConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = (DTYPE_AUTO, *DTYPES)
+# ``--quantization`` choices: "none" is the weights as loaded (``quantization=None``).
+QUANTIZATION_CHOICES = ("none", *QUANTIZATIONS)
+# Engine arguments that were removed, and what to pass instead: refused with that advice
+# rather than ignored, so that a user's old setting cannot silently stop applying.
+REMOVED_ENGINE_ARGS = {
+    "int8_small_batches": (
+        "int8 weights are no longer switched on by batch size; pass quantization='int8' for "
+        "int8 weight-only linears on every step, or leave quantization unset (None) for the "
+        "weights as loaded"
+    ),
+}
 
 
 def engine_config(
@@ -26,13 +37,21 @@ def engine_config(
     computes in it natively, float32 elsewhere (``config.auto_dtype``; logged at INFO).
 
     Raises:
-        ValueError: an unknown dtype name, an unknown engine argument, or a value
-            ``EngineConfig`` refuses.
+        ValueError: an unknown dtype name, an unknown or removed engine argument (a removed
+            one names its replacement, ``REMOVED_ENGINE_ARGS``), or a value ``EngineConfig``
+            refuses.
     """
     if isinstance(dtype, str) and dtype != DTYPE_AUTO:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
         dtype = DTYPES[dtype]
+    removed = sorted(set(engine_args) & set(REMOVED_ENGINE_ARGS))
+    if removed:
+        raise ValueError(
+            "; ".join(
+                f"engine argument {n!r} was removed: {REMOVED_ENGINE_ARGS[n]}" for n in removed
+            )
+        )
     fields = {n for n, f in EngineConfig.__dataclass_fields__.items() if f.init}
     unknown = set(engine_args) - fields - {"model", "dtype"}
     if unknown:
@@ -56,6 +75,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         "float32 elsewhere; float32 matches transformers",
     )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_CHOICES,
+        default="none",
+        help="none (default): the weights as loaded, on every step; int8: every linear as "
+        "int8 weight-only GEMMs on every step (CPU; faster batch-1 decode, slower large steps)",
+    )
     parser.add_argument(
         "--max-num-seqs", type=int, default=None, help="most requests running at once"
     )
@@ -139,6 +165,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         ValueError: a value ``EngineConfig`` refuses.
     """
     engine_args: dict[str, Any] = {"device": args.device}
+    quantization = getattr(args, "quantization", "none")
+    if quantization != "none":
+        engine_args["quantization"] = quantization
     if args.max_num_seqs is not None:
         engine_args["max_num_seqs"] = args.max_num_seqs
     if args.max_model_len is not None:

@@ -47,7 +47,7 @@ _MONITOR_PERIOD_S = 0.5
 # and rates are averaged, settings are taken from the first replica, and the per-replica
 # identity keys are left to replica_stats().
 _AVERAGED = ("device_busy_fraction", "kv_usage", "spec_acceptance_rate")
-_SETTINGS = ("tensor_parallel_size", "int8_small_batches", "cpu_max_threads")
+_SETTINGS = ("tensor_parallel_size", "cpu_max_threads")
 _PER_REPLICA = ("pid", "healthy")
 
 

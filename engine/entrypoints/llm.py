@@ -35,10 +35,11 @@ class LLM:
             or a torch dtype. ``stats()`` says which one was picked and why.
         **engine_args: any other ``EngineConfig`` field (max_num_seqs,
             max_num_batched_tokens, max_model_len, num_kv_blocks,
-            async_scheduling, executor, ...).
+            async_scheduling, executor, quantization, ...).
 
     Raises:
-        ModelLoadError: the model cannot be read. ValueError: a bad engine argument.
+        ModelLoadError: the model cannot be read. ValueError: a bad engine argument (a
+            removed one, such as ``int8_small_batches``, names its replacement).
     """
 
     def __init__(
@@ -82,7 +83,7 @@ class LLM:
         ``device_busy_fraction``, and seconds spent in ``schedule_s``,
         ``bitmask_s``, ``device_wait_s``, ``update_s`` (plus ``engine_s``,
         ``device_s``); how the model computes: ``dtype``, ``dtype_reason``,
-        ``int8_small_batches`` (see ``LLMEngine.stats``); and the grammar compiles: queue
+        ``quantization`` (see ``LLMEngine.stats``); and the grammar compiles: queue
         length, running compiles, worker processes, compiles, errors, time-outs, worker
         kills, cache hits and the compile-time histogram (``grammar_*`` keys;
         ``CompileService.stats`` lists them)."""

@@ -19,6 +19,17 @@ The forward is timed with all the fed tokens and one logits row per draft positi
 more, as a real verification step computes. Under async scheduling a step planned past
 drafts that were then rejected sampled past the real length: the next step's ``rewound``
 moves the trace back.
+
+The model runner's own costs (``sim_runner.py``): with a ``RunnerModel`` the executor spends the
+runner's host time on the engine thread, in ``execute_model`` (inputs, the forward's launch:
+one graph replay for a pure decode step, one launch per kernel otherwise) and in
+``sample_tokens`` (bitmask apply, sampling, the copy back), as the in-process runner does on a
+GPU; and no kernel of a forward or a sampling pass is faster than the calibrated floor. A
+forward run op by op starts on the device as its launching starts and cannot end before the
+launching does. The runner's host time is charged as this host would take it (the calibrated
+time times the runner model's host scale). ``time_scale`` stretches the device's times by a
+factor: set to the host scale (how much slower this host is than the GPU machine's), a run
+plays that machine, host and GPU, in slow motion.
 """
 
 from __future__ import annotations
@@ -35,9 +46,15 @@ import torch
 
 from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
 from baton.engine.executor.sim_cost import CostModel, ForwardWork
+from baton.engine.executor.sim_runner import RunnerModel, RunnerStep
 from baton.engine.executor.sim_traces import TraceBook
 from baton.engine.models.config import ModelConfig
-from baton.engine.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from baton.engine.scheduler_output import (
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    bitmask_rows,
+)
 from baton.engine.sim_specs import GpuSpec, ModelShape
 from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
@@ -81,6 +98,7 @@ class _Forward:
     seconds: float  # the forward's device time
     drafts: dict[str, tuple[int, ...]]  # per sampling request with drafts, its drafts
     num_logits_rows: int  # one per sampling request and one more per draft
+    runner_step: RunnerStep | None  # the runner model's view (None: no runner costs)
 
 
 def sim_model_config(shape: ModelShape, tokenizer: Tokenizer) -> ModelConfig:
@@ -111,6 +129,8 @@ class SimExecutor(Executor):
         eos_token_id: sampled after a trace's last token.
         vocab_size: the engine's vocabulary (bitmask width).
         max_num_seqs: most rows in one step's bitmask.
+        runner: the model runner's host costs and kernel floors (None: neither is charged).
+        time_scale: the factor on every device time (see the module docstring).
         clock: the host clock the timeline runs on.
     """
 
@@ -123,9 +143,18 @@ class SimExecutor(Executor):
         vocab_size: int,
         max_num_seqs: int,
         checker: SyncChecker | None = None,
+        runner: RunnerModel | None = None,
+        time_scale: float = 1.0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.cost = CostModel(gpu, shape)
+        self.runner = runner
+        self.time_scale = time_scale
+        # GEMMs of a forward (four per layer and the LM head): the kernels whose time the
+        # roofline gives; the others take the floor.
+        self._gemms = 4 * shape.num_layers + 1
         self._traces = traces
         self._eos = eos_token_id
         self._checker = checker or SyncChecker("off")
@@ -136,7 +165,9 @@ class SimExecutor(Executor):
         self._free_at = 0.0
         self._device_s = 0.0
         self._host_s = 0.0
+        self._runner_s = 0.0
         self._wake_late_s = 0.0
+        self._steps: deque[RunnerStep] = deque(maxlen=_RECENT_OPS)
         # Plain tuples, named on the way out: the collector untracks a plain tuple of numbers
         # (see ``stats.EngineStats``), so the recent ops cost the engine's collections nothing.
         self._ops: deque[tuple[str, int, float, float, int, int, int]] = deque(maxlen=_RECENT_OPS)
@@ -174,14 +205,56 @@ class SimExecutor(Executor):
                 if d := spec.get(rid):
                     drafts[rid] = tuple(d)
         logits_rows = len(sample_ids) + sum(len(d) for d in drafts.values())
-        seconds = self.cost.forward(work, logits_rows).seconds
+        roofline = self.cost.forward(work, logits_rows).seconds
         tokens = so.total_num_scheduled_tokens
-        self._queue("forward", so.step_id, t0, seconds, len(work), tokens, logits_rows)
+        step = None
+        if self.runner is None:
+            seconds = roofline * self.time_scale
+            self._queue("forward", so.step_id, t0, seconds, len(work), tokens, logits_rows)
+            self._host_s += self._clock() - t0
+        else:
+            step = self.runner.step(so.num_scheduled_tokens, spec, logits_rows)
+            seconds = self._runner_forward(so.step_id, step, roofline, t0, len(work))
         ids = tuple(so.num_scheduled_tokens)
         self._pending.append(
-            _Forward(so.step_id, ids, tuple(sample_ids), seconds, drafts, logits_rows)
+            _Forward(so.step_id, ids, tuple(sample_ids), seconds, drafts, logits_rows, step)
         )
-        self._host_s += self._clock() - t0
+
+    def _runner_forward(
+        self, step_id: int, step: RunnerStep, roofline: float, t0: float, reqs: int
+    ) -> float:
+        """Spends the runner's launch time on this thread and queues the forward; returns its
+        device seconds."""
+        runner = self.runner
+        assert runner is not None
+        floor = runner.calibration.kernel_floor_s
+        gemm_floor = self._gemms * floor
+        others = max(0.0, runner.forward_floor_s(step) - gemm_floor)
+        seconds = (max(roofline, gemm_floor) + others) * self.time_scale
+        launch0 = self._clock()
+        self._host_s += launch0 - t0
+        launch_end = self._spin(runner.launch_host_s(step))
+        if step.graphed:
+            self._queue(
+                "forward", step_id, launch_end, seconds, reqs, step.tokens, step.logits_rows
+            )
+        else:
+            # Op by op: the device runs each kernel as it is launched, so the forward starts
+            # with the launching and ends no sooner than one kernel after it.
+            start = max(launch0, self._free_at)
+            seconds = max(seconds, launch_end + floor * self.time_scale - start)
+            self._queue("forward", step_id, launch0, seconds, reqs, step.tokens, step.logits_rows)
+        return seconds
+
+    def _spin(self, seconds: float) -> float:
+        """Keeps this thread busy for ``seconds`` (the runner's host work); returns the end."""
+        t0 = self._clock()
+        end = t0 + seconds
+        now = t0
+        while now < end:
+            now = self._clock()
+        self._runner_s += now - t0
+        return now
 
     def sample_tokens(self, step_id: int, grammar: GrammarOutput | None) -> AsyncOutput:
         t0 = self._clock()
@@ -192,8 +265,18 @@ class SimExecutor(Executor):
         output = self._sample(fwd, grammar)
         seconds = self.cost.sample(fwd.num_logits_rows).seconds
         n = len(fwd.request_ids)
-        end = self._queue("sample", step_id, t0, seconds, n, 0, fwd.num_logits_rows)
-        self._host_s += self._clock() - t0
+        start = self._clock()
+        self._host_s += start - t0
+        if self.runner is not None and fwd.runner_step is not None:
+            mask_rows = 0
+            if grammar is not None and grammar.request_ids:
+                mask_rows = bitmask_rows(grammar.request_ids, grammar.row_counts)
+            step = fwd.runner_step._replace(mask_rows=mask_rows)
+            self._steps.append(step)
+            seconds += self.runner.sample_floor_s(mask_rows)
+            start = self._spin(self.runner.sample_host_s(step))
+        seconds *= self.time_scale
+        end = self._queue("sample", step_id, start, seconds, n, 0, fwd.num_logits_rows)
         return _SimOutput(self, output, end, fwd.seconds + seconds)
 
     def _queue(
@@ -327,6 +410,16 @@ class SimExecutor(Executor):
     def host_seconds(self) -> float:
         """Host time the simulator itself spent (bookkeeping, trace lookups, mask checks)."""
         return self._host_s
+
+    @property
+    def runner_seconds(self) -> float:
+        """Host time spent as the model runner's (the runner model's charges)."""
+        return self._runner_s
+
+    def runner_steps(self) -> list[RunnerStep]:
+        """The recent sampled steps as the runner model saw them, oldest first (empty without
+        a runner model)."""
+        return list(self._steps)
 
     @property
     def wake_late_seconds(self) -> float:

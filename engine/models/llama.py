@@ -18,7 +18,13 @@ from baton.engine.models.packed import (
     packed_linear,
 )
 from baton.engine.models.parallel import TensorParallel, VocabParallelEmbedding
-from baton.engine.models.quant import Int8Weight, int8_linear, quantize_int8
+from baton.engine.models.quant import (
+    Int8Weight,
+    check_int8_weight,
+    int8_linear,
+    quantize_and_release,
+    quantize_int8,
+)
 from baton.engine.models.sharding import shard_config
 from baton.kernels.silu_mul import silu_mul
 
@@ -52,17 +58,21 @@ class DecoderLayer(nn.Module):
         # The four projections in the order of ``int8`` and ``packed`` (a plain tuple: the
         # modules are registered above).
         self._linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        # int8 copies of the four projections (set by ``quantize_int8``), in the order
-        # qkv, o, gate_up, down.
+        # The projections as int8 weights (set by ``quantize_int8``), in the order qkv, o,
+        # gate_up, down: then every step multiplies with these.
         self.int8: tuple[Int8Weight, ...] | None = None
         # The projections packed for oneDNN, same order (set by ``pack_weights``): then every
-        # step the int8 copies do not take multiplies with these.
+        # step multiplies with these.
         self.packed: tuple[PackedWeight, ...] | None = None
 
     def quantize_int8(self) -> None:
-        """Adds int8 weight-only copies of the projections (the dense weights stay)."""
-        dtype = self.qkv_proj.weight.dtype
-        self.int8 = tuple(quantize_int8(lin.weight, dtype) for lin in self._linears)
+        """Replaces the projections' weights by int8 weight-only ones (``quant.py``) for every
+        step and releases their dense weights (the biases stay).
+
+        Raises:
+            ValueError: a projection the int8 kernel cannot take (``check_int8_weight``).
+        """
+        self.int8 = tuple(quantize_and_release(lin) for lin in self._linears)
 
     def pack_weights(self) -> None:
         """Packs the projections for oneDNN (``models/packed.py``) and releases their dense
@@ -70,13 +80,11 @@ class DecoderLayer(nn.Module):
         empty weight)."""
         self.packed = tuple(pack_and_release(lin) for lin in self._linears)
 
-    def _project(
-        self, i: int, x: torch.Tensor, int8: tuple[Int8Weight, ...] | None
-    ) -> torch.Tensor:
-        """Projection ``i`` (qkv, o, gate_up, down) of ``x`` with the step's kernel."""
+    def _project(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Projection ``i`` (qkv, o, gate_up, down) of ``x`` with the model's kernel."""
         linear = self._linears[i]
-        if int8 is not None:
-            return int8_linear(x, int8[i], linear.bias)
+        if self.int8 is not None:
+            return int8_linear(x, self.int8[i], linear.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed[i])
         return linear(x)
@@ -88,7 +96,6 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        use_int8: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One block over ``x + residual`` (``x`` alone for the first block, ``residual`` None).
 
@@ -96,31 +103,30 @@ class DecoderLayer(nn.Module):
         them, inside its norm (one fused kernel on CUDA).
         """
         t = x.shape[0]
-        int8 = self.int8 if use_int8 else None
         sizes = (self.q_size, self.kv_size, self.kv_size)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
-        if int8 is None and self.packed is None:
+        if self.int8 is None and self.packed is None:
             q, k, v = fused_linear(h, self.qkv_proj, sizes)
         else:
-            q, k, v = self._project(0, h, int8).split(sizes, dim=-1)
+            q, k, v = self._project(0, h).split(sizes, dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, *rope)
         attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale).reshape(t, self.q_size)
-        out = self._project(1, attn, int8)
+        out = self._project(1, attn)
         out = out if self.reduce is None else self.reduce(out)
         h, residual = self.post_attention_layernorm.forward_add(out, residual)
         sizes = (self.intermediate_size, self.intermediate_size)
-        if int8 is None and self.packed is None:
+        if self.int8 is None and self.packed is None:
             gate, up = fused_linear(h, self.gate_up_proj, sizes)
         else:
-            gate, up = self._project(2, h, int8).split(sizes, dim=-1)
+            gate, up = self._project(2, h).split(sizes, dim=-1)
         act = silu_mul(gate, up)  # one kernel on CUDA
-        out = self._project(3, act, int8)
+        out = self._project(3, act)
         return (out if self.reduce is None else self.reduce(out)), residual
 
 
@@ -178,49 +184,59 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, local.vocab_size, bias=False)
         )
         self.requires_grad_(False)
-        # Steps with at most this many rows use the int8 copies (0: never); set by
-        # ``quantize_int8``.
-        self.int8_max_rows = 0
+        # The LM head as int8 weights (set by ``quantize_int8``).
         self.lm_head_int8: Int8Weight | None = None
         # The LM head packed for oneDNN (set by ``pack_weights``).
         self.lm_head_packed: PackedWeight | None = None
 
-    def quantize_int8(self, max_rows: int) -> None:
-        """Adds int8 weight-only copies of every linear layer (LM head included) and uses
-        them for steps of at most ``max_rows`` rows; the dense weights stay for larger steps.
-        Call after the weights are loaded and the model has its final dtype and device (CPU).
+    def quantize_int8(self) -> None:
+        """Replaces every linear layer's weight (LM head included) by int8 weight-only ones
+        (per-output-channel scales, ``quant.py``), used by every step whatever its row count;
+        the projections' and an untied LM head's dense weights are released (a tied head's
+        embedding stays for lookups). Call after the weights are loaded and the model has
+        its final dtype, on the CPU, instead of ``pack_weights``.
 
         Raises:
-            ValueError: ``max_rows`` < 1, or the model is not on the CPU.
+            ValueError: the model is not on the CPU, is quantised or packed already, or has a
+                linear layer the int8 kernel cannot take (nothing is changed then).
         """
-        if max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        if self.lm_head_packed is not None:
-            raise ValueError(
-                "quantize_int8 must come before pack_weights (it drops the dense weights)"
-            )
         if self.embed_tokens.weight.device.type != "cpu":
             raise ValueError("int8 weight-only kernels run on the CPU only")
+        if self.lm_head_int8 is not None:
+            raise ValueError("the model's weights are int8 already")
+        if self.lm_head_packed is not None:
+            raise ValueError("the model's weights are packed already; int8 replaces packing")
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        # Every shape first, so that a refusal leaves the model whole.
+        for layer in self.layers:
+            for linear in layer._linears:
+                check_int8_weight(linear.weight)
+        check_int8_weight(head)
         for layer in self.layers:
             layer.quantize_int8()
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head_int8 = quantize_int8(head, head.dtype)
-        self.int8_max_rows = max_rows
+        self.lm_head_int8 = (
+            quantize_int8(head, head.dtype)  # tied: the embedding stays for lookups
+            if self.lm_head is None
+            else quantize_and_release(self.lm_head)
+        )
 
     def pack_weights(self) -> None:
         """Packs every linear layer's weight (LM head included) for oneDNN and uses the packed
-        weights for every step the int8 copies (``quantize_int8``, called first) do not take;
-        the projections' and an untied LM head's dense weights are released (the embedding
-        stays). Call after the weights are loaded and the model has its final dtype (CPU).
+        weights for every step; the projections' and an untied LM head's dense weights are
+        released (the embedding stays). Call after the weights are loaded and the model has
+        its final dtype (CPU).
 
         Raises:
-            ValueError: the model is not on the CPU or packed already, or its dtype cannot be
-                packed (``packed.packing_available``).
+            ValueError: the model is not on the CPU, packed already or quantised
+                (``quantize_int8``), or its dtype cannot be packed
+                (``packed.packing_available``).
         """
         if self.embed_tokens.weight.device.type != "cpu":
             raise ValueError("packed weights are for the CPU only")
         if self.lm_head_packed is not None:
             raise ValueError("the model's weights are packed already")
+        if self.lm_head_int8 is not None:
+            raise ValueError("the model's weights are int8; there is no dense weight to pack")
         for layer in self.layers:
             layer.pack_weights()
         self.lm_head_packed = (
@@ -242,12 +258,10 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         rope = self.rope.cos_sin(positions, x.dtype)
-        # One kernel choice for the whole step: every projection sees the same rows.
-        use_int8 = x.shape[0] <= self.int8_max_rows
         residual: torch.Tensor | None = None
         with sdpa_backends(x.device):
             for layer, kv in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, rope, kv, meta, use_int8)
+                x, residual = layer(x, residual, rope, kv, meta)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.forward_add(x, residual)[0]
@@ -261,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: ``out`` under tensor parallelism.
         """
-        if self.lm_head_int8 is not None and hidden.shape[0] <= self.int8_max_rows:
+        if self.lm_head_int8 is not None:
             logits = int8_linear(hidden, self.lm_head_int8)
         elif self.lm_head_packed is not None:
             logits = packed_linear(hidden, self.lm_head_packed)

@@ -6,11 +6,12 @@ time. Packed once into oneDNN's blocked layout (what inductor's CPU weight freez
 the same GEMMs ran faster at every row count measured on a 2-core VM (``baton bench
 linear_kernels``, every linear of the default model, LM head included): float32 1.3-4x (M=1
 65.8 -> 38.2 ms, M=16 76.0 -> 37.8, M=1024 1815 -> 1396), bfloat16 up to 1.6x (M=16 32.6 ->
-20.8, M=64 67.2 -> 54.5, from M=512 on a tie). So on the CPU every step the int8 kernel does
-not take multiplies with packed weights, and the dense ones are released once packed
-(``LlamaForCausalLM.pack_weights``). On a Xeon with AMX (2026-12-04) packed bfloat16 still won
-below 512 rows, but packed float32 lost at 1-3 rows (M=1 25.3 against 20.6 ms) and won from 4
-on (M=16 42.6 against 52.0); float32 is the parity dtype there, bfloat16 the default.
+20.8, M=64 67.2 -> 54.5, from M=512 on a tie). So on the CPU every step of a model without
+int8 weights (``quantization="int8"``) multiplies with packed weights, and the dense ones
+are released once packed (``LlamaForCausalLM.pack_weights``). On a Xeon with AMX
+(2026-12-04) packed bfloat16 still won below 512 rows, but packed float32 lost at 1-3 rows
+(M=1 25.3 against 20.6 ms) and won from 4 on (M=16 42.6 against 52.0); float32 is the parity
+dtype there, bfloat16 the default.
 """
 
 from __future__ import annotations

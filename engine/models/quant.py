@@ -1,12 +1,13 @@
-"""int8 weight-only linear layers for steps with few rows.
+"""int8 weight-only linear layers: ``EngineConfig(quantization="int8")``.
 
 At batch 1 a decode step reads every weight once and does little arithmetic on it, so it is
 bound by how fast the weights stream through the cores. Per-output-channel int8 weights (one
 scale per row, symmetric) are half the bytes of bfloat16, and torch's CPU kernel
-``aten._weight_int8pack_mm`` multiplies them with bfloat16 activations without widening the
-weight in memory. Above a few rows the dense bfloat16 GEMM (AVX512-BF16 / AMX) wins, so the
-model keeps both and picks per step by the number of rows (``INT8_MAX_ROWS``); the dense
-ones are packed for oneDNN on the CPU (``packed.py``).
+``aten._weight_int8pack_mm`` multiplies them with bfloat16 (or float32) activations without
+widening the weight in memory. A quantised model uses them for every step whatever its row
+count, so a request gets the same weights alone and in a busy batch; above a few rows the
+dense bfloat16 GEMM is faster (``baton bench linear_kernels``), which is the price of asking
+for int8.
 """
 
 from __future__ import annotations
@@ -14,17 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-# Most rows (tokens in the step, or sampling rows for the LM head) that take the int8 kernel.
-# ``baton bench linear_kernels`` (every linear of the default model, LM head included, 2 cores,
-# 2026-12-04), against bfloat16 weights packed for oneDNN (``models/packed.py``, what larger
-# steps take): on an AMD EPYC with AVX512-BF16 and no AMX int8 won at 1 and 2 rows (M=1 14.0
-# vs 23.1 ms, M=2 16.3 vs 20.1), tied at 3-4 (18.0 vs 16.7, 17.9 vs 17.4) and lost from 6 on
-# (M=6 29.3 vs 16.3); on a Xeon with AMX it won through 4 rows by a little (M=3 13.3 vs 16.3,
-# M=4 14.4 vs 15.4) and lost from 6 on (21.9 vs 15.5). 2 is right on both; 3-4 rows would
-# gain a millisecond or two on AMX only. Against dense unpacked bfloat16 it had won through
-# 6 rows.
-INT8_MAX_ROWS = 2
+# ``aten._weight_int8pack_mm`` on the CPU (torch 2.13) reads the input dimension in blocks of
+# this many: with in_features not a multiple of it, measured on an AMD EPYC (AVX512-BF16),
+# it returned wrong values at 1 row and crashed the process (SIGSEGV) from 2 rows on.
+INT8_IN_FEATURES_MULTIPLE = 16
 
 
 @dataclass(frozen=True)
@@ -51,17 +47,33 @@ class Int8Weight:
         return Int8Weight(self.qweight.to(device), self.scales.to(device))
 
 
+def check_int8_weight(weight: torch.Tensor) -> None:
+    """Checks that ``quantize_int8`` and ``int8_linear`` can take ``weight`` ``[out, in]``.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D floating point, or its in_features (dim 1) is not
+            a multiple of ``INT8_IN_FEATURES_MULTIPLE`` (the kernel cannot run it).
+    """
+    if weight.ndim != 2 or not weight.is_floating_point():
+        shape = tuple(weight.shape)
+        raise ValueError(f"expected a 2-D floating weight, got {weight.dtype} {shape}")
+    if weight.shape[1] % INT8_IN_FEATURES_MULTIPLE:
+        raise ValueError(
+            f"int8 weight-only GEMMs need in_features divisible by {INT8_IN_FEATURES_MULTIPLE} "
+            f"(torch's CPU kernel reads it in such blocks), got a weight of shape "
+            f"{tuple(weight.shape)}"
+        )
+
+
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
     """Symmetric per-output-channel int8 quantisation of ``weight`` ``[out, in]``, computed in
     float32; the scales come back in ``dtype`` (the activations' dtype). A row of zeros gets
     scale 1 (and zeros).
 
     Raises:
-        ValueError: ``weight`` is not 2-D floating point.
+        ValueError: as ``check_int8_weight``.
     """
-    if weight.ndim != 2 or not weight.is_floating_point():
-        shape = tuple(weight.shape)
-        raise ValueError(f"expected a 2-D floating weight, got {weight.dtype} {shape}")
+    check_int8_weight(weight)
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
     # Rounded to ``dtype`` first, so the int8 values are chosen for the scales actually used.
@@ -76,3 +88,17 @@ def int8_linear(
     """``x @ (qweight * scales).T + bias`` for ``x`` ``[rows, in]`` (same dtype as the scales)."""
     out = torch.ops.aten._weight_int8pack_mm(x, weight.qweight, weight.scales)
     return out if bias is None else out + bias
+
+
+def quantize_and_release(linear: nn.Linear) -> Int8Weight:
+    """``linear``'s weight quantised (``quantize_int8``, scales in the weight's dtype); the
+    module's dense weight is replaced by an empty one, so that the model holds only the int8
+    copy and a call that still reached the dense weight would fail instead of running. The
+    bias stays on the module.
+
+    Raises:
+        ValueError: as ``quantize_int8``.
+    """
+    quantized = quantize_int8(linear.weight, linear.weight.dtype)
+    linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+    return quantized

@@ -113,7 +113,7 @@ class LLMEngine:
             model.path,
             config.device,
             _dtype_name(config.dtype),
-            " (int8 weight-only GEMMs for small steps)" if config.int8_small_batches else "",
+            " with int8 weight-only linears" if config.quantization == "int8" else "",
             model.num_kv_blocks,
             config.block_size,
             self.max_model_len,
@@ -277,7 +277,8 @@ class LLMEngine:
         ``num_running``, ``num_waiting``, ``kv_total_blocks``, ``kv_free_blocks``,
         ``kv_usage``; how the model computes: ``dtype`` (e.g. "bfloat16"),
         ``dtype_reason`` (why: "asked for", or what ``dtype="auto"`` saw), and
-        ``int8_small_batches`` (1 when small steps use int8 weight-only GEMMs, else 0);
+        ``quantization`` (the weight quantisation in force on every step: "none" or
+        "int8");
         ``cpu_threads``, ``cpu_max_threads``, ``cpu_thread_changes`` and
         ``cpu_others_busy_cores`` where a CPU thread governor runs (``adapt_cpu_threads``);
         ``tensor_parallel_size``, and with it above 1 ``tp_collective_s``: of ``device_s``,
@@ -292,7 +293,7 @@ class LLMEngine:
         stats.update(
             dtype=_dtype_name(self.config.dtype),
             dtype_reason=self.config.dtype_reason,
-            int8_small_batches=int(bool(self.config.int8_small_batches)),
+            quantization=self.config.quantization or "none",
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             kv_total_blocks=sched.kv.num_blocks - 1,  # block 0 is reserved

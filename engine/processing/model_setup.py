@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -12,8 +13,14 @@ from baton.engine.config import EngineConfig, num_cpu_cores
 from baton.engine.executor.base import Executor
 from baton.engine.executor.multiproc import MultiprocExecutor
 from baton.engine.executor.sim import SimExecutor, sim_model_config
+from baton.engine.executor.sim_runner import (
+    CALIBRATION_PATH,
+    RunnerModel,
+    load_calibration,
+)
 from baton.engine.executor.sim_traces import TraceBook
 from baton.engine.executor.uni import UniExecutor
+from baton.engine.host_speed import host_speed_seconds
 from baton.engine.loader import Checkpoint, ShardSpec, load_checkpoint, load_tokenizer
 from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
 from baton.engine.sync_check import SyncChecker
@@ -81,7 +88,7 @@ def setup_model(
         tokenizer_vocab_size=ckpt.tokenizer.vocab_size,
         num_threads=threads,
         device=config.device,
-        int8_small_batches=bool(config.int8_small_batches),
+        quantization=config.quantization,
         tensor_parallel_size=config.tensor_parallel_size,
         adapt_threads=config.adapt_cpu_threads and config.device == "cpu",
         cuda_graphs=config.device.startswith("cuda") and not config.enforce_eager,
@@ -141,6 +148,15 @@ def _setup_sim(
     num_blocks = config.num_kv_blocks or max(2, int(free // per_block))
     traces = TraceBook.load(config.sim_traces) if config.sim_traces else TraceBook()
     eos = tuple(sorted(set(tokenizer.eos_token_ids)))
+    runner = None
+    if config.sim_runner != "off":
+        path = CALIBRATION_PATH if config.sim_runner == "calibrated" else Path(config.sim_runner)
+        try:
+            calibration = load_calibration(path)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"EngineConfig.sim_runner: {path}: {exc}") from None
+        host_scale = host_speed_seconds() / calibration.host_speed_s
+        runner = RunnerModel(calibration, shape.num_layers, host_scale, config.enforce_eager)
     executor = SimExecutor(
         gpu,
         shape,
@@ -149,6 +165,8 @@ def _setup_sim(
         vocab_size=model.vocab_size,
         max_num_seqs=config.max_num_seqs,
         checker=checker,
+        runner=runner,
+        time_scale=float(config.sim_time_scale),
     )
     source = config.model or "the default model"
     path = f"{shape.name} shape on a simulated {gpu.name}, tokenizer of {source}"

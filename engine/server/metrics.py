@@ -355,13 +355,13 @@ class ServerMetrics:
         lines += _header(
             name,
             "gauge",
-            "How the model computes: dtype, why (dtype_reason), and whether small steps use "
-            "int8 weight-only GEMMs; always 1.",
+            "How the model computes: dtype, why (dtype_reason), and the weight quantization "
+            "used on every step (none or int8); always 1.",
         )
         info = {
             "dtype": str(engine_stats.get("dtype", "unknown")),
             "dtype_reason": str(engine_stats.get("dtype_reason", "")),
-            "int8_small_batches": str(bool(engine_stats.get("int8_small_batches", 0))).lower(),
+            "quantization": str(engine_stats.get("quantization", "none")),
         }
         lines.append(f"{name}{_labels(info)} 1")
         name = f"{PREFIX}healthy"

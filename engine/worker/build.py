@@ -11,7 +11,6 @@ from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
 from baton.engine.models.packed import packing_available
 from baton.engine.models.parallel import TensorParallel
-from baton.engine.models.quant import INT8_MAX_ROWS
 from baton.engine.worker.cuda_graphs import capture_sizes
 from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.worker.tp_runner import ParallelModelRunner
@@ -31,8 +30,9 @@ class RunnerSpec:
     tokenizer_vocab_size: int | None
     num_threads: int | None = None  # torch threads where the runner runs; None: unchanged
     device: str = "cpu"  # where the model, its KV cache and the request rows live
-    # int8 weight-only copies of the linears for steps of at most INT8_MAX_ROWS rows (CPU).
-    int8_small_batches: bool = False
+    # Weight quantisation (EngineConfig.quantization): None, or "int8" for int8 weight-only
+    # linears on every step (CPU).
+    quantization: str | None = None
     # Ranks the model is cut over (one worker process each); 1: the whole model in one place.
     tensor_parallel_size: int = 1
     # Drop torch threads while other processes keep the cores busy (CPU; cpu_threads.py).
@@ -44,33 +44,40 @@ class RunnerSpec:
     max_drafts: int = 0
 
 
-def add_cpu_kernels(model: LlamaForCausalLM, int8_small_batches: bool) -> None:
-    """What a CPU model gets once its weights are loaded in their final dtype: int8 copies of
-    its linears for steps of at most ``INT8_MAX_ROWS`` rows (when ``int8_small_batches``),
-    then its dense linears packed for oneDNN where ``packing_available``. Nothing on CUDA."""
-    weight = model.embed_tokens.weight
-    if weight.device.type != "cpu":
+def add_cpu_kernels(model: LlamaForCausalLM, quantization: str | None) -> None:
+    """What a model gets once its weights are loaded in its final dtype and device: with
+    ``quantization="int8"`` every linear as int8 weight-only (``quantize_int8``, for every
+    step; dense projection weights released); otherwise, on a CPU, its linears packed for
+    oneDNN where ``packing_available``. Nothing else on CUDA.
+
+    Raises:
+        ValueError: an unknown ``quantization``, or "int8" for a model the int8 kernel cannot
+            run (not on the CPU, or a linear whose in_features is not divisible by 16).
+    """
+    if quantization == "int8":
+        model.quantize_int8()
         return
-    if int8_small_batches:
-        model.quantize_int8(INT8_MAX_ROWS)
-    if packing_available(weight.dtype):
+    if quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r}; known: None, 'int8'")
+    weight = model.embed_tokens.weight
+    if weight.device.type == "cpu" and packing_available(weight.dtype):
         model.pack_weights()
 
 
 def build_runner(
     spec: RunnerSpec, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None
 ) -> ModelRunner:
-    """Builds the model from ``weights`` on ``spec.device`` (with int8 copies of its linears
-    when ``spec.int8_small_batches``, and on a CPU its dense linears packed for oneDNN where
-    ``packed.packing_available``), allocates its KV cache there and wraps both in a
-    runner; with ``spec.cuda_graphs`` the runner captures its decode graphs before it is
-    returned. With ``tp`` (a joined tensor-parallel group of ``spec.tensor_parallel_size``
-    ranks), ``weights`` are this rank's shard (``sharding.shard_weights``) and the runner is a
-    ``ParallelModelRunner``.
+    """Builds the model from ``weights`` on ``spec.device`` (with int8 weight-only linears
+    when ``spec.quantization`` is "int8", else on a CPU its linears packed for oneDNN where
+    ``packed.packing_available``: ``add_cpu_kernels``), allocates its KV cache there and
+    wraps both in a runner; with ``spec.cuda_graphs`` the runner captures its decode graphs
+    before it is returned. With ``tp`` (a joined tensor-parallel group of
+    ``spec.tensor_parallel_size`` ranks), ``weights`` are this rank's shard
+    (``sharding.shard_weights``) and the runner is a ``ParallelModelRunner``.
 
     Raises:
-        ValueError: ``tp`` does not match ``spec.tensor_parallel_size``, or a weight is
-            missing or misshapen.
+        ValueError: ``tp`` does not match ``spec.tensor_parallel_size``, a weight is
+            missing or misshapen, or the model cannot be quantised as ``spec`` asks.
     """
     if (tp.size if tp is not None else 1) != spec.tensor_parallel_size:
         raise ValueError(
@@ -82,7 +89,7 @@ def build_runner(
     model.eval()
     device = torch.device(spec.device)
     model.to(device)
-    add_cpu_kernels(model, spec.int8_small_batches)
+    add_cpu_kernels(model, spec.quantization)
     caches = allocate_kv_cache(
         model.local_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
     )
