@@ -10,9 +10,10 @@ per-row (``engine/models/quant.py``, bfloat16 activations), and for the 4-bit fo
 ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations and scales, its fast path; its float32
 path, the exact one, is far slower still, see the kernel module's docstring). At M=1 it also
 reports each kernel's weight bytes per second against a measured copy bandwidth and a read
-(sum) bandwidth. Medians of the trials are the table; the best trial is recorded beside each
-(``_min_ms``), the better estimate on a machine shared with other work. Writes JSON
-and a PNG.
+(sum) bandwidth, and it records whether torch's int4 kernel represents Q4_0 / Q4_1 exactly and
+is batch-invariant (``torch_int4_check``). Medians of the trials are the table; the best
+trial is recorded beside each (``_min_ms``), the better estimate on a machine shared with other
+work. Writes JSON and a PNG.
 
     baton bench quant_linear [--rows 1,2,4,8,16,32,64] [--trials 7]
 """
@@ -148,9 +149,12 @@ def runners(workload: Workload) -> tuple[dict[str, Runner], dict[str, int], floa
     return out, nbytes, repack_s
 
 
-def _int4pack(weights: tuple[tuple[np.ndarray, str], ...], ks: list[int]) -> tuple[Runner, int]:
-    """torch's int4 kernel on the same 4-bit weights: its q is the block's nibbles, its scale d,
-    its zero m + 8 d (Q4_1) or 0 (Q4_0), both rounded to bfloat16."""
+def int4pack_calls(
+    weights: tuple[tuple[np.ndarray, str], ...], dtype: torch.dtype
+) -> tuple[list[Callable[[torch.Tensor], torch.Tensor]], int]:
+    """torch's int4 kernel on 4-bit GGUF weights, one call per weight, and the bytes it holds:
+    its q is the block's nibbles, its scale d, its zero m + 8 d (Q4_1) or 0 (Q4_0), both in
+    ``dtype`` (x's dtype, which the kernel requires of them)."""
     calls, nbytes = [], 0
     for raw, fmt in weights:
         blocks = raw.reshape(raw.shape[0], -1, FORMATS[fmt].block_bytes)
@@ -162,12 +166,47 @@ def _int4pack(weights: tuple[tuple[np.ndarray, str], ...], ks: list[int]) -> tup
         q = torch.cat([qs & 0x0F, qs >> 4], -1).reshape(raw.shape[0], -1).to(torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         zero = torch.zeros_like(d) if m is None else m + 8 * d
-        sz = torch.stack([d, zero], -1).transpose(0, 1).contiguous().bfloat16()
+        sz = torch.stack([d, zero], -1).transpose(0, 1).contiguous().to(dtype)
         calls.append(
             lambda x, p=packed, s=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, 32, s)
         )
-        nbytes += packed.numel() * packed.element_size() + sz.numel() * 2
+        nbytes += packed.numel() * packed.element_size() + sz.numel() * sz.element_size()
+    return calls, nbytes
+
+
+def _int4pack(weights: tuple[tuple[np.ndarray, str], ...], ks: list[int]) -> tuple[Runner, int]:
+    """torch's int4 kernel timed on its fast path: bfloat16 activations and scales."""
+    calls, nbytes = int4pack_calls(weights, torch.bfloat16)
     return _runner(ks, torch.bfloat16, calls), nbytes
+
+
+def torch_int4_check(n: int = 512, k: int = 2048, max_rows: int = 64) -> dict:
+    """Whether torch's int4 kernel represents Q4_0 / Q4_1 weights exactly (every weight of a
+    gguf-quantised [n, k] matrix, read back through an identity matrix, against gguf's
+    dequantisation rounded to x's dtype) and gives row 0 the same bits at M = 1..max_rows."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((n, k)) * rng.uniform(1e-3, 1, (n, 1)) + rng.uniform(-0.5, 0.5, (n, 1))
+    out: dict[str, dict] = {}
+    for fmt in ("Q4_0", "Q4_1"):
+        raw = gguf_quantize(w.astype(np.float32), GGMLQuantizationType[fmt])
+        exact = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[fmt]))
+        out[fmt] = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            call = int4pack_calls(((raw, fmt),), dtype)[0][0]
+            read = call(torch.eye(k, dtype=dtype)).T.float()
+            x = torch.randn(max_rows, k).to(dtype)
+            alone = call(x[:1])
+            varying = [m for m in range(1, max_rows + 1) if not torch.equal(call(x[:m])[:1], alone)]
+            out[fmt][str(dtype).removeprefix("torch.")] = {
+                "weights_differing": int((read != exact.to(dtype).float()).sum()),
+                "weights": exact.numel(),
+                "rows_where_row0_changed": varying,
+            }
+    return out
 
 
 def memory_bandwidth(mib: int = 256, trials: int = 5) -> tuple[float, float]:
@@ -232,6 +271,8 @@ def run_workload(
 
 def run(model: str | None, rows: list[int], trials: int, formats: list[str]) -> dict:
     load_before = os.getloadavg()
+    torch_int4 = torch_int4_check()
+    print(f"torch int4 on GGUF Q4_0/Q4_1: {torch_int4}", flush=True)
     bandwidth = memory_bandwidth()
     print(
         f"copy {bandwidth[0]:.1f} GB/s, read {bandwidth[1]:.1f} GB/s; kernel ISA {selected_isa()}",
@@ -242,6 +283,7 @@ def run(model: str | None, rows: list[int], trials: int, formats: list[str]) -> 
     results = [run_workload(w, rows, trials, bandwidth) for w in workloads]
     return {
         "trials": trials,
+        "torch_int4": torch_int4,
         "copy_bandwidth_GBps": bandwidth[0],
         "read_bandwidth_GBps": bandwidth[1],
         "isa": selected_isa(),
