@@ -187,15 +187,8 @@ def repack(raw: np.ndarray, format: str) -> QuantWeight:
         ValueError: ``format`` has no kernel, or ``raw`` is not a 2-D uint8 array whose rows are
             whole blocks of the format.
     """
-    fmt = block_format(format)
-    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
-        got = f"{raw.dtype} {raw.shape}" if isinstance(raw, np.ndarray) else type(raw).__name__
-        raise ValueError(f"raw must be a 2-D uint8 array of {format} blocks, got {got}")
-    n, row_bytes = raw.shape
-    if n == 0 or row_bytes == 0 or row_bytes % fmt.block_bytes:
-        raise ValueError(
-            f"raw rows of {row_bytes} bytes are not whole {format} blocks of {fmt.block_bytes}"
-        )
+    fmt, n, k = check_raw(raw, format)
+    row_bytes = raw.shape[1]
     blocks = raw.reshape(n, row_bytes // fmt.block_bytes, fmt.block_bytes)
     pad = -n % TILE
     if pad:
@@ -208,8 +201,25 @@ def repack(raw: np.ndarray, format: str) -> QuantWeight:
         part = part.reshape(tiles, TILE, part.shape[1], -1).transpose(0, 2, 1, 3)
         packed.append(part.reshape(tiles, -1))
     data = np.concatenate(packed, axis=1).reshape(-1)
-    k = row_bytes // fmt.block_bytes * fmt.block_weights
     return QuantWeight(format, n, k, torch.from_numpy(data))
+
+
+def check_raw(raw: object, format: str) -> tuple[BlockFormat, int, int]:
+    """The format, n and k of GGUF block bytes ``raw`` (see `repack`).
+
+    Raises:
+        ValueError: as `repack`.
+    """
+    fmt = block_format(format)
+    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
+        got = f"{raw.dtype} {raw.shape}" if isinstance(raw, np.ndarray) else type(raw).__name__
+        raise ValueError(f"raw must be a 2-D uint8 array of {format} blocks, got {got}")
+    n, row_bytes = raw.shape
+    if n == 0 or row_bytes == 0 or row_bytes % fmt.block_bytes:
+        raise ValueError(
+            f"raw rows of {row_bytes} bytes are not whole {format} blocks of {fmt.block_bytes}"
+        )
+    return fmt, n, row_bytes // fmt.block_bytes * fmt.block_weights
 
 
 def unpack(weight: QuantWeight, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -47,13 +47,21 @@ import os
 import platform
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from baton.kernels.checks import check_tensor
-from baton.kernels.quant_formats import FORMATS, QuantWeight, block_format, dequantize
+from baton.kernels.quant_formats import (
+    FORMATS,
+    QuantWeight,
+    block_format,
+    check_raw,
+    dequantize,
+)
 
 ISAS = ("avx2", "avx512")
 """Instruction sets the kernel is built for, by code (0: AVX2+FMA+F16C, 1: AVX-512 F/BW/VL)."""
@@ -152,3 +160,20 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, isa: str | None = None) -
         )
     code = FORMATS[weight.format].code
     return _extension().quant_linear(x, weight.data, code, weight.n, weight.k, ISAS.index(isa))
+
+
+def repack_native(raw: np.ndarray, format: str) -> QuantWeight:
+    """``quant_formats.repack(raw, format)`` (the same bytes) in one pass of C++ on torch's
+    intra-op threads: what a loader calls. Compiles the extension on first use.
+
+    Raises:
+        ValueError: as ``quant_formats.repack``.
+        RuntimeError: the CPU is not x86-64 (use ``quant_formats.repack``).
+    """
+    fmt, n, k = check_raw(raw, format)
+    if not available_isas():
+        raise RuntimeError("repack_native needs the x86-64 extension; use quant_formats.repack")
+    with warnings.catch_warnings():  # a read-only memory map: the C++ side only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.from_numpy(np.ascontiguousarray(raw))
+    return QuantWeight(format, n, k, _extension().repack(src, fmt.code, n, k))

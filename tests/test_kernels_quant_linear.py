@@ -18,7 +18,13 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from baton.kernels.quant_formats import FORMATS, dequantize, dequantize_rows, repack
-from baton.kernels.quant_linear import ISAS, available_isas, quant_linear, quant_linear_torch
+from baton.kernels.quant_linear import (
+    ISAS,
+    available_isas,
+    quant_linear,
+    quant_linear_torch,
+    repack_native,
+)
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the kernel is built for x86-64 only"
@@ -108,6 +114,18 @@ def test_dequantize_is_gguf_bit_for_bit(fmt: str, n: int, k: int, blocks: str) -
     got = dequantize(repack(raw, fmt))
     assert got.dtype == torch.float32 and got.shape == (n, k)
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # -0.0 too
+
+
+@pytest.mark.parametrize(("fmt", "n", "k", "blocks"), _CASES)
+def test_native_repack_writes_the_numpy_bytes(fmt: str, n: int, k: int, blocks: str) -> None:
+    raw = _blocks(blocks, fmt, n, k, seed=n + 2 * k)
+    expected = repack(raw, fmt)
+    got = repack_native(raw, fmt)
+    assert (got.format, got.n, got.k) == (expected.format, expected.n, expected.k)
+    assert torch.equal(got.data, expected.data)
+    read_only = raw.copy()
+    read_only.flags.writeable = False  # as a memory-mapped file's tensor is
+    assert torch.equal(repack_native(read_only, fmt).data, expected.data)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -248,5 +266,9 @@ def test_bad_inputs_name_what_is_wrong() -> None:
         repack(raw, "Q4_0")
     with pytest.raises(ValueError, match=r"rows of 68 bytes are not whole Q4_K blocks of 144"):
         repack(raw, "Q4_K")
+    with pytest.raises(ValueError, match=r"rows of 68 bytes are not whole Q4_K blocks of 144"):
+        repack_native(raw, "Q4_K")
+    with pytest.raises(ValueError, match=r"tensor type 'IQ4_NL' has no quantised kernel"):
+        repack_native(raw, "IQ4_NL")
     with pytest.raises(ValueError, match=r"isa 'sse2' is not available on this CPU"):
         quant_linear(torch.zeros(1, 64), weight, isa="sse2")

@@ -81,6 +81,8 @@ struct Output {
   }
 };
 
+#include "quant_repack.h"
+
 }  // namespace
 
 #pragma GCC push_options
@@ -298,10 +300,30 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format
   return y;
 }
 
+// quant_formats.repack's bytes, from raw GGUF blocks [n, row_bytes] (checked by the wrapper).
+at::Tensor repack(const at::Tensor& raw, int64_t format, int64_t n, int64_t k) {
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "unknown format ", format);
+  const Layout L{static_cast<int>(format), k / 32};
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
+                  raw.size(0) == n && n > 0 && k > 0 && k % L.block_weights() == 0,
+              "raw must be contiguous uint8 [n, row_bytes] of whole blocks");
+  const int64_t ntiles = (n + kTile - 1) / kTile;
+  at::Tensor out = at::zeros({ntiles * L.tile_bytes()}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t row_bytes = raw.size(1);
+  at::parallel_for(0, ntiles, 16, [&](int64_t t0, int64_t t1) {
+    repack_tiles(L, src, n, row_bytes, dst, t0, t1);
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ dequant(w)^T (see quant_linear.py)",
         py::call_guard<py::gil_scoped_release>());
   m.def("isa_supported", &isa_supported, "whether this CPU runs the instruction set code");
+  m.def("repack", &repack, "GGUF blocks -> the kernel's layout (see quant_formats.py)",
+        py::call_guard<py::gil_scoped_release>());
 }
