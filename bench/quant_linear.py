@@ -38,7 +38,7 @@ from baton.engine.loader.gguf_reader import read_gguf_file
 from baton.engine.models.packed import pack_linear, packed_linear, packing_available
 from baton.engine.models.quant import int8_linear, quantize_int8
 from baton.kernels.quant_formats import FORMATS, dequantize, repack
-from baton.kernels.quant_linear import available_isas, quant_linear, selected_isa
+from baton.kernels.quant_linear import available_isas, quant_linear, repack_native, selected_isa
 
 LLAMA_1B = {"hidden": 2048, "intermediate": 8192, "heads": 32, "kv_heads": 8, "head_dim": 64}
 
@@ -115,12 +115,14 @@ def _runner(ks: list[int], dtype: torch.dtype, calls: list) -> Runner:
     return run
 
 
-def runners(workload: Workload) -> tuple[dict[str, Runner], dict[str, int], float]:
+def runners(workload: Workload) -> tuple[dict[str, Runner], dict[str, int], dict[str, float]]:
     """Each kernel's pass over the workload, the bytes of weights it reads per pass, and the
-    seconds `repack` took for all the workload's weights."""
+    seconds the numpy and the native repack took for all the workload's weights."""
     t0 = time.perf_counter()
-    quant = [repack(raw, fmt) for raw, fmt in workload.weights]
-    repack_s = time.perf_counter() - t0
+    [repack(raw, fmt) for raw, fmt in workload.weights]
+    t1 = time.perf_counter()
+    quant = [repack_native(raw, fmt) for raw, fmt in workload.weights]
+    repack_s = {"numpy": t1 - t0, "native": time.perf_counter() - t1}
     ks = [w.k for w in quant]
     dense = [dequantize(w) for w in quant]
     params = sum(w.numel() for w in dense)
