@@ -43,6 +43,7 @@ packed float32 GEMM there (``bench/quant_linear.py``, 1 thread).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import shutil
@@ -101,14 +102,21 @@ def _extension() -> ModuleType:
     from torch.utils import cpp_extension
 
     # Compiled on first use into torch's extension cache (TORCH_EXTENSIONS_DIR, default
-    # ~/.cache/torch_extensions), rebuilt only when the sources change; needs g++ and ninja.
+    # ~/.cache/torch_extensions), once per version of the sources; needs g++ and ninja.
     # torch runs `ninja` from PATH; pip's ninja (the dev extra) sits beside this interpreter,
     # which is not on PATH when a virtual environment is used without being activated.
     scripts = str(Path(sys.executable).parent)
     if shutil.which("ninja") is None and shutil.which("ninja", path=scripts) is not None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    # Named by the sources' content: checkouts of other versions on one machine share torch's
+    # cache folder, and under one name they rebuilt over each other's module (seen: a process
+    # loaded another checkout's older build, which lacked a function).
+    digest = hashlib.sha256()
+    for source in sorted(_CSRC.iterdir()):
+        if source.suffix in (".cpp", ".h"):
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
     return cpp_extension.load(
-        name="baton_quant_linear",
+        name=f"baton_quant_linear_{digest.hexdigest()[:16]}",
         sources=[str(_CSRC / "quant_linear.cpp")],
         extra_include_paths=[str(_CSRC)],
         extra_cflags=["-O3"],
