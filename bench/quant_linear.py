@@ -312,8 +312,12 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xlabel("rows (tokens in the step)")
         ax.set_ylabel("ms, one pass")
         ax.set_title(w["name"], fontsize=9)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    labels: dict[str, object] = {}  # every kernel once, whichever panel has it
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            labels.setdefault(label, handle)
+    fig.legend(list(labels.values()), list(labels), loc="lower center", ncol=len(labels))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
 
 
