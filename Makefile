@@ -41,7 +41,9 @@ lint: $(STAMP)
 # two OpenMP threads per process on cores another process holds barrier-wait, which made the
 # suite ~10x slower beside a busy process. Whole files go to one worker (--dist loadfile), so a
 # module's fixtures are built once. A crashed worker is not replaced: with --dist loadfile a
-# replaced one left the run waiting forever (seen twice, after an out-of-memory kill).
+# replaced one left the run waiting forever (seen twice, after an out-of-memory kill). Each
+# worker's resident memory stays under 4 GB, or the test file that passes it fails by name
+# (tests/memory_guard.py; BATON_TEST_RSS_LOG=FILE records every file's peak).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile --max-worker-restart 0
