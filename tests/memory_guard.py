@@ -16,9 +16,10 @@ from creeping back silently:
 
 It also gives memory back between tests, measured to matter in this suite (issue 52): after
 each test glibc's ``malloc_trim`` returns the heap's free pages (after tests/test_engine.py a
-worker held 6.3 GB resident, 3.4 GB once trimmed); after each file the objects that engines
-froze out of the garbage collector's passes (``engine/gc_heap.py``) are unfrozen and
-collected first (after tests/test_structured.py: 6.5 GB, 4.9 GB collected, 1.3 GB trimmed).
+worker held 6.3 GB resident, 3.4 GB once trimmed); after a file that left the process
+bigger, the objects that engines froze out of the garbage collector's passes
+(``engine/gc_heap.py``) are unfrozen and collected first (after tests/test_structured.py:
+6.5 GB, 4.9 GB collected, 1.3 GB trimmed).
 
 Linux only (it reads /proc); elsewhere it records and bounds nothing.
 """
@@ -40,6 +41,8 @@ import pytest
 LIMIT_ENV = "BATON_TEST_RSS_LIMIT_GB"
 LOG_ENV = "BATON_TEST_RSS_LOG"
 DEFAULT_LIMIT_GB = 4.0
+# Growth over a file past which its end collects garbage (see ``release_memory``).
+RETAINED_BYTES = 256 << 20
 _GB = 1 << 30
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -89,11 +92,17 @@ def trim_heap() -> None:
         _LIBC.malloc_trim(0)
 
 
-def release_memory() -> None:
-    """What a test file leaves behind, given back: the objects engines froze out of the
-    collector's passes unfrozen (as an engine's shutdown does; an engine a test dropped
-    without shutting it down would otherwise stay frozen, model and caches included),
-    reference cycles collected, then the heap trimmed."""
+def release_memory(resident_at_start: int) -> None:
+    """What a test file leaves behind, given back: the heap trimmed, and where that leaves the
+    process more than ``RETAINED_BYTES`` above ``resident_at_start`` (its resident bytes when
+    the file began), the objects engines froze out of the collector's passes unfrozen (as an
+    engine's shutdown does; an engine a test dropped without shutting it down would otherwise
+    stay frozen, model and caches included), reference cycles collected and the heap trimmed
+    again. The collection is skipped otherwise: a full pass over the suite's heap (~380k
+    objects) took 0.2-0.5 s per file, more than most files' tests."""
+    trim_heap()
+    if status_bytes().get("VmRSS", 0) - resident_at_start <= RETAINED_BYTES:
+        return
     gc.unfreeze()
     gc.collect()
     trim_heap()
@@ -148,6 +157,7 @@ class MemoryGuard:
         self.worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.file: str | None = None
         self.started = 0.0
+        self.resident_at_start = 0
         self.over = False
 
     @pytest.hookimpl(wrapper=True)
@@ -161,11 +171,12 @@ class MemoryGuard:
             # A new file: its peak starts here, not at the worst file this process ran before.
             reset_peak()
             self.file, self.started, self.over = file, time.monotonic(), False
+            self.resident_at_start = status_bytes().get("VmRSS", 0)
         result = yield
         if nextitem is None or nextitem.nodeid.split("::")[0] != file:
             # The file's fixtures are torn down by now: its peak is final.
             peak = status_bytes().get("VmHWM", 0)
-            release_memory()
+            release_memory(self.resident_at_start)
             self._record(file, peak)
         return result
 
