@@ -21,7 +21,8 @@ bigger, the objects that engines froze out of the garbage collector's passes
 (``engine/gc_heap.py``) are unfrozen and collected first (after tests/test_structured.py:
 6.5 GB, 4.9 GB collected, 1.3 GB trimmed).
 
-Linux only (it reads /proc); elsewhere it records and bounds nothing.
+Linux only (it reads /proc and resets the peak through /proc/self/clear_refs, Linux 4.0 on);
+elsewhere it records and bounds nothing.
 """
 
 from __future__ import annotations
