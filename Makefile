@@ -13,7 +13,7 @@ STAMP := $(VENV)/.baton-installed
 PROMPT ?= Extract name, age, job, city and hobbies as JSON: Maria Lopez (age 34) is a nurse in Madrid. Her hobbies are painting, chess and baking.
 SCHEMA ?= {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120},"job":{"type":"string","maxLength":40},"city":{"type":"string","maxLength":40},"hobbies":{"type":"array","items":{"type":"string","maxLength":30},"minItems":1,"maxItems":3}},"required":["name","age","job","city","hobbies"],"additionalProperties":false}
 
-.PHONY: demo test lint setup
+.PHONY: demo test test-avx2-only lint setup
 
 setup: $(STAMP)
 
@@ -41,7 +41,19 @@ lint: $(STAMP)
 # two OpenMP threads per process on cores another process holds barrier-wait, which made the
 # suite ~10x slower beside a busy process. Whole files go to one worker (--dist loadfile), so a
 # module's fixtures are built once. A crashed worker is not replaced: with --dist loadfile a
-# replaced one left the run waiting forever (seen twice, after an out-of-memory kill).
+# replaced one left the run waiting forever (seen twice, after an out-of-memory kill). Each
+# worker's resident memory stays under 4 GB, or the test file that passes it fails by name
+# (tests/memory_guard.py; BATON_TEST_RSS_LOG=FILE records every file's peak).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile --max-worker-restart 0
+
+# The tests that depend on CPU features (dtype choice, bfloat16, oneDNN packing, kernels, drafts)
+# as on an AVX2-only CPU, run on any x86 machine: they must pass or skip naming the feature.
+AVX2_ONLY_TESTS := tests/test_config_dtype.py tests/test_packed_weights.py tests/test_model.py \
+	tests/test_tp_loader.py tests/test_sampler.py tests/test_loader.py tests/test_spec_decode.py \
+	tests/test_kernels_rms_norm.py tests/test_kernels_silu_mul.py tests/test_kernels_rope.py \
+	tests/test_kernels_paged_attention.py tests/test_engine_stats.py tests/test_cli.py
+test-avx2-only: $(STAMP)
+	PYTHONPATH=tests/avx2_only ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 \
+		$(VENV)/bin/pytest -q -rs -n 2 --dist loadfile --max-worker-restart 0 $(AVX2_ONLY_TESTS)

@@ -104,45 +104,83 @@ def git_tree() -> str:
             return "unknown"
 
 
-def cpu_description() -> str:
-    """The CPU's model name and its bfloat16 matrix units (AMX, AVX512-BF16) from
-    /proc/cpuinfo; "unknown" where it cannot be read."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in text.splitlines()
-            if line.startswith("model name")
-        ),
-        "unknown",
-    )
-    flags = set(
-        next(
-            (
-                line.split(":", 1)[1].split()
-                for line in text.splitlines()
-                if line.startswith("flags")
-            ),
-            [],
-        )
-    )
+# The CPU features a result can depend on: the vector and matrix units that torch, oneDNN and
+# baton's native kernels pick their code by (x86: AVX2/FMA, AVX-512 and its VNNI/BF16/FP16
+# extensions, AMX; Arm: NEON dot products, SVE, BF16 and int8 matrix multiply).
+X86_CPU_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "amx_fp16",
+)
+ARM_CPU_FLAGS = ("asimd", "asimddp", "sve", "sve2", "bf16", "i8mm")
+
+
+def _cpuinfo_field(text: str, *names: str) -> str | None:
+    """The value of the first line of /proc/cpuinfo ``text`` whose key is one of ``names``."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in names:
+            return value.strip()
+    return None
+
+
+def cpu_features(cpuinfo: str | None = None) -> dict[str, Any]:
+    """The CPU this runs on: ``cpu_model`` (its model name), ``cpu_flags`` (each feature of
+    ``X86_CPU_FLAGS`` or ``ARM_CPU_FLAGS``, by the machine's architecture, mapped to whether the
+    CPU reports it) and ``torch_cpu_capability`` (the vector ISA torch's kernels dispatch to).
+
+    ``cpuinfo``: the text of /proc/cpuinfo (read when None); model "unknown" and no flags where
+    it cannot be read."""
+    import torch
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model = _cpuinfo_field(cpuinfo, "model name", "Model") or platform.processor() or "unknown"
+    present = set((_cpuinfo_field(cpuinfo, "flags", "Features") or "").split())
+    arm = platform.machine().lower() in ("aarch64", "arm64")
+    wanted = ARM_CPU_FLAGS if arm else X86_CPU_FLAGS
+    return {
+        "cpu_model": model,
+        "cpu_flags": {flag: flag in present for flag in wanted} if present else {},
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def cpu_description(features: dict[str, Any] | None = None) -> str:
+    """The CPU's model name and its bfloat16 matrix units (AMX, AVX512-BF16), as one line;
+    ``features`` from ``cpu_features`` (read when None)."""
+    features = features or cpu_features()
+    flags = features["cpu_flags"]
     units = [
         name
         for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"))
-        if flag in flags
+        if flags.get(flag)
     ]
-    return f"{model} ({', '.join(units) or 'no bf16 units'})"
+    return f"{features['cpu_model']} ({', '.join(units) or 'no bf16 units'})"
 
 
 def run_info(**extra: Any) -> dict[str, Any]:
-    """Where and when a run happened: commit, UTC date, machine, CPU (model, bf16 units), cores,
-    torch threads;
-    ``extra`` (e.g. the dtype) is merged in."""
+    """Where and when a run happened: commit, UTC date, machine, CPU (``cpu``: model and bf16
+    units in one line; ``cpu_model``, ``cpu_flags`` and ``torch_cpu_capability`` from
+    ``cpu_features``), cores, torch threads; ``extra`` (e.g. the dtype) is merged in."""
     import torch
 
+    features = cpu_features()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     info: dict[str, Any] = {
         "commit": git_commit(),
@@ -151,7 +189,8 @@ def run_info(**extra: Any) -> dict[str, Any]:
         "machine": platform.machine(),
         "platform": platform.platform(),
         "cpu_cores": cores,
-        "cpu": cpu_description(),
+        "cpu": cpu_description(features),
+        **features,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

@@ -9,7 +9,7 @@ the working tree). The default model itself (98 MB) is too large to travel.
 
 ``run`` runs on the CUDA machine and writes everything under ``--out``:
 
-1. ``env.json``: torch, CUDA and device names.
+1. ``env.json``: torch, CUDA and device names, and the host CPU (model, flags).
 2. ``gpu_tests.log`` / ``gpu_tests.xml``: ``pytest -m gpu`` over tests/.
 3. ``engine.json`` / ``engine.png``: ``baton bench engine --device cuda --regimes a``, async vs
    sync, 0% and 100% JSON, batches 1/8/32/64/256, on the default model when it is installed,
@@ -318,8 +318,14 @@ def run(out: Path, prep: Path, only: frozenset[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu check: no CUDA device visible to torch; nothing run")
         return 2
+    from baton.bench.common import cpu_description, cpu_features
+
+    host = cpu_features()
     env = {
         "device": torch.cuda.get_device_name(),
+        # The host CPU too: the engine's scheduling, grammar masks and sampling run there.
+        "cpu": cpu_description(host),
+        **host,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": sys.version.split()[0],

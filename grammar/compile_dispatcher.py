@@ -46,7 +46,9 @@ _MIN_CHECK_S = 0.02
 _PACE_AFTER_S = 0.5  # running time over wall time is measured after this long
 _MIN_PACE = 0.1
 _RETRY_MARGIN_S = 0.5
-_CORES = os.cpu_count() or 1
+# The cores a compile worker may run on (it inherits this process's affinity mask), not the
+# machine's: the earliest a compile can use up its CPU-time limit.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _MAX_WAIT_S = 1.0  # the dispatcher looks around at least this often
 _COUNTERS = (
     "grammar_compiles",

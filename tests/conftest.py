@@ -25,12 +25,20 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from memory_guard import register as register_memory_guard
 
 import baton.engine.config as engine_config_module
 from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
 from baton.engine.loader import default_model_path as _default_model_path
 from baton.engine.loader.gguf import gguf_metadata, read_gguf
 from baton.engine.tokenizer import Tokenizer
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every pytest process of the suite bounds and, on request, records its resident memory
+    per test file (tests/memory_guard.py)."""
+    register_memory_guard(config)
+
 
 # The real resolver of dtype="auto", for the tests that check it (see float32_by_default).
 REAL_AUTO_DTYPE = engine_config_module.auto_dtype
@@ -50,6 +58,28 @@ def float32_by_default() -> Iterator[None]:
     for them explicitly; tests of ``auto`` itself use ``REAL_AUTO_DTYPE``."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_config_module, "auto_dtype", _float32_for_tests)
+        yield
+
+
+# The KV cache an engine of the suite gets unless its test sets one: the product's default is
+# 1 GiB, allocated zeroed (resident from the start), so every engine a test built held 1 GiB
+# for KV blocks that no test fills (issue 52: an xdist worker reached 9.5 GB).
+TEST_KV_CACHE_BYTES = 256 << 20
+
+
+@pytest.fixture(scope="session", autouse=True)
+def small_kv_cache_by_default() -> Iterator[None]:
+    """In the suite, ``EngineConfig.kv_cache_memory_bytes`` defaults to
+    ``TEST_KV_CACHE_BYTES`` (still thousands of tokens for the default model in float32);
+    tests that need a given cache set ``num_kv_blocks`` or ``kv_cache_memory_bytes``."""
+    init = engine_config_module.EngineConfig.__init__
+    code = init.__code__
+    names = code.co_varnames[1 : code.co_argcount]
+    defaults = list(init.__defaults__ or ())
+    index = names.index("kv_cache_memory_bytes") - (len(names) - len(defaults))
+    defaults[index] = TEST_KV_CACHE_BYTES
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(init, "__defaults__", tuple(defaults))
         yield
 
 
@@ -412,38 +442,42 @@ def gguf_parsed_once() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def hf_default_model(
+def hf_default_model_dir(
     default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Any]:
-    """transformers' ``LlamaForCausalLM`` of the default GGUF (float32, eval mode): the reference
-    for weights and logits, from transformers' own GGUF import (its reader, names and
-    dequantisation; never baton's).
+) -> Path:
+    """The default GGUF as transformers imports it (its reader, names and dequantisation;
+    never baton's), saved as a float32 safetensors folder once per test run.
 
-    That import takes 7-25 s (see ``gguf_parsed_once``), so it runs once per test run: under
-    xdist the worker that runs it saves the model as a float32 safetensors folder, which the
-    other workers load in under a second (float32 round-trips exactly)."""
+    That import takes 7-25 s (see ``gguf_parsed_once``); loading the folder takes under a
+    second (float32 round-trips exactly)."""
     from safetensors.torch import save_model
     from transformers import LlamaForCausalLM
 
-    def convert(folder: Path) -> Any:
+    def convert(folder: Path) -> None:
         with gguf_parsed_once():
             model = LlamaForCausalLM.from_pretrained(
                 default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
             )
-        if run_shared_folder(tmp_path_factory) is not None:
-            # save_pretrained refuses a model loaded from GGUF; its weights are plain float32
-            # tensors by now, so the config without the GGUF entry describes them.
-            config = copy.deepcopy(model.config)
-            del config.quantization_config
-            config.save_pretrained(folder)
-            save_model(model, str(folder / "model.safetensors"))  # the tied head stored once
-        return model
+        # save_pretrained refuses a model loaded from GGUF; its weights are plain float32
+        # tensors by now, so the config without the GGUF entry describes them.
+        config = copy.deepcopy(model.config)
+        del config.quantization_config
+        config.save_pretrained(folder)
+        save_model(model, str(folder / "model.safetensors"))  # the tied head stored once
 
-    folder, model = built_once_per_run(tmp_path_factory, "hf_default_model", convert)
-    if model is None:
-        model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.eval()
-    yield model
+    folder, _ = built_once_per_run(tmp_path_factory, "hf_default_model", convert)
+    return folder
+
+
+@pytest.fixture
+def hf_default_model(hf_default_model_dir: Path) -> Any:
+    """transformers' ``LlamaForCausalLM`` of the default GGUF (float32, eval mode): the reference
+    for weights and logits. Loaded for each test that asks (from ``hf_default_model_dir``, about
+    a second): a session-wide copy kept 0.5 GB resident in a worker for the rest of the run,
+    and a module-wide one sat beside the engines that tests/test_engine.py starts (issue 52)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(hf_default_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -528,11 +562,12 @@ def serve_in_thread(app: Any, log_level: str = "warning") -> Iterator[str]:
 DEFAULT_SERVED_MODEL = "smol"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def default_model_server(default_checkpoint: Checkpoint) -> Iterator[str]:
     """``baton serve``'s app on the default model (no API key, served as "smol"), in a uvicorn
-    thread for the whole session; yields its base URL. Shared by the client tests so that the
-    model loads once."""
+    thread for the test module; yields its base URL. Module-scoped: a session-wide server
+    kept its engine (0.8 GB) resident in a worker for the rest of the run (issue 52), and
+    starting one from the loaded ``default_checkpoint`` takes seconds."""
     from baton.engine.entrypoints.async_llm import AsyncLLM
     from baton.engine.server.app import build_app
     from baton.engine.server.config import ServerConfig

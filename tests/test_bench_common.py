@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import subprocess
 from pathlib import Path
 
@@ -87,3 +88,67 @@ def test_git_commit_is_dirty_for_code_changes_only(tmp_path: Path) -> None:
     assert common.git_commit(tmp_path) == head
     (tmp_path / "engine.py").write_text("1\n")
     assert common.git_commit(tmp_path) == f"{head}+dirty"
+
+
+_SAPPHIRE_RAPIDS = (
+    "processor\t: 0\nvendor_id\t: GenuineIntel\n"
+    "model name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+    "flags\t\t: fpu sse2 avx fma f16c avx2 avx512f avx512bw avx512vl avx512_vnni avx512_bf16 "
+    "avx512_fp16 amx_bf16 amx_tile amx_int8\n\n"
+    "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu\n"
+)
+_ZEN3 = "model name\t: AMD EPYC 7763 64-Core Processor\nflags\t\t: fpu sse2 avx fma f16c avx2\n"
+
+
+def test_run_info_records_the_cpu_model_and_its_flags() -> None:
+    info = common.run_info()
+    flags = info["cpu_flags"]
+    assert info["cpu_model"] and info["cpu_model"] in info["cpu"]
+    assert isinstance(info["torch_cpu_capability"], str) and info["torch_cpu_capability"]
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        assert flags == {}
+        return
+    # Against this machine's own /proc/cpuinfo: every flag that matters is named, true exactly
+    # when the first CPU lists it.
+    listed = set((common._cpuinfo_field(cpuinfo.read_text(), "flags", "Features") or "").split())
+    arm = platform.machine().lower() in ("aarch64", "arm64")
+    wanted = common.ARM_CPU_FLAGS if arm else common.X86_CPU_FLAGS
+    assert flags == {flag: flag in listed for flag in wanted}
+
+
+def test_cpu_features_reads_the_units_of_each_machine() -> None:
+    xeon = common.cpu_features(_SAPPHIRE_RAPIDS)
+    assert xeon["cpu_model"] == "Intel(R) Xeon(R) Platinum 8480+"
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return  # x86 flags are not looked for on an Arm machine
+    on = {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}
+    assert on <= {f for f, present in xeon["cpu_flags"].items() if present}
+    assert not xeon["cpu_flags"]["avx_vnni"]
+    assert common.cpu_description(xeon) == "Intel(R) Xeon(R) Platinum 8480+ (AMX, AVX512-BF16)"
+    zen3 = common.cpu_features(_ZEN3)
+    assert zen3["cpu_flags"]["avx2"] and zen3["cpu_flags"]["fma"]
+    assert not any(zen3["cpu_flags"][f] for f in ("avx512f", "avx512_bf16", "amx_tile"))
+    assert common.cpu_description(zen3) == "AMD EPYC 7763 64-Core Processor (no bf16 units)"
+    assert common.cpu_features("")["cpu_flags"] == {}
+
+
+# bench modules with a ``main`` that write no result JSON of their own, and why.
+_NO_RESULT_JSON = {
+    "readme_results": "renders the README's tables from the results of the others",
+    "gpu_profile": "writes text profiles, not a result",
+    "gpu_check": "collects the results of others; its env.json records the host CPU itself",
+}
+
+
+def test_every_benchmark_writes_its_result_with_the_run_info() -> None:
+    bench = Path(common.__file__).resolve().parent
+    writers = []
+    for path in sorted(bench.glob("*.py")):
+        source = path.read_text()
+        if "\ndef main(" not in source or path.stem in _NO_RESULT_JSON:
+            continue
+        writers.append(path.stem)
+        assert "write_results(" in source, f"bench/{path.name} writes no run info (cpu flags)"
+    assert len(writers) >= 15 and {"engine", "peers", "forward"} <= set(writers)
+    assert "cpu_features()" in (bench / "gpu_check.py").read_text()

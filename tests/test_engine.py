@@ -25,7 +25,9 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def llm(default_checkpoint):
-    return LLM.from_checkpoint(default_checkpoint, dtype="float32", max_model_len=512)
+    llm = LLM.from_checkpoint(default_checkpoint, dtype="float32", max_model_len=512)
+    yield llm
+    llm.shutdown()
 
 
 def _tokens(outs):
@@ -72,9 +74,12 @@ def test_greedy_with_tiny_budget_chunks_prefill(default_checkpoint, greedy_outpu
     llm = LLM.from_checkpoint(
         default_checkpoint, dtype="float32", max_model_len=512, max_num_batched_tokens=7
     )
-    # Prompts of up to 16 tokens, 7 tokens a step: the longer ones are prefilled in chunks.
-    assert max(len(o.prompt_token_ids) for o in greedy_outputs) > 7
-    assert _tokens(llm.generate(PROMPTS, SHORT, use_tqdm=False)) == _short(greedy_outputs)
+    try:
+        # Prompts of up to 16 tokens, 7 tokens a step: the longer ones are prefilled in chunks.
+        assert max(len(o.prompt_token_ids) for o in greedy_outputs) > 7
+        assert _tokens(llm.generate(PROMPTS, SHORT, use_tqdm=False)) == _short(greedy_outputs)
+    finally:
+        llm.shutdown()
 
 
 def test_greedy_with_preemption(default_checkpoint, greedy_outputs):
@@ -84,11 +89,14 @@ def test_greedy_with_preemption(default_checkpoint, greedy_outputs):
     llm = LLM.from_checkpoint(
         default_checkpoint, dtype="float32", max_model_len=512, block_size=4, num_kv_blocks=30
     )
-    assert _tokens(llm.generate(PROMPTS, SHORT, use_tqdm=False)) == _short(greedy_outputs)
-    sched = llm.engine.core.scheduler
-    assert sched.num_preemptions > 0
-    assert not sched.has_unfinished_requests()
-    assert sched.kv.num_used_blocks == 0
+    try:
+        assert _tokens(llm.generate(PROMPTS, SHORT, use_tqdm=False)) == _short(greedy_outputs)
+        sched = llm.engine.core.scheduler
+        assert sched.num_preemptions > 0
+        assert not sched.has_unfinished_requests()
+        assert sched.kv.num_used_blocks == 0
+    finally:
+        llm.shutdown()
 
 
 def test_same_seed_same_tokens_alone_or_in_batch(llm):

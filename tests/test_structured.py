@@ -31,14 +31,18 @@ def load_schemas(root: Path) -> list[tuple[str, dict]]:
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dir):
     # Lazy xgrammar compiles: eager compiles of all of SchemaStore take minutes here.
-    return LLM(
+    llm = LLM(
         str(tiny_model_dir), max_model_len=1024, max_num_seqs=128, grammar_dynamic_compilation=True
     )
+    yield llm
+    llm.shutdown()
 
 
 @pytest.fixture(scope="module")
 def llm(default_checkpoint):
-    return LLM.from_checkpoint(default_checkpoint, max_model_len=1024, max_num_seqs=32)
+    llm = LLM.from_checkpoint(default_checkpoint, max_model_len=1024, max_num_seqs=32)
+    yield llm
+    llm.shutdown()
 
 
 def _validator(schema):
@@ -296,22 +300,27 @@ def test_guidance_backend_and_auto_fallback_to_it(llm):
         assert out.outputs[0].finish_reason == "length", out.outputs[0]
 
 
-def test_compile_time_limit_fails_only_that_request(default_checkpoint):
-    llm = LLM.from_checkpoint(default_checkpoint, max_model_len=512, grammar_compile_timeout_s=1e-4)
+def test_compile_time_limit_fails_only_that_request(tiny_model_dir):
+    # The tiny model has the default model's tokenizer, so the same compiles, without a third
+    # copy of the default model's weights beside the module's engines.
+    llm = LLM(str(tiny_model_dir), max_model_len=512, grammar_compile_timeout_s=1e-4)
     big = {
         "type": "object",
         "properties": {
             f"field_{i}": {"type": "string", "pattern": "[a-z]{1,9}"} for i in range(200)
         },
     }
-    outs = llm.generate(
-        ["free text:", "constrained:"],
-        [
-            SamplingParams(max_tokens=8, temperature=0.0),
-            SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=big)),
-        ],
-        use_tqdm=False,
-    )
+    try:
+        outs = llm.generate(
+            ["free text:", "constrained:"],
+            [
+                SamplingParams(max_tokens=8, temperature=0.0),
+                SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=big)),
+            ],
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
     assert outs[0].outputs[0].finish_reason == "length"
     assert outs[1].outputs[0].finish_reason == "error"
     assert "timed out" in outs[1].outputs[0].error

@@ -22,12 +22,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from baton.engine.config import EngineConfig
+from baton.engine.config import EngineConfig, num_cpu_cores
 from baton.engine.entrypoints.async_llm import EngineDeadError, Prompt
 from baton.engine.entrypoints.dp_config import DataParallelConfig
 from baton.engine.entrypoints.dp_replica import EngineReplica
@@ -119,7 +118,10 @@ class DataParallelLLM:
         self.tokenizer: Tokenizer = load_tokenizer(config.model)
         self._started_ray = False
         if not ray.is_initialized():
-            cores = os.cpu_count() or 1
+            # The cores this process may run on, not the machine's: under an affinity mask
+            # (taskset, a container's cpuset) Ray would otherwise place replicas on cores that
+            # are not there.
+            cores = num_cpu_cores()
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
             if dp.ray_address is None:
                 kwargs.update(num_cpus=cores, object_store_memory=256 << 20)
