@@ -226,8 +226,9 @@ def test_partner_processes_count_as_own_time() -> None:
     assert second.own - first.own >= 0.1
 
 
-def _hogs(n: int) -> list[subprocess.Popen[bytes]]:
-    return [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+def _hogs(n: int, niceness: int = 0) -> list[subprocess.Popen[bytes]]:
+    code = f"import os; os.nice({niceness})\nwhile 1: pass"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
 
 
 @pytest.mark.skipif(num_cpu_cores() < 2, reason="needs 2 cores")
@@ -236,20 +237,27 @@ def test_real_busy_processes_drop_the_threads() -> None:
         pytest.skip("no /proc/stat here")
     calls: list[int] = []
     gov = ThreadGovernor(2, set_threads=calls.append, period_s=0.2)
-    hogs = _hogs(num_cpu_cores())
+    # The hogs run niced: on a machine already busy (the suite's other worker, a process
+    # beside the suite) this process must still get the CPU share the governor needs to judge
+    # a reading (a reading taken while it mostly waited for a core is skipped), and the hogs
+    # still take every core it leaves.
+    hogs = _hogs(num_cpu_cores(), niceness=10)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         gov.before_step()
         while gov.state().threads == 2 and time.monotonic() < deadline:
-            spin = time.perf_counter()  # a reading counts only while this process computes
-            while time.perf_counter() - spin < 0.05:
+            # A step of this process's own CPU time, not of wall time: a reading counts only
+            # while this process computes.
+            spin = time.process_time()
+            while time.process_time() - spin < 0.05:
                 pass
             gov.before_step()
     finally:
         for h in hogs:
             h.kill()
             h.wait()
-    assert calls[-1] == 1 and gov.state().others_cores >= 1.0
+    # Niced hogs on an otherwise idle machine take the one core this process leaves: about 1.
+    assert calls[-1] == 1 and gov.state().others_cores >= 0.9
 
 
 def test_engine_option_and_flag() -> None:
