@@ -94,6 +94,7 @@ BENCHMARKS = {
     "masks": "mask fill time per row per schema feature family, every grammar backend",
     "forward": "baton's forward pass vs transformers' on the same weights",
     "linear_kernels": "the model's linear layers as float32, bfloat16 and int8 by rows",
+    "quant_linear": "GGUF block-quantised linears (baton's kernel) vs the dense paths, by rows",
     "throughput": "offline throughput, baton vs transformers batched generate",
     "structured": "structured vs free time per output token",
     "serve": "load test of baton serve: concurrent clients, TTFT and TPOT",

@@ -1,0 +1,303 @@
+// Linear layers with GGUF block-quantised weights (Q8_0, Q4_0, Q4_1) on x86-64 CPUs:
+// y[M, N] = x[M, K] @ dequant(W)[N, K]^T, float32 accumulation, batch-invariant.
+//
+// Built by torch.utils.cpp_extension.load without any -m flag: each instruction set's code is
+// compiled under its own `#pragma GCC target` region (a per-function target attribute) and
+// picked at run time by the caller from isa_supported(), so one build runs on an AVX2-only
+// EPYC and uses AVX-512 on a machine that has it. The weight layout is written by
+// quant_linear.py's repack(); the kernels themselves are in quant_linear_body.h.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Format codes shared with quant_formats.py (FORMATS).
+constexpr int kQ8_0 = 0;
+constexpr int kQ4_0 = 1;
+constexpr int kQ4_1 = 2;
+constexpr int kQ4_K = 3;
+constexpr int kQ6_K = 4;
+// Instruction sets shared with quant_linear.py (ISAS).
+constexpr int64_t kIsaAvx2 = 0;
+constexpr int64_t kIsaAvx512 = 1;
+
+// Output columns per tile: the tile's blocks are interleaved column by column so that one tile
+// is one sequential stream of bytes (see repack()).
+constexpr int kTile = 4;
+
+// One repacked weight (quant_formats.py's layout): tiles of kTile rows of W, each tile its
+// format's sections one after another, a section being [units][kTile][width] values:
+//   Q8_0: fp16 d per block, int8 q[32];   Q4_0: fp16 d, q[16] (nibbles: j low, j + 16 high)
+//   Q4_1: fp16 d, fp16 m, q[16];          Q4_K: fp16 d, fp16 dmin per 256; u8 sc, u8 m, q[16]
+//   Q6_K: fp16 d per 256; int8 sc[2] (weights 0-15, 16-31); q[24]: 16 bytes of low nibbles as
+//         Q4_0 orders them, then 8 bytes of high 2-bit pairs, byte j holding weights j, j + 8,
+//         j + 16, j + 24 in bits 0-1, 2-3, 4-5, 6-7
+// (a block is 32 weights). The quants come last, after every scale of the tile.
+constexpr int64_t quant_bytes_of(int format) {
+  return format == kQ8_0 ? 32 : format == kQ6_K ? 24 : 16;
+}
+
+struct Layout {
+  int format;
+  int64_t blocks;  // K / 32
+  int64_t quant_bytes() const { return quant_bytes_of(format); }
+  int64_t head_bytes() const {  // scales of one tile
+    const int64_t per_tile = blocks * kTile;
+    if (format == kQ4_1) return per_tile * 4;
+    if (format == kQ4_K) return per_tile / 8 * 4 + per_tile * 2;
+    if (format == kQ6_K) return per_tile / 8 * 2 + per_tile * 2;
+    return per_tile * 2;
+  }
+  int64_t tile_bytes() const { return head_bytes() + blocks * kTile * quant_bytes(); }
+  int64_t k() const { return blocks * 32; }
+  int64_t block_weights() const { return format >= kQ4_K ? 256 : 32; }
+};
+
+// The output [M, n] in x's dtype. Each thread stores its own tiles' results, so a bfloat16
+// call has no extra parallel pass (each one costs a wait for every thread, which on a shared
+// 2-core machine was a scheduler slice).
+struct Output {
+  float* f32;
+  at::BFloat16* bf16;
+  int64_t n;
+  // values [M][kTile] of columns n0 .. n0 + ncols
+  void store(const float* values, int64_t M, int64_t n0, int64_t ncols) const {
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < ncols; ++c) {
+        const float v = values[r * kTile + c];
+        if (f32 != nullptr)
+          f32[r * n + n0 + c] = v;
+        else
+          bf16[r * n + n0 + c] = at::BFloat16(v);  // round to nearest even, as torch's .to()
+      }
+  }
+};
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+
+struct V16 {
+  __m256 a, b;  // lanes 0..7, 8..15
+};
+static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float* p, V16 v) {
+  _mm256_storeu_ps(p, v.a);
+  _mm256_storeu_ps(p + 8, v.b);
+}
+static inline V16 vset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+static inline V16 vfma(V16 x, V16 y, V16 z) {
+  return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
+}
+static inline V16 vmul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+static inline void vsum8(V16 v, float out[8]) { _mm256_storeu_ps(out, _mm256_add_ps(v.a, v.b)); }
+static inline V16 u8_to_v16(__m128i bytes) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))};
+}
+static inline void dequant_nibbles(const uint8_t* q, float d, float o, V16& lo, V16& hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const V16 vd = vset1(d), vo = vset1(o);
+  lo = vfma(u8_to_v16(_mm_and_si128(v, mask)), vd, vo);
+  hi = vfma(u8_to_v16(_mm_and_si128(_mm_srli_epi16(v, 4), mask)), vd, vo);
+}
+static inline V16 s8_to_v16(const uint8_t* q) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
+}
+static inline void bytes_s8(const uint8_t* q, V16& lo, V16& hi) {
+  lo = s8_to_v16(q);
+  hi = s8_to_v16(q + 16);
+}
+// 16 ymm registers: one row fused (8 accumulators). Buffered, the two 8-lane halves of every
+// accumulator go in two passes (lanes are independent, so each keeps its order): 3 rows x 2
+// columns of half accumulators (6) beside x (6) and weights (2).
+constexpr int kFusedMaxRows = 1;
+constexpr int kRowGroup = 3;
+constexpr int kColGroup = 2;
+
+#define QUANT_LINEAR_ROW_GROUP_HALVES
+// The buffered path's row group (see row_group in quant_linear_body.h), one 8-lane half at a
+// time: accs and wbuf hold 16-float accumulators and [lo 16 | hi 16] weight blocks.
+template <int R>
+static void row_group_halves(const float* wbuf, int64_t cb, const float* x, int64_t ldx,
+                             float* accs, bool first) {
+  for (int h = 0; h < 16; h += 8)
+    for (int c0 = 0; c0 < kTile; c0 += kColGroup) {
+      __m256 acc[R][kColGroup];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kColGroup; ++c)
+          acc[r][c] = first ? _mm256_setzero_ps()
+                            : _mm256_loadu_ps(accs + (r * kTile + c0 + c) * 16 + h);
+      for (int64_t bb = 0; bb < cb; ++bb) {
+        __m256 xl[R], xh[R];
+        for (int r = 0; r < R; ++r) {
+          xl[r] = _mm256_loadu_ps(x + r * ldx + 32 * bb + h);
+          xh[r] = _mm256_loadu_ps(x + r * ldx + 32 * bb + 16 + h);
+        }
+        for (int c = 0; c < kColGroup; ++c) {
+          const float* w = wbuf + (bb * kTile + c0 + c) * 32 + h;
+          const __m256 lo = _mm256_loadu_ps(w), hi = _mm256_loadu_ps(w + 16);
+          for (int r = 0; r < R; ++r) {
+            acc[r][c] = _mm256_fmadd_ps(xl[r], lo, acc[r][c]);
+            acc[r][c] = _mm256_fmadd_ps(xh[r], hi, acc[r][c]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kColGroup; ++c)
+          _mm256_storeu_ps(accs + (r * kTile + c0 + c) * 16 + h, acc[r][c]);
+    }
+}
+
+#include "quant_linear_body.h"
+#undef QUANT_LINEAR_ROW_GROUP_HALVES
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+namespace avx512 {
+
+struct V16 {
+  __m512 v;
+};
+static inline V16 vzero() { return {_mm512_setzero_ps()}; }
+static inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline void vstore(float* p, V16 x) { _mm512_storeu_ps(p, x.v); }
+static inline V16 vset1(float s) { return {_mm512_set1_ps(s)}; }
+static inline V16 vfma(V16 x, V16 y, V16 z) { return {_mm512_fmadd_ps(x.v, y.v, z.v)}; }
+static inline V16 vmul(V16 x, V16 y) { return {_mm512_mul_ps(x.v, y.v)}; }
+static inline void vsum8(V16 x, float out[8]) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm512_castps512_ps256(x.v), hi));
+}
+// The block's 16 possible weights fma(i, d, o) (the same exact values as converting each
+// nibble), then looked up per weight: vpermps reads only the low 4 bits of each index.
+static inline void dequant_nibbles(const uint8_t* q, float d, float o, V16& lo, V16& hi) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(o));
+  const __m512i v =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  lo = {_mm512_permutexvar_ps(v, table)};
+  hi = {_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table)};
+}
+static inline void bytes_s8(const uint8_t* q, V16& lo, V16& hi) {
+  lo = {_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))))};
+  hi = {_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))))};
+}
+static inline V16 u8_to_v16(__m128i bytes) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes))};
+}
+// 16 accumulators summed at once by hsum16's tree (lanes i + 8, i + 4, i + 2, i + 1 at each
+// level, the same additions as the scalar code, so the same bits) with 15 vector adds instead
+// of 16 scalar trees; out[j] = hsum16(accumulator j).
+#define QUANT_LINEAR_HSUM16X16
+static inline void hsum16x16(const float* a, float* out) {
+  __m512 l1[8], l2[4], l3[2];
+  for (int m = 0; m < 8; ++m) {  // [acc 2m lanes 0-7 | acc 2m+1] + [their lanes 8-15]
+    const __m512 x = _mm512_loadu_ps(a + 32 * m), y = _mm512_loadu_ps(a + 32 * m + 16);
+    l1[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int p = 0; p < 4; ++p)  // 128-bit lane L: acc 4p + L, lanes 0-3 + 4-7
+    l2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * p], l1[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(l1[2 * p], l1[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int q = 0; q < 2; ++q)  // lane L: acc 8q + L and 8q + 4 + L, lanes 0-1 + 2-3
+    l3[q] = _mm512_add_ps(_mm512_shuffle_ps(l2[2 * q], l2[2 * q + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(l2[2 * q], l2[2 * q + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // r[4 L + e] is acc L + 4 e
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, r));
+}
+
+// 32 zmm registers: up to 4 rows x 4 columns of accumulators (16) beside x and weights.
+constexpr int kFusedMaxRows = 4;
+constexpr int kRowGroup = 4;
+constexpr int kColGroup = 4;
+
+#include "quant_linear_body.h"
+#undef QUANT_LINEAR_HSUM16X16
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace {
+
+bool isa_supported(int64_t isa) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (isa == kIsaAvx2) return avx2;
+  if (isa == kIsaAvx512)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  return false;
+}
+
+// The Python wrapper validates arguments with clear ValueErrors; these checks only keep a
+// direct caller from reading out of bounds.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t n,
+                        int64_t k, int64_t isa) {
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "unknown format ", format);
+  TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
+  const Layout L{static_cast<int>(format), k / 32};
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && k > 0 && k % L.block_weights() == 0 && n > 0,
+              "bad x or K");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "bad dtype");
+  const int64_t ntiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.numel() == ntiles * L.tile_bytes(),
+              "packed weight does not match format, N and K");
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+  at::Tensor xf = x.contiguous();
+  if (x.scalar_type() == at::kBFloat16) {  // exact widening, serial (see Output)
+    const at::Tensor xb = xf;
+    xf = at::empty({M, k}, x.options().dtype(at::kFloat));
+    const at::BFloat16* src = xb.data_ptr<at::BFloat16>();
+    float* dst = xf.data_ptr<float>();
+    for (int64_t i = 0; i < M * k; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const Output out{f32 ? y.data_ptr<float>() : nullptr,
+                   f32 ? nullptr : y.data_ptr<at::BFloat16>(), n};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* xp = xf.data_ptr<float>();
+  // Threads only for tiles worth it (about 64K weights each); results do not depend on this.
+  const int64_t grain = std::max<int64_t>(1, 16384 / k);
+  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+    if (isa == kIsaAvx512)
+      avx512::run_tiles(L, wp, xp, M, out, t0, t1);
+    else
+      avx2::run_tiles(L, wp, xp, M, out, t0, t1);
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear", &quant_linear, "y = x @ dequant(w)^T (see quant_linear.py)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("isa_supported", &isa_supported, "whether this CPU runs the instruction set code");
+}

@@ -1,0 +1,137 @@
+"""Linear layers on GGUF block-quantised weights (Q8_0, Q4_0, Q4_1, Q4_K) kept quantised on
+the CPU: a C++ kernel (``csrc/quant_linear.cpp``) and its torch reference. The weights are
+repacked by ``quant_formats.repack``.
+
+``y[M, N] = x[M, K] @ dequant(W)[N, K]^T`` for ``x`` float32 or bfloat16; the result is in
+``x``'s dtype, accumulated in float32. The formats, per block of 32 weights of a row of W:
+Q8_0 ``d * q`` (int8 q, fp16 d), Q4_0 ``d * (q - 8)`` (4-bit q), Q4_1 ``d * q + m`` (fp16 d, m);
+Q4_K ``(d * sc) * q - dmin * m`` (fp16 d, dmin per 256 weights, 6-bit sc, m per 32).
+
+What torch already gives, measured 2026-12-06 with torch 2.13.0 on an AMD EPYC (Genoa, AVX-512,
+AVX512-BF16), a 512 x 2048 weight quantised with ``gguf.quants.quantize``, 1 and 2 threads:
+
+- ``aten._weight_int4pack_mm_for_cpu`` (4-bit q, per-group scale and zero, ``(q - 8) * scale +
+  zero``) represents Q4_0 (zero 0) and Q4_1 (zero ``m + 8 d``) bit-exactly when x and the
+  scales are float32 (all 1,048,576 weights equal gguf's dequantisation), but not for bfloat16:
+  the scales must then be bfloat16, which rounds fp16's 11-bit d (10-33% of the weights
+  differ). It was batch-invariant (row 0 bit-identical for M = 1..64, 1 and 2 threads). It
+  stores 8 bytes of float32 scale and zero per 32 weights (0.75 bytes a weight against Q4_1's
+  0.625) and has no 5-, 6- or 8-bit form. Its float32 path, the exact one, is slow: a 16384 x
+  2048 weight took 115 ms at M=1 and 7.2 s at M=64 (2 threads, load average about 4.7), where
+  its bfloat16 path took 8.6 ms at M=1 and this kernel 2.7 ms (Q4_0, float32).
+- ``aten._weight_int8pack_mm`` has one scale per output row, so it cannot represent Q8_0's
+  scale per 32 weights (it was batch-invariant too).
+
+So Q8_0 (the default model's embedding and tied LM head) and the K-quants need a kernel of our
+own; ``bench/quant_linear.py`` measures torch's int4 kernel beside ours for Q4_0/Q4_1.
+
+This kernel's weights are bit-exact to ``gguf.quants.dequantize``: every product of an fp16
+scale and a small integer is exact in float32, Q4_0's ``q * d - 8 d`` is one exact FMA, and
+Q4_1's ``fma(q, d, m)`` and Q4_K's ``fma(q, d * sc, -(dmin * m))`` round once where gguf's
+``d * q + m`` and ``(d * sc) * q - dmin * m`` round once (after exact products). Each output
+element is one 16-lane float32 accumulator walked over K in a fixed order and summed by a fixed
+tree, whatever M, the other rows, the register blocking or the thread count: the kernel is
+batch-invariant by construction, and the AVX2 and AVX-512 builds compute the same bits
+(``csrc/quant_linear_body.h``). AVX512-BF16 / VNNI are not used: both multiply rounded or
+integer-quantised activations, which would give up the float32 numerics above.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from baton.kernels.checks import check_tensor
+from baton.kernels.quant_formats import FORMATS, QuantWeight, block_format, dequantize
+
+ISAS = ("avx2", "avx512")
+"""Instruction sets the kernel is built for, by code (0: AVX2+FMA+F16C, 1: AVX-512 F/BW/VL)."""
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+
+
+def quant_linear_torch(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """``x @ dequantize(weight).T`` with torch ops, in float32, returned in ``x``'s dtype: the
+    reference for `quant_linear` (same weights, another summation order).
+
+    Raises:
+        ValueError: as `quant_linear`.
+    """
+    _check_input(x, weight)
+    return (x.float() @ dequantize(weight).T).to(x.dtype)
+
+
+def _check_input(x: object, weight: QuantWeight) -> torch.Tensor:
+    block_format(weight.format)
+    x = check_tensor("x", x, 2, (torch.float32, torch.bfloat16), "a 2-D float32/bfloat16 tensor")
+    if x.device.type != "cpu":
+        raise ValueError(f"x must be on the CPU, got {x.device}")
+    if x.shape[1] != weight.k:
+        raise ValueError(
+            f"x has {x.shape[1]} features but the {weight.format} weight [{weight.n}, "
+            f"{weight.k}] takes {weight.k}"
+        )
+    return x
+
+
+@functools.cache
+def _extension() -> ModuleType:
+    # Imported here: cpp_extension pulls in setuptools, which nothing else at import time needs.
+    from torch.utils import cpp_extension
+
+    # Compiled on first use into torch's extension cache (TORCH_EXTENSIONS_DIR, default
+    # ~/.cache/torch_extensions), rebuilt only when the sources change; needs g++ and ninja.
+    return cpp_extension.load(
+        name="baton_quant_linear",
+        sources=[str(_CSRC / "quant_linear.cpp")],
+        extra_include_paths=[str(_CSRC)],
+        extra_cflags=["-O3"],
+        verbose=os.environ.get("BATON_VERBOSE_BUILD") == "1",
+    )
+
+
+@functools.cache
+def available_isas() -> tuple[str, ...]:
+    """The instruction sets of `ISAS` this CPU runs (compiles the extension on first use;
+    cached: it is asked on every call)."""
+    ext = _extension()
+    return tuple(name for code, name in enumerate(ISAS) if ext.isa_supported(code))
+
+
+def selected_isa() -> str:
+    """The instruction set `quant_linear` uses by default: the widest this CPU runs.
+
+    Raises:
+        RuntimeError: the CPU lacks even AVX2+FMA+F16C.
+    """
+    isas = available_isas()
+    if not isas:
+        raise RuntimeError("the quantised linear kernel needs an x86-64 CPU with AVX2, FMA, F16C")
+    return isas[-1]
+
+
+def quant_linear(x: torch.Tensor, weight: QuantWeight, isa: str | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T``: ``x`` ``[M, k]`` float32/bfloat16 -> ``[M, n]`` in x's dtype,
+    accumulated in float32; batch-invariant (a row's result does not depend on the other rows,
+    on M or on the thread count). Runs on torch's intra-op threads (over output columns).
+
+    ``isa`` forces an instruction set of `ISAS` (default `selected_isa`); every build gives the
+    same bits. Compiles the extension on first use.
+
+    Raises:
+        ValueError: x is not a 2-D float32/bfloat16 CPU tensor with ``weight.k`` columns, the
+            weight's format has no kernel, or ``isa`` is unknown or not run by this CPU.
+    """
+    x = _check_input(x, weight)
+    if isa is None:
+        isa = selected_isa()
+    elif isa not in available_isas():
+        raise ValueError(
+            f"isa {isa!r} is not available on this CPU; available: {', '.join(available_isas())}"
+        )
+    code = FORMATS[weight.format].code
+    return _extension().quant_linear(x, weight.data, code, weight.n, weight.k, ISAS.index(isa))
