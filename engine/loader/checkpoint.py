@@ -9,7 +9,7 @@ import torch
 
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.gguf_linear import LM_HEAD, covered_weights
+from baton.engine.models.gguf_linear import LM_HEAD, covered_weights, type_counts
 from baton.engine.models.sharding import ShardSpec, check_tensor_parallel, weight_slice
 from baton.engine.tokenizer import Tokenizer
 from baton.kernels.quant_formats import QuantWeight
@@ -169,3 +169,8 @@ class Checkpoint:
                 f"{self.path}: tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
                 f"embedding has only {self.config.vocab_size} rows"
             )
+
+    def quantized_types(self) -> dict[str, int]:
+        """The quantised weights by GGUF type, e.g. ``{"Q4_1": 120, "Q8_0": 1}`` (fused
+        projections count once); empty without any."""
+        return type_counts(self.quantized)

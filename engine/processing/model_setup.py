@@ -22,7 +22,6 @@ from baton.engine.executor.sim_traces import TraceBook
 from baton.engine.executor.uni import UniExecutor
 from baton.engine.host_speed import host_speed_seconds
 from baton.engine.loader import Checkpoint, ShardSpec, load_checkpoint, load_tokenizer
-from baton.engine.models.gguf_linear import type_counts
 from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
 from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
@@ -47,7 +46,7 @@ class ModelSetup:
     worker_threads: int | None  # torch threads of a model worker process, if there is one
     # SamplingParams fields the model's generation config sets (none on a simulated device).
     sampling_defaults: dict[str, float | int]
-    # quantization="gguf": the kernel weights by GGUF type (``gguf_linear.type_counts``).
+    # quantization="gguf": the kernel weights by GGUF type (``Checkpoint.quantized_types``).
     quantized_types: dict[str, int] = field(default_factory=dict)
 
 
@@ -124,7 +123,7 @@ def setup_model(
         executor,
         threads,
         dict(ckpt.sampling_defaults),
-        type_counts(ckpt.quantized),
+        ckpt.quantized_types(),
     )
 
 
