@@ -288,3 +288,19 @@ def test_bad_inputs_are_clear_errors(tiny_model_dir: Path, tmp_path: Path) -> No
         quant.quantize_int8()
     with pytest.raises(ValueError, match="GGUF-quantised; packing needs dense ones"):
         quant.pack_weights()
+
+
+def test_bench_gguf_decode_runs_a_config_in_a_fresh_process(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from baton.bench.gguf_decode import run_config
+
+    path = gguf_from_hf_dir(
+        tiny_model_dir, tmp_path / "q4.gguf", mini_tokenizer_metadata(), _linear_type("Q4_0")
+    )
+    result = run_config(str(path), "float32", "gguf", 2)
+    assert result["quantization"] == "gguf"
+    assert result["b1_tok_s"] > 0 and result["b16_tok_s"] > 0
+    assert result["peak_rss_mib"] >= result["rss_imports_mib"] > 0
+    with pytest.raises(RuntimeError, match="(?s)float32/gguf failed:.*not a .gguf file"):
+        run_config(str(tiny_model_dir), "float32", "gguf", 2)
