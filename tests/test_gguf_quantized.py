@@ -304,3 +304,22 @@ def test_bench_gguf_decode_runs_a_config_in_a_fresh_process(
     assert result["peak_rss_mib"] >= result["rss_imports_mib"] > 0
     with pytest.raises(RuntimeError, match="(?s)float32/gguf failed:.*not a .gguf file"):
         run_config(str(tiny_model_dir), "float32", "gguf", 2)
+
+
+def test_qwen2_bias_and_untied_head_through_the_kernel(tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    """Qwen2: q/k/v biases added after the kernel, q/k not permuted, and an untied LM head
+    (output.weight) kept quantised with no dense copy."""
+    path = gguf_from_hf_dir(
+        tiny_qwen_dir, tmp_path / "qwen2.gguf", mini_tokenizer_metadata(), _linear_type("Q8_0")
+    )
+    kept = load_checkpoint(path, torch.float32, keep_quantized=True)
+    assert kept.config.attention_bias and not kept.config.tie_word_embeddings
+    assert "lm_head.weight" in kept.quantized and "lm_head.weight" not in kept.weights
+    assert "model.layers.0.self_attn.q_proj.bias" in kept.weights
+    model = _model(path, torch.float32, keep=True)
+    assert model.lm_head is not None and model.lm_head.weight.numel() == 0
+    assert model.layers[0].qkv_proj.bias.abs().sum() > 0
+    ref = _decode_logits(_model(path, torch.float32, keep=False), PROMPTS[2], 4)
+    out = _decode_logits(model, PROMPTS[2], 4)
+    assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
