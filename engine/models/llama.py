@@ -219,8 +219,13 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         local = config if tp is None else shard_config(config, tp.size)
         self.local_config = local
+        # With quantised weights (a GGUF model) the embedding is not allocated here but takes
+        # the loaded tensor itself (``load_weights``): a float32 table built and then cast
+        # was the largest transient of the build (the default model's: 108 + 54 MiB).
         self.embed_tokens = (
-            nn.Embedding(config.vocab_size, config.hidden_size)
+            nn.Embedding(
+                config.vocab_size, config.hidden_size, device="meta" if quantized else None
+            )
             if tp is None
             else VocabParallelEmbedding(local.vocab_size, config.hidden_size, tp)
         )
@@ -379,15 +384,25 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint is missing weight {name!r}")
             return remaining.pop(name)
 
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        def check(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
             if param.shape != value.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
                 )
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            check(param, value, name)
             param.copy_(value)
 
         with torch.no_grad():
-            put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
+            embedding = take("model.embed_tokens.weight")
+            if self.embed_tokens.weight.is_meta:  # built for quantised weights: no copy
+                check(self.embed_tokens.weight, embedding, "embed_tokens")
+                self.embed_tokens.weight = nn.Parameter(
+                    embedding.to(self.embed_tokens.weight.dtype).contiguous(), requires_grad=False
+                )
+            else:
+                put(self.embed_tokens.weight, embedding, "embed_tokens")
             put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
             if self.lm_head is not None and self.lm_head_quant is None:
                 put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
