@@ -24,7 +24,7 @@ MIN_CORES_FOR_OVERLAP = 3
 
 DTYPE_AUTO = "auto"
 # Weight quantisations ``EngineConfig.quantization`` takes (None: the weights as loaded).
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "gguf")
 
 
 def auto_dtype(device: str) -> tuple[torch.dtype, str]:
@@ -170,7 +170,15 @@ class EngineConfig:
             by reading the weights, which int8 halves against bfloat16; steps of many rows are
             slower than dense bfloat16 (``baton bench linear_kernels``). CPU only; the
             model's linear layers need in_features divisible by 16 (checked when it is
-            built). Reported by ``stats()`` and ``/metrics`` ("none" or "int8").
+            built). "gguf": a GGUF file's block-quantised linear layers (Q8_0, Q4_0, Q4_1,
+            Q4_K, Q6_K; the LM head too) stay in their blocks in memory, repacked at load, and
+            every step multiplies them with ``kernels/quant_linear.py`` (activations in
+            ``dtype``); the embedding is dequantised to ``dtype`` for lookups. A linear of
+            another quantised type is dequantised with a logged warning naming it. CPU only,
+            one rank (tensor_parallel_size 1); a model that is not a GGUF file, or has no
+            linear of those types, is refused when it is loaded (``ModelLoadError``).
+            Reported by ``stats()`` and ``/metrics`` ("none", "int8" or "gguf"; with "gguf"
+            ``stats()["quantized_weights"]`` counts the kernel weights by type).
         worker_threads: torch threads of the model worker process ("mp"; of each rank's
             under tensor parallelism); None leaves one core to the engine thread when there
             are more than two, and uses every core otherwise (shared out among the ranks),
@@ -475,10 +483,16 @@ class EngineConfig:
                 "EngineConfig.quantization must be None (the weights as loaded) or one of "
                 f"{list(QUANTIZATIONS)}, got {self.quantization!r}"
             )
-        if self.quantization == "int8" and self.device != "cpu":
+        if self.quantization is not None and self.device != "cpu":
             raise ValueError(
-                "EngineConfig.quantization='int8' needs device='cpu' (the int8 weight-only "
-                f"kernel is a CPU kernel), got {self.device!r}; use quantization=None there"
+                f"EngineConfig.quantization={self.quantization!r} needs device='cpu' (its "
+                f"kernels are CPU kernels), got {self.device!r}; use quantization=None there"
+            )
+        if self.quantization == "gguf" and self.tensor_parallel_size != 1:
+            raise ValueError(
+                "EngineConfig.quantization='gguf' runs on one rank so far; got "
+                f"tensor_parallel_size={self.tensor_parallel_size} (use 1, or quantization=None "
+                "to cut the dequantised model)"
             )
 
     def _resolve_async(self) -> bool:

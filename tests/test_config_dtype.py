@@ -67,12 +67,16 @@ def test_quantization_choices_and_bad_ones() -> None:
     assert EngineConfig().quantization is None
     for dtype in ("float32", "bfloat16"):
         assert engine_config(dtype=dtype, quantization="int8").quantization == "int8"
-    assert QUANTIZATION_CHOICES == ("none", "int8")
-    for bad in ("int4", "INT8", "none", True):
-        with pytest.raises(ValueError, match=r"quantization must be None .* \['int8'\]"):
+    assert engine_config(dtype="bfloat16", quantization="gguf").quantization == "gguf"
+    assert QUANTIZATION_CHOICES == ("none", "int8", "gguf")
+    for bad in ("int4", "INT8", "GGUF", "none", True):
+        with pytest.raises(ValueError, match=r"quantization must be None .* \['int8', 'gguf'\]"):
             EngineConfig(quantization=bad)
-    with pytest.raises(ValueError, match="quantization='int8' needs device='cpu'"):
-        EngineConfig(device="sim:h200", quantization="int8")
+    for quantization in ("int8", "gguf"):
+        with pytest.raises(ValueError, match=f"quantization='{quantization}' needs device='cpu'"):
+            EngineConfig(device="sim:h200", quantization=quantization)
+    with pytest.raises(ValueError, match="quantization='gguf' runs on one rank.*size=2"):
+        EngineConfig(quantization="gguf", tensor_parallel_size=2)
 
 
 def test_the_removed_int8_small_batches_names_its_replacement() -> None:
@@ -90,6 +94,8 @@ def test_quantization_flag_reaches_the_config() -> None:
     args = parser.parse_args(["--quantization", "int8"])
     assert config_from_args(args).quantization == "int8"
     assert config_from_args(parser.parse_args(["--quantization", "none"])).quantization is None
+    args = parser.parse_args(["--quantization", "gguf"])
+    assert config_from_args(args).quantization == "gguf"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int4"])
 

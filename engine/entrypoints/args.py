@@ -80,7 +80,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         choices=QUANTIZATION_CHOICES,
         default="none",
         help="none (default): the weights as loaded, on every step; int8: every linear as "
-        "int8 weight-only GEMMs on every step (CPU; faster batch-1 decode, slower large steps)",
+        "int8 weight-only GEMMs on every step (CPU; faster batch-1 decode, slower large steps); "
+        "gguf: a GGUF file's block-quantised linears kept quantised (CPU, one rank)",
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=None, help="most requests running at once"

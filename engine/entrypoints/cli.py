@@ -95,6 +95,7 @@ BENCHMARKS = {
     "forward": "baton's forward pass vs transformers' on the same weights",
     "linear_kernels": "the model's linear layers as float32, bfloat16 and int8 by rows",
     "quant_linear": "GGUF block-quantised linears (baton's kernel) vs the dense paths, by rows",
+    "gguf_decode": "quantization none / gguf / int8 on a GGUF model: start, decode tok/s, RSS",
     "throughput": "offline throughput, baton vs transformers batched generate",
     "structured": "structured vs free time per output token",
     "serve": "load test of baton serve: concurrent clients, TTFT and TPOT",

@@ -24,7 +24,7 @@ import datetime
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -39,11 +39,17 @@ from baton.engine.sync_check import SyncChecker
 from baton.engine.worker.build import RunnerSpec
 from baton.engine.worker.cpu_threads import ThreadState
 from baton.engine.worker.runner_values import runner_output
-from baton.engine.worker.shared_memory import SharedBuffer, pack_layouts
+from baton.engine.worker.shared_memory import (
+    QuantLayout,
+    SharedBuffer,
+    TensorLayout,
+    pack_layouts,
+)
 from baton.engine.worker.spec_decode import DraftLayout
 from baton.engine.worker.step_broadcast import StepBroadcaster
 from baton.engine.worker.worker_main import Reply, WorkerInit
 from baton.grammar.backend import bitmask_width
+from baton.kernels.quant_formats import QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +69,29 @@ class _MpOutput(AsyncOutput):
         return self._output
 
 
-def _share_weights(weights: dict[str, torch.Tensor]) -> tuple[SharedBuffer, dict[str, Any]]:
-    """Copies all weights into one shared buffer (one descriptor to pass)."""
-    dtypes = {w.dtype for w in weights.values()}
-    if len(dtypes) != 1:
-        raise ValueError(f"weights must share one dtype, got {dtypes}")
-    layouts, total = pack_layouts({n: (w.dtype, tuple(w.shape)) for n, w in weights.items()})
+# Prefix of a quantised weight's bytes among the shared buffer's layouts (no dense weight
+# name has a colon).
+_QUANT_PREFIX = "quant:"
+
+
+def _share_weights(
+    weights: dict[str, torch.Tensor], quantized: Mapping[str, QuantWeight] | None = None
+) -> tuple[SharedBuffer, dict[str, TensorLayout], dict[str, QuantLayout]]:
+    """Copies all weights into one shared buffer (one descriptor to pass): the dense ones (of
+    any dtypes) and the quantised ones' packed bytes. Returns the buffer and where each lies."""
+    quantized = quantized or {}
+    shapes = {n: (w.dtype, tuple(w.shape)) for n, w in weights.items()}
+    shapes.update({_QUANT_PREFIX + n: (torch.uint8, (q.nbytes,)) for n, q in quantized.items()})
+    layouts, total = pack_layouts(shapes)
     buf = SharedBuffer.create(total, "baton-weights")
     for name, w in weights.items():
         buf.tensor(layouts[name]).copy_(w)
-    return buf, layouts
+    quant_layouts = {}
+    for name, q in quantized.items():
+        data = layouts.pop(_QUANT_PREFIX + name)
+        buf.tensor(data).copy_(q.data)
+        quant_layouts[name] = QuantLayout(q.format, q.n, q.k, data)
+    return buf, layouts, quant_layouts
 
 
 class MultiprocExecutor(Executor):
@@ -80,12 +99,14 @@ class MultiprocExecutor(Executor):
     returns at once.
 
     ``weights``: the whole model's (cut here for each rank), or a function that gives rank
-    ``r``'s shard (called once per rank, in order).
+    ``r``'s shard (called once per rank, in order). ``quantized``: GGUF-quantised linears
+    (``spec.quantization="gguf"``, one rank only), shared with the worker beside ``weights``.
 
     Raises:
         ExecutorError: a worker failed to start; the message says why (its traceback, or
             how it ended).
-        ValueError: the model cannot be cut into ``spec.tensor_parallel_size`` shards.
+        ValueError: the model cannot be cut into ``spec.tensor_parallel_size`` shards, or
+            ``quantized`` with more than one.
     """
 
     def __init__(
@@ -93,10 +114,15 @@ class MultiprocExecutor(Executor):
         spec: RunnerSpec,
         weights: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]],
         checker: SyncChecker | None = None,
+        quantized: Mapping[str, QuantWeight] | None = None,
     ) -> None:
         self._checker = checker or SyncChecker("off")
         size = spec.tensor_parallel_size
         check_tensor_parallel(spec.model_config, size)
+        if quantized and size > 1:
+            raise ValueError(
+                f"GGUF-quantised weights cannot be cut into {size} tensor-parallel shards yet"
+            )
         vocab = spec.model_config.vocab_size
         # A logits row per request, and one more per draft (speculative decoding).
         rows = spec.max_num_seqs * (1 + spec.max_drafts)
@@ -139,10 +165,10 @@ class MultiprocExecutor(Executor):
                     if callable(weights)
                     else shard_weights(weights, spec.model_config, rank, size)
                 )
-                buf, layouts = _share_weights(shard)
+                buf, layouts, quant_layouts = _share_weights(shard, quantized)
                 del shard
                 shared.append(buf)
-                rank_weights.append((buf, layouts))
+                rank_weights.append((buf, layouts, quant_layouts))
         except (OSError, RuntimeError) as exc:
             for buf in shared:
                 buf.close()
@@ -152,12 +178,13 @@ class MultiprocExecutor(Executor):
         self._sampled = io.tensor(io_layouts["sampled"])
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
         try:
-            for rank, (buf, layouts) in enumerate(rank_weights):
+            for rank, (buf, layouts, quant_layouts) in enumerate(rank_weights):
                 init = WorkerInit(
                     spec=spec,
                     weights_fd=buf.fd,
                     weights_nbytes=buf.nbytes,
                     weights=layouts,
+                    quantized=quant_layouts,
                     io_fd=io.fd,
                     io_nbytes=io.nbytes,
                     bitmasks=io_layouts["bitmasks"],

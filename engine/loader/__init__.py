@@ -68,6 +68,7 @@ def load_checkpoint(
     path: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     shard: ShardSpec | None = None,
+    keep_quantized: bool = False,
 ) -> Checkpoint:
     """Load a model: ``None`` -> the default model; a ``*.gguf`` file -> the GGUF loader; a
     directory with config.json -> the Hugging Face loader. Weights come back in ``dtype``.
@@ -77,17 +78,24 @@ def load_checkpoint(
     equal, bit for bit, to ``sharding.shard_weights`` of the whole model's weights. Raises
     ``ModelLoadError`` (a ``ValueError``) naming the path and what was expected for anything it
     cannot load (a ``shard.size`` that does not fit the model included), ``TypeError`` for a bad
-    argument type.
+    argument type. ``keep_quantized`` (``quantization="gguf"``): a GGUF file's block-quantised
+    linear weights stay in their blocks (``Checkpoint.quantized``, see ``gguf.load_gguf``);
+    anything but a GGUF file is then a ``ModelLoadError``.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if shard is not None and not isinstance(shard, ShardSpec):
         raise TypeError(f"shard must be a ShardSpec or None, got {type(shard).__name__}")
     resolved = _resolve(path)
+    if keep_quantized and not _is_gguf(resolved):
+        raise ModelLoadError(
+            f"{resolved}: quantization='gguf' keeps a GGUF file's quantised weights, but this "
+            "is not a .gguf file; use quantization=None or 'int8' for other models"
+        )
     if _is_gguf(resolved):
         from baton.engine.loader.gguf import load_gguf
 
-        return load_gguf(resolved, dtype, shard)
+        return load_gguf(resolved, dtype, shard, keep_quantized)
     if resolved.is_dir():
         from baton.engine.loader.hf import load_hf
 

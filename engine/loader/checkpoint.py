@@ -9,8 +9,10 @@ import torch
 
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.models.config import ModelConfig
+from baton.engine.models.gguf_linear import LM_HEAD, covered_weights, type_counts
 from baton.engine.models.sharding import ShardSpec, check_tensor_parallel, weight_slice
 from baton.engine.tokenizer import Tokenizer
+from baton.kernels.quant_formats import QuantWeight
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -69,15 +71,28 @@ def check_weights(
     config: ModelConfig,
     weights: dict[str, torch.Tensor],
     shard: ShardSpec | None = None,
+    quantized: dict[str, QuantWeight] | None = None,
 ) -> None:
     """Raise ``ModelLoadError`` naming ``path`` unless ``weights`` holds exactly the expected names
     and shapes for ``config`` (see ``expected_weight_shapes``), or for rank ``shard.rank``'s part
-    of it when ``shard`` is given (``shard_weight_shapes``)."""
+    of it when ``shard`` is given (``shard_weight_shapes``). ``quantized`` weights (see
+    ``models/gguf_linear.py``) stand for the names they cover, with their rows and columns, and
+    may hold a tied model's ``lm_head.weight``."""
     if shard is None:
         expected = expected_weight_shapes(config)
     else:
         check_shard_fits(path, config, shard)
         expected = shard_weight_shapes(config, shard)
+    if quantized:
+        if shard is not None:
+            raise ModelLoadError(f"{path}: quantised weights cannot be sharded")
+        _check_quantized(path, config, expected, quantized)
+        weights = dict(weights)
+        for parts in covered_weights(quantized).values():
+            for part in parts:
+                weights[part] = torch.empty(expected.get(part, (0,)), device="meta")
+        if config.tie_word_embeddings:
+            weights.pop(LM_HEAD, None)
     missing = [name for name in expected if name not in weights]
     if missing:
         shown = ", ".join(missing[:5]) + (
@@ -94,6 +109,31 @@ def check_weights(
             )
 
 
+def _check_quantized(
+    path: Path,
+    config: ModelConfig,
+    expected: dict[str, tuple[int, ...]],
+    quantized: dict[str, QuantWeight],
+) -> None:
+    """Raise ``ModelLoadError`` unless each quantised weight covers expected names (or is a
+    tied LM head) and has their rows (summed) and columns."""
+    expected = dict(expected)
+    if config.tie_word_embeddings:
+        expected[LM_HEAD] = (config.vocab_size, config.hidden_size)
+    for name, parts in covered_weights(quantized).items():
+        unknown = [p for p in parts if p not in expected]
+        if unknown:
+            raise ModelLoadError(f"{path}: unexpected quantised weight {name} ({unknown[0]})")
+        rows = sum(expected[p][0] for p in parts)
+        cols = {expected[p][1] for p in parts}
+        weight = quantized[name]
+        if (weight.n, weight.k) != (rows, *cols):
+            raise ModelLoadError(
+                f"{path}: quantised weight {name} is [{weight.n}, {weight.k}], expected "
+                f"[{rows}, {next(iter(cols))}]"
+            )
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A model ready to build: where it came from, its config, its weights and its tokenizer.
@@ -103,8 +143,10 @@ class Checkpoint:
     of each weight (``sharding.weight_slice``: what ``shard_weights`` would cut from the full
     ones), while ``config`` stays the whole model's. ``sampling_defaults`` are the
     ``SamplingParams`` fields the model ships defaults for (its generation config; see
-    ``generation_config``). Construction checks names and shapes and raises ``ModelLoadError``
-    when they do not fit ``config``.
+    ``generation_config``). ``quantized``: the linear weights kept in their GGUF blocks
+    (``EngineConfig(quantization="gguf")``, ``models/gguf_linear.py`` names them), which
+    ``weights`` then lacks (a tied LM head's embedding stays in ``weights``). Construction
+    checks names and shapes and raises ``ModelLoadError`` when they do not fit ``config``.
     """
 
     path: Path
@@ -113,9 +155,10 @@ class Checkpoint:
     tokenizer: Tokenizer
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     shard: ShardSpec | None = None
+    quantized: dict[str, QuantWeight] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_weights(self.path, self.config, self.weights, self.shard)
+        check_weights(self.path, self.config, self.weights, self.shard, self.quantized)
         dtypes = {tensor.dtype for tensor in self.weights.values()}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
             raise ModelLoadError(
@@ -126,3 +169,8 @@ class Checkpoint:
                 f"{self.path}: tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
                 f"embedding has only {self.config.vocab_size} rows"
             )
+
+    def quantized_types(self) -> dict[str, int]:
+        """The quantised weights by GGUF type, e.g. ``{"Q4_1": 120, "Q8_0": 1}`` (fused
+        projections count once); empty without any."""
+        return type_counts(self.quantized)

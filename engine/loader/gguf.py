@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from baton.engine.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTenso
 from baton.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from baton.engine.models.sharding import ShardSpec, WeightSlice, weight_slice
 from baton.engine.tokenizer import Tokenizer
+from baton.kernels.quant_formats import QuantWeight
 
 # Tensor types this loader dequantises (gguf.quants implements each; the block formats are the
 # ones common in published files). Anything else is refused by name rather than guessed at.
@@ -257,6 +258,28 @@ def _dequantize(path: Path, tensor: GGUFTensor, part: WeightSlice | None = None)
     return values.copy(order="C")
 
 
+# Rows of a large block-quantised tensor decoded at once: gguf's numpy dequantisation holds
+# temporaries of about twice its float32 output (measured on the default model's 49152 x 576
+# Q8_0 embedding: 246 MiB of peak RSS for its 108 MiB of float32 values), so a whole
+# embedding decoded in one piece set the loader's peak memory.
+_DECODE_CHUNK_ROWS = 4096
+
+
+def _dequantize_to(path: Path, tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole of ``tensor`` in ``dtype`` (as ``_dequantize`` then ``.to(dtype)``, bit for
+    bit): a 2-D block-quantised one decoded ``_DECODE_CHUNK_ROWS`` rows at a time straight
+    into the result, so the float32 temporaries stay a chunk's."""
+    shape = tuple(reversed(tensor.shape))
+    if len(shape) != 2 or shape[0] <= _DECODE_CHUNK_ROWS or tensor.data.shape == shape:
+        return torch.from_numpy(_dequantize(path, tensor)).to(dtype)
+    out = torch.empty(shape, dtype=dtype)
+    for start in range(0, shape[0], _DECODE_CHUNK_ROWS):
+        stop = min(start + _DECODE_CHUNK_ROWS, shape[0])
+        rows = WeightSlice(0, start, stop, stop - start)
+        out[start:stop].copy_(torch.from_numpy(_dequantize(path, tensor, rows)))
+    return out
+
+
 def _select(
     tensor: GGUFTensor, shape: tuple[int, ...], part: WeightSlice
 ) -> tuple[np.ndarray, tuple[int, ...], slice | None]:
@@ -293,46 +316,32 @@ def _select(
     return np.ascontiguousarray(tensor.data[tuple(index)]), covered, trim
 
 
-def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+_Rows = TypeVar("_Rows", torch.Tensor, np.ndarray)
+
+
+def unpermute_qk(weight: _Rows, num_heads: int) -> _Rows:
     """Undo llama.cpp's per-head RoPE permutation of a q/k weight ([rows, cols]) or bias ([rows]).
 
     llama.cpp interleaves the two rotary halves of every head; Hugging Face keeps them split.
+    The permutation moves whole rows, so it applies to a torch tensor or a numpy array of rows
+    of any trailing shape (a block-quantised tensor's raw bytes ``[rows, row_bytes]`` too).
     """
     rows = weight.shape[0]
     rest = tuple(weight.shape[1:])
     return (
         weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
-        .transpose(1, 2)
+        .swapaxes(1, 2)
         .reshape(rows, *rest)
     )
 
 
-def load_gguf(
-    path: Path, dtype: torch.dtype = torch.float32, shard: ShardSpec | None = None
-) -> Checkpoint:
-    """Load a llama/mistral/qwen2 GGUF file as a ``Checkpoint`` with weights in ``dtype``.
+def _hf_names(path: Path, reader: GGUFFile, arch: str) -> list[tuple[GGUFTensor, str]]:
+    """Each tensor the model takes with its Hugging Face name (ignored ones left out).
 
-    Maps the file and dequantises every weight; with ``shard``, only rank ``shard.rank``'s part
-    of each (``sharding.weight_slice``), read and dequantised from those bytes of the map alone,
-    so no rank holds the whole model (the result equals ``shard_weights`` of the full load, bit
-    for bit). Raises ``ModelLoadError`` naming the path for an unreadable file, an unsupported
-    architecture, tokenizer or tensor type, missing or misshapen tensors, and a ``shard.size``
-    that does not fit the model.
+    Raises:
+        ModelLoadError: a tensor that is no decoder tensor of ``arch``.
     """
-    reader = read_gguf(path)
-    metadata = gguf_metadata(reader, path)
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: architecture {arch!r} is not supported; expected one of "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    tokenizer = load_gguf_tokenizer(path, metadata)
-    config = config_from_gguf(path, metadata, reader, tokenizer)
-    if shard is not None:
-        check_shard_fits(path, config, shard)
-
-    weights: dict[str, torch.Tensor] = {}
+    out = []
     for tensor in reader.tensors:
         name = tensor.name
         if name in _IGNORED_TENSORS:
@@ -346,16 +355,84 @@ def load_gguf(
                 raise ModelLoadError(
                     f"{path}: unexpected tensor {name}; expected only {arch} decoder tensors"
                 )
+        out.append((tensor, hf_name))
+    return out
+
+
+def qk_heads(path: Path, config: ModelConfig, name: str, rows: int) -> int | None:
+    """The head count to undo llama.cpp's q/k permutation of GGUF tensor ``name`` with, or None
+    when it is no permuted q/k tensor.
+
+    Raises:
+        ModelLoadError: its ``rows`` are not whole pairs of rows per head.
+    """
+    if config.architecture not in _PERMUTED_QK_ARCHITECTURES:
+        return None
+    if ".attn_q." not in name and ".attn_k." not in name:
+        return None
+    heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+    if rows % (2 * heads):
+        raise ModelLoadError(
+            f"{path}: tensor {name} has {rows} rows, expected a multiple of 2 x {heads} heads"
+        )
+    return heads
+
+
+def load_gguf(
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    shard: ShardSpec | None = None,
+    keep_quantized: bool = False,
+) -> Checkpoint:
+    """Load a llama/mistral/qwen2 GGUF file as a ``Checkpoint`` with weights in ``dtype``.
+
+    Maps the file and dequantises every weight; with ``shard``, only rank ``shard.rank``'s part
+    of each (``sharding.weight_slice``), read and dequantised from those bytes of the map alone,
+    so no rank holds the whole model (the result equals ``shard_weights`` of the full load, bit
+    for bit). With ``keep_quantized`` (``quantization="gguf"``) the linear weights of a type
+    the quantised kernel multiplies are not dequantised but repacked from the file's blocks
+    into ``Checkpoint.quantized`` (``gguf_quant.keep_quantized``; logs what it kept and what it
+    dequantised instead). Raises ``ModelLoadError`` naming the path for an unreadable file, an
+    unsupported architecture, tokenizer or tensor type, missing or misshapen tensors, a
+    ``shard.size`` that does not fit the model, and with ``keep_quantized`` a ``shard`` or a
+    file without any linear of a type the kernel multiplies.
+    """
+    reader = read_gguf(path)
+    metadata = gguf_metadata(reader, path)
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: architecture {arch!r} is not supported; expected one of "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    tokenizer = load_gguf_tokenizer(path, metadata)
+    config = config_from_gguf(path, metadata, reader, tokenizer)
+    if shard is not None:
+        if keep_quantized:
+            raise ModelLoadError(
+                f"{path}: quantised weights (quantization='gguf') cannot be cut into "
+                f"{shard.size} shards yet; load them whole (tensor_parallel_size=1)"
+            )
+        check_shard_fits(path, config, shard)
+    named = _hf_names(path, reader, arch)
+    quantized: dict[str, QuantWeight] = {}
+    kept: frozenset[str] = frozenset()
+    if keep_quantized:
+        from baton.engine.loader.gguf_quant import keep_quantized as keep
+
+        quantized, kept = keep(path, {hf: t for t, hf in named}, config, dtype)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor, hf_name in named:
+        if hf_name in kept:
+            continue
         shape = tuple(reversed(tensor.shape))
         part = None if shard is None else weight_slice(hf_name, shape, config, shard)
-        value = torch.from_numpy(_dequantize(path, tensor, part))
-        if arch in _PERMUTED_QK_ARCHITECTURES and (".attn_q." in name or ".attn_k." in name):
-            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
-            if shape[0] % (2 * heads):
-                raise ModelLoadError(
-                    f"{path}: tensor {name} has {shape[0]} rows, expected a multiple of "
-                    f"2 x {heads} heads"
-                )
+        if part is None:
+            value = _dequantize_to(path, tensor, dtype)
+        else:
+            value = torch.from_numpy(_dequantize(path, tensor, part))
+        heads = qk_heads(path, config, tensor.name, shape[0])
+        if heads is not None:
             # The permutation stays inside each head and a shard holds whole heads (a run of
             # head_dim-row blocks), so the shard's rows are unpermuted with its own head count.
             value = unpermute_qk(value, heads * value.shape[0] // shape[0])
@@ -368,4 +445,5 @@ def load_gguf(
         tokenizer=tokenizer,
         sampling_defaults=gguf_sampling_defaults(path, metadata),
         shard=shard,
+        quantized=quantized,
     )

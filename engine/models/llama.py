@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +10,13 @@ from torch import nn
 
 from baton.engine.models.attention import AttentionMetadata, paged_attention, sdpa_backends
 from baton.engine.models.config import ModelConfig
+from baton.engine.models.gguf_linear import (
+    LM_HEAD,
+    PROJECTIONS,
+    QuantParts,
+    gguf_linear,
+    layer_projections,
+)
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from baton.engine.models.packed import (
     PackedWeight,
@@ -26,6 +33,7 @@ from baton.engine.models.quant import (
     quantize_int8,
 )
 from baton.engine.models.sharding import shard_config
+from baton.kernels.quant_formats import QuantWeight
 from baton.kernels.silu_mul import silu_mul
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -35,11 +43,17 @@ class DecoderLayer(nn.Module):
     """One pre-norm block: attention with fused QKV, then a SwiGLU MLP with fused gate/up.
 
     Under tensor parallelism ``config`` is the rank's shard shape and ``reduce`` sums the
-    row-parallel projections' partial outputs over the ranks.
+    row-parallel projections' partial outputs over the ranks. ``quant``: per projection (qkv,
+    o, gate_up, down) its GGUF-quantised kernel weights (``models/gguf_linear.py``) or None;
+    a quantised projection's module gets no dense weight at all (an empty one: a call that
+    reached it would fail), only its bias.
     """
 
     def __init__(
-        self, config: ModelConfig, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self,
+        config: ModelConfig,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        quant: tuple[QuantParts | None, ...] | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -50,10 +64,12 @@ class DecoderLayer(nn.Module):
         self.scale = c.head_dim**-0.5
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, c.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        q = quant or (None,) * len(PROJECTIONS)
+        qkv = self.q_size + 2 * self.kv_size
+        self.qkv_proj = _linear(c.hidden_size, qkv, c.attention_bias, q[0] is not None)
+        self.o_proj = _linear(self.q_size, c.hidden_size, False, q[1] is not None)
+        self.gate_up_proj = _linear(c.hidden_size, 2 * c.intermediate_size, False, q[2] is not None)
+        self.down_proj = _linear(c.intermediate_size, c.hidden_size, False, q[3] is not None)
         self.intermediate_size = c.intermediate_size
         # The four projections in the order of ``int8`` and ``packed`` (a plain tuple: the
         # modules are registered above).
@@ -64,6 +80,11 @@ class DecoderLayer(nn.Module):
         # The projections packed for oneDNN, same order (set by ``pack_weights``): then every
         # step multiplies with these.
         self.packed: tuple[PackedWeight, ...] | None = None
+        # The projections kept in their GGUF blocks (None: all dense), same order; a None
+        # entry is a dense projection (a type the kernel does not take, dequantised at load).
+        self.quant: tuple[QuantParts | None, ...] | None = (
+            tuple(q) if any(p is not None for p in q) else None
+        )
 
     def quantize_int8(self) -> None:
         """Replaces the projections' weights by int8 weight-only ones (``quant.py``) for every
@@ -80,9 +101,16 @@ class DecoderLayer(nn.Module):
         empty weight)."""
         self.packed = tuple(pack_and_release(lin) for lin in self._linears)
 
+    @property
+    def _plain(self) -> bool:
+        """Whether the projections are plain dense ``nn.Linear``s (none packed or quantised)."""
+        return self.int8 is None and self.packed is None and self.quant is None
+
     def _project(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Projection ``i`` (qkv, o, gate_up, down) of ``x`` with the model's kernel."""
         linear = self._linears[i]
+        if self.quant is not None and (parts := self.quant[i]) is not None:
+            return gguf_linear(x, parts, linear.bias)
         if self.int8 is not None:
             return int8_linear(x, self.int8[i], linear.bias)
         if self.packed is not None:
@@ -108,7 +136,7 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
-        if self.int8 is None and self.packed is None:
+        if self._plain:
             q, k, v = fused_linear(h, self.qkv_proj, sizes)
         else:
             q, k, v = self._project(0, h).split(sizes, dim=-1)
@@ -121,13 +149,25 @@ class DecoderLayer(nn.Module):
         out = out if self.reduce is None else self.reduce(out)
         h, residual = self.post_attention_layernorm.forward_add(out, residual)
         sizes = (self.intermediate_size, self.intermediate_size)
-        if self.int8 is None and self.packed is None:
+        if self._plain:
             gate, up = fused_linear(h, self.gate_up_proj, sizes)
         else:
             gate, up = self._project(2, h).split(sizes, dim=-1)
         act = silu_mul(gate, up)  # one kernel on CUDA
         out = self._project(3, act)
         return (out if self.reduce is None else self.reduce(out)), residual
+
+
+def _linear(in_features: int, out_features: int, bias: bool, quantized: bool) -> nn.Linear:
+    """``nn.Linear(in, out, bias)``; ``quantized``: its weight held elsewhere (GGUF blocks), so
+    the module gets an empty weight, never allocated at full size, and a zero bias to load."""
+    if not quantized:
+        return nn.Linear(in_features, out_features, bias)
+    linear = nn.Linear(in_features, out_features, bias, device="meta")
+    linear.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    if bias:
+        linear.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False)
+    return linear
 
 
 # Below this many tokens, one GEMM per output part beat the fused GEMM on this
@@ -156,21 +196,44 @@ class LlamaForCausalLM(nn.Module):
     With ``tp`` (tensor parallelism) the model holds this rank's shard (``local_config``, cut
     as ``sharding.py`` says, weights from ``sharding.shard_weights``) and meets the other
     ranks in ``tp``'s collectives; ``config`` stays the whole model's.
+
+    ``quantized``: GGUF-quantised linear weights (``Checkpoint.quantized``, named as
+    ``models/gguf_linear.py`` says), multiplied by ``kernels/quant_linear.py`` on every step;
+    the modules they replace get no dense weight, and ``load_weights`` then takes the rest.
+
+    Raises:
+        ValueError: ``quantized`` with ``tp``, or a projection quantised only in part.
     """
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallel | None = None,
+        quantized: Mapping[str, QuantWeight] | None = None,
+    ) -> None:
         super().__init__()
+        quantized = quantized or {}
+        if quantized and tp is not None:
+            raise ValueError("GGUF-quantised weights cannot be cut for tensor parallelism yet")
         self.config = config
         self.tp = tp
         local = config if tp is None else shard_config(config, tp.size)
         self.local_config = local
+        # With quantised weights (a GGUF model) the embedding is not allocated here but takes
+        # the loaded tensor itself (``load_weights``): a float32 table built and then cast
+        # was the largest transient of the build (the default model's: 108 + 54 MiB).
         self.embed_tokens = (
-            nn.Embedding(config.vocab_size, config.hidden_size)
+            nn.Embedding(
+                config.vocab_size, config.hidden_size, device="meta" if quantized else None
+            )
             if tp is None
             else VocabParallelEmbedding(local.vocab_size, config.hidden_size, tp)
         )
         reduce = None if tp is None else tp.all_reduce
-        self.layers = nn.ModuleList(DecoderLayer(local, reduce) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(local, reduce, layer_projections(quantized, i) if quantized else None)
+            for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(
             config.head_dim,
@@ -178,10 +241,14 @@ class LlamaForCausalLM(nn.Module):
             config.rope_theta,
             config.rope_scaling,
         )
+        # The LM head in GGUF blocks (tied or not): then every step multiplies with it.
+        self.lm_head_quant: QuantWeight | None = quantized.get(LM_HEAD)
         self.lm_head: nn.Linear | None = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, local.vocab_size, bias=False)
+            else _linear(
+                config.hidden_size, local.vocab_size, False, self.lm_head_quant is not None
+            )
         )
         self.requires_grad_(False)
         # The LM head as int8 weights (set by ``quantize_int8``).
@@ -204,6 +271,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("int8 weight-only kernels run on the CPU only")
         if self.lm_head_int8 is not None:
             raise ValueError("the model's weights are int8 already")
+        self._refuse_if_gguf("int8")
         if self.lm_head_packed is not None:
             raise ValueError("the model's weights are packed already; int8 replaces packing")
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -237,6 +305,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("the model's weights are packed already")
         if self.lm_head_int8 is not None:
             raise ValueError("the model's weights are int8; there is no dense weight to pack")
+        self._refuse_if_gguf("packing")
         for layer in self.layers:
             layer.pack_weights()
         self.lm_head_packed = (
@@ -244,6 +313,17 @@ class LlamaForCausalLM(nn.Module):
             if self.lm_head is None
             else pack_and_release(self.lm_head)
         )
+
+    @property
+    def gguf_quantized(self) -> bool:
+        """Whether any linear weight is held in GGUF blocks (``quantized``)."""
+        return self.lm_head_quant is not None or any(
+            layer.quant is not None for layer in self.layers
+        )
+
+    def _refuse_if_gguf(self, what: str) -> None:
+        if self.gguf_quantized:
+            raise ValueError(f"the model's weights are GGUF-quantised; {what} needs dense ones")
 
     def forward(
         self,
@@ -275,7 +355,9 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: ``out`` under tensor parallelism.
         """
-        if self.lm_head_int8 is not None:
+        if self.lm_head_quant is not None:
+            logits = gguf_linear(hidden, (self.lm_head_quant,))
+        elif self.lm_head_int8 is not None:
             logits = int8_linear(hidden, self.lm_head_int8)
         elif self.lm_head_packed is not None:
             logits = packed_linear(hidden, self.lm_head_packed)
@@ -289,7 +371,8 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.gather_logits(logits.float(), self.config.vocab_size)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copies Hugging Face-named weights in, fusing QKV and gate/up.
+        """Copies Hugging Face-named weights in, fusing QKV and gate/up; the weights of linears
+        built GGUF-quantised (``quantized``) are not taken (nor expected).
 
         Raises:
             ValueError: naming any missing, unexpected or wrongly shaped weight.
@@ -301,17 +384,27 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint is missing weight {name!r}")
             return remaining.pop(name)
 
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        def check(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
             if param.shape != value.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
                 )
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            check(param, value, name)
             param.copy_(value)
 
         with torch.no_grad():
-            put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
+            embedding = take("model.embed_tokens.weight")
+            if self.embed_tokens.weight.is_meta:  # built for quantised weights: no copy
+                check(self.embed_tokens.weight, embedding, "embed_tokens")
+                self.embed_tokens.weight = nn.Parameter(
+                    embedding.to(self.embed_tokens.weight.dtype).contiguous(), requires_grad=False
+                )
+            else:
+                put(self.embed_tokens.weight, embedding, "embed_tokens")
             put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
-            if self.lm_head is not None:
+            if self.lm_head is not None and self.lm_head_quant is None:
                 put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
             else:
                 remaining.pop("lm_head.weight", None)
@@ -323,15 +416,16 @@ class LlamaForCausalLM(nn.Module):
                     take(p + "post_attention_layernorm.weight"),
                     p,
                 )
-                qkv = [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
-                put(layer.qkv_proj.weight, torch.cat(qkv), p + "self_attn.qkv")
+                quant = layer.quant or (None,) * len(PROJECTIONS)
+                for linear, (fused, parts), q in zip(
+                    layer._linears, PROJECTIONS, quant, strict=True
+                ):
+                    if q is None:
+                        dense = [take(p + part) for part in parts]
+                        put(linear.weight, torch.cat(dense), p + fused)
                 if layer.qkv_proj.bias is not None:
                     bias = [take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
                     put(layer.qkv_proj.bias, torch.cat(bias), p + "self_attn.qkv bias")
-                put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
-                gate_up = [take(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
-                put(layer.gate_up_proj.weight, torch.cat(gate_up), p + "mlp.gate_up")
-                put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "down_proj")
         # Rotary inverse-frequency buffers are derived from the config.
         extra = [k for k in remaining if not k.endswith("rotary_emb.inv_freq")]
         if extra:

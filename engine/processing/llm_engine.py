@@ -105,6 +105,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         self.sampling_defaults: dict[str, float | int] = dict(model.sampling_defaults)
+        # quantization="gguf": e.g. "Q4_1=120,Q8_0=1" (kernel weights by GGUF type).
+        self._quantized_types = ",".join(f"{k}={v}" for k, v in model.quantized_types.items())
         if self.sampling_defaults:
             logger.info("sampling defaults from the model: %s", self.sampling_defaults)
         logger.info(
@@ -113,7 +115,7 @@ class LLMEngine:
             model.path,
             config.device,
             _dtype_name(config.dtype),
-            " with int8 weight-only linears" if config.quantization == "int8" else "",
+            _quantization_note(config.quantization, self._quantized_types),
             model.num_kv_blocks,
             config.block_size,
             self.max_model_len,
@@ -277,8 +279,9 @@ class LLMEngine:
         ``num_running``, ``num_waiting``, ``kv_total_blocks``, ``kv_free_blocks``,
         ``kv_usage``; how the model computes: ``dtype`` (e.g. "bfloat16"),
         ``dtype_reason`` (why: "asked for", or what ``dtype="auto"`` saw), and
-        ``quantization`` (the weight quantisation in force on every step: "none" or
-        "int8");
+        ``quantization`` (the weight quantisation in force on every step: "none", "int8"
+        or "gguf"), and with "gguf" ``quantized_weights`` (the kernel weights by GGUF type,
+        e.g. "Q4_1=120,Q8_0=1": fused projections and the LM head);
         ``cpu_threads``, ``cpu_max_threads``, ``cpu_thread_changes`` and
         ``cpu_others_busy_cores`` where a CPU thread governor runs (``adapt_cpu_threads``);
         ``tensor_parallel_size``, and with it above 1 ``tp_collective_s``: of ``device_s``,
@@ -301,6 +304,8 @@ class LLMEngine:
             kv_usage=sched.kv.usage,
             tensor_parallel_size=self.config.tensor_parallel_size,
         )
+        if self._quantized_types:
+            stats["quantized_weights"] = self._quantized_types
         threads = self._executor.thread_state()
         if threads is not None:
             stats.update(
@@ -337,6 +342,15 @@ class LLMEngine:
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _quantization_note(quantization: str | None, types: str) -> str:
+    """The start-up log's words for the weight quantisation in force."""
+    if quantization == "int8":
+        return " with int8 weight-only linears"
+    if quantization == "gguf":
+        return f" with GGUF-quantised linears ({types})"
+    return ""
 
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")

@@ -4,7 +4,7 @@ the tokenizer), the KV cache size, and the executor that runs the model."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,8 @@ class ModelSetup:
     worker_threads: int | None  # torch threads of a model worker process, if there is one
     # SamplingParams fields the model's generation config sets (none on a simulated device).
     sampling_defaults: dict[str, float | int]
+    # quantization="gguf": the kernel weights by GGUF type (``Checkpoint.quantized_types``).
+    quantized_types: dict[str, int] = field(default_factory=dict)
 
 
 def setup_model(
@@ -67,7 +69,9 @@ def setup_model(
     if sharded:
         ckpt = _load_shard(config, 0)
     else:
-        ckpt = checkpoint or load_checkpoint(config.model, dtype=config.dtype)
+        ckpt = checkpoint or load_checkpoint(
+            config.model, dtype=config.dtype, keep_quantized=config.quantization == "gguf"
+        )
     c = ckpt.config
     max_model_len = min(
         config.max_model_len or c.max_position_embeddings, c.max_position_embeddings
@@ -104,10 +108,11 @@ def setup_model(
             if sharded
             else ckpt.weights
         )
-        executor = MultiprocExecutor(spec, weights, checker)
+        executor = MultiprocExecutor(spec, weights, checker, ckpt.quantized)
     else:
         governor = ThreadGovernor() if spec.adapt_threads else None
-        executor = UniExecutor(build_runner(spec, ckpt.weights), checker, governor)
+        runner = build_runner(spec, ckpt.weights, quantized=ckpt.quantized)
+        executor = UniExecutor(runner, checker, governor)
     return ModelSetup(
         str(ckpt.path),
         c.vocab_size,
@@ -118,6 +123,7 @@ def setup_model(
         executor,
         threads,
         dict(ckpt.sampling_defaults),
+        ckpt.quantized_types(),
     )
 
 

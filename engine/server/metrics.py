@@ -356,7 +356,7 @@ class ServerMetrics:
             name,
             "gauge",
             "How the model computes: dtype, why (dtype_reason), and the weight quantization "
-            "used on every step (none or int8); always 1.",
+            "used on every step (none, int8 or gguf); always 1.",
         )
         info = {
             "dtype": str(engine_stats.get("dtype", "unknown")),

@@ -3,6 +3,7 @@ in whichever process will run it (the engine's, or a worker's)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from baton.engine.models.parallel import TensorParallel
 from baton.engine.worker.cuda_graphs import capture_sizes
 from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.worker.tp_runner import ParallelModelRunner
+from baton.kernels.quant_formats import QuantWeight
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,9 @@ class RunnerSpec:
     tokenizer_vocab_size: int | None
     num_threads: int | None = None  # torch threads where the runner runs; None: unchanged
     device: str = "cpu"  # where the model, its KV cache and the request rows live
-    # Weight quantisation (EngineConfig.quantization): None, or "int8" for int8 weight-only
-    # linears on every step (CPU).
+    # Weight quantisation (EngineConfig.quantization): None, "int8" for int8 weight-only
+    # linears on every step (CPU), or "gguf" for the GGUF file's quantised linears (CPU; the
+    # quantised weights come beside the dense ones, see ``build_runner``).
     quantization: str | None = None
     # Ranks the model is cut over (one worker process each); 1: the whole model in one place.
     tensor_parallel_size: int = 1
@@ -47,25 +50,46 @@ class RunnerSpec:
 def add_cpu_kernels(model: LlamaForCausalLM, quantization: str | None) -> None:
     """What a model gets once its weights are loaded in its final dtype and device: with
     ``quantization="int8"`` every linear as int8 weight-only (``quantize_int8``, for every
-    step; dense projection weights released); otherwise, on a CPU, its linears packed for
-    oneDNN where ``packing_available``. Nothing else on CUDA.
+    step; dense projection weights released); with "gguf" nothing (the model was built with
+    its GGUF-quantised linears, and a linear dequantised at load stays a plain one);
+    otherwise, on a CPU, its linears packed for oneDNN where ``packing_available``. Nothing
+    else on CUDA.
 
     Raises:
-        ValueError: an unknown ``quantization``, or "int8" for a model the int8 kernel cannot
-            run (not on the CPU, or a linear whose in_features is not divisible by 16).
+        ValueError: an unknown ``quantization``, "int8" for a model the int8 kernel cannot
+            run (not on the CPU, or a linear whose in_features is not divisible by 16), "gguf"
+            for a model without GGUF-quantised weights or not on the CPU, or a model with them
+            and another ``quantization``.
     """
+    if quantization == "gguf":
+        if not model.gguf_quantized:
+            raise ValueError(
+                "quantization='gguf' needs the checkpoint's quantised weights "
+                "(load_checkpoint(..., keep_quantized=True)); the model has none"
+            )
+        if model.embed_tokens.weight.device.type != "cpu":
+            raise ValueError("quantization='gguf' runs on the CPU only")
+        return
+    if model.gguf_quantized:
+        raise ValueError(
+            f"the model holds GGUF-quantised weights but quantization is {quantization!r}; "
+            "pass quantization='gguf'"
+        )
     if quantization == "int8":
         model.quantize_int8()
         return
     if quantization is not None:
-        raise ValueError(f"unknown quantization {quantization!r}; known: None, 'int8'")
+        raise ValueError(f"unknown quantization {quantization!r}; known: None, 'int8', 'gguf'")
     weight = model.embed_tokens.weight
     if weight.device.type == "cpu" and packing_available(weight.dtype):
         model.pack_weights()
 
 
 def build_runner(
-    spec: RunnerSpec, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None
+    spec: RunnerSpec,
+    weights: dict[str, torch.Tensor],
+    tp: TensorParallel | None = None,
+    quantized: Mapping[str, QuantWeight] | None = None,
 ) -> ModelRunner:
     """Builds the model from ``weights`` on ``spec.device`` (with int8 weight-only linears
     when ``spec.quantization`` is "int8", else on a CPU its linears packed for oneDNN where
@@ -73,7 +97,9 @@ def build_runner(
     wraps both in a runner; with ``spec.cuda_graphs`` the runner captures its decode graphs
     before it is returned. With ``tp`` (a joined tensor-parallel group of
     ``spec.tensor_parallel_size`` ranks), ``weights`` are this rank's shard
-    (``sharding.shard_weights``) and the runner is a ``ParallelModelRunner``.
+    (``sharding.shard_weights``) and the runner is a ``ParallelModelRunner``. ``quantized``
+    (with ``spec.quantization="gguf"``): the GGUF-quantised linears (``Checkpoint.quantized``),
+    which ``weights`` then lacks; the model uses them as they are (no copy).
 
     Raises:
         ValueError: ``tp`` does not match ``spec.tensor_parallel_size``, a weight is
@@ -84,7 +110,7 @@ def build_runner(
             f"the spec asks for tensor_parallel_size={spec.tensor_parallel_size}, "
             f"but the runner was given {'no group' if tp is None else f'a group of {tp.size}'}"
         )
-    model = LlamaForCausalLM(spec.model_config, tp).to(dtype=spec.dtype)
+    model = LlamaForCausalLM(spec.model_config, tp, quantized).to(dtype=spec.dtype)
     model.load_weights(weights)
     model.eval()
     device = torch.device(spec.device)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.kernels.quant_formats import QuantWeight
+
 
 @dataclass(frozen=True)
 class TensorLayout:
@@ -31,6 +33,17 @@ class TensorLayout:
         for d in self.shape:
             n *= d
         return n
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """Where one GGUF-quantised weight (``QuantWeight``) lies in a shared buffer: its packed
+    bytes (uint8, 1-D) and what they are (picklable, sent to the worker)."""
+
+    format: str
+    n: int
+    k: int
+    data: TensorLayout
 
 
 class SharedBuffer:
@@ -75,6 +88,10 @@ class SharedBuffer:
         if end > self.nbytes:
             raise ValueError(f"tensor at {layout.offset}..{end} lies past the buffer's end")
         return self._bytes[layout.offset : end].view(layout.dtype).view(layout.shape)
+
+    def quant_weight(self, layout: QuantLayout) -> QuantWeight:
+        """The quantised weight at ``layout``: its bytes a view of the shared memory."""
+        return QuantWeight(layout.format, layout.n, layout.k, self.tensor(layout.data))
 
     def close(self) -> None:
         """Closes the descriptor; the mapping stays valid while tensors view it."""

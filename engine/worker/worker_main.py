@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -38,7 +38,7 @@ from baton.engine.worker.build import RunnerSpec, build_runner
 from baton.engine.worker.cpu_threads import ThreadGovernor, ThreadState, read_cpu
 from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.worker.runner_values import ForwardOutput
-from baton.engine.worker.shared_memory import SharedBuffer, TensorLayout
+from baton.engine.worker.shared_memory import QuantLayout, SharedBuffer, TensorLayout
 from baton.engine.worker.step_broadcast import BroadcastLayout, StepReader
 from baton.engine.worker.tp_runner import join_group
 
@@ -60,6 +60,8 @@ class WorkerInit:
     rank: int = 0
     store_port: int = 0
     broadcast: BroadcastLayout | None = None
+    # GGUF-quantised linears (spec.quantization "gguf"), in the weights' buffer too.
+    quantized: dict[str, QuantLayout] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ def serve(conn: Connection) -> int:
             torch.set_num_threads(init.spec.num_threads)
         weights_mem = SharedBuffer(init.weights_fd, init.weights_nbytes)
         weights = {name: weights_mem.tensor(lay) for name, lay in init.weights.items()}
+        quantized = {name: weights_mem.quant_weight(q) for name, q in init.quantized.items()}
         io = SharedBuffer(init.io_fd, init.io_nbytes)
         bitmasks, sampled = io.tensor(init.bitmasks), io.tensor(init.sampled)
         tp = None
@@ -105,10 +108,10 @@ def serve(conn: Connection) -> int:
             tp = join_group(init.rank, size, init.store_port, init.spec.device)
             if init.broadcast is not None:
                 reader = StepReader(init.broadcast, init.rank)
-        runner = build_runner(init.spec, weights, tp)
+        runner = build_runner(init.spec, weights, tp, quantized)
         weights_mem.close()
         io.close()
-        del weights
+        del weights, quantized
         freeze_startup_heap()  # this process's step loop runs for its whole life
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(("error", traceback.format_exc()))

@@ -1,0 +1,126 @@
+"""Weight quantisations side by side on a GGUF model: ``quantization`` None (dequantised at
+load, packed for oneDNN), "gguf" (the file's blocks kept, ``kernels/quant_linear.py``) and
+"int8" (``aten._weight_int8pack_mm``), in float32 and bfloat16.
+
+Each configuration runs in a fresh interpreter (so its peak RSS is its own), one torch
+thread, the in-process executor, configurations interleaved and their order reversed every
+other repeat: the engine's start time (load, build, pack or repack), greedy decode tok/s at
+batch 1 and at batch 16 (``--steps`` tokens per request, after a warm-up), the peak RSS
+(``ru_maxrss``) and the RSS after the imports, and the load average when it started. Writes
+JSON.
+
+    baton bench gguf_decode [--model PATH] [--steps 32] [--repeats 2]
+        [--configs bfloat16:none,bfloat16:gguf,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from baton.bench.common import add_common_args, run_order, write_results
+
+DEFAULT_CONFIGS = tuple(
+    f"{d}:{q}" for d in ("bfloat16", "float32") for q in ("none", "gguf", "int8")
+)
+BATCHES = (1, 16)
+
+# Run in a fresh interpreter per configuration: argv is model (or ""), dtype, quantization,
+# steps; the last line of stdout is the result as JSON.
+_CHILD = r"""
+import json, resource, sys, time
+import torch
+torch.set_num_threads(1)
+from baton.engine import LLM, SamplingParams
+import baton.kernels.quant_linear, baton.engine.loader.gguf_quant  # in the RSS baseline
+rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+model, dtype, quant, steps = sys.argv[1] or None, sys.argv[2], sys.argv[3], int(sys.argv[4])
+t0 = time.perf_counter()
+llm = LLM(model, dtype=getattr(torch, dtype), quantization=None if quant == "none" else quant,
+          executor="uni", adapt_cpu_threads=False, max_num_seqs=16, num_kv_blocks=256)
+out = {"start_s": time.perf_counter() - t0, "rss_imports_mib": rss_imports}
+prompts = [f"Item {i} of the list is" for i in range(16)]
+params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+llm.generate(prompts[:2], params(4), use_tqdm=False)  # warm-up (the kernel's first call)
+for batch in BATCHES:
+    t = time.perf_counter()
+    res = llm.generate(prompts[:batch], params(steps), use_tqdm=False)
+    tokens = sum(len(r.outputs[0].token_ids) for r in res)
+    out[f"b{batch}_tok_s"] = tokens / (time.perf_counter() - t)
+out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+out["quantization"] = llm.engine.stats()["quantization"]
+llm.shutdown()
+print(json.dumps(out))
+""".replace("BATCHES", repr(BATCHES))
+
+
+def run_config(model: str | None, dtype: str, quantization: str, steps: int) -> dict[str, Any]:
+    """One configuration in a fresh interpreter with one OpenMP thread; its measurements.
+
+    Raises:
+        RuntimeError: the child failed (its stderr's end in the message).
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-c", _CHILD, model or "", dtype, quantization, str(steps)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        # From the traceback on: what the interpreter prints at exit may follow it.
+        err = proc.stderr[proc.stderr.rfind("Traceback") :][:3000]
+        raise RuntimeError(f"{dtype}/{quantization} failed: {err}")
+    return json.loads(lines[-1])
+
+
+def _table(rows: dict[str, list[dict[str, Any]]]) -> str:
+    lines = [
+        "| dtype:quantization | start s (min) | b1 tok/s (best) | b16 tok/s (best) | "
+        "peak RSS MiB (after imports) | load avg |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, rs in rows.items():
+        lines.append(
+            f"| {name} | {min(r['start_s'] for r in rs):.2f} | "
+            f"{max(r['b1_tok_s'] for r in rs):.1f} | {max(r['b16_tok_s'] for r in rs):.1f} | "
+            f"{max(r['peak_rss_mib'] for r in rs):.0f} "
+            f"({max(r['rss_imports_mib'] for r in rs):.0f}) | "
+            + ", ".join(f"{r['load_avg']:.1f}" for r in rs)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Runs the comparison, prints each result and a table, writes the JSON."""
+    parser = argparse.ArgumentParser(prog="baton bench gguf_decode", description=__doc__)
+    add_common_args(parser, "gguf_decode", dtype=None)
+    parser.add_argument("--steps", type=int, default=32, help="tokens per request")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="dtype:quant,...")
+    args = parser.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    rows: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    for repeat in range(args.repeats):
+        for config in run_order(configs, repeat):
+            dtype, quantization = config.split(":")
+            load_avg = os.getloadavg()[0]
+            result = {**run_config(args.model, dtype, quantization, args.steps)}
+            result["load_avg"] = load_avg
+            rows[config].append(result)
+            print(repeat, config, json.dumps(result), flush=True)
+    print(_table(rows))
+    write_results(
+        {"configs": rows, "steps": args.steps, "model": args.model or "default"},
+        Path(args.out),
+        None,
+        torch_threads=1,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""A GGUF file's block-quantised linear weights kept in their blocks (``quantization="gguf"``).
+
+Each linear weight of a type the kernel multiplies (``kernels/quant_formats.FORMATS``) is
+taken as raw block bytes from the memory map (``[rows, row_bytes]``), its q/k rows put back in
+Hugging Face order (llama.cpp's permutation moves whole rows), the parts of a fused projection
+concatenated row-wise when they share a type, and repacked for the kernel: never a float copy.
+Everything else (norms, the embedding for lookups, biases, linears of other types) is left to
+the dense loader.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from baton.engine.loader.errors import ModelLoadError
+from baton.engine.loader.gguf import qk_heads, unpermute_qk
+from baton.engine.loader.gguf_reader import GGUFTensor
+from baton.engine.models.config import ModelConfig
+from baton.engine.models.gguf_linear import LM_HEAD, PROJECTIONS, type_counts
+from baton.kernels.quant_formats import FORMATS, QuantWeight, repack
+
+logger = logging.getLogger(__name__)
+
+# Unquantised types: a linear stored so is loaded dense as it always was, without a warning.
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+_EMBEDDING = "model.embed_tokens.weight"
+
+
+def _raw_rows(path: Path, tensor: GGUFTensor, config: ModelConfig) -> np.ndarray:
+    """``tensor``'s block bytes ``[rows, row_bytes]`` (a view of the map), q/k rows unpermuted
+    (then a copy)."""
+    raw = tensor.data
+    rows = tensor.shape[-1]  # GGUF lists dims fastest-first
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[0] != rows:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) is not a 2-D weight of "
+            f"whole blocks per row: its data is {raw.dtype} {raw.shape}"
+        )
+    heads = qk_heads(path, config, tensor.name, rows)
+    return raw if heads is None else unpermute_qk(raw, heads)
+
+
+def _repack(path: Path, raw: np.ndarray, kind: str, name: str) -> QuantWeight:
+    try:
+        return repack(raw, kind)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: cannot repack {name} ({kind}): {exc}") from exc
+
+
+def _dense_bytes(tensors: list[GGUFTensor], dtype: torch.dtype) -> int:
+    element = torch.tensor([], dtype=dtype).element_size()
+    return sum(int(np.prod(t.shape)) * element for t in tensors)
+
+
+def _keep_group(
+    path: Path, config: ModelConfig, name: str, parts: dict[str, GGUFTensor]
+) -> dict[str, QuantWeight]:
+    """A projection's parts (HF name -> tensor, in row order) as kernel weights: one fused
+    weight ``name`` when they share a type, else one per part."""
+    kinds = {t.tensor_type.name for t in parts.values()}
+    raws = {hf: _raw_rows(path, t, config) for hf, t in parts.items()}
+    if len(kinds) == 1:
+        raw = next(iter(raws.values())) if len(raws) == 1 else np.concatenate(list(raws.values()))
+        return {name: _repack(path, raw, kinds.pop(), name)}
+    return {hf: _repack(path, raws[hf], t.tensor_type.name, hf) for hf, t in parts.items()}
+
+
+def keep_quantized(
+    path: Path, tensors: Mapping[str, GGUFTensor], config: ModelConfig, dtype: torch.dtype
+) -> tuple[dict[str, QuantWeight], frozenset[str]]:
+    """The linear weights of ``tensors`` (by Hugging Face name) kept quantised, named as
+    ``models/gguf_linear.py`` says, and the Hugging Face names the dense loader must skip.
+
+    A projection is kept when all its parts have a kernel type; one with a part of another
+    quantised type is dequantised whole (logged as a warning naming the type and the memory it
+    takes in ``dtype``). The LM head (``output.weight``, or the embedding when tied) is kept
+    when its type has a kernel; a tied embedding stays dense for lookups too. Logs what was
+    kept. Missing tensors are left for the checkpoint's check to report.
+
+    Raises:
+        ModelLoadError: no linear weight has a kernel type (naming the types found), or a
+            tensor's blocks cannot be repacked.
+    """
+    quantized: dict[str, QuantWeight] = {}
+    skip: set[str] = set()
+    fallback: list[tuple[str, list[GGUFTensor]]] = []
+    groups = [
+        (f"model.layers.{i}.{fused}", f"model.layers.{i}.", parts)
+        for i in range(config.num_layers)
+        for fused, parts in PROJECTIONS
+    ]
+    for name, prefix, parts in groups:
+        group = {prefix + p: tensors[prefix + p] for p in parts if prefix + p in tensors}
+        if len(group) != len(parts):
+            continue  # reported as missing by the checkpoint's check
+        kinds = {t.tensor_type.name for t in group.values()}
+        if kinds <= FORMATS.keys():
+            quantized.update(_keep_group(path, config, name, group))
+            skip.update(group)
+        elif not kinds <= _FLOAT_TYPES:
+            fallback.append((name, list(group.values())))
+    head_name = LM_HEAD if LM_HEAD in tensors else _EMBEDDING
+    head = tensors.get(head_name)
+    if head is not None and head.tensor_type.name in FORMATS:
+        quantized[LM_HEAD] = _repack(
+            path, _raw_rows(path, head, config), head.tensor_type.name, LM_HEAD
+        )
+        if head_name == LM_HEAD:
+            skip.add(LM_HEAD)  # a tied head's embedding is still loaded, for lookups
+    elif head is not None and head.tensor_type.name not in _FLOAT_TYPES:
+        fallback.append((f"the LM head ({head.name})", [head]))
+    if not quantized:
+        linear_types = sorted(
+            {
+                tensors[pre + p].tensor_type.name
+                for _, pre, ps in groups
+                for p in ps
+                if pre + p in tensors
+            }
+        )
+        raise ModelLoadError(
+            f"{path}: quantization='gguf' keeps linear weights of the types "
+            f"{', '.join(FORMATS)} quantised, but this file's linear weights are "
+            f"{', '.join(linear_types) or 'absent'}; use quantization=None to load it dequantised"
+        )
+    _log(path, quantized, fallback, tensors.get(_EMBEDDING), dtype)
+    return quantized, frozenset(skip)
+
+
+def _log(
+    path: Path,
+    quantized: dict[str, QuantWeight],
+    fallback: list[tuple[str, list[GGUFTensor]]],
+    embedding: GGUFTensor | None,
+    dtype: torch.dtype,
+) -> None:
+    dtype_name = str(dtype).removeprefix("torch.")
+    for name, group in fallback:
+        kinds = ", ".join(sorted({t.tensor_type.name for t in group}))
+        logger.warning(
+            "%s: %s has type %s, which the quantised kernel does not multiply (it takes %s); "
+            "dequantised to %s instead: %.1f MiB",
+            path,
+            name,
+            kinds,
+            ", ".join(FORMATS),
+            dtype_name,
+            _dense_bytes(group, dtype) / 2**20,
+        )
+    counts = ", ".join(f"{k} x{v}" for k, v in type_counts(quantized).items())
+    logger.info(
+        "%s: %d linear weights kept quantised (%s): %.1f MiB; the embedding is dense in %s for "
+        "lookups: %.1f MiB",
+        path,
+        len(quantized),
+        counts,
+        sum(w.nbytes for w in quantized.values()) / 2**20,
+        dtype_name,
+        0.0 if embedding is None else _dense_bytes([embedding], dtype) / 2**20,
+    )

@@ -1,0 +1,329 @@
+"""``quantization="gguf"``: a GGUF file's block-quantised linears kept in their blocks and
+multiplied by ``kernels/quant_linear.py`` (``loader/gguf_quant.py``, ``models/gguf_linear.py``).
+
+The tiny Llama of ``conftest`` (hidden 64, MLP 128: whole 32-weight blocks) is written with
+its linears in Q8_0, Q4_0 or Q4_1 and its embedding (the tied LM head) in Q8_0, then loaded
+both ways: kept quantised, and dequantised to float32 (``quantization=None``). The kernel's
+weights are bit-identical to gguf's dequantisation (``tests/test_kernels_quant_linear.py``),
+so the two models differ only in the float32 summation order of each dot product.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from pathlib import Path
+
+import gguf.quants
+import pytest
+import torch
+from conftest import gguf_from_hf_dir, mini_tokenizer_metadata
+
+from baton.engine import LLM, SamplingParams
+from baton.engine.config import EngineConfig
+from baton.engine.loader import ModelLoadError, ShardSpec, load_checkpoint
+from baton.engine.models.attention import AttentionMetadata
+from baton.engine.models.gguf_linear import PROJECTIONS
+from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.worker.build import add_cpu_kernels
+from baton.kernels.quant_formats import QuantWeight, dequantize
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="the kernel is built for x86-64 only"
+)
+
+KINDS = ("Q8_0", "Q4_0", "Q4_1")
+BLOCK = 4
+LAYERS = 2  # conftest.TINY_SHAPE
+# Token ids of the mini tokenizer (262 tokens), so no text has to be encoded.
+PROMPTS = [[40, 72, 101, 108, 108, 111], [84, 104, 101, 32, 99, 97, 116], [49, 50, 51]]
+
+
+def _linear_type(kind: str) -> object:
+    def tensor_type(name: str) -> str:
+        if name.endswith("norm.weight"):
+            return "F32"
+        return "Q8_0" if name == "token_embd.weight" else kind
+
+    return tensor_type
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def quant_gguf(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny Llama with every linear in ``request.param`` and its embedding in Q8_0."""
+    path = tmp_path_factory.mktemp("gguf_quant") / f"tiny-{request.param}.gguf"
+    return gguf_from_hf_dir(
+        tiny_model_dir, path, mini_tokenizer_metadata(), _linear_type(request.param)
+    )
+
+
+def _model(path: Path, dtype: torch.dtype, keep: bool) -> LlamaForCausalLM:
+    ckpt = load_checkpoint(path, dtype, keep_quantized=keep)
+    model = LlamaForCausalLM(ckpt.config, quantized=ckpt.quantized).to(dtype)
+    model.load_weights(ckpt.weights)
+    add_cpu_kernels(model, "gguf" if keep else None)
+    return model.eval()
+
+
+def test_kept_blocks_dequantise_to_the_dense_loaders_weights(quant_gguf: Path) -> None:
+    """Raw rows unpermuted (q/k) and concatenated (q|k|v, gate|up) give the very weights the
+    dequantising loader gives, bit for bit; the dense checkpoint holds none of them."""
+    dense = load_checkpoint(quant_gguf, torch.float32)
+    kept = load_checkpoint(quant_gguf, torch.float32, keep_quantized=True)
+    expected = {f"model.layers.{i}.{fused}" for i in range(LAYERS) for fused, _ in PROJECTIONS}
+    assert set(kept.quantized) == expected | {"lm_head.weight"}
+    assert set(kept.weights) == {
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        *(
+            f"model.layers.{i}.{n}_layernorm.weight"
+            for i in range(2)
+            for n in ("input", "post_attention")
+        ),
+    }
+    for i in range(LAYERS):
+        for fused, parts in PROJECTIONS:
+            weight = kept.quantized[f"model.layers.{i}.{fused}"]
+            want = torch.cat([dense.weights[f"model.layers.{i}.{p}"] for p in parts])
+            assert torch.equal(dequantize(weight), want), fused
+    head = kept.quantized["lm_head.weight"]
+    assert head.format == "Q8_0"
+    assert torch.equal(dequantize(head), dense.weights["model.embed_tokens.weight"])
+    assert torch.equal(
+        kept.weights["model.embed_tokens.weight"], dense.weights["model.embed_tokens.weight"]
+    )
+
+
+def test_only_norms_and_embedding_are_dequantised(
+    quant_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No linear weight is ever decoded to floats at load, and the model holds no dense
+    projection or LM head: only the embedding (for lookups) and the norms."""
+    decoded: list[tuple[int, ...]] = []
+    real = gguf.quants.dequantize
+
+    def spy(data, kind):  # noqa: ANN001, ANN202 - gguf's signature
+        out = real(data, kind)
+        decoded.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(gguf.quants, "dequantize", spy)
+    model = _model(quant_gguf, torch.float32, keep=True)
+    vocab = model.config.vocab_size
+    # The norms, then the embedding (decoded a chunk of rows at a time): nothing else.
+    assert sorted(shape for shape in decoded if len(shape) == 1) == [(64,)] * (2 * LAYERS + 1)
+    tables = [shape for shape in decoded if len(shape) == 2]
+    assert {cols for _, cols in tables} == {64} and sum(rows for rows, _ in tables) == vocab
+    assert len(decoded) == 2 * LAYERS + 1 + len(tables)
+    for layer in model.layers:
+        assert layer.quant is not None and all(q is not None for q in layer.quant)
+        assert all(lin.weight.numel() == 0 for lin in layer._linears)
+    assert isinstance(model.lm_head_quant, QuantWeight) and model.lm_head is None
+    big = {n: tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2}
+    assert big == {"embed_tokens.weight": (vocab, 64)}
+
+
+def _decode_logits(model: LlamaForCausalLM, prompt: list[int], steps: int) -> torch.Tensor:
+    """Prefill then ``steps`` greedy one-token decodes; every step's logits."""
+    n = len(prompt)
+    blocks = torch.tensor([list(range(1, 9))])
+    dtype = model.embed_tokens.weight.dtype
+    kv = allocate_kv_cache(model.config, 9, BLOCK, dtype)
+    meta = AttentionMetadata.build(torch.tensor([n]), torch.tensor([n]), blocks, BLOCK)
+    with torch.no_grad():
+        rows = [model.compute_logits(model(torch.tensor(prompt), torch.arange(n), kv, meta))[-1]]
+        for i in range(steps):
+            tok = rows[-1].argmax().view(1)
+            meta = AttentionMetadata.build(
+                torch.tensor([1]), torch.tensor([n + i + 1]), blocks, BLOCK
+            )
+            rows.append(model.compute_logits(model(tok, torch.tensor([n + i]), kv, meta))[0])
+    return torch.stack(rows)
+
+
+def test_quantised_logits_equal_the_dequantised_models_up_to_summation_order(
+    quant_gguf: Path,
+) -> None:
+    """float32: the same weights, another summation order per dot product (the kernel's 16
+    lanes against oneDNN's), so the logits agree to a few float32 ulps of the sums involved:
+    measured at most 5.4e-7 of the logits' range (2026-12-06), bounded here by 1e-4 of it;
+    the greedy tokens are the same."""
+    ref = _decode_logits(_model(quant_gguf, torch.float32, keep=False), PROMPTS[0], 6)
+    out = _decode_logits(_model(quant_gguf, torch.float32, keep=True), PROMPTS[0], 6)
+    scale = ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= 1e-4 * scale
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+def _generate(path: Path, **engine_args: object) -> list[list[int]]:
+    llm = LLM(str(path), dtype=torch.float32, num_kv_blocks=64, **engine_args)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    if engine_args.get("quantization") == "gguf":
+        kind = path.stem.removeprefix("tiny-")  # 8 projections in it, the LM head in Q8_0
+        want = {"Q8_0": 9} if kind == "Q8_0" else {kind: 8, "Q8_0": 1}
+        assert stats["quantization"] == "gguf"
+        assert stats["quantized_weights"] == ",".join(f"{k}={v}" for k, v in sorted(want.items()))
+    else:
+        assert stats["quantization"] == "none" and "quantized_weights" not in stats
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_engine_greedy_tokens_equal_dequantised_and_worker_process(quant_gguf: Path) -> None:
+    """The same greedy tokens with the linears kept quantised, in this process and in the
+    worker process (the quantised weights shared with it), as with them dequantised."""
+    dense = _generate(quant_gguf, executor="uni")
+    assert _generate(quant_gguf, executor="uni", quantization="gguf") == dense
+    assert _generate(quant_gguf, executor="mp", quantization="gguf") == dense
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch(
+    quant_gguf: Path, dtype: torch.dtype
+) -> None:
+    """The quantised projections and LM head compute a row the same whatever the other rows
+    (each linear alone), and so does a whole decode step of sequences of equal length (one new
+    token each): a row of the batch equals that sequence decoded alone, bit for bit."""
+    model = _model(quant_gguf, dtype, keep=True)
+    gen = torch.Generator().manual_seed(8)
+    layer = model.layers[0]
+    with torch.no_grad():
+        for rows in (2, 5, 16, 33):
+            for i, width in enumerate((64, 64, 64, 128)):  # in_features of qkv, o, gate_up, down
+                x = torch.randn(rows, width, generator=gen).to(dtype)
+                batch = layer._project(i, x)
+                for r in (0, rows // 2, rows - 1):
+                    assert torch.equal(layer._project(i, x[r : r + 1].clone())[0], batch[r])
+            hidden = torch.randn(rows, 64, generator=gen).to(dtype)
+            batch = model.compute_logits(hidden)
+            for r in (0, rows - 1):
+                assert torch.equal(model.compute_logits(hidden[r : r + 1].clone())[0], batch[r])
+    n, seqs = 6, 4
+    prompts = torch.randint(0, 262, (seqs, n + 1), generator=gen)
+    tables = torch.tensor([[1 + 2 * s, 2 + 2 * s] for s in range(seqs)])
+
+    def decode(which: list[int]) -> torch.Tensor:
+        kv = allocate_kv_cache(model.config, 1 + 2 * seqs, BLOCK, dtype)
+        with torch.no_grad():
+            for s in which:  # each prompt's first n tokens into its own blocks
+                meta = AttentionMetadata.build(
+                    torch.tensor([n]), torch.tensor([n]), tables[s : s + 1], BLOCK
+                )
+                model(prompts[s, :n], torch.arange(n), kv, meta)
+            k = len(which)
+            meta = AttentionMetadata.build(
+                torch.ones(k, dtype=torch.long), torch.full((k,), n + 1), tables[which], BLOCK
+            )
+            ids, pos = prompts[which, n], torch.full((k,), n)
+            return model.compute_logits(model(ids, pos, kv, meta))
+
+    batch = decode(list(range(seqs)))
+    for s in range(seqs):
+        assert torch.equal(decode([s])[0], batch[s]), s
+
+
+def test_a_projection_of_another_quantised_type_is_dequantised_with_a_warning(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Q5_0 has no kernel: that projection (gate|up of layer 1, one part Q5_0) is loaded dense
+    and named in a warning with its memory; the rest stays quantised and the model runs."""
+
+    def tensor_type(name: str) -> str:
+        if name == "blk.1.ffn_up.weight":
+            return "Q5_0"
+        return _linear_type("Q4_0")(name)  # type: ignore[operator]
+
+    path = gguf_from_hf_dir(
+        tiny_model_dir, tmp_path / "mixed.gguf", mini_tokenizer_metadata(), tensor_type
+    )
+    with caplog.at_level(logging.WARNING, logger="baton.engine.loader.gguf_quant"):
+        kept = load_checkpoint(path, torch.float32, keep_quantized=True)
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "model.layers.1.mlp.gate_up_proj.weight has type Q4_0, Q5_0" in warning
+    assert "dequantised to float32 instead: 0.1 MiB" in warning  # 2 x 128 x 64 x 4 bytes
+    assert "model.layers.1.mlp.gate_up_proj.weight" not in kept.quantized
+    assert "model.layers.1.mlp.up_proj.weight" in kept.weights
+    assert len(kept.quantized) == 4 * LAYERS  # 7 projections and the LM head
+    model = _model(path, torch.float32, keep=True)
+    assert model.layers[1].quant[2] is None and model.layers[1].gate_up_proj.weight.shape == (
+        256,
+        64,
+    )
+    ref = _decode_logits(_model(path, torch.float32, keep=False), PROMPTS[1], 3)
+    out = _decode_logits(model, PROMPTS[1], 3)
+    assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_bad_inputs_are_clear_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    meta = mini_tokenizer_metadata()
+    quant_gguf = gguf_from_hf_dir(tiny_model_dir, tmp_path / "q8.gguf", meta, _linear_type("Q8_0"))
+    with pytest.raises(ModelLoadError, match="quantization='gguf'.*not a .gguf file"):
+        load_checkpoint(tiny_model_dir, keep_quantized=True)
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        LLM(str(tiny_model_dir), quantization="gguf", dtype=torch.float32)
+    f32 = gguf_from_hf_dir(tiny_model_dir, tmp_path / "f32.gguf", mini_tokenizer_metadata())
+    with pytest.raises(
+        ModelLoadError, match="this file's linear weights are F32; use quantization=None"
+    ):
+        load_checkpoint(f32, keep_quantized=True)
+    with pytest.raises(ModelLoadError, match="cannot be cut into 2 shards"):
+        load_checkpoint(quant_gguf, shard=ShardSpec(0, 2), keep_quantized=True)
+    # A device other than the CPU that exists here: the simulated GPU.
+    with pytest.raises(ValueError, match="quantization='gguf' needs device='cpu'.*'sim:h200'"):
+        EngineConfig(model=str(quant_gguf), device="sim:h200", quantization="gguf")
+    with pytest.raises(ValueError, match="quantization='gguf' runs on one rank.*size=2"):
+        LLM(str(quant_gguf), quantization="gguf", tensor_parallel_size=2)
+    dense = load_checkpoint(quant_gguf, torch.float32)
+    model = LlamaForCausalLM(dense.config)
+    model.load_weights(dense.weights)
+    with pytest.raises(ValueError, match="needs the checkpoint's quantised weights"):
+        add_cpu_kernels(model, "gguf")
+    quant = _model(quant_gguf, torch.float32, keep=True)
+    with pytest.raises(ValueError, match="GGUF-quantised; int8 needs dense ones"):
+        quant.quantize_int8()
+    with pytest.raises(ValueError, match="GGUF-quantised; packing needs dense ones"):
+        quant.pack_weights()
+
+
+def test_bench_gguf_decode_runs_a_config_in_a_fresh_process(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from baton.bench.gguf_decode import run_config
+
+    path = gguf_from_hf_dir(
+        tiny_model_dir, tmp_path / "q4.gguf", mini_tokenizer_metadata(), _linear_type("Q4_0")
+    )
+    result = run_config(str(path), "float32", "gguf", 2)
+    assert result["quantization"] == "gguf"
+    assert result["b1_tok_s"] > 0 and result["b16_tok_s"] > 0
+    assert result["peak_rss_mib"] >= result["rss_imports_mib"] > 0
+    with pytest.raises(RuntimeError, match="(?s)float32/gguf failed:.*not a .gguf file"):
+        run_config(str(tiny_model_dir), "float32", "gguf", 2)
+
+
+def test_qwen2_bias_and_untied_head_through_the_kernel(tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    """Qwen2: q/k/v biases added after the kernel, q/k not permuted, and an untied LM head
+    (output.weight) kept quantised with no dense copy."""
+    path = gguf_from_hf_dir(
+        tiny_qwen_dir, tmp_path / "qwen2.gguf", mini_tokenizer_metadata(), _linear_type("Q8_0")
+    )
+    kept = load_checkpoint(path, torch.float32, keep_quantized=True)
+    assert kept.config.attention_bias and not kept.config.tie_word_embeddings
+    assert "lm_head.weight" in kept.quantized and "lm_head.weight" not in kept.weights
+    assert "model.layers.0.self_attn.q_proj.bias" in kept.weights
+    model = _model(path, torch.float32, keep=True)
+    assert model.lm_head is not None and model.lm_head.weight.numel() == 0
+    assert model.layers[0].qkv_proj.bias.abs().sum() > 0
+    ref = _decode_logits(_model(path, torch.float32, keep=False), PROMPTS[2], 4)
+    out = _decode_logits(model, PROMPTS[2], 4)
+    assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
