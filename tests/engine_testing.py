@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from baton.engine import SamplingParams
+from baton.engine.models import llama as llama_module
+from baton.engine.models.quant import Int8Weight
 from baton.engine.processing.llm_engine import LLMEngine
 
 
@@ -28,3 +33,17 @@ def run_to_end(
                 final[out.request_id] = (c.token_ids, "abort", c.text, None)
                 del abort[out.request_id]
     return final
+
+
+def spy_int8_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of every ``int8_linear`` call the model makes from now on (in this
+    process: an in-process executor's model)."""
+    rows: list[int] = []
+    real = llama_module.int8_linear
+
+    def spy(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None):
+        rows.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(llama_module, "int8_linear", spy)
+    return rows

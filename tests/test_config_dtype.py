@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REAL_AUTO_DTYPE
+from engine_testing import spy_int8_rows
 
 import baton.engine.config as config_module
 from baton.engine import LLM, SamplingParams
@@ -21,8 +22,6 @@ from baton.engine.entrypoints.args import (
     config_from_args,
     engine_config,
 )
-from baton.engine.models import llama as llama_module
-from baton.engine.models.quant import Int8Weight
 
 
 def _cpu_has_native_bf16() -> bool:
@@ -147,14 +146,7 @@ def test_int8_engine_runs_every_step_on_int8_weights(
             assert layer.int8 is not None and layer.packed is None
             assert all(lin.weight.numel() == 0 for lin in layer._linears)  # no dense copies
         assert model.lm_head_int8 is not None and model.lm_head_packed is None
-        rows: list[int] = []
-        real = llama_module.int8_linear
-
-        def spy(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None):
-            rows.append(x.shape[0])
-            return real(x, weight, bias)
-
-        monkeypatch.setattr(llama_module, "int8_linear", spy)
+        rows = spy_int8_rows(monkeypatch)
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         # Every step's forward: 4 int8 projections per layer and the int8 LM head.
         per_step = 4 * len(model.layers) + 1

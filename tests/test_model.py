@@ -7,15 +7,15 @@ import dataclasses
 
 import pytest
 import torch
+from engine_testing import spy_int8_rows
 from transformers import LlamaConfig, Qwen2Config
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import Qwen2ForCausalLM as HFQwen2
 
-from baton.engine.models import llama as llama_module
 from baton.engine.models.attention import AttentionMetadata, paged_attention
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
-from baton.engine.models.quant import Int8Weight, int8_linear, quantize_int8
+from baton.engine.models.quant import int8_linear, quantize_int8
 
 BLOCK = 4
 
@@ -245,19 +245,6 @@ def _decode_logits(model, prompt: torch.Tensor, steps: int, dtype: torch.dtype) 
     return torch.stack(rows)
 
 
-def _spy_int8_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The row counts of every ``int8_linear`` call the model makes from now on."""
-    rows: list[int] = []
-    real = llama_module.int8_linear
-
-    def spy(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None):
-        rows.append(x.shape[0])
-        return real(x, weight, bias)
-
-    monkeypatch.setattr(llama_module, "int8_linear", spy)
-    return rows
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_model_takes_int8_on_every_step_and_stays_near_dense(dtype, monkeypatch):
     _, dense = _tiny_pair()
@@ -273,7 +260,7 @@ def test_int8_model_takes_int8_on_every_step_and_stays_near_dense(dtype, monkeyp
     prompt = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = _decode_logits(dense, prompt, 6, dtype)
-        rows = _spy_int8_rows(monkeypatch)
+        rows = spy_int8_rows(monkeypatch)
         out = _decode_logits(quant, prompt, 6, dtype)
     # A 16-row prefill and 1-row decodes alike: 4 projections x 2 layers, then the LM head.
     per_step = len(quant.layers) * 4 + 1
