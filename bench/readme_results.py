@@ -34,7 +34,7 @@ from baton.bench.readme_tables import (
     tensor_parallel_table,
     throughput_table,
 )
-from baton.bench.sim_calibration import readme_table as sim_calibration_table
+from baton.bench.sim_calibration_report import readme_table as sim_calibration_table
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -251,3 +251,13 @@ def test_nonneg_lstsq_drops_what_would_be_negative():
     y = np.array([2.0, -1.0, 1.0])
     coef = sim_calibration.nonneg_lstsq(a, y)
     assert coef[1] == 0 and coef[0] == pytest.approx(1.5)
+
+
+def test_repeated_runs_keep_the_least_disturbed_engine_and_the_median_tpot():
+    runs = [
+        [{"step_cpu_ms": 3.0, "tpot_ms": 5.0}, {"step_cpu_ms": 1.0, "tpot_ms": 9.0}],
+        [{"step_cpu_ms": 2.0, "tpot_ms": 7.0}, {"step_cpu_ms": 4.0, "tpot_ms": 1.0}],
+        [{"step_cpu_ms": 5.0, "tpot_ms": 6.0}, {"step_cpu_ms": 6.0, "tpot_ms": 4.0}],
+    ]
+    assert [r["step_cpu_ms"] for r in sim_calibration.least_engine(runs)] == [2.0, 1.0]
+    assert [r["tpot_ms"] for r in sim_calibration.median_tpot(runs)] == [6.0, 4.0]
