@@ -74,13 +74,16 @@ def smollm2_workload(path: Path) -> Workload:
 _FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
-def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """[n, k] weights as random GGUF blocks with fp16 scales of a trained model's size."""
+def random_blocks(
+    fmt: str, n: int, k: int, rng: np.random.Generator, scale: float = 0.01
+) -> np.ndarray:
+    """[n, k] weights as random GGUF blocks: random quant and small-scale bytes, fp16 scales
+    drawn from N(0, ``scale``) (of either sign; 0.01 is a trained model's size)."""
     spec = FORMATS[fmt]
     nblocks = k // spec.block_weights
     blocks = rng.integers(0, 256, (n, nblocks, spec.block_bytes), dtype=np.uint8)
     for at in _FP16_FIELDS[fmt]:
-        scales = (rng.standard_normal((n, nblocks)) * 0.01).astype(np.float16)
+        scales = (rng.standard_normal((n, nblocks)) * scale).astype(np.float16)
         blocks[..., at : at + 2] = scales.view(np.uint8).reshape(n, nblocks, 2)
     return blocks.reshape(n, -1)
 

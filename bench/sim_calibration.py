@@ -422,15 +422,16 @@ def cmd_fit(a: argparse.Namespace) -> int:
         zero_path.write_text(json.dumps({"calibration": zero.to_json()}))
         runs = [run_cells(cells, a.model, str(zero_path), 1.0) for _ in range(a.runs)]
     sim = least_engine(runs)
-    recorded = json.loads(a.gpu_result.read_text()).get("env", {}).get("host_speed_s")
+    gpu = json.loads(a.gpu_result.read_text())
+    recorded = gpu.get("env", {}).get("host_speed_s")
     ratio = local / recorded if recorded else host_ratio(sim, cells, prof)
     values, targets = fit(cells, sim, ratio, prof)
     dev = device_figures(prof, _num_layers())
-    gpu_run = json.loads(a.gpu_result.read_text()).get("run", {})
+    gpu_run = gpu.get("run", {})
     calibration = RunnerCalibration(
         source=(
             f"{a.gpu_result.name} at {gpu_run.get('commit', '?')[:7]} "
-            f"({json.loads(a.gpu_result.read_text())['env'].get('device', '?')}), "
+            f"({gpu.get('env', {}).get('device', '?')}), "
             f"profile {a.profile_log.parent.name}"
         ),
         host_speed_s=local / ratio,

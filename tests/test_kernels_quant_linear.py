@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from baton.bench.quant_linear import random_blocks
 from baton.kernels.quant_formats import FORMATS, dequantize, dequantize_rows, repack
 from baton.kernels.quant_linear import (
     ISAS,
@@ -39,9 +40,6 @@ def _require(isa: str) -> None:
         pytest.skip(f"this CPU lacks the {isa} instructions the kernel's {isa} build needs")
 
 
-# Where each format's fp16 fields sit in a GGUF block (every other byte is quants or packed
-# small scales, any value valid).
-_FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
 # Formats gguf's numpy quantiser writes (it has no K-quant quantiser).
 _QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1")
 
@@ -56,16 +54,9 @@ def _quantized(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
 
 
 def _random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Hand-built blocks: random quant and small-scale bytes, random fp16 scales of either sign
-    (gguf's quantiser never writes, e.g., a negative Q4_0 d)."""
-    rng = np.random.default_rng(seed)
-    spec = FORMATS[fmt]
-    nblocks = k // spec.block_weights
-    blocks = rng.integers(0, 256, (n, nblocks, spec.block_bytes), dtype=np.uint8)
-    for at in _FP16_FIELDS[fmt]:
-        scales = (rng.standard_normal((n, nblocks)) * 0.05).astype(np.float16)
-        blocks[..., at : at + 2] = scales.view(np.uint8).reshape(n, nblocks, 2)
-    return blocks.reshape(n, -1)
+    """Hand-built blocks (``bench.quant_linear.random_blocks``): fp16 scales of either sign,
+    which gguf's quantiser never writes (e.g. a negative Q4_0 d)."""
+    return random_blocks(fmt, n, k, np.random.default_rng(seed), scale=0.05)
 
 
 def _shapes(fmt: str) -> list[tuple[int, int]]:
