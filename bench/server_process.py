@@ -83,6 +83,9 @@ class ServerProcess:
     """``baton serve`` in a subprocess of its own session (so that its model worker stops with
     it). A context manager: entering starts it, leaving stops it (errors and Ctrl-C too).
 
+    ``command`` replaces baton's command line with a peer server's (e.g. llama-server), which
+    must listen on ``port``; ``name`` is what its errors call it.
+
     Its output goes to ``log_path`` (kept) or to a temporary file; ``log_tail`` shows the end,
     and every start failure carries it.
     """
@@ -95,10 +98,18 @@ class ServerProcess:
         server_args: Sequence[str] = (),
         log_path: Path | None = None,
         port: int | None = None,
+        command: Sequence[str] | None = None,
+        name: str = "baton serve",
     ) -> None:
         self.port = port if port is not None else free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.command = serve_command(model, self.port, dtype, server_args)
+        # Another OpenAI-compatible server (a peer) may replace baton's command line.
+        self.command = (
+            list(command)
+            if command is not None
+            else serve_command(model, self.port, dtype, server_args)
+        )
+        self.name = name
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -156,7 +167,7 @@ class ServerProcess:
             code = self.proc.poll()
             if code is not None:
                 raise RuntimeError(
-                    f"baton serve exited with status {code} before it was healthy "
+                    f"{self.name} exited with status {code} before it was healthy "
                     f"(command: {' '.join(self.command)}); its log ends with:\n{self.log_tail()}"
                 )
             try:
@@ -166,7 +177,7 @@ class ServerProcess:
                 pass  # not listening yet
             if time.monotonic() - t0 > timeout_s:
                 raise RuntimeError(
-                    f"baton serve was not healthy within {timeout_s:g} s "
+                    f"{self.name} was not healthy within {timeout_s:g} s "
                     f"(command: {' '.join(self.command)}); its log ends with:\n{self.log_tail()}"
                 )
             time.sleep(0.1)

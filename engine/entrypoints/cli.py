@@ -100,6 +100,7 @@ BENCHMARKS = {
     "structured": "structured vs free time per output token",
     "serve": "load test of baton serve: concurrent clients, TTFT and TPOT",
     "peers": "the same JSON-schema workload on baton and its peers",
+    "serve_peers": "baton serve vs llama.cpp's llama-server over HTTP on the same GGUF",
     "soak": "reliability soak of baton serve: mixed, invalid and disconnecting clients",
     "tensor_parallel": "tensor parallel vs one worker: decode step time, collective share",
     "compile_burst": "every shared schema at once: failed requests and wall time of the burst",
