@@ -152,7 +152,8 @@ def server_for(engine: str, model: Path, cfg: ServePeersConfig) -> ServerProcess
     command = [str(build().server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     command += ["-t", str(cfg.threads), "-tb", str(cfg.threads), "--parallel", str(parallel)]
     # Each slot holds its prompt (~100 tokens) and its longest answer.
-    command += ["-c", str(parallel * (cfg.json_tokens + 256)), "--no-webui"]
+    # -lv 4: the log names the CPU variant loaded and the KV buffer reserved.
+    command += ["-c", str(parallel * (cfg.json_tokens + 256)), "--no-webui", "-lv", "4"]
     return ServerProcess(None, port=port, command=command, name="llama-server")
 
 
@@ -224,8 +225,8 @@ def run_engine(engine: str, model: Path, cfg: ServePeersConfig) -> dict[str, Any
         with PeakSampler(server.pid) as sampler:
             load_s = server.wait_healthy(cfg.startup_timeout_s)
             pss_loaded = tree_pss_bytes(server.pid)
+            log = server.log_tail(1_000_000)  # now: the load's lines, before requests add more
             cells = asyncio.run(_measure(server.base, cfg))
-        log = server.log_tail(200_000)
     return {
         "engine": engine,
         "command": server.command,

@@ -226,6 +226,18 @@ def test_batch_invariant(isa: str, fmt: str, dtype: torch.dtype, restore_threads
             assert torch.equal(out[at : at + 1], alone), f"{threads} threads, {others} others"
 
 
+def test_kernel_threads_follow_torch(restore_threads: None) -> None:
+    """The extension is built with OpenMP: its parallel loops use torch's intra-op threads
+    (built without, every call ran on one thread whatever torch.set_num_threads said)."""
+    from baton.kernels.quant_linear import _extension
+
+    ext = _extension()
+    torch.set_num_threads(1)
+    assert ext.parallel_threads_used(64) == 1
+    torch.set_num_threads(2)
+    assert ext.parallel_threads_used(64) == 2
+
+
 def test_strided_x_is_the_same_as_contiguous() -> None:
     weight = repack(_random_blocks("Q4_K", 9, 512, seed=8), "Q4_K")
     wide = torch.randn(5, 1024, generator=torch.Generator().manual_seed(8))

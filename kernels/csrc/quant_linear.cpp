@@ -300,6 +300,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format
   return y;
 }
 
+// How many of torch's intra-op threads an at::parallel_for of n one-item chunks ran on: the
+// build's check that this file was compiled with OpenMP (without it the loop runs serially).
+int64_t parallel_threads_used(int64_t n) {
+  std::vector<int> seen(at::get_num_threads(), 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  return std::count(seen.begin(), seen.end(), 1);
+}
+
 // quant_formats.repack's bytes, from raw GGUF blocks [n, row_bytes] (checked by the wrapper).
 at::Tensor repack(const at::Tensor& raw, int64_t format, int64_t n, int64_t k) {
   TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "unknown format ", format);
@@ -323,6 +331,8 @@ at::Tensor repack(const at::Tensor& raw, int64_t format, int64_t n, int64_t k) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ dequant(w)^T (see quant_linear.py)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("parallel_threads_used", &parallel_threads_used,
+        "threads an at::parallel_for over n items ran on (1 when built without OpenMP)");
   m.def("isa_supported", &isa_supported, "whether this CPU runs the instruction set code");
   m.def("repack", &repack, "GGUF blocks -> the kernel's layout (see quant_formats.py)",
         py::call_guard<py::gil_scoped_release>());
