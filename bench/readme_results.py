@@ -34,6 +34,7 @@ from baton.bench.readme_tables import (
     tensor_parallel_table,
     throughput_table,
 )
+from baton.bench.serve_peers_report import readme_table as serve_peers_table
 from baton.bench.sim_calibration_report import readme_table as sim_calibration_table
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -102,6 +103,18 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "Against other engines (JSON schema)",
         "baton bench peers",
         peers_table,
+    ),
+    (
+        "serve_peers_1b.json",
+        "Against llama.cpp's llama-server: 1B-shape Q4_K_M",
+        "baton bench serve_peers --shape llama-1b --type Q4_K_M",
+        serve_peers_table,
+    ),
+    (
+        "serve_peers_smollm2.json",
+        "Against llama.cpp's llama-server: SmolLM2-135M Q4_1",
+        "baton bench serve_peers",
+        serve_peers_table,
     ),
     ("spec.json", "Speculative decoding", "baton bench spec", spec_table),
     ("serve.json", "Serving over HTTP", "baton bench serve", serve_table),

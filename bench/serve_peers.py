@@ -140,9 +140,11 @@ class PeakSampler:
 def server_for(engine: str, model: Path, cfg: ServePeersConfig) -> ServerProcess:
     """The (not yet started) server of ``engine`` on ``model``."""
     if engine.startswith("baton"):
-        args = ["--quantization", "gguf"] if engine == "baton-gguf" else []
+        # A fixed thread count, as llama-server's -t: baton otherwise lowers its threads while
+        # other processes keep the CPUs busy (adapt_cpu_threads), and the CPUs it may use set it.
+        args = ["--no-adapt-cpu-threads"]
+        args += ["--quantization", "gguf"] if engine == "baton-gguf" else []
         server = ServerProcess(str(model), dtype="auto", server_args=args)
-        # baton takes its thread count from the CPUs it may use; pin it like llama-server's -t.
         server.command = ["taskset", "-c", f"0-{cfg.threads - 1}", *server.command]
         return server
     from baton.bench.llama_cpp_build import build
@@ -241,7 +243,7 @@ def run_engine(engine: str, model: Path, cfg: ServePeersConfig) -> dict[str, Any
 
 def run(cfg: ServePeersConfig, model: Path) -> dict[str, Any]:
     """Every engine of ``cfg`` on ``model``, one after another; the results and the ratios."""
-    engines = []
+    engines, load_start = [], os.getloadavg()[0]
     for engine in cfg.engines:
         print(f"{engine} on {model.name}", flush=True)
         engines.append(run_engine(engine, model, cfg))
@@ -251,6 +253,7 @@ def run(cfg: ServePeersConfig, model: Path) -> dict[str, Any]:
         "config": asdict(cfg),
         "engines": engines,
         "ratios": ratios(engines),
+        "load_avg": [load_start, os.getloadavg()[0]],
     }
 
 

@@ -150,3 +150,25 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"{Path(result['model']).name}, 2 threads each; {cpu}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def readme_table(d: dict[str, Any]) -> str:
+    """The README section's body: what ran, the tables, the goals."""
+    from baton.bench.readme_tables import goal_lines
+
+    run = d.get("run", {})
+    cfg = d["config"]
+    caption = (
+        f"`{Path(d['model']).name}` ({d['model_file_mib']:.0f} MiB), served over HTTP by each "
+        f"engine in turn with {cfg['threads']} threads, on {run.get('cpu', 'an unnamed CPU')} "
+        f"(commit {run.get('commit', '?')[:7]}; load average {d['load_avg'][0]:.1f} at the start, "
+        f"{d['load_avg'][1]:.1f} at the end). Greedy streaming chat requests: free ones ignore "
+        f"EOS and stop at "
+        f"{cfg['free_tokens']} tokens; JSON ones follow the benchmark's person schema through "
+        f"`response_format` (at most {cfg['json_tokens']} tokens); at least "
+        f"{cfg['min_requests']} requests per cell (and one per client). A random-weight model "
+        "measures weight-bound speed only, not output quality. llama-server's JSON is "
+        "pretty-printed (more tokens per object): compare objects/s. PSS counts pages shared "
+        "between an engine's processes once.\n\n"
+    )
+    return caption + table(d) + "\n\n" + "\n".join(goal_lines(d.get("goals") or []))

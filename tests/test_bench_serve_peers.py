@@ -14,7 +14,7 @@ from baton.bench.gguf_models import SHAPES, LlamaShape, write_random_gguf
 from baton.bench.llama_cpp_build import keep_variants, loaded_variant
 from baton.bench.serve import LevelRun, RequestRecord
 from baton.bench.serve_peers import ServePeersConfig, kv_cache_bytes, summarize, tree_pss_bytes
-from baton.bench.serve_peers_report import goals, ratios, table
+from baton.bench.serve_peers_report import goals, ratios, readme_table, table
 from baton.engine import LLM, SamplingParams
 
 CMAKELISTS = """\
@@ -122,7 +122,16 @@ def test_ratios_and_goals_against_the_peer() -> None:
         "engines": engines,
         "ratios": ratios(engines),
         "model_file_mib": 400.0,
-        "config": {"concurrency": [1, 8]},
+        "config": {
+            "concurrency": [1, 8],
+            "threads": 2,
+            "free_tokens": 64,
+            "json_tokens": 256,
+            "min_requests": 4,
+        },
+        "model": "/x/m.gguf",
+        "load_avg": [1.0, 1.5],
+        "run": {"cpu": "AMD EPYC (AVX512-BF16)", "commit": "abcdef123"},
     }
     by = {(r["mode"], r["concurrency"]): r for r in result["ratios"]}
     assert by[("free", 1)]["tok_per_s"] == pytest.approx(2.0)
@@ -135,6 +144,10 @@ def test_ratios_and_goals_against_the_peer() -> None:
         600 / 900
     )
     assert "| llama-server | 1.0 | 500 | 600 | 100 | zen4 |" in table(result)
+    result["goals"] = goals(result)
+    text = readme_table(result)
+    assert "`m.gguf` (400 MiB)" in text and "AMD EPYC (AVX512-BF16)" in text
+    assert "- MISSED: baton JSON c>=8 objects/s / llama-server >= 3: 2.00" in text
 
 
 def test_config_and_kv_size_errors_and_parsing() -> None:
