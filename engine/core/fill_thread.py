@@ -30,22 +30,29 @@ class PendingFills:
     def __init__(self, calls: Sequence[NativeFill]) -> None:
         self.calls = tuple(calls)
         self.errors: dict[int, BaseException] = {}
-        self._started = threading.Event()
-        self._done = threading.Event()
+        # Plain locks held until the moment they stand for, not Events: one PendingFills is
+        # made per step, and an Event (a Condition and its locks) costs several times as much
+        # to make, set and wait for.
+        self._started = threading.Lock()
+        self._started.acquire()
+        self._done = threading.Lock()
+        self._done.acquire()
 
     def wait(self) -> dict[int, BaseException]:
         """Blocks until every call has returned; the exception each failed call raised, by
         its index in the calls."""
-        self._done.wait()
+        with self._done:  # released for good by run(), so any number of waits return
+            pass
         return self.errors
 
     def wait_started(self) -> None:
         """Blocks until ``run`` has begun."""
-        self._started.wait()
+        with self._started:
+            pass
 
     def run(self) -> None:
         """Runs the calls in order on this thread, keeping each one's exception."""
-        self._started.set()
+        self._started.release()
         try:
             for i, call in enumerate(self.calls):
                 try:
@@ -53,7 +60,7 @@ class PendingFills:
                 except Exception as exc:  # noqa: BLE001 - returned by wait(); the caller falls back
                     self.errors[i] = exc
         finally:
-            self._done.set()
+            self._done.release()
 
 
 def run_fills(calls: Sequence[NativeFill]) -> PendingFills:
