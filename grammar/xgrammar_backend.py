@@ -139,16 +139,19 @@ class XGrammarMatcher(GrammarMatcher):
         return self._m
 
     def _accept(self, token: int) -> bool:
-        if self._terminated or self._backend.never_allowed(token):
+        backend = self._backend
+        if self._terminated or backend.never_allowed(token):
             return False
         if not self._m.accept_token(int(token)):
             return False
-        if token in self._backend.eos_token_ids:
+        if token in backend.eos_token_ids:
             self._terminated = bool(self._m.is_terminated())
         return True
 
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
         """Advances by all ``tokens``, or (when one is rejected) by none of them."""
+        if len(tokens) == 1:  # each step's token: nothing to roll back
+            return self._accept(tokens[0])
         for i, token in enumerate(tokens):
             if not self._accept(token):
                 if i:

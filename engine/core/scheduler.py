@@ -348,9 +348,12 @@ class Scheduler:
             )
             for r in new_reqs
         )
+        requests = self.requests
         cached = tuple(
-            CachedRequestData(rid, tuple(blocks), self.requests[rid].num_computed_tokens)
-            for rid, blocks in new_blocks.items()
+            [
+                CachedRequestData(rid, tuple(blocks), requests[rid].num_computed_tokens)
+                for rid, blocks in new_blocks.items()
+            ]
         )
         finished = frozenset(self._finished_ids) | {r.request_id for r in preempted}
         self._finished_ids.clear()
@@ -369,11 +372,17 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_sched.values()),
             finished_request_ids=finished,
             preempted_request_ids=frozenset(r.request_id for r in preempted),
+            # Request.num_tokens_with_placeholders inlined: once per request a step.
             structured_request_ids=frozenset(
-                rid
-                for rid, n in num_sched.items()
-                if (req := self.requests[rid]).structured is not None
-                and req.num_computed_tokens + n >= req.num_tokens_with_placeholders
+                [
+                    rid
+                    for rid, n in num_sched.items()
+                    if (req := requests[rid]).structured is not None
+                    and req.num_computed_tokens + n
+                    >= len(req.prompt_token_ids)
+                    + len(req.output_token_ids)
+                    + req.num_output_placeholders
+                ]
             ),
             scheduled_spec_decode_tokens=drafts or {},
             num_kept_blocks=kept,
@@ -397,13 +406,14 @@ class Scheduler:
         if verdicts is None:
             verdicts = self.advance_grammars(so, out)
         results: list[EngineCoreOutput] = []
+        requests, spec = self.requests, so.scheduled_spec_decode_tokens
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if not self._takes_delivery(req, so):
                 continue
             assert req is not None
             try:
-                num_drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
+                num_drafts = len(spec[rid]) if spec and rid in spec else 0
                 verdict = verdicts.get(rid)
                 applied = self._apply_tokens(req, tokens, out, num_drafts, verdict)
                 if applied is not None:
@@ -425,20 +435,21 @@ class Scheduler:
             return {}
         reqs: list[Request] = []
         toks: list[int] = []
+        requests, spec, errors = self.requests, so.scheduled_spec_decode_tokens, out.errors
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if (
                 len(tokens) == 1
                 and req is not None
                 and req.structured is not None
-                and rid not in so.scheduled_spec_decode_tokens
-                and rid not in out.errors
+                and rid not in spec
+                and rid not in errors
                 and self._takes_delivery(req, so)
             ):
                 reqs.append(req)
                 toks.append(tokens[0])
         results = self.structured.advance(reqs, toks)
-        return {req.request_id: v for req, v in zip(reqs, results, strict=True)}
+        return dict(zip([req.request_id for req in reqs], results, strict=True))
 
     @staticmethod
     def _takes_delivery(req: Request | None, so: SchedulerOutput) -> bool:
@@ -492,15 +503,20 @@ class Scheduler:
         finish = None if status is RequestStatus.RUNNING else status.finish_reason
         if finish is not None:
             self._remove_finished(req)
+        structured = req.structured
+        logprobs = out.logprobs.get(req.request_id) if out.logprobs else None
+        # Positional: built once per request a step (keywords cost a third more).
         return EngineCoreOutput(
-            request_id=req.request_id,
-            new_token_ids=accepted,
-            finish_reason=finish,
-            stop_reason=req.stop_reason,
-            logprobs=_first(out.logprobs.get(req.request_id), len(accepted)),
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            structured_backend=req.structured.backend if req.structured else None,
-            structured_fallback_reason=(req.structured.fallback_reason if req.structured else None),
+            req.request_id,
+            accepted,
+            finish,
+            req.stop_reason,
+            None if logprobs is None else _first(logprobs, len(accepted)),
+            req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+            None,
+            None,
+            structured.backend if structured else None,
+            structured.fallback_reason if structured else None,
         )
 
     def _reject_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:
