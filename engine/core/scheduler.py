@@ -125,23 +125,23 @@ class Scheduler:
         drafts: dict[str, tuple[int, ...]] = {}
 
         drafter = self.drafter
+        allocate = self.kv.allocate_slots
+        running = RequestStatus.RUNNING
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if req.status is not running:  # preempted earlier in this loop
                 continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:
                 continue
             proposed = self._propose_drafts(req, n, budget) if drafter is not None else ()
             n += len(proposed)
-            while (
-                blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
-            ) is None:
+            while (blocks := allocate(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not running:
                 continue
             num_sched[req.request_id] = n
             new_blocks[req.request_id] = blocks
@@ -175,8 +175,9 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out = self._make_output(num_sched, new_reqs, new_blocks, preempted, drafts)
+        requests = self.requests
         for rid, n in num_sched.items():
-            self.requests[rid].num_computed_tokens += n
+            requests[rid].num_computed_tokens += n
         return out
 
     def poll_grammars(self) -> list[EngineCoreOutput]:
