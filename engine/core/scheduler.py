@@ -408,11 +408,18 @@ class Scheduler:
             verdicts = self.advance_grammars(so, out)
         results: list[EngineCoreOutput] = []
         requests, spec = self.requests, so.scheduled_spec_decode_tokens
+        preempted, step_id, running = so.preempted_request_ids, so.step_id, RequestStatus.RUNNING
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
             req = requests.get(rid)
-            if not self._takes_delivery(req, so):
+            # A stale delivery: the request is not running (finished, or preempted after this
+            # step was planned), or the step was planned past drafts that were rejected (async).
+            if (
+                req is None
+                or req.status is not running
+                or rid in preempted
+                or step_id <= req.stale_through_step
+            ):
                 continue
-            assert req is not None
             try:
                 num_drafts = len(spec[rid]) if spec and rid in spec else 0
                 verdict = verdicts.get(rid)
@@ -437,32 +444,23 @@ class Scheduler:
         reqs: list[Request] = []
         toks: list[int] = []
         requests, spec, errors = self.requests, so.scheduled_spec_decode_tokens, out.errors
+        preempted, step_id, running = so.preempted_request_ids, so.step_id, RequestStatus.RUNNING
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
             req = requests.get(rid)
-            if (
+            if (  # the deliveries update_from_output applies (see there), with one token
                 len(tokens) == 1
                 and req is not None
                 and req.structured is not None
                 and rid not in spec
                 and rid not in errors
-                and self._takes_delivery(req, so)
+                and req.status is running
+                and rid not in preempted
+                and step_id > req.stale_through_step
             ):
                 reqs.append(req)
                 toks.append(tokens[0])
         results = self.structured.advance(reqs, toks)
         return dict(zip([req.request_id for req in reqs], results, strict=True))
-
-    @staticmethod
-    def _takes_delivery(req: Request | None, so: SchedulerOutput) -> bool:
-        """Whether ``update_from_output`` applies ``req``'s tokens of step ``so``."""
-        # Not running (finished, or preempted after this step was planned), or planned past
-        # drafts that were rejected (async): a stale delivery.
-        return (
-            req is not None
-            and req.status is RequestStatus.RUNNING
-            and req.request_id not in so.preempted_request_ids
-            and so.step_id > req.stale_through_step
-        )
 
     def _apply_tokens(
         self,
