@@ -255,7 +255,7 @@ class StructuredOutputManager:
             return None, []
         failed = self._finish_fill(started.fill, started.bitmask)
         # A view of a preallocated buffer: valid until it is filled again.
-        grammar = GrammarOutput(tuple(r.request_id for r in started.requests), started.bitmask)
+        grammar = GrammarOutput(tuple([r.request_id for r in started.requests]), started.bitmask)
         return grammar, failed
 
     @staticmethod
