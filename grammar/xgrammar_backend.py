@@ -470,7 +470,7 @@ class XGrammarBackend(GrammarBackend):
             raise ValueError(f"{len(matchers)} matchers but {len(rows)} rows")
         self.check_bitmask(bitmask)
         for matcher in matchers:
-            if type(matcher) is not XGrammarMatcher and not isinstance(matcher, XGrammarMatcher):
+            if not isinstance(matcher, XGrammarMatcher):
                 raise TypeError(f"expected an XGrammarMatcher, got {type(matcher).__name__}")
         # The native batch call refuses terminated matchers: their rows allow the EOS ids.
         # Comprehensions over the batch, not a loop of appends: this runs every step.
