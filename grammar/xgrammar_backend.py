@@ -139,16 +139,19 @@ class XGrammarMatcher(GrammarMatcher):
         return self._m
 
     def _accept(self, token: int) -> bool:
-        if self._terminated or self._backend.never_allowed(token):
+        backend = self._backend
+        if self._terminated or backend.never_allowed(token):
             return False
         if not self._m.accept_token(int(token)):
             return False
-        if token in self._backend.eos_token_ids:
+        if token in backend.eos_token_ids:
             self._terminated = bool(self._m.is_terminated())
         return True
 
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
         """Advances by all ``tokens``, or (when one is rejected) by none of them."""
+        if len(tokens) == 1:  # each step's token: nothing to roll back
+            return self._accept(tokens[0])
         for i, token in enumerate(tokens):
             if not self._accept(token):
                 if i:
@@ -466,17 +469,22 @@ class XGrammarBackend(GrammarBackend):
         if len(matchers) != len(rows):
             raise ValueError(f"{len(matchers)} matchers but {len(rows)} rows")
         self.check_bitmask(bitmask)
-        live: list[xgr.GrammarMatcher] = []
-        live_rows: list[int] = []
-        for matcher, row in zip(matchers, rows, strict=True):
+        for matcher in matchers:
             if not isinstance(matcher, XGrammarMatcher):
                 raise TypeError(f"expected an XGrammarMatcher, got {type(matcher).__name__}")
-            # The native batch call refuses terminated matchers.
-            if matcher.is_terminated():
-                bitmask[row].copy_(self.eos_row)
-            else:
-                live.append(matcher.xgr_matcher)
-                live_rows.append(int(row))
+        # The native batch call refuses terminated matchers: their rows allow the EOS ids.
+        # Comprehensions over the batch, not a loop of appends: this runs every step.
+        done = [i for i, matcher in enumerate(matchers) if matcher.is_terminated()]
+        for i in done:
+            bitmask[rows[i]].copy_(self.eos_row)
+        if done:
+            skip = set(done)
+            kept = [i for i in range(len(matchers)) if i not in skip]
+            live = [matchers[i].xgr_matcher for i in kept]
+            live_rows = [int(rows[i]) for i in kept]
+        else:
+            live = [matcher.xgr_matcher for matcher in matchers]
+            live_rows = [int(row) for row in rows]
         if not live:
             return filled_now
         if len(live) == 1:  # the batch API's list handling costs more than it saves here

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from baton.engine.core.fill_thread import FillThread, run_fills
+from baton.engine.core.fill_thread import FillGovernor, FillThread, run_fills
 
 
 def test_start_returns_while_the_call_still_runs_on_another_thread() -> None:
@@ -67,3 +67,46 @@ def test_run_fills_runs_the_calls_here_and_keeps_their_errors() -> None:
     pending = run_fills([lambda: seen.append(threading.get_ident()), boom])
     assert seen == [here]
     assert isinstance(pending.wait()[1], ValueError)
+
+
+def test_the_governor_pauses_the_thread_after_a_window_that_hid_too_little() -> None:
+    gov = FillGovernor(window=2, max_held=0.5, pause=3)
+    assert gov.use_thread()
+    gov.record(native_s=0.2, held_s=0.21)  # the engine thread got nothing back
+    assert gov.use_thread()  # half a window: no verdict yet
+    gov.record(native_s=0.2, held_s=0.19)
+    assert [gov.use_thread() for _ in range(4)] == [False, False, False, True]
+
+
+def test_the_governor_keeps_a_thread_that_hides_the_fill() -> None:
+    gov = FillGovernor(window=2, max_held=0.5, pause=3)
+    for _ in range(10):
+        assert gov.use_thread()
+        gov.record(native_s=0.2, held_s=0.03)  # only the hand-off held the engine thread
+    # A window exactly at the bound is kept: the thread must hide more than half to stay,
+    # and fewer than half held is a gain.
+    gov.record(native_s=0.2, held_s=0.1)
+    gov.record(native_s=0.2, held_s=0.1)
+    assert gov.use_thread()
+
+
+def test_the_governor_refuses_settings_that_cannot_work() -> None:
+    for kwargs in ({"window": 0}, {"max_held": 0.0}, {"pause": -1}):
+        with pytest.raises(ValueError, match="bad governor settings"):
+            FillGovernor(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_thread_reports_each_finished_fill_to_its_governor() -> None:
+    filler = FillThread(governor=FillGovernor(window=1, max_held=0.5, pause=2))
+    try:
+        assert filler.worthwhile()
+        pending = filler.start([lambda: None])
+        pending.wait()
+        assert pending.native_s >= 0.0 and pending.held_s >= 0.0
+        # As on a host whose cores are all busy: the engine thread was held the whole fill.
+        pending.native_s, pending.held_s = 1.0, 1.0
+        assert [filler.worthwhile() for _ in range(3)] == [False, False, True]
+        # Each fill is reported once.
+        assert filler.worthwhile()
+    finally:
+        filler.shutdown()

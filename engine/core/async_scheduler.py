@@ -40,15 +40,17 @@ class AsyncScheduler(Scheduler):
         so = super().schedule()
         pending = False
         spec = so.scheduled_spec_decode_tokens
+        structured = so.structured_request_ids
         requests = self.requests
         for rid in so.num_scheduled_tokens:
             req = requests[rid]
+            in_flight = req.num_output_placeholders
             known = len(req.prompt_token_ids) + len(req.output_token_ids)
-            if req.num_computed_tokens < known + req.num_output_placeholders:
+            if req.num_computed_tokens < known + in_flight:
                 continue  # a prefill chunk short of the prompt's end samples nothing
-            if req.num_output_placeholders and rid in so.structured_request_ids:
+            if in_flight and rid in structured:
                 pending = True
-            req.num_output_placeholders += 1 + len(spec.get(rid, ()))
+            req.num_output_placeholders = in_flight + 1 + (len(spec[rid]) if rid in spec else 0)
         if pending:
             return dataclasses.replace(so, pending_structured_output_tokens=True)
         return so

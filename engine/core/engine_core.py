@@ -156,7 +156,8 @@ class EngineCore:
         if last is not None and last.unsampled is not None:
             # The deferred step's grammars wait for these tokens; its forward is running.
             assert sampled is not None, "InFlight defers a step only behind a sampled one"
-            if self._filler is not None:  # never with a drafter, so the step has no drafts
+            # Never with a drafter, so the step has no drafts.
+            if self._filler is not None and self._filler.worthwhile():
                 # The grammars take step N's tokens first; the fill's native part then runs
                 # on the fill thread beside the rest of the update and the next schedule.
                 applied, started = self._update_filling(sampled, last.unsampled, self._filler)

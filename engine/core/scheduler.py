@@ -125,23 +125,23 @@ class Scheduler:
         drafts: dict[str, tuple[int, ...]] = {}
 
         drafter = self.drafter
+        allocate = self.kv.allocate_slots
+        running = RequestStatus.RUNNING
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if req.status is not running:  # preempted earlier in this loop
                 continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:
                 continue
             proposed = self._propose_drafts(req, n, budget) if drafter is not None else ()
             n += len(proposed)
-            while (
-                blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
-            ) is None:
+            while (blocks := allocate(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not running:
                 continue
             num_sched[req.request_id] = n
             new_blocks[req.request_id] = blocks
@@ -175,8 +175,9 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out = self._make_output(num_sched, new_reqs, new_blocks, preempted, drafts)
+        requests = self.requests
         for rid, n in num_sched.items():
-            self.requests[rid].num_computed_tokens += n
+            requests[rid].num_computed_tokens += n
         return out
 
     def poll_grammars(self) -> list[EngineCoreOutput]:
@@ -348,9 +349,12 @@ class Scheduler:
             )
             for r in new_reqs
         )
+        requests = self.requests
         cached = tuple(
-            CachedRequestData(rid, tuple(blocks), self.requests[rid].num_computed_tokens)
-            for rid, blocks in new_blocks.items()
+            [
+                CachedRequestData(rid, tuple(blocks), requests[rid].num_computed_tokens)
+                for rid, blocks in new_blocks.items()
+            ]
         )
         finished = frozenset(self._finished_ids) | {r.request_id for r in preempted}
         self._finished_ids.clear()
@@ -369,11 +373,17 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_sched.values()),
             finished_request_ids=finished,
             preempted_request_ids=frozenset(r.request_id for r in preempted),
+            # Request.num_tokens_with_placeholders inlined: once per request a step.
             structured_request_ids=frozenset(
-                rid
-                for rid, n in num_sched.items()
-                if (req := self.requests[rid]).structured is not None
-                and req.num_computed_tokens + n >= req.num_tokens_with_placeholders
+                [
+                    rid
+                    for rid, n in num_sched.items()
+                    if (req := requests[rid]).structured is not None
+                    and req.num_computed_tokens + n
+                    >= len(req.prompt_token_ids)
+                    + len(req.output_token_ids)
+                    + req.num_output_placeholders
+                ]
             ),
             scheduled_spec_decode_tokens=drafts or {},
             num_kept_blocks=kept,
@@ -397,13 +407,21 @@ class Scheduler:
         if verdicts is None:
             verdicts = self.advance_grammars(so, out)
         results: list[EngineCoreOutput] = []
+        requests, spec = self.requests, so.scheduled_spec_decode_tokens
+        preempted, step_id, running = so.preempted_request_ids, so.step_id, RequestStatus.RUNNING
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
-            req = self.requests.get(rid)
-            if not self._takes_delivery(req, so):
+            req = requests.get(rid)
+            # A stale delivery: the request is not running (finished, or preempted after this
+            # step was planned), or the step was planned past drafts that were rejected (async).
+            if (
+                req is None
+                or req.status is not running
+                or rid in preempted
+                or step_id <= req.stale_through_step
+            ):
                 continue
-            assert req is not None
             try:
-                num_drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
+                num_drafts = len(spec[rid]) if spec and rid in spec else 0
                 verdict = verdicts.get(rid)
                 applied = self._apply_tokens(req, tokens, out, num_drafts, verdict)
                 if applied is not None:
@@ -425,32 +443,24 @@ class Scheduler:
             return {}
         reqs: list[Request] = []
         toks: list[int] = []
+        requests, spec, errors = self.requests, so.scheduled_spec_decode_tokens, out.errors
+        preempted, step_id, running = so.preempted_request_ids, so.step_id, RequestStatus.RUNNING
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):
-            req = self.requests.get(rid)
-            if (
+            req = requests.get(rid)
+            if (  # the deliveries update_from_output applies (see there), with one token
                 len(tokens) == 1
                 and req is not None
                 and req.structured is not None
-                and rid not in so.scheduled_spec_decode_tokens
-                and rid not in out.errors
-                and self._takes_delivery(req, so)
+                and rid not in spec
+                and rid not in errors
+                and req.status is running
+                and rid not in preempted
+                and step_id > req.stale_through_step
             ):
                 reqs.append(req)
                 toks.append(tokens[0])
         results = self.structured.advance(reqs, toks)
-        return {req.request_id: v for req, v in zip(reqs, results, strict=True)}
-
-    @staticmethod
-    def _takes_delivery(req: Request | None, so: SchedulerOutput) -> bool:
-        """Whether ``update_from_output`` applies ``req``'s tokens of step ``so``."""
-        # Not running (finished, or preempted after this step was planned), or planned past
-        # drafts that were rejected (async): a stale delivery.
-        return (
-            req is not None
-            and req.status is RequestStatus.RUNNING
-            and req.request_id not in so.preempted_request_ids
-            and so.step_id > req.stale_through_step
-        )
+        return dict(zip([req.request_id for req in reqs], results, strict=True))
 
     def _apply_tokens(
         self,
@@ -492,15 +502,20 @@ class Scheduler:
         finish = None if status is RequestStatus.RUNNING else status.finish_reason
         if finish is not None:
             self._remove_finished(req)
+        structured = req.structured
+        logprobs = out.logprobs.get(req.request_id) if out.logprobs else None
+        # Positional: built once per request a step (keywords cost a third more).
         return EngineCoreOutput(
-            request_id=req.request_id,
-            new_token_ids=accepted,
-            finish_reason=finish,
-            stop_reason=req.stop_reason,
-            logprobs=_first(out.logprobs.get(req.request_id), len(accepted)),
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            structured_backend=req.structured.backend if req.structured else None,
-            structured_fallback_reason=(req.structured.fallback_reason if req.structured else None),
+            req.request_id,
+            accepted,
+            finish,
+            req.stop_reason,
+            None if logprobs is None else _first(logprobs, len(accepted)),
+            req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+            None,
+            None,
+            structured.backend if structured else None,
+            structured.fallback_reason if structured else None,
         )
 
     def _reject_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:

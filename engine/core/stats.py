@@ -14,6 +14,8 @@ _RECENT_SPANS = 65536
 # blocked in get_output(), "output" the front end's detokenising and output building, "gc"
 # the garbage collections the engine runs before it waits (``gc_heap.StepCollector``).
 PHASES = ("schedule", "bitmask", "launch", "wait", "update", "output", "gc")
+# Each phase's total, by attribute name (spans are added several times a step).
+_TOTALS = {phase: "device_wait_s" if phase == "wait" else f"{phase}_s" for phase in PHASES}
 
 
 class StepRecord(NamedTuple):
@@ -69,7 +71,7 @@ class EngineStats:
 
     def add(self, phase: str, start: float, end: float, step_id: int = 0) -> None:
         """Adds a host phase's span (``phase`` in ``PHASES``) to its total and the recent spans."""
-        name = "device_wait_s" if phase == "wait" else f"{phase}_s"
+        name = _TOTALS.get(phase) or f"{phase}_s"
         setattr(self, name, getattr(self, name) + (end - start))
         self._spans.append((phase, start, end, step_id))
 

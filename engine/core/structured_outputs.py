@@ -255,7 +255,7 @@ class StructuredOutputManager:
             return None, []
         failed = self._finish_fill(started.fill, started.bitmask)
         # A view of a preallocated buffer: valid until it is filled again.
-        grammar = GrammarOutput(tuple(r.request_id for r in started.requests), started.bitmask)
+        grammar = GrammarOutput(tuple([r.request_id for r in started.requests]), started.bitmask)
         return grammar, failed
 
     @staticmethod
@@ -271,18 +271,9 @@ class StructuredOutputManager:
     ) -> _FillInProgress:
         """Plans the fill of ``bitmask[rows[i]]`` for ``reqs[i]``'s matcher, one batched
         call per backend, and starts the native calls (on ``filler``'s thread, or here)."""
-        by_backend: dict[str, tuple[list[Request], list[GrammarMatcher], list[int]]] = {}
-        for req, row in zip(reqs, rows, strict=True):
-            group = by_backend.setdefault(req.structured.backend, ([], [], []))
-            group[0].append(req)
-            group[1].append(req.structured.matcher)
-            group[2].append(row)
         groups: list[_FillGroup] = []
         calls: list[NativeFill] = []
-        # Biggest first: on the fill thread only the first call is sure to run beside the
-        # caller's Python (each later one needs the GIL to start).
-        ordered = sorted(by_backend.items(), key=lambda item: -len(item[1][0]))
-        for name, (group_reqs, matchers, group_rows) in ordered:
+        for name, group_reqs, matchers, group_rows in _by_backend(reqs, rows):
             error: BaseException | None = None
             try:
                 call = self.service.backend(name).plan_fill(
@@ -403,6 +394,33 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.service.shutdown()
+
+
+def _by_backend(
+    reqs: Sequence[Request], rows: Sequence[int]
+) -> list[tuple[str, list[Request], list[GrammarMatcher], list[int]]]:
+    """``reqs`` (with their rows) grouped by backend: (name, requests, matchers, rows), the
+    biggest group first. On the fill thread only the first call is sure to run beside the
+    caller's Python (each later one needs the GIL to start)."""
+    if len(rows) != len(reqs):
+        raise ValueError(f"{len(reqs)} requests but {len(rows)} rows")
+    if not reqs:
+        return []
+    states = [req.structured for req in reqs]
+    names = [state.backend for state in states]
+    first = names[0]
+    if names.count(first) == len(names):
+        # Every request on one backend, the usual case: no per-request grouping (a step
+        # fills every structured row, so this runs once per step on the engine thread).
+        return [(first, list(reqs), [state.matcher for state in states], list(rows))]
+    by_backend: dict[str, tuple[list[Request], list[GrammarMatcher], list[int]]] = {}
+    for req, state, row in zip(reqs, states, rows, strict=True):
+        group = by_backend.setdefault(state.backend, ([], [], []))
+        group[0].append(req)
+        group[1].append(state.matcher)
+        group[2].append(row)
+    ordered = sorted(by_backend.items(), key=lambda item: -len(item[1][0]))
+    return [(name, *group) for name, group in ordered]
 
 
 def _accepts(matcher: GrammarMatcher, token: int) -> bool:

@@ -302,9 +302,16 @@ class SimExecutor(Executor):
         kept: dict[str, list[int]] = {}
         errors: dict[str, str] = {}
         all_drafts = fwd.drafts
+        rows = self._rows
         for rid in fwd.sample_ids:
-            row = self._rows[rid]
-            tok, error = self._next_token(row)
+            row = rows[rid]
+            trace, pos = row.trace, row.position
+            if trace is not None and pos < len(trace):  # _next_token's usual case, inlined
+                row.position = pos + 1
+                row.num_tokens += 1
+                tok, error = trace[pos], None
+            else:
+                tok, error = self._next_token(row)
             tokens = kept[rid] = [tok]
             drafts = all_drafts.get(rid) if all_drafts else None
             if error is not None:

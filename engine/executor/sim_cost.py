@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from baton.engine.sim_specs import GpuSpec, ModelShape
 
@@ -18,9 +19,11 @@ from baton.engine.sim_specs import GpuSpec, ModelShape
 _SAMPLE_LOGIT_PASSES = 3
 
 
-@dataclass(frozen=True)
-class ForwardWork:
-    """One request's share of a forward: new tokens and the context they attend to."""
+class ForwardWork(NamedTuple):
+    """One request's share of a forward: new tokens and the context they attend to.
+
+    A named tuple: the simulator makes one per request and step, on the engine's thread.
+    """
 
     query_len: int
     context_len: int  # tokens already in the KV cache before this step

@@ -113,12 +113,16 @@ class OutputProcessor:
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
+        # Prompts one of whose completions finished in this step: only they can be finished
+        # (a prompt whose completions had all finished before was removed then).
+        ended: set[str] = set()
         to_abort: list[str] = []
+        child_to_parent, parents = self._child_to_parent, self._parents
         for out in outputs:
-            pid = self._child_to_parent.get(out.request_id)
+            pid = child_to_parent.get(out.request_id)
             if pid is None:
                 continue
-            parent = self._parents[pid]
+            parent = parents[pid]
             child = parent.children[out.request_id]
             if child.completion.finished:
                 continue
@@ -128,14 +132,18 @@ class OutputProcessor:
             try:
                 if self._apply(child, out, now, parent.final_only and not parent.params.stop):
                     to_abort.append(out.request_id)
+                    ended.add(pid)
             except Exception as exc:  # noqa: BLE001 - fail this completion, not the engine
                 child.completion.finish_reason = "error"
                 child.completion.error = f"{type(exc).__name__}: {exc}"
                 to_abort.append(out.request_id)
+                ended.add(pid)
+            if out.finish_reason is not None:
+                ended.add(pid)
             touched[pid] = parent
         results = []
         for pid, parent in touched.items():
-            finished = all(c.completion.finished for c in parent.children.values())
+            finished = pid in ended and all(c.completion.finished for c in parent.children.values())
             if parent.final_only and not finished:
                 continue
             results.append(self._make_output(parent, finished))
