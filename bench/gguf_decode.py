@@ -2,15 +2,15 @@
 load, packed for oneDNN), "gguf" (the file's blocks kept, ``kernels/quant_linear.py``) and
 "int8" (``aten._weight_int8pack_mm``), in float32 and bfloat16.
 
-Each configuration runs in a fresh interpreter (so its peak RSS is its own), one torch
-thread, the in-process executor, configurations interleaved and their order reversed every
-other repeat: the engine's start time (load, build, pack or repack), greedy decode tok/s at
-batch 1 and at batch 16 (``--steps`` tokens per request, after a warm-up), the peak RSS
-(``ru_maxrss``) and the RSS after the imports, and the load average when it started. Writes
-JSON.
+Each configuration runs in a fresh interpreter (so its peak RSS is its own), ``--threads``
+torch threads (default 1), the in-process executor, configurations interleaved and their
+order reversed every other repeat: the engine's start time (load, build, pack or repack),
+greedy decode tok/s at batch 1 and at batch 16 (``--steps`` tokens per request, after a
+warm-up), the peak RSS (``ru_maxrss``) and the RSS after the imports, and the load average
+when it started. Writes JSON.
 
     baton bench gguf_decode [--model PATH] [--steps 32] [--repeats 2]
-        [--configs bfloat16:none,bfloat16:gguf,...]
+        [--configs bfloat16:none,bfloat16:gguf,bfloat16:gguf:torch-ops,...] [--threads 1]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ BATCHES = (1, 16)
 _CHILD = r"""
 import json, resource, sys, time
 import torch
-torch.set_num_threads(1)
+torch.set_num_threads(int(sys.argv[5]))
 from baton.engine import LLM, SamplingParams
 import baton.kernels.quant_linear, baton.engine.loader.gguf_quant  # in the RSS baseline
 rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -60,14 +60,23 @@ print(json.dumps(out))
 """.replace("BATCHES", repr(BATCHES))
 
 
-def run_config(model: str | None, dtype: str, quantization: str, steps: int) -> dict[str, Any]:
-    """One configuration in a fresh interpreter with one OpenMP thread; its measurements.
+def run_config(
+    model: str | None,
+    dtype: str,
+    quantization: str,
+    steps: int,
+    threads: int = 1,
+    cpu_ops: bool = True,
+) -> dict[str, Any]:
+    """One configuration in a fresh interpreter with ``threads`` OpenMP threads (``cpu_ops``
+    False: RMSNorm and RoPE as torch ops, ``BATON_CPU_OPS=0``); its measurements.
 
     Raises:
         RuntimeError: the child failed (its stderr's end in the message).
     """
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), BATON_CPU_OPS="1" if cpu_ops else "0")
     argv = [sys.executable, "-c", _CHILD, model or "", dtype, quantization, str(steps)]
+    argv.append(str(threads))
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -101,15 +110,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_common_args(parser, "gguf_decode", dtype=None)
     parser.add_argument("--steps", type=int, default=32, help="tokens per request")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="dtype:quant,...")
+    parser.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help="dtype:quant[:torch-ops],... (torch-ops: RMSNorm and RoPE as torch ops)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     args = parser.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     rows: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     for repeat in range(args.repeats):
         for config in run_order(configs, repeat):
-            dtype, quantization = config.split(":")
+            dtype, quantization, *rest = config.split(":")
             load_avg = os.getloadavg()[0]
-            result = {**run_config(args.model, dtype, quantization, args.steps)}
+            result = run_config(
+                args.model, dtype, quantization, args.steps, args.threads, rest != ["torch-ops"]
+            )
             result["load_avg"] = load_avg
             rows[config].append(result)
             print(repeat, config, json.dumps(result), flush=True)
@@ -118,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         {"configs": rows, "steps": args.steps, "model": args.model or "default"},
         Path(args.out),
         None,
-        torch_threads=1,
+        torch_threads=args.threads,
     )
 
 

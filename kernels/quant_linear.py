@@ -46,19 +46,15 @@ packed float32 GEMM there (``bench/quant_linear.py``, 1 thread).
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
 import platform
-import shutil
-import sys
 import warnings
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import torch
 
 from baton.kernels.checks import check_tensor
+from baton.kernels.cpp_build import load_extension
 from baton.kernels.quant_formats import (
     FORMATS,
     QuantWeight,
@@ -70,7 +66,6 @@ from baton.kernels.quant_formats import (
 ISAS = ("avx2", "avx512")
 """Instruction sets the kernel is built for, by code (0: AVX2+FMA+F16C, 1: AVX-512 F/BW/VL)."""
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
 # -fopenmp: at::parallel_for is a header template whose threads come from `#pragma omp
 # parallel`; compiled without it, every call ran on one thread whatever torch's thread count
 # (measured: M=1 on a Q4_K 16384 x 2048 weight, 2 threads, 1.92 ms without, 0.95 ms with). The
@@ -104,32 +99,8 @@ def _check_input(x: object, weight: QuantWeight) -> torch.Tensor:
 
 @functools.cache
 def _extension() -> ModuleType:
-    """The compiled extension (built on first call; may put the interpreter's scripts folder on
-    PATH for ninja, see below)."""
-    # Imported here: cpp_extension pulls in setuptools, which nothing else at import time needs.
-    from torch.utils import cpp_extension
-
-    # Compiled on first use into torch's extension cache (TORCH_EXTENSIONS_DIR, default
-    # ~/.cache/torch_extensions), once per version of the sources; needs g++ and ninja.
-    # torch runs `ninja` from PATH; pip's ninja (the dev extra) sits beside this interpreter,
-    # which is not on PATH when a virtual environment is used without being activated.
-    scripts = str(Path(sys.executable).parent)
-    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts) is not None:
-        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    # Named by the sources' content: checkouts of other versions on one machine share torch's
-    # cache folder, and under one name they rebuilt over each other's module (seen: a process
-    # loaded another checkout's older build, which lacked a function).
-    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
-    for source in sorted(_CSRC.iterdir()):
-        if source.suffix in (".cpp", ".h"):
-            digest.update(source.name.encode() + b"\0" + source.read_bytes())
-    return cpp_extension.load(
-        name=f"baton_quant_linear_{digest.hexdigest()[:16]}",
-        sources=[str(_CSRC / "quant_linear.cpp")],
-        extra_include_paths=[str(_CSRC)],
-        extra_cflags=list(_CFLAGS),
-        verbose=os.environ.get("BATON_VERBOSE_BUILD") == "1",
-    )
+    """The compiled extension (built on first call, see ``cpp_build.load_extension``)."""
+    return load_extension("baton_quant_linear", "quant_linear.cpp", _CFLAGS)
 
 
 @functools.cache

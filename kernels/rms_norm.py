@@ -16,6 +16,7 @@ from numbers import Real
 
 import torch
 
+from baton.kernels import cpu_ops
 from baton.kernels.checks import check_tensor, check_triton_device
 
 try:
@@ -107,9 +108,10 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`rms_norm_torch`'s result (the model's per-norm call): CUDA tensors with contiguous rows
-    go through `rms_norm_triton` when triton is installed, which checks its arguments; anything
-    else runs `rms_norm_torch`'s ops without its checks (they cost about 3 us a norm on a 2-core
-    CPU), so a CPU computes what it always did.
+    go through `rms_norm_triton` when triton is installed, which checks its arguments; CPU
+    tensors with contiguous rows through `cpu_ops.rms_norm_cpu` (one C++ call; the mean summed
+    in another fixed order) when its extension builds; anything else runs `rms_norm_torch`'s
+    ops without its checks (they cost about 3 us a norm on a 2-core CPU).
 
     Raises:
         ValueError: as `rms_norm_triton`, on CUDA.
@@ -123,6 +125,8 @@ def rms_norm(
         and (residual is None or residual.stride(-1) == 1)
     ):
         return rms_norm_triton(x, weight, eps, residual)
+    if x.device.type == "cpu" and cpu_ops.ENABLED and cpu_ops.rms_norm_fits(x, weight, residual):
+        return cpu_ops.rms_norm_cpu(x, weight, eps, residual)
     return _rms_norm_ops(x, weight, eps, residual)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from baton.kernels import cpu_ops
 from baton.kernels.checks import check_tensor, check_triton_device
 
 try:
@@ -107,8 +108,9 @@ def rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_torch`'s result (the model's per-layer call): CUDA tensors whose heads are
     contiguous go through `rope_triton` when triton is installed, which checks its arguments;
-    anything else runs `rope_torch`'s ops without its checks (they cost about 4 us a layer on a
-    2-core CPU), so a CPU computes what it always did.
+    CPU tensors with contiguous heads through `cpu_ops.rope_cpu` (the same bits, one C++ call
+    per tensor) when its extension builds; anything else runs `rope_torch`'s ops without its
+    checks (they cost about 4 us a layer on a 2-core CPU).
 
     Raises:
         ValueError: as `rope_triton`, on CUDA.
@@ -116,6 +118,8 @@ def rope(
     """
     if HAS_TRITON and q.is_cuda and all(t.stride(-1) == 1 for t in (q, k, cos, sin)):
         return rope_triton(q, k, cos, sin)
+    if q.device.type == "cpu" and cpu_ops.ENABLED and cpu_ops.rope_fits(q, k, cos, sin):
+        return cpu_ops.rope_cpu(q, k, cos, sin)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -1,0 +1,49 @@
+"""Builds baton's C++ extensions (``kernels/csrc``) with torch's ``cpp_extension`` on first use.
+
+Each extension is compiled once per version of its sources and flags into torch's extension
+cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); it needs g++ and ninja.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+
+def load_extension(stem: str, source: str, cflags: Sequence[str]) -> ModuleType:
+    """The extension ``stem`` built from ``csrc/<source>`` (which may include any header of
+    ``csrc``) with ``cflags``; compiles it on the first call for these sources and flags.
+
+    Side effect: may put the interpreter's scripts folder on PATH (for pip's ninja).
+
+    Raises:
+        RuntimeError: the compiler or ninja failed or is missing (torch's message).
+    """
+    # Imported here: cpp_extension pulls in setuptools, which nothing else at import time needs.
+    from torch.utils import cpp_extension
+
+    # torch runs `ninja` from PATH; pip's ninja (the dev extra) sits beside this interpreter,
+    # which is not on PATH when a virtual environment is used without being activated.
+    scripts = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts) is not None:
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    # Named by the sources' content and flags: checkouts of other versions on one machine share
+    # torch's cache folder, and under one name they rebuilt over each other's module (seen: a
+    # process loaded another checkout's older build, which lacked a function).
+    digest = hashlib.sha256(" ".join(cflags).encode())
+    for path in [CSRC / source, *sorted(CSRC.glob("*.h"))]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return cpp_extension.load(
+        name=f"{stem}_{digest.hexdigest()[:16]}",
+        sources=[str(CSRC / source)],
+        extra_include_paths=[str(CSRC)],
+        extra_cflags=list(cflags),
+        verbose=os.environ.get("BATON_VERBOSE_BUILD") == "1",
+    )

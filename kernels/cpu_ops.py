@@ -1,0 +1,102 @@
+"""RMSNorm (with its residual add) and RoPE on the CPU in one C++ call each
+(``csrc/cpu_ops.cpp``): what ``rms_norm`` and ``rope`` run for CPU tensors when the extension
+builds. Their references are ``rms_norm_torch`` and ``rope_torch``: RoPE gives their bits, and
+RMSNorm all but the mean's summation order (one fixed order, so a row's result does not depend
+on the other rows or on the thread count).
+
+Why: a small model's batch-1 decode step on the CPU is bound by dispatching torch ops, and the
+torch forms are eight to ten ops per call (measured on the default model, AMD EPYC, 2 threads:
+see the README's CPU section).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+from baton.kernels.cpp_build import load_extension
+
+logger = logging.getLogger(__name__)
+
+_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+ENABLED: bool = os.environ.get("BATON_CPU_OPS", "1") != "0"
+"""Whether rms_norm and rope use this module on CPU tensors; ``BATON_CPU_OPS=0`` turns it off
+(the torch ops then run), for side-by-side measurements."""
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled extension, or None when it cannot be built here (logged once; the torch ops
+    then run instead). Compiles it on the first call."""
+    try:
+        return load_extension("baton_cpu_ops", "cpu_ops.cpp", _CFLAGS)
+    except (RuntimeError, OSError, ImportError) as exc:
+        logger.warning("the CPU ops extension did not build (%s); using torch ops", exc)
+        return None
+
+
+def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether `rms_norm_cpu` takes these tensors (CPU, float32/bfloat16, contiguous rows)."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype in _DTYPES
+        and x.stride(-1) == 1
+        and weight.dtype == x.dtype
+        and weight.dim() == 1
+        and weight.is_contiguous()
+        and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
+        and extension() is not None
+    )
+
+
+def rms_norm_cpu(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``rms_norm_torch(x, weight, eps, residual)`` in one call; see the module docstring.
+
+    Raises:
+        RuntimeError: tensors `rms_norm_fits` refuses, or no extension.
+    """
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("the CPU ops extension is not available")
+    out, summed = ext.rms_norm(x, weight, float(eps), residual)
+    return out, (summed if residual is not None else None)
+
+
+def rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `rope_cpu` takes these tensors (CPU, one float32/bfloat16 dtype, contiguous
+    heads and angle rows)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and k.dtype == q.dtype == cos.dtype == sin.dtype
+        and q.dim() == 3
+        and k.dim() == 3
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and cos.stride(-1) == 1
+        and sin.stride(-1) == 1
+        and cos.stride(0) == sin.stride(0)
+        and extension() is not None
+    )
+
+
+def rope_cpu(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_torch(q, k, cos, sin)``'s bits in two calls; see the module docstring.
+
+    Raises:
+        RuntimeError: tensors `rope_fits` refuses, or no extension.
+    """
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("the CPU ops extension is not available")
+    return ext.rope(q, cos, sin), ext.rope(k, cos, sin)
