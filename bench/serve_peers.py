@@ -34,7 +34,13 @@ from typing import Any
 
 import httpx
 
-from baton.bench.common import add_common_args, csv_of, require_positive_ints, write_results
+from baton.bench.common import (
+    add_common_args,
+    config_from_args,
+    csv_of,
+    require_positive_ints,
+    write_results,
+)
 from baton.bench.serve import LevelRun, ServeBenchConfig, percentile, run_level, warm_up
 from baton.bench.serve_peers_report import plot, print_report, ratios
 from baton.bench.server_process import ServerProcess, free_port, sigterm_as_exit
@@ -263,25 +269,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the comparison, prints its table and writes ``--out`` (JSON) and its PNG."""
     p = argparse.ArgumentParser(prog="baton bench serve_peers", description=__doc__)
     add_common_args(p, "serve_peers", dtype=None)
-    p.add_argument("--shape", default=None, help="a random-weight GGUF: llama-1b or llama-8b")
+    p.add_argument(
+        "--shape", default=None, choices=("llama-1b", "llama-8b"), help="a random-weight GGUF"
+    )
     p.add_argument("--type", dest="qtype", default="Q4_K_M", help="its quantisation (--shape)")
     p.add_argument("--engines", type=csv_of(str), default=ENGINES)
     p.add_argument("--concurrency", type=csv_of(int), default=(1, 8, 16))
     p.add_argument("--free-tokens", type=int, default=64)
     p.add_argument("--json-tokens", type=int, default=256)
     p.add_argument("--min-requests", type=int, default=4, help="per cell (at least concurrency)")
-    p.add_argument("--time-limit", type=float, default=120.0, help="seconds per cell")
+    p.add_argument(
+        "--time-limit", type=float, dest="time_limit_s", default=120.0, help="seconds per cell"
+    )
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
-    cfg = ServePeersConfig(
-        engines=a.engines,
-        concurrency=a.concurrency,
-        free_tokens=a.free_tokens,
-        json_tokens=a.json_tokens,
-        min_requests=a.min_requests,
-        time_limit_s=a.time_limit,
-        threads=a.threads,
-    )
+    cfg = config_from_args(p, a, ServePeersConfig)  # a bad value: a usage error
     if a.shape is not None:
         from baton.bench.gguf_models import quantized_model
 
