@@ -41,6 +41,7 @@ from baton.bench.common import (
     require_positive_ints,
     write_results,
 )
+from baton.bench.gguf_models import SHAPES
 from baton.bench.serve import LevelRun, ServeBenchConfig, percentile, run_level, warm_up
 from baton.bench.serve_peers_report import plot, print_report, ratios
 from baton.bench.server_process import ServerProcess, free_port, sigterm_as_exit
@@ -270,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="baton bench serve_peers", description=__doc__)
     add_common_args(p, "serve_peers", dtype=None)
     p.add_argument(
-        "--shape", default=None, choices=("llama-1b", "llama-8b"), help="a random-weight GGUF"
+        "--shape", default=None, choices=sorted(SHAPES), help="a random-weight GGUF of a shape"
     )
     p.add_argument("--type", dest="qtype", default="Q4_K_M", help="its quantisation (--shape)")
     p.add_argument("--engines", type=csv_of(str), default=ENGINES)
