@@ -138,6 +138,8 @@ _NO_RESULT_JSON = {
     "readme_results": "renders the README's tables from the results of the others",
     "gpu_profile": "writes text profiles, not a result",
     "gpu_check": "collects the results of others; its env.json records the host CPU itself",
+    "llama_cpp_build": "builds llama.cpp for the benchmarks: measures nothing",
+    "gguf_models": "writes model files for the benchmarks: measures nothing",
 }
 
 
