@@ -224,7 +224,13 @@ class LlamaForCausalLM(nn.Module):
         # was the largest transient of the build (the default model's: 108 + 54 MiB).
         self.embed_tokens = (
             nn.Embedding(
-                config.vocab_size, config.hidden_size, device="meta" if quantized else None
+                config.vocab_size,
+                config.hidden_size,
+                # Given a meta weight, no random init: normal_ on a meta tensor imported
+                # torch._dynamo (1.3-1.8 s of every GGUF load).
+                _weight=torch.empty(config.vocab_size, config.hidden_size, device="meta")
+                if quantized
+                else None,
             )
             if tp is None
             else VocabParallelEmbedding(local.vocab_size, config.hidden_size, tp)
