@@ -111,6 +111,13 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         serve_peers_table,
     ),
     (
+        "serve_peers_8b.json",
+        "Against llama.cpp's llama-server: 8B-shape Q4_K_M",
+        "baton bench serve_peers --shape llama-8b --engines baton-gguf,llama-server "
+        "--concurrency 1 --min-requests 2 --free-tokens 32 --json-tokens 128",
+        serve_peers_table,
+    ),
+    (
         "serve_peers_smollm2.json",
         "Against llama.cpp's llama-server: SmolLM2-135M Q4_1",
         "baton bench serve_peers",
