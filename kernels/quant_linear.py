@@ -164,3 +164,17 @@ def repack_native(raw: np.ndarray, format: str) -> QuantWeight:
         warnings.simplefilter("ignore", UserWarning)
         src = torch.from_numpy(np.ascontiguousarray(raw))
     return QuantWeight(format, n, k, _extension().repack(src, fmt.code, n, k))
+
+
+def dequantize_native(raw: np.ndarray, format: str) -> torch.Tensor:
+    """GGUF blocks ``raw`` ``[n, row_bytes]`` of ``format`` as float32 ``[n, k]``: gguf's
+    dequantised values bit for bit, in C++ on torch's intra-op threads (repacked first, then
+    decoded tile by tile). Compiles the extension on first use.
+
+    Raises:
+        ValueError: as ``quant_formats.repack``.
+        RuntimeError: the CPU is not x86-64 with AVX2 (use ``gguf.quants.dequantize``).
+    """
+    weight = repack_native(raw, format)
+    code = FORMATS[weight.format].code
+    return _extension().dequantize(weight.data, code, weight.n, weight.k)

@@ -109,7 +109,16 @@ def test_only_norms_and_embedding_are_dequantised(
         decoded.append(tuple(out.shape))
         return out
 
+    def spy_native(data, kind):  # noqa: ANN001, ANN202 - the loader's C++ decode
+        out = real_native(data, kind)
+        decoded.append(tuple(out.shape))
+        return out
+
+    from baton.engine.loader import gguf as gguf_loader
+
+    real_native = gguf_loader.dequantize_native
     monkeypatch.setattr(gguf.quants, "dequantize", spy)
+    monkeypatch.setattr(gguf_loader, "dequantize_native", spy_native)
     model = _model(quant_gguf, torch.float32, keep=True)
     vocab = model.config.vocab_size
     # The norms, then the embedding (decoded a chunk of rows at a time): nothing else.

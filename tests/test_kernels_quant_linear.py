@@ -238,6 +238,20 @@ def test_kernel_threads_follow_torch(restore_threads: None) -> None:
     assert ext.parallel_threads_used(64) == 2
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_native_dequantize_is_gguf_up_to_zero_signs(fmt: str) -> None:
+    """The loader's C++ decode gives gguf's values; only a zero's sign may differ (q d - 8 d
+    is +0 where gguf's (q - 8) d is -0 for a negative d)."""
+    from baton.kernels.quant_linear import dequantize_native
+
+    raw = _random_blocks(fmt, 37, 512, seed=11)
+    got = dequantize_native(raw, fmt).numpy()
+    want = gguf_dequantize(raw, GGMLQuantizationType[fmt]).reshape(37, 512).astype(np.float32)
+    assert got.shape == (37, 512) and np.array_equal(got, want)
+    differ = got.view(np.uint32) != want.view(np.uint32)
+    assert np.all(got[differ] == 0)
+
+
 def test_strided_x_is_the_same_as_contiguous() -> None:
     weight = repack(_random_blocks("Q4_K", 9, 512, seed=8), "Q4_K")
     wide = torch.randn(5, 1024, generator=torch.Generator().manual_seed(8))

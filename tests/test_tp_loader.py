@@ -49,20 +49,30 @@ def _assert_rank_equals_load_then_shard(full: Checkpoint, part: Checkpoint, shar
 
 
 class _DecodeCounter:
-    """Wraps ``gguf.quants.dequantize`` to count the elements the GGUF loader decodes."""
+    """Wraps ``gguf.quants.dequantize`` and the loader's C++ decode (``dequantize_native``,
+    for the kernel's block types) to count the elements the GGUF loader decodes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from gguf import quants
 
+        from baton.engine.loader import gguf as gguf_loader
+
         self.elements = 0
         original = quants.dequantize
+        native = gguf_loader.dequantize_native
 
         def counted(data: np.ndarray, qtype: Any) -> np.ndarray:
             out = original(data, qtype)
             self.elements += out.size
             return out
 
+        def counted_native(data: np.ndarray, kind: str) -> Any:
+            out = native(data, kind)
+            self.elements += out.numel()
+            return out
+
         monkeypatch.setattr(quants, "dequantize", counted)
+        monkeypatch.setattr(gguf_loader, "dequantize_native", counted_native)
 
 
 # ---------------------------------------------------------------- the default model (Q4_1 GGUF)

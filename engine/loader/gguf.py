@@ -18,7 +18,8 @@ from baton.engine.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTenso
 from baton.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from baton.engine.models.sharding import ShardSpec, WeightSlice, weight_slice
 from baton.engine.tokenizer import Tokenizer
-from baton.kernels.quant_formats import QuantWeight
+from baton.kernels.quant_formats import FORMATS, QuantWeight
+from baton.kernels.quant_linear import available_isas, dequantize_native
 
 # Tensor types this loader dequantises (gguf.quants implements each; the block formats are the
 # ones common in published files). Anything else is refused by name rather than guessed at.
@@ -225,6 +226,14 @@ def config_from_gguf(
         raise ModelLoadError(f"{path}: invalid model hyper-parameters: {exc}") from exc
 
 
+def _native_decodes(kind: str, data: np.ndarray) -> bool:
+    """Whether the quantised kernel's C++ decodes these block bytes ``[rows, row_bytes]``."""
+    if kind not in FORMATS or data.ndim != 2 or data.dtype != np.uint8 or data.shape[0] == 0:
+        return False
+    fmt = FORMATS[kind]
+    return data.shape[1] % fmt.block_bytes == 0 and bool(available_isas())
+
+
 def _dequantize(path: Path, tensor: GGUFTensor, part: WeightSlice | None = None) -> np.ndarray:
     """The values of one GGUF tensor as float32 numpy, in row-major HF order of dims; with
     ``part``, only indices ``[part.start, part.stop)`` of dimension ``part.dim`` (no padding),
@@ -243,7 +252,12 @@ def _dequantize(path: Path, tensor: GGUFTensor, part: WeightSlice | None = None)
     if part is not None and part.dim is not None:
         data, decoded, trim = _select(tensor, shape, part)
     try:
-        values = np.asarray(quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
+        if _native_decodes(kind, data):
+            # C++ on torch's threads, the same values (only zeros' signs may differ): numpy's
+            # decode was most of a dense GGUF load.
+            values = dequantize_native(np.ascontiguousarray(data), kind).numpy()
+        else:
+            values = np.asarray(quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
         values = values.reshape(decoded)
     except Exception as exc:  # bad block sizes surface as numpy errors
         raise ModelLoadError(

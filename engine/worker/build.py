@@ -3,10 +3,12 @@ in whichever process will run it (the engine's, or a worker's)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
@@ -85,6 +87,21 @@ def add_cpu_kernels(model: LlamaForCausalLM, quantization: str | None) -> None:
         model.pack_weights()
 
 
+@contextlib.contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Linear and Embedding modules built meanwhile skip their random initialisation (their
+    parameters hold whatever memory they got): every parameter is then overwritten by
+    ``load_weights``, which names any weight the checkpoint lacks. The initialisation took
+    7.9 s of a 16.5 s dense load of the 1B-shape GGUF (AMD EPYC, 2 cores). Not thread-safe:
+    the build is the only thing constructing modules in its process."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
+
+
 def build_runner(
     spec: RunnerSpec,
     weights: dict[str, torch.Tensor],
@@ -110,7 +127,8 @@ def build_runner(
             f"the spec asks for tensor_parallel_size={spec.tensor_parallel_size}, "
             f"but the runner was given {'no group' if tp is None else f'a group of {tp.size}'}"
         )
-    model = LlamaForCausalLM(spec.model_config, tp, quantized).to(dtype=spec.dtype)
+    with _no_random_init():
+        model = LlamaForCausalLM(spec.model_config, tp, quantized).to(dtype=spec.dtype)
     model.load_weights(weights)
     model.eval()
     device = torch.device(spec.device)

@@ -300,6 +300,24 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format
   return y;
 }
 
+// dequant(w) as float32 [n, k] (the weights' gguf values; threads over tiles).
+at::Tensor dequantize(const at::Tensor& w, int64_t format, int64_t n, int64_t k) {
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "unknown format ", format);
+  TORCH_CHECK(isa_supported(kIsaAvx2), "dequantize needs AVX2, FMA and F16C");
+  const Layout L{static_cast<int>(format), k / 32};
+  const int64_t ntiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(k > 0 && k % L.block_weights() == 0 && n > 0 && w.dim() == 1 &&
+                  w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.numel() == ntiles * L.tile_bytes(),
+              "packed weight does not match format, N and K");
+  at::Tensor out = at::empty({n, k}, w.options().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, ntiles, std::max<int64_t>(1, 16384 / k),
+                   [&](int64_t t0, int64_t t1) { avx2::run_dequant(L, wp, op, n, t0, t1); });
+  return out;
+}
+
 // How many of torch's intra-op threads an at::parallel_for of n one-item chunks ran on: the
 // build's check that this file was compiled with OpenMP (without it the loop runs serially).
 int64_t parallel_threads_used(int64_t n) {
@@ -330,6 +348,8 @@ at::Tensor repack(const at::Tensor& raw, int64_t format, int64_t n, int64_t k) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ dequant(w)^T (see quant_linear.py)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize", &dequantize, "dequant(w) as float32 [n, k] (gguf's values)",
         py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads_used", &parallel_threads_used,
         "threads an at::parallel_for over n items ran on (1 when built without OpenMP)");

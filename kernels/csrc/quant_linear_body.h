@@ -284,3 +284,37 @@ static void run_tiles(const Layout& L, const uint8_t* w, const float* x, int64_t
     default: tiles<kQ6_K>(L, w, x, M, y, t0, t1); break;
   }
 }
+
+// dequant(W) as float32 rows [n][K] for tiles [t0, t1): each weight as dequant() gives it,
+// gguf's own bits (what the dense loader needs, without numpy's temporaries).
+template <int FMT>
+static void dequant_tiles(const Layout& L, const uint8_t* w, float* out, int64_t n, int64_t t0,
+                          int64_t t1) {
+  std::vector<float> sd(L.blocks * kTile), sb(L.blocks * kTile);
+  std::vector<float> super_scales(L.blocks * kTile / 4 + 8);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * L.tile_bytes();
+    const uint8_t* qs = tile + L.head_bytes();
+    tile_scales<FMT>(L, tile, sd.data(), sb.data(), super_scales.data());
+    for (int c = 0; c < kTile && t * kTile + c < n; ++c) {
+      float* row = out + (t * kTile + c) * L.k();
+      for (int64_t b = 0; b < L.blocks; ++b) {
+        V16 lo, hi;
+        dequant<FMT>(L, qs, sd.data(), sb.data(), b * kTile + c, lo, hi);
+        vstore(row + 32 * b, lo);
+        vstore(row + 32 * b + 16, hi);
+      }
+    }
+  }
+}
+
+static void run_dequant(const Layout& L, const uint8_t* w, float* out, int64_t n, int64_t t0,
+                        int64_t t1) {
+  switch (L.format) {
+    case kQ8_0: dequant_tiles<kQ8_0>(L, w, out, n, t0, t1); break;
+    case kQ4_0: dequant_tiles<kQ4_0>(L, w, out, n, t0, t1); break;
+    case kQ4_1: dequant_tiles<kQ4_1>(L, w, out, n, t0, t1); break;
+    case kQ4_K: dequant_tiles<kQ4_K>(L, w, out, n, t0, t1); break;
+    default: dequant_tiles<kQ6_K>(L, w, out, n, t0, t1); break;
+  }
+}
