@@ -1,6 +1,8 @@
 """Weight quantisations side by side on a GGUF model: ``quantization`` None (dequantised at
 load, packed for oneDNN), "gguf" (the file's blocks kept, ``kernels/quant_linear.py``) and
-"int8" (``aten._weight_int8pack_mm``), in float32 and bfloat16.
+"int8" (``aten._weight_int8pack_mm``), in float32 and bfloat16; "gguf" with int8 activations
+for its K-quant weights (the default, llama.cpp's numerics) or, with the ``float-activations``
+option, float32 ones (``EngineConfig.gguf_activations``).
 
 Each configuration runs in a fresh interpreter (so its peak RSS is its own), ``--threads``
 torch threads (default 1), the in-process executor, configurations interleaved and their
@@ -11,6 +13,9 @@ when it started. Writes JSON.
 
     baton bench gguf_decode [--model PATH] [--steps 32] [--repeats 2]
         [--configs bfloat16:none,bfloat16:gguf,bfloat16:gguf:torch-ops,...] [--threads 1]
+
+A configuration is ``dtype:quantization`` and options after further colons: ``torch-ops``
+(RMSNorm and RoPE as torch ops), ``float-activations`` (gguf_activations="float32").
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 model, dtype, quant, steps = sys.argv[1] or None, sys.argv[2], sys.argv[3], int(sys.argv[4])
 t0 = time.perf_counter()
 llm = LLM(model, dtype=getattr(torch, dtype), quantization=None if quant == "none" else quant,
-          executor="uni", adapt_cpu_threads=False, max_num_seqs=16, num_kv_blocks=256)
+          executor="uni", adapt_cpu_threads=False, max_num_seqs=16, num_kv_blocks=256,
+          gguf_activations=sys.argv[6])
 out = {"start_s": time.perf_counter() - t0, "rss_imports_mib": rss_imports}
 prompts = [f"Item {i} of the list is" for i in range(16)]
 params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -67,16 +73,18 @@ def run_config(
     steps: int,
     threads: int = 1,
     cpu_ops: bool = True,
+    gguf_activations: str = "int8",
 ) -> dict[str, Any]:
     """One configuration in a fresh interpreter with ``threads`` OpenMP threads (``cpu_ops``
-    False: RMSNorm and RoPE as torch ops, ``BATON_CPU_OPS=0``); its measurements.
+    False: RMSNorm and RoPE as torch ops, ``BATON_CPU_OPS=0``; ``gguf_activations`` as
+    ``EngineConfig``'s); its measurements.
 
     Raises:
         RuntimeError: the child failed (its stderr's end in the message).
     """
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), BATON_CPU_OPS="1" if cpu_ops else "0")
     argv = [sys.executable, "-c", _CHILD, model or "", dtype, quantization, str(steps)]
-    argv.append(str(threads))
+    argv += [str(threads), gguf_activations]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -113,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--configs",
         default=",".join(DEFAULT_CONFIGS),
-        help="dtype:quant[:torch-ops],... (torch-ops: RMSNorm and RoPE as torch ops)",
+        help="dtype:quant[:option...],... (options: torch-ops, float-activations)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     args = parser.parse_args(argv)
@@ -121,10 +129,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     for repeat in range(args.repeats):
         for config in run_order(configs, repeat):
-            dtype, quantization, *rest = config.split(":")
+            dtype, quantization, *options = config.split(":")
+            unknown = set(options) - {"torch-ops", "float-activations"}
+            if unknown:
+                parser.error(f"unknown option(s) {sorted(unknown)} in config {config!r}")
             load_avg = os.getloadavg()[0]
             result = run_config(
-                args.model, dtype, quantization, args.steps, args.threads, rest != ["torch-ops"]
+                args.model,
+                dtype,
+                quantization,
+                args.steps,
+                args.threads,
+                cpu_ops="torch-ops" not in options,
+                gguf_activations="float32" if "float-activations" in options else "int8",
             )
             result["load_avg"] = load_avg
             rows[config].append(result)

@@ -4,7 +4,8 @@ the paths the model takes today, by row count, interleaved trial by trial in one
 Workloads: every linear layer of the default model as its file stores them (SmolLM2-135M:
 Q4_1 linears, fused QKV and gate/up as the model fuses them, and the Q8_0 tied LM head), and
 one decoder layer of a 1B-shape Llama (hidden 2048, intermediate 8192, 32 query / 8 KV heads of
-64; random blocks) in each of Q4_0, Q4_1, Q4_K, Q6_K and Q8_0. The baselines multiply the same
+64; random blocks) in each of Q4_0, Q4_1, Q4_K, Q6_K and Q8_0; the K-quants also with int8
+activations (``gguf_int8act_*``, llama.cpp's numerics). The baselines multiply the same
 weights dequantised: float32 and bfloat16 packed for oneDNN (``engine/models/packed.py``), int8
 per-row (``engine/models/quant.py``, bfloat16 activations), and for the 4-bit formats torch's
 ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations and scales, its fast path; its float32
@@ -38,7 +39,13 @@ from baton.engine.loader.gguf_reader import read_gguf_file
 from baton.engine.models.packed import pack_linear, packed_linear, packing_available
 from baton.engine.models.quant import int8_linear, quantize_int8
 from baton.kernels.quant_formats import FORMATS, dequantize, repack
-from baton.kernels.quant_linear import available_isas, quant_linear, repack_native, selected_isa
+from baton.kernels.quant_linear import (
+    INT8_FORMATS,
+    available_isas,
+    quant_linear,
+    repack_native,
+    selected_isa,
+)
 
 LLAMA_1B = {"hidden": 2048, "intermediate": 8192, "heads": 32, "kv_heads": 8, "head_dim": 64}
 
@@ -139,6 +146,11 @@ def runners(workload: Workload) -> tuple[dict[str, Runner], dict[str, int], dict
             calls = [lambda x, w=w, name=name: quant_linear(x, w, isa=name) for w in quant]
             out[label] = _runner(ks, dtype, calls)
             nbytes[label] = sum(w.nbytes for w in quant)
+    if any(fmt in INT8_FORMATS for _, fmt in workload.weights):
+        label = f"gguf_int8act_{isa}"  # llama.cpp's numerics: int8 rows of x (bfloat16 in)
+        calls = [lambda x, w=w: quant_linear(x, w, isa=isa, activations="int8") for w in quant]
+        out[label] = _runner(ks, torch.bfloat16, calls)
+        nbytes[label] = sum(w.nbytes for w in quant)
     for dtype in (torch.float32, torch.bfloat16):
         if packing_available(dtype):
             packed = [pack_linear(w.to(dtype)) for w in dense]

@@ -35,12 +35,16 @@ Q4_1's ``fma(q, d, m)`` and Q4_K's ``fma(q, d * sc, -(dmin * m))`` round once wh
 element is one 16-lane float32 accumulator walked over K in a fixed order and summed by a fixed
 tree, whatever M, the other rows, the register blocking or the thread count: the kernel is
 batch-invariant by construction, and the AVX2 and AVX-512 builds compute the same bits
-(``csrc/quant_linear_body.h``). AVX512-BF16 / AMX-BF16 and VNNI / AMX-INT8 are not used:
-the first need bfloat16 weights, and a GGUF weight ``d * q`` with an fp16 d (11 significant
-bits) is not one; the second quantise the activations to int8, as llama.cpp does. Either gives
-up the float32 numerics above; from 16 rows on, the dense bfloat16 GEMM (``vdpbf16ps``, twice
-the multiply-adds of an FMA) stays 1.6-2.7x as fast as this kernel, which keeps pace with the
-packed float32 GEMM there (``bench/quant_linear.py``, 1 thread).
+(``csrc/quant_linear_body.h``). AVX512-BF16 / AMX-BF16 are not used: they need bfloat16
+weights, and a GGUF weight ``d * q`` with an fp16 d (11 significant bits) is not one.
+
+``activations="int8"`` trades those float32 numerics for llama.cpp's on the K-quants (Q4_K,
+Q6_K: most of a Q4_K_M file): each row of x is quantised per 256 values to int8 and the dot
+products are summed in integers (``vpmaddubsw``/``vpmaddwd``, ``csrc/quant_linear_q8k.h``),
+still batch-invariant and the same bits on every instruction set. The float32 path dequantises
+every weight to float (about 10 GB/s of Q4_K per thread, compute-bound); the int8 one reads a
+1B-shape model's layers at 25-32 GB/s on 2 threads, close to the machine's copy bandwidth
+(measured 2026-12-06, AMD EPYC Genoa; ``/work`` scratch runs, see the README's GGUF section).
 """
 
 from __future__ import annotations
@@ -63,6 +67,14 @@ from baton.kernels.quant_formats import (
     dequantize,
 )
 
+ACTIVATIONS = ("float32", "int8")
+"""Activation numerics by code: "float32" (x as given; the gguf weights exactly) or "int8"
+(llama.cpp's: each row of x quantised per 256 values for the K-quant weights, see
+``csrc/quant_linear_q8k.h``; weights of 32-weight block formats still take x in float32)."""
+
+INT8_FORMATS = ("Q4_K", "Q6_K")
+"""Formats whose kernel takes int8 activations when asked."""
+
 ISAS = ("avx2", "avx512")
 """Instruction sets the kernel is built for, by code (0: AVX2+FMA+F16C, 1: AVX-512 F/BW/VL)."""
 
@@ -82,6 +94,34 @@ def quant_linear_torch(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """
     _check_input(x, weight)
     return (x.float() @ dequantize(weight).T).to(x.dtype)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` ``[M, K]`` (K a multiple of 256) as the kernel's int8 activations
+    take it, per 256 values: ``d = amax / 127`` and ``q = round(x * (127 / amax))`` (ties to
+    even; 0 where amax is 0), in float32. Returns (q as float32 ``[M, K]``, d ``[M, K / 256]``).
+    Pure function: the reference of ``csrc/quant_linear_q8k.h``'s quantiser."""
+    xf = x.float().reshape(x.shape[0], -1, 256)
+    amax = xf.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv.unsqueeze(-1))
+    return q.reshape(x.shape[0], -1), amax / 127.0
+
+
+def quant_linear_int8_torch(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """``quant_linear(x, weight, activations="int8")``'s value with torch ops, in float64: x's
+    rows quantised by `quantize_rows_int8`, times ``dequantize(weight)`` (the reference for
+    a weight of `INT8_FORMATS`; the kernel sums the same products in integers).
+
+    Raises:
+        ValueError: as `quant_linear`, or the weight's format is not in `INT8_FORMATS`.
+    """
+    _check_input(x, weight)
+    if weight.format not in INT8_FORMATS:
+        raise ValueError(f"int8 activations are taken by {INT8_FORMATS}, not {weight.format}")
+    q, d = quantize_rows_int8(x)
+    xq = (q.double().reshape(x.shape[0], -1, 256) * d.double().unsqueeze(-1)).reshape(q.shape)
+    return xq @ dequantize(weight).double().T
 
 
 def _check_input(x: object, weight: QuantWeight) -> torch.Tensor:
@@ -126,19 +166,30 @@ def selected_isa() -> str:
     return isas[-1]
 
 
-def quant_linear(x: torch.Tensor, weight: QuantWeight, isa: str | None = None) -> torch.Tensor:
+def quant_linear(
+    x: torch.Tensor,
+    weight: QuantWeight,
+    isa: str | None = None,
+    activations: str = "float32",
+) -> torch.Tensor:
     """``x @ dequant(weight).T``: ``x`` ``[M, k]`` float32/bfloat16 -> ``[M, n]`` in x's dtype,
     accumulated in float32; batch-invariant (a row's result does not depend on the other rows,
     on M or on the thread count). Runs on torch's intra-op threads (over output columns).
 
-    ``isa`` forces an instruction set of `ISAS` (default `selected_isa`); every build gives the
-    same bits. Compiles the extension on first use.
+    ``activations`` (`ACTIVATIONS`): "float32" multiplies x as given; "int8" quantises each row
+    of x per 256 values to int8 for a weight of `INT8_FORMATS` and sums in integers, as
+    llama.cpp does (2-4x faster, with llama.cpp's rounding of x; still batch-invariant), and is
+    "float32" for the other formats. ``isa`` forces an instruction set of `ISAS` (default
+    `selected_isa`); every build gives the same bits. Compiles the extension on first use.
 
     Raises:
         ValueError: x is not a 2-D float32/bfloat16 CPU tensor with ``weight.k`` columns, the
-            weight's format has no kernel, or ``isa`` is unknown or not run by this CPU.
+            weight's format has no kernel, or ``isa`` or ``activations`` is unknown or ``isa``
+            not run by this CPU.
     """
     x = _check_input(x, weight)
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     if isa is None:
         isa = selected_isa()
     elif isa not in available_isas():
@@ -146,7 +197,9 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, isa: str | None = None) -
             f"isa {isa!r} is not available on this CPU; available: {', '.join(available_isas())}"
         )
     code = FORMATS[weight.format].code
-    return _extension().quant_linear(x, weight.data, code, weight.n, weight.k, ISAS.index(isa))
+    return _extension().quant_linear(
+        x, weight.data, code, weight.n, weight.k, ISAS.index(isa), ACTIVATIONS.index(activations)
+    )
 
 
 def repack_native(raw: np.ndarray, format: str) -> QuantWeight:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from baton.engine.config import DTYPE_AUTO, QUANTIZATIONS, EngineConfig
+from baton.engine.config import DTYPE_AUTO, GGUF_ACTIVATIONS, QUANTIZATIONS, EngineConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = (DTYPE_AUTO, *DTYPES)
@@ -133,6 +133,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         "use it by default (synchronous scheduling in its own process)",
     )
     parser.add_argument(
+        "--gguf-activations",
+        choices=GGUF_ACTIVATIONS,
+        default=None,
+        help="with --quantization gguf: int8 rows of x for the Q4_K/Q6_K weights as llama.cpp "
+        "does (default, faster) or float32 (the weights' exact gguf values)",
+    )
+    parser.add_argument(
         "--no-adapt-cpu-threads",
         action="store_true",
         help="keep torch's thread count fixed on a CPU instead of dropping threads while "
@@ -175,6 +182,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         engine_args["max_model_len"] = args.max_model_len
     if args.tensor_parallel_size is not None:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
+    if getattr(args, "gguf_activations", None) is not None:
+        engine_args["gguf_activations"] = args.gguf_activations
     if getattr(args, "no_adapt_cpu_threads", False):
         engine_args["adapt_cpu_threads"] = False
     if getattr(args, "enforce_eager", False):

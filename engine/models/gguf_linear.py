@@ -74,18 +74,23 @@ def covered_weights(quantized: Mapping[str, QuantWeight]) -> dict[str, tuple[str
 
 
 def gguf_linear(
-    x: torch.Tensor, parts: QuantParts, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    parts: QuantParts,
+    bias: torch.Tensor | None = None,
+    activations: str = "float32",
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[rows, k]`` (float32/bfloat16, CPU) and ``W`` the rows of
-    ``parts`` one after another; in ``x``'s dtype. Batch-invariant, as ``quant_linear``.
+    ``parts`` one after another; in ``x``'s dtype. ``activations``: as ``quant_linear``'s
+    ("int8": llama.cpp's int8 rows of x for the K-quant weights). Batch-invariant, as
+    ``quant_linear``.
 
     Raises:
-        ValueError: as ``quant_linear`` (x's shape, dtype or device).
+        ValueError: as ``quant_linear`` (x's shape, dtype or device; ``activations``).
     """
     if len(parts) == 1:
-        out = quant_linear(x, parts[0])
+        out = quant_linear(x, parts[0], activations=activations)
     else:
-        out = torch.cat([quant_linear(x, w) for w in parts], dim=-1)
+        out = torch.cat([quant_linear(x, w, activations=activations) for w in parts], dim=-1)
     # The bias is added after the kernel (which has none), in x's dtype as nn.Linear's would be.
     return out if bias is None else out + bias
 

@@ -54,9 +54,11 @@ class DecoderLayer(nn.Module):
         config: ModelConfig,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         quant: tuple[QuantParts | None, ...] | None = None,
+        quant_activations: str = "float32",
     ) -> None:
         super().__init__()
         c = config
+        self.quant_activations = quant_activations
         self.reduce = reduce
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size = c.num_heads * c.head_dim
@@ -110,7 +112,7 @@ class DecoderLayer(nn.Module):
         """Projection ``i`` (qkv, o, gate_up, down) of ``x`` with the model's kernel."""
         linear = self._linears[i]
         if self.quant is not None and (parts := self.quant[i]) is not None:
-            return gguf_linear(x, parts, linear.bias)
+            return gguf_linear(x, parts, linear.bias, self.quant_activations)
         if self.int8 is not None:
             return int8_linear(x, self.int8[i], linear.bias)
         if self.packed is not None:
@@ -210,9 +212,11 @@ class LlamaForCausalLM(nn.Module):
         config: ModelConfig,
         tp: TensorParallel | None = None,
         quantized: Mapping[str, QuantWeight] | None = None,
+        quant_activations: str = "float32",
     ) -> None:
         super().__init__()
         quantized = quantized or {}
+        self.quant_activations = quant_activations
         if quantized and tp is not None:
             raise ValueError("GGUF-quantised weights cannot be cut for tensor parallelism yet")
         self.config = config
@@ -237,7 +241,12 @@ class LlamaForCausalLM(nn.Module):
         )
         reduce = None if tp is None else tp.all_reduce
         self.layers = nn.ModuleList(
-            DecoderLayer(local, reduce, layer_projections(quantized, i) if quantized else None)
+            DecoderLayer(
+                local,
+                reduce,
+                layer_projections(quantized, i) if quantized else None,
+                quant_activations,
+            )
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -362,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
             ValueError: ``out`` under tensor parallelism.
         """
         if self.lm_head_quant is not None:
-            logits = gguf_linear(hidden, (self.lm_head_quant,))
+            logits = gguf_linear(hidden, (self.lm_head_quant,), activations=self.quant_activations)
         elif self.lm_head_int8 is not None:
             logits = int8_linear(hidden, self.lm_head_int8)
         elif self.lm_head_packed is not None:

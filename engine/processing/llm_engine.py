@@ -115,7 +115,7 @@ class LLMEngine:
             model.path,
             config.device,
             _dtype_name(config.dtype),
-            _quantization_note(config.quantization, self._quantized_types),
+            _quantization_note(config, self._quantized_types),
             model.num_kv_blocks,
             config.block_size,
             self.max_model_len,
@@ -281,7 +281,8 @@ class LLMEngine:
         ``dtype_reason`` (why: "asked for", or what ``dtype="auto"`` saw), and
         ``quantization`` (the weight quantisation in force on every step: "none", "int8"
         or "gguf"), and with "gguf" ``quantized_weights`` (the kernel weights by GGUF type,
-        e.g. "Q4_1=120,Q8_0=1": fused projections and the LM head);
+        e.g. "Q4_1=120,Q8_0=1": fused projections and the LM head) and ``gguf_activations``
+        ("int8" or "float32", ``EngineConfig.gguf_activations``);
         ``cpu_threads``, ``cpu_max_threads``, ``cpu_thread_changes`` and
         ``cpu_others_busy_cores`` where a CPU thread governor runs (``adapt_cpu_threads``);
         ``tensor_parallel_size``, and with it above 1 ``tp_collective_s``: of ``device_s``,
@@ -306,6 +307,7 @@ class LLMEngine:
         )
         if self._quantized_types:
             stats["quantized_weights"] = self._quantized_types
+            stats["gguf_activations"] = self.config.gguf_activations
         threads = self._executor.thread_state()
         if threads is not None:
             stats.update(
@@ -344,12 +346,15 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _quantization_note(quantization: str | None, types: str) -> str:
+def _quantization_note(config: EngineConfig, types: str) -> str:
     """The start-up log's words for the weight quantisation in force."""
-    if quantization == "int8":
+    if config.quantization == "int8":
         return " with int8 weight-only linears"
-    if quantization == "gguf":
-        return f" with GGUF-quantised linears ({types})"
+    if config.quantization == "gguf":
+        return (
+            f" with GGUF-quantised linears ({types}; {config.gguf_activations} activations "
+            "for Q4_K/Q6_K)"
+        )
     return ""
 
 

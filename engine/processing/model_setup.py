@@ -93,6 +93,7 @@ def setup_model(
         num_threads=threads,
         device=config.device,
         quantization=config.quantization,
+        gguf_activations=config.gguf_activations,
         tensor_parallel_size=config.tensor_parallel_size,
         adapt_threads=config.adapt_cpu_threads and config.device == "cpu",
         cuda_graphs=config.device.startswith("cuda") and not config.enforce_eager,

@@ -38,6 +38,9 @@ class RunnerSpec:
     # linears on every step (CPU), or "gguf" for the GGUF file's quantised linears (CPU; the
     # quantised weights come beside the dense ones, see ``build_runner``).
     quantization: str | None = None
+    # quantization="gguf": the numerics of the kernel's activations
+    # (EngineConfig.gguf_activations, kernels/quant_linear.py's ACTIVATIONS).
+    gguf_activations: str = "float32"
     # Ranks the model is cut over (one worker process each); 1: the whole model in one place.
     tensor_parallel_size: int = 1
     # Drop torch threads while other processes keep the cores busy (CPU; cpu_threads.py).
@@ -128,7 +131,9 @@ def build_runner(
             f"but the runner was given {'no group' if tp is None else f'a group of {tp.size}'}"
         )
     with _no_random_init():
-        model = LlamaForCausalLM(spec.model_config, tp, quantized).to(dtype=spec.dtype)
+        model = LlamaForCausalLM(spec.model_config, tp, quantized, spec.gguf_activations).to(
+            dtype=spec.dtype
+        )
     model.load_weights(weights)
     model.eval()
     device = torch.device(spec.device)

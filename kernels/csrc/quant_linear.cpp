@@ -25,6 +25,9 @@ constexpr int kQ4_0 = 1;
 constexpr int kQ4_1 = 2;
 constexpr int kQ4_K = 3;
 constexpr int kQ6_K = 4;
+// Activation numerics shared with quant_linear.py (ACTIVATIONS).
+constexpr int64_t kActFloat = 0;
+constexpr int64_t kActInt8 = 1;
 // Instruction sets shared with quant_linear.py (ISAS).
 constexpr int64_t kIsaAvx2 = 0;
 constexpr int64_t kIsaAvx512 = 1;
@@ -82,6 +85,21 @@ struct Output {
 };
 
 #include "quant_repack.h"
+
+// One call's quantised activations: per row, q [k] int8, d [k / 256] scales and aux, the
+// integer sums the format needs per 32-weight block:
+//   Q4_K: 8 int16, lane i = x[2i] + x[2i+1] + x[16+2i] + x[17+2i] (the block's sum is theirs)
+//   Q6_K: 16 int16, lane i = 32 (x[2i] + x[2i+1]) (what vpmaddubsw gives for q = 32)
+struct Q8Rows {
+  const int8_t* q;
+  const float* d;
+  const int16_t* aux;
+  int64_t k;
+  int64_t aux_per_block;
+  const int8_t* qrow(int64_t r) const { return q + r * k; }
+  const float* drow(int64_t r) const { return d + r * (k / 256); }
+  const int16_t* auxrow(int64_t r) const { return aux + r * (k / 32) * aux_per_block; }
+};
 
 }  // namespace
 
@@ -171,6 +189,9 @@ static void row_group_halves(const float* wbuf, int64_t cb, const float* x, int6
 #include "quant_linear_body.h"
 #undef QUANT_LINEAR_ROW_GROUP_HALVES
 
+constexpr int kQ8Rows = 2;  // 16 ymm: two rows' integer and float sums beside the weights
+#include "quant_linear_q8k.h"
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -243,6 +264,9 @@ constexpr int kColGroup = 4;
 #include "quant_linear_body.h"
 #undef QUANT_LINEAR_HSUM16X16
 
+constexpr int kQ8Rows = 4;  // the same AVX2 code with 32 registers (EVEX): four rows a pass
+#include "quant_linear_q8k.h"
+
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -262,7 +286,7 @@ bool isa_supported(int64_t isa) {
 // The Python wrapper validates arguments with clear ValueErrors; these checks only keep a
 // direct caller from reading out of bounds.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t n,
-                        int64_t k, int64_t isa) {
+                        int64_t k, int64_t isa, int64_t activations) {
   TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "unknown format ", format);
   TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
   const Layout L{static_cast<int>(format), k / 32};
@@ -291,6 +315,25 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format
   const float* xp = xf.data_ptr<float>();
   // Threads only for tiles worth it (about 64K weights each); results do not depend on this.
   const int64_t grain = std::max<int64_t>(1, 16384 / k);
+  if (activations == kActInt8 && format >= kQ4_K) {
+    const int aux_per_block = format == kQ4_K ? 8 : 16;
+    std::vector<int8_t> q(M * k);
+    std::vector<float> d(M * (k / 256));
+    std::vector<int16_t> aux(M * (k / 32) * aux_per_block);
+    at::parallel_for(0, M, std::max<int64_t>(1, 65536 / k), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        avx2::q8k_quantize_row(xp + r * k, k, aux_per_block, q.data() + r * k,
+                               d.data() + r * (k / 256), aux.data() + r * (k / 32) * aux_per_block);
+    });
+    const Q8Rows X{q.data(), d.data(), aux.data(), k, aux_per_block};
+    at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+      if (isa == kIsaAvx512)
+        avx512::run_q8k(L, wp, X, M, out, t0, t1);
+      else
+        avx2::run_q8k(L, wp, X, M, out, t0, t1);
+    });
+    return y;
+  }
   at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
     if (isa == kIsaAvx512)
       avx512::run_tiles(L, wp, xp, M, out, t0, t1);

@@ -1,0 +1,124 @@
+"""``EngineConfig.gguf_activations``: the model's K-quant linears with int8 activations
+(llama.cpp's numerics, the default) or float32 ones, reaching ``kernels/quant_linear.py``.
+
+The tiny test models are too narrow for K-quant blocks (256 weights), so the model here is a
+Llama of hidden 256 built from hand-made Q4_K/Q6_K blocks (``bench.quant_linear.random_blocks``)
+and random dense norms and embedding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+import numpy as np
+import pytest
+import torch
+
+from baton.bench.quant_linear import random_blocks
+from baton.engine.config import EngineConfig
+from baton.engine.entrypoints.args import add_engine_args, config_from_args
+from baton.engine.models.attention import AttentionMetadata
+from baton.engine.models.config import ModelConfig
+from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.kernels.quant_formats import QuantWeight, repack
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="the kernel is built for x86-64 only"
+)
+
+BLOCK = 4
+CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=300,
+    hidden_size=256,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+)
+
+
+@pytest.fixture(scope="module")
+def kquant_weights() -> tuple[dict[str, QuantWeight], dict[str, torch.Tensor]]:
+    rng = np.random.default_rng(0)
+
+    def weight(fmt: str, n: int, k: int) -> QuantWeight:
+        return repack(random_blocks(fmt, n, k, rng, scale=1e-4), fmt)
+
+    c = CONFIG
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    quantized: dict[str, QuantWeight] = {"lm_head.weight": weight("Q6_K", c.vocab_size, 256)}
+    gen = torch.Generator().manual_seed(0)
+    dense = {"model.embed_tokens.weight": torch.randn(c.vocab_size, 256, generator=gen)}
+    dense["model.norm.weight"] = 1 + 0.1 * torch.randn(256, generator=gen)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        quantized[p + "self_attn.qkv_proj.weight"] = weight("Q4_K", qkv, 256)
+        quantized[p + "self_attn.o_proj.weight"] = weight("Q4_K", 256, 256)
+        quantized[p + "mlp.gate_up_proj.weight"] = weight("Q4_K", 2 * c.intermediate_size, 256)
+        quantized[p + "mlp.down_proj.weight"] = weight("Q6_K", 256, c.intermediate_size)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            dense[f"{p}{norm}.weight"] = 1 + 0.1 * torch.randn(256, generator=gen)
+    return quantized, dense
+
+
+def _model(weights, activations: str, dtype: torch.dtype) -> LlamaForCausalLM:
+    quantized, dense = weights
+    model = LlamaForCausalLM(CONFIG, quantized=quantized, quant_activations=activations)
+    model = model.to(dtype)
+    model.load_weights(dense)
+    return model.eval()
+
+
+def _decode(
+    model: LlamaForCausalLM, prompts: torch.Tensor, which: list[int], dtype
+) -> torch.Tensor:
+    """Logits of one decode step for sequences ``which`` after their prompts' first n tokens."""
+    seqs, n = prompts.shape[0], prompts.shape[1] - 1
+    tables = torch.tensor([[1 + 2 * s, 2 + 2 * s] for s in range(seqs)])
+    kv = allocate_kv_cache(model.config, 1 + 2 * seqs, BLOCK, dtype)
+    with torch.no_grad():
+        for s in which:
+            meta = AttentionMetadata.build(
+                torch.tensor([n]), torch.tensor([n]), tables[s : s + 1], BLOCK
+            )
+            model(prompts[s, :n], torch.arange(n), kv, meta)
+        k = len(which)
+        meta = AttentionMetadata.build(
+            torch.ones(k, dtype=torch.long), torch.full((k,), n + 1), tables[which], BLOCK
+        )
+        return model.compute_logits(model(prompts[which, n], torch.full((k,), n), kv, meta))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_activations_reach_the_kernel_and_stay_batch_invariant(kquant_weights, dtype) -> None:
+    """A decode step's row alone equals it in a batch of 4, bit for bit, with int8
+    activations; the logits differ from float32 activations' (the int8 path ran) by the
+    rounding of x only: close (argmax kept on most rows), not equal."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, CONFIG.vocab_size, (4, 6), generator=gen)
+    int8 = _model(kquant_weights, "int8", dtype)
+    batch = _decode(int8, prompts, [0, 1, 2, 3], dtype)
+    for s in range(4):
+        assert torch.equal(_decode(int8, prompts, [s], dtype)[0], batch[s]), s
+    exact = _decode(_model(kquant_weights, "float32", dtype), prompts, [0, 1, 2, 3], dtype)
+    assert not torch.equal(batch, exact)
+    spread = exact.float().std().item()
+    assert (batch.float() - exact.float()).abs().max().item() < 0.2 * spread
+    assert (batch.argmax(-1) == exact.argmax(-1)).sum().item() >= 3
+
+
+def test_config_and_cli_take_the_choice_and_name_a_bad_one() -> None:
+    assert EngineConfig().gguf_activations == "int8"
+    assert EngineConfig(gguf_activations="float32").gguf_activations == "float32"
+    with pytest.raises(ValueError, match="gguf_activations must be one of"):
+        EngineConfig(gguf_activations="int4")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--quantization", "gguf", "--gguf-activations", "float32"])
+    assert config_from_args(args).gguf_activations == "float32"
+    assert config_from_args(parser.parse_args([])).gguf_activations == "int8"
