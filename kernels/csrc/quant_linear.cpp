@@ -86,19 +86,18 @@ struct Output {
 
 #include "quant_repack.h"
 
-// One call's quantised activations: per row, q [k] int8, d [k / 256] scales and aux, the
-// integer sums the format needs per 32-weight block:
-//   Q4_K: 8 int16, lane i = x[2i] + x[2i+1] + x[16+2i] + x[17+2i] (the block's sum is theirs)
-//   Q6_K: 16 int16, lane i = 32 (x[2i] + x[2i+1]) (what vpmaddubsw gives for q = 32)
+// One call's quantised activations: per row, q [k] int8, d [k / 256] scales and aux, kAuxPerSuper
+// int16 sums of q per super block (256 values): Q4_K (sums) the 8 sums of its 32-value blocks
+// then 8 zeros; Q6_K (halves) the 16 sums of its 16-value halves.
+constexpr int64_t kAuxPerSuper = 16;
 struct Q8Rows {
   const int8_t* q;
   const float* d;
   const int16_t* aux;
   int64_t k;
-  int64_t aux_per_block;
   const int8_t* qrow(int64_t r) const { return q + r * k; }
   const float* drow(int64_t r) const { return d + r * (k / 256); }
-  const int16_t* auxrow(int64_t r) const { return aux + r * (k / 32) * aux_per_block; }
+  const int16_t* auxrow(int64_t r) const { return aux + r * (k / 256) * kAuxPerSuper; }
 };
 
 }  // namespace
@@ -190,6 +189,7 @@ static void row_group_halves(const float* wbuf, int64_t cb, const float* x, int6
 #undef QUANT_LINEAR_ROW_GROUP_HALVES
 
 constexpr int kQ8Rows = 2;  // 16 ymm: two rows' integer and float sums beside the weights
+constexpr int kQ8RowsBothPairs = 1;
 #include "quant_linear_q8k.h"
 
 }  // namespace avx2
@@ -265,6 +265,7 @@ constexpr int kColGroup = 4;
 #undef QUANT_LINEAR_HSUM16X16
 
 constexpr int kQ8Rows = 4;  // the same AVX2 code with 32 registers (EVEX): four rows a pass
+constexpr int kQ8RowsBothPairs = 2;
 #include "quant_linear_q8k.h"
 
 }  // namespace avx512
@@ -316,16 +317,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format
   // Threads only for tiles worth it (about 64K weights each); results do not depend on this.
   const int64_t grain = std::max<int64_t>(1, 16384 / k);
   if (activations == kActInt8 && format >= kQ4_K) {
-    const int aux_per_block = format == kQ4_K ? 8 : 16;
+    const int64_t supers = k / 256;
     std::vector<int8_t> q(M * k);
-    std::vector<float> d(M * (k / 256));
-    std::vector<int16_t> aux(M * (k / 32) * aux_per_block);
+    std::vector<float> d(M * supers);
+    std::vector<int16_t> aux(M * supers * kAuxPerSuper);
     at::parallel_for(0, M, std::max<int64_t>(1, 65536 / k), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
-        avx2::q8k_quantize_row(xp + r * k, k, aux_per_block, q.data() + r * k,
-                               d.data() + r * (k / 256), aux.data() + r * (k / 32) * aux_per_block);
+        avx2::q8k_quantize_row(xp + r * k, k, q.data() + r * k, d.data() + r * supers,
+                               aux.data() + r * supers * kAuxPerSuper, format == kQ6_K);
     });
-    const Q8Rows X{q.data(), d.data(), aux.data(), k, aux_per_block};
+    const Q8Rows X{q.data(), d.data(), aux.data(), k};
     at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
       if (isa == kIsaAvx512)
         avx512::run_q8k(L, wp, X, M, out, t0, t1);

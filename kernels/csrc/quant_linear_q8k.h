@@ -4,7 +4,9 @@
 // activations with vpmaddubsw, then the block's integer scale with vpmaddwd). Only a super
 // block's totals (256 weights) meet floating point:
 //   Q4_K: y = sum_s (d dx) * sum_j sc_j (q . x)_j  -  sum_s (dmin dx) * sum_j m_j sum(x_j)
-//   Q6_K: y = sum_s (d dx) * sum_h sc_h ((q . x)_h - 32 sum(x_h))       (h: 16 weights)
+//   Q6_K: y = sum_s (d dx) * (sum_h sc_h (q . x)_h - 32 sum_h sc_h sum(x_h))  (h: 16 weights)
+// The sums of x (per 32 or 16 values) meet the weights' mins or scales once per super block,
+// outside the loop over its blocks, which is left with the products alone.
 // Per output column there are 4 float32 lanes of each sum, walked over the super blocks in
 // order and added by a fixed tree at the end (Q4_K: the first total minus the second).
 //
@@ -16,17 +18,19 @@
 // for more rows at once) give the same bits.
 //
 // Included by quant_linear.cpp once per instruction set, after quant_linear_body.h, inside
-// that set's namespace and target region; needs kQ8Rows (rows per pass) defined there and
+// that set's namespace and target region; needs kQ8Rows (rows per pass at most) and
+// kQ8RowsBothPairs (most rows that take all four columns in one pass) defined there and
 // Q8Rows (quant_linear.cpp) in scope.
 
 // Row x [k] -> q, d, aux as Q8Rows describes (k a multiple of 256).
-static void q8k_quantize_row(const float* x, int64_t k, int aux_per_block, int8_t* q, float* d,
-                             int16_t* aux) {
+static void q8k_quantize_row(const float* x, int64_t k, int8_t* q, float* d, int16_t* aux,
+                             bool halves) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t s = 0; s < k / 256; ++s) {
     const float* xs = x + 256 * s;
     __m256 amax8 = _mm256_setzero_ps();
-    for (int i = 0; i < 256; i += 8) amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + i)));
+    for (int i = 0; i < 256; i += 8)
+      amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + i)));
     float lanes[8];
     _mm256_storeu_ps(lanes, amax8);
     float amax = 0.0f;
@@ -45,14 +49,13 @@ static void q8k_quantize_row(const float* x, int64_t k, int aux_per_block, int8_
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + i),
                           _mm256_permutevar8x32_epi32(b, order));
     }
-    for (int b = 0; b < 8; ++b) {
-      const int8_t* qb = qs + 32 * b;
-      int16_t* a = aux + (8 * s + b) * aux_per_block;
-      if (aux_per_block == 8)
-        for (int i = 0; i < 8; ++i)
-          a[i] = static_cast<int16_t>(qb[2 * i] + qb[2 * i + 1] + qb[16 + 2 * i] + qb[17 + 2 * i]);
-      else
-        for (int i = 0; i < 16; ++i) a[i] = static_cast<int16_t>(32 * (qb[2 * i] + qb[2 * i + 1]));
+    int16_t* a = aux + kAuxPerSuper * s;
+    for (int h = 0; h < 16; ++h) {
+      const int width = halves ? 16 : 32;
+      int sum = 0;
+      if (halves || h < 8)
+        for (int i = 0; i < width; ++i) sum += qs[width * h + i];
+      a[h] = static_cast<int16_t>(sum);
     }
   }
 }
@@ -109,22 +112,23 @@ static inline __m256i bcast16(const void* p) {
 // its arithmetic per byte left the hardware prefetchers behind.
 template <int FMT, int R, int P>
 static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const float* dmin,
-                     const Q8Rows& X, int64_t r0, int c, float* out, const uint8_t* ahead,
-                     int64_t ahead_bytes) {
+                     const int16_t* sums, const Q8Rows& X, int64_t r0, int c, float* out,
+                     const uint8_t* ahead, int64_t ahead_bytes) {
   const Sections sec = sections_of(L);
   const uint8_t* qs = tile + sec.q;
   const uint8_t* sc = tile + sec.sc;
-  const int64_t count = L.blocks * kTile;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   // whole cache lines per block, enough to cover ahead_bytes (no division in the loop)
   const int64_t ahead_step = 64 * ((ahead_bytes + 64 * L.blocks - 1) / (64 * L.blocks));
+  const int8_t* xrow[R];
+  for (int r = 0; r < R; ++r) xrow[r] = X.qrow(r0 + r);
   __m256 facc[R][P], macc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) facc[r][p] = macc[r][p] = _mm256_setzero_ps();
   for (int64_t s = 0; s < L.blocks / 8; ++s) {
-    __m256i isum[R][P], msum[R][P];
+    __m256i isum[R][P];
     for (int r = 0; r < R; ++r)
-      for (int p = 0; p < P; ++p) isum[r][p] = msum[r][p] = _mm256_setzero_si256();
+      for (int p = 0; p < P; ++p) isum[r][p] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
       const int64_t b = 8 * s + j;
       if (ahead != nullptr)
@@ -137,14 +141,12 @@ static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const
           const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 16 * i));
           const __m256i lo = _mm256_and_si256(qv, m4);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);
-          const __m256i scv = pair_u8(sc + i), mv = pair_u8(sc + count + i);
+          const __m256i scv = pair_u8(sc + i);
           for (int r = 0; r < R; ++r) {
-            const int8_t* x = X.qrow(r0 + r) + 32 * b;
+            const int8_t* x = xrow[r] + 32 * b;
             const __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast16(x)),
                                                _mm256_maddubs_epi16(hi, bcast16(x + 16)));
             isum[r][p] = _mm256_add_epi32(isum[r][p], _mm256_madd_epi16(q, scv));
-            const __m256i xs = bcast16(X.auxrow(r0 + r) + 8 * b);
-            msum[r][p] = _mm256_add_epi32(msum[r][p], _mm256_madd_epi16(xs, mv));
           }
         } else {
           __m256i lo, hi;
@@ -153,12 +155,9 @@ static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const
           std::memcpy(&word, sc + 2 * i, 4);  // [c lo, c hi, c + 1 lo, c + 1 hi]
           const __m256i slo = pair_s8(word, 0), shi = pair_s8(word, 1);
           for (int r = 0; r < R; ++r) {
-            const int8_t* x = X.qrow(r0 + r) + 32 * b;
-            const int16_t* a = X.auxrow(r0 + r) + 16 * b;
-            const __m256i pl =
-                _mm256_sub_epi16(_mm256_maddubs_epi16(lo, bcast16(x)), bcast16(a));
-            const __m256i ph =
-                _mm256_sub_epi16(_mm256_maddubs_epi16(hi, bcast16(x + 16)), bcast16(a + 8));
+            const int8_t* x = xrow[r] + 32 * b;
+            const __m256i pl = _mm256_maddubs_epi16(lo, bcast16(x));
+            const __m256i ph = _mm256_maddubs_epi16(hi, bcast16(x + 16));
             isum[r][p] = _mm256_add_epi32(
                 isum[r][p],
                 _mm256_add_epi32(_mm256_madd_epi16(pl, slo), _mm256_madd_epi16(ph, shi)));
@@ -168,16 +167,31 @@ static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const
     }
     for (int p = 0; p < P; ++p) {
       const int64_t e = s * kTile + c + 2 * p;
+      // per (super block, column pair): Q4_K [m_j of c | of c + 1]; Q6_K those of sc_h,
+      // h 0-7 then 8-15 (tile_sums in q8k_tiles)
+      const int16_t* ts = sums + (s * 2 + (c / 2 + p)) * (FMT == kQ4_K ? 16 : 32);
       const __m256 dd = _mm256_set_m128(_mm_set1_ps(d[e + 1]), _mm_set1_ps(d[e]));
       __m256 dm = _mm256_setzero_ps();
       if (FMT == kQ4_K) dm = _mm256_set_m128(_mm_set1_ps(dmin[e + 1]), _mm_set1_ps(dmin[e]));
       for (int r = 0; r < R; ++r) {
+        const int16_t* a = X.auxrow(r0 + r) + kAuxPerSuper * s;
+        __m256i isr = isum[r][p];
+        if (FMT == kQ6_K) {  // - 32 sum_h sc_h sum(x_h)
+          const __m256i corr = _mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts)),
+                                bcast16(a)),
+              _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts + 16)),
+                                bcast16(a + 8)));
+          isr = _mm256_sub_epi32(isr, _mm256_slli_epi32(corr, 5));
+        }
         const __m256 dx = _mm256_set1_ps(X.drow(r0 + r)[s]);
-        facc[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][p]), _mm256_mul_ps(dd, dx),
-                                     facc[r][p]);
-        if (FMT == kQ4_K)
-          macc[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum[r][p]), _mm256_mul_ps(dm, dx),
+        facc[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isr), _mm256_mul_ps(dd, dx), facc[r][p]);
+        if (FMT == kQ4_K) {
+          const __m256i msum = _mm256_madd_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts)), bcast16(a));
+          macc[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dm, dx),
                                        macc[r][p]);
+        }
       }
     }
   }
@@ -195,28 +209,109 @@ static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const
     }
 }
 
+// The weights' side of the per-super-block sums, per (super block, column pair) as 16-bit
+// lanes [column c | column c + 1], 8 each: Q4_K the mins m_j (j = 0..7); Q6_K the scales sc_h
+// of the 16-weight halves h = 0..7, then h = 8..15 (h = 2 j + half).
+template <int FMT>
+static void tile_sums(const Layout& L, const uint8_t* tile, int16_t* out) {
+  const Sections sec = sections_of(L);
+  const int64_t count = L.blocks * kTile;
+  for (int64_t s = 0; s < L.blocks / 8; ++s) {
+    if (FMT == kQ4_K) {
+      // 32 mins, byte 4 j + c -> per 128-bit lane [c0 j0-3 | c1 | c2 | c3] (j 0-3, then 4-7)
+      const __m256i by_column = _mm256_setr_epi8(
+          0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+          0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+      const __m256i m = _mm256_shuffle_epi8(
+          _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(tile + sec.sc + count + 32 * s)),
+          by_column);
+      for (int pair = 0; pair < 2; ++pair) {
+        const int c = 2 * pair;  // [c j0-3, c j4-7, c+1 j0-3, c+1 j4-7]
+        const __m256i g = _mm256_permutevar8x32_epi32(
+            m, _mm256_setr_epi32(c, c + 4, c + 1, c + 5, 0, 0, 0, 0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (s * 2 + pair) * 16),
+                            _mm256_cvtepu8_epi16(_mm256_castsi256_si128(g)));
+      }
+    } else {
+      // 64 scales, byte 8 j + 2 c + part; h = 2 j + part; j 0-3 (h 0-7) then j 4-7
+      const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+      for (int quarter = 0; quarter < 2; ++quarter) {
+        const __m256i v = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(tile + sec.sc + 64 * s + 32 * quarter));
+        for (int pair = 0; pair < 2; ++pair) {  // 32-bit groups 2 j + pair: (c, c+1) of j
+          const __m256i g = _mm256_permutevar8x32_epi32(
+              v, _mm256_setr_epi32(pair, pair + 2, pair + 4, pair + 6, 0, 0, 0, 0));
+          const __m128i bytes = _mm_shuffle_epi8(_mm256_castsi256_si128(g), split);
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(out + (s * 2 + pair) * 32 + 16 * quarter),
+              _mm256_cvtepi8_epi16(bytes));
+        }
+      }
+    }
+  }
+}
+
+// Rows [r0, r0 + R) of a tile, all four columns: one pass of both column pairs where the
+// registers hold them (R <= kQ8RowsBothPairs), else a pass per pair.
+template <int FMT, int R>
+static void q8k_rows_of(const Layout& L, const uint8_t* tile, const float* d, const float* dmin,
+                        const int16_t* sums, const Q8Rows& X, int64_t r0, float* out,
+                        const uint8_t* ahead, int64_t ahead_bytes) {
+  if (R <= kQ8RowsBothPairs) {
+    q8k_pass<FMT, R, 2>(L, tile, d, dmin, sums, X, r0, 0, out, ahead, ahead_bytes);
+  } else {
+    q8k_pass<FMT, R, 1>(L, tile, d, dmin, sums, X, r0, 0, out, ahead, ahead_bytes);
+    q8k_pass<FMT, R, 1>(L, tile, d, dmin, sums, X, r0, 2, out, nullptr, ahead_bytes);
+  }
+}
+
+template <int FMT>
+static void q8k_rows(int rows, const Layout& L, const uint8_t* tile, const float* d,
+                     const float* dmin, const int16_t* sums, const Q8Rows& X, int64_t r0,
+                     float* out, const uint8_t* ahead, int64_t ahead_bytes) {
+  static_assert(kQ8Rows <= 8, "q8k_rows dispatches 1..8 rows");
+#define Q8K_ROWS_CASE(n)                                                                    \
+  case n:                                                                                   \
+    q8k_rows_of<FMT, (n <= kQ8Rows ? n : 1)>(L, tile, d, dmin, sums, X, r0, out, ahead,     \
+                                             ahead_bytes);                                  \
+    break;
+  switch (rows) {
+    Q8K_ROWS_CASE(1)
+    Q8K_ROWS_CASE(2)
+    Q8K_ROWS_CASE(3)
+    Q8K_ROWS_CASE(4)
+    Q8K_ROWS_CASE(5)
+    Q8K_ROWS_CASE(6)
+    Q8K_ROWS_CASE(7)
+    default:
+      q8k_rows_of<FMT, kQ8Rows>(L, tile, d, dmin, sums, X, r0, out, ahead, ahead_bytes);
+  }
+#undef Q8K_ROWS_CASE
+}
+
 template <int FMT>
 static void q8k_tiles(const Layout& L, const uint8_t* w, const Q8Rows& X, int64_t M,
                       const Output& y, int64_t t0, int64_t t1) {
   static_assert(kTile == 4, "a pass covers two column pairs or one");
   const int64_t supers = L.blocks / 2;  // (super block, column) pairs of a tile
   std::vector<float> scales(2 * supers + 8), out(M * kTile);
+  std::vector<int16_t> sums(L.blocks / 8 * 2 * 32);
   float* d = scales.data();
   float* dmin = d + supers;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * L.tile_bytes();
     convert_scales(tile, supers, d);
     if (FMT == kQ4_K) convert_scales(tile + 2 * supers, supers, dmin);
+    tile_sums<FMT>(L, tile, sums.data());
     // Q6_K only: for Q4_K it cost 10-20% (AMD EPYC Genoa, 1 and 2 threads).
     const uint8_t* next = FMT == kQ6_K && t + 1 < t1 ? tile + L.tile_bytes() : nullptr;
     const int64_t tb = L.tile_bytes();
-    int64_t r0 = 0;
-    for (; r0 + kQ8Rows <= M; r0 += kQ8Rows, next = nullptr)
-      for (int c = 0; c < kTile; c += 2)
-        q8k_pass<FMT, kQ8Rows, 1>(L, tile, d, dmin, X, r0, c, out.data() + r0 * kTile,
-                                  c == 0 ? next : nullptr, tb);
-    for (; r0 < M; ++r0, next = nullptr)
-      q8k_pass<FMT, 1, 2>(L, tile, d, dmin, X, r0, 0, out.data() + r0 * kTile, next, tb);
+    for (int64_t r0 = 0; r0 < M; r0 += kQ8Rows, next = nullptr) {
+      const int rows = static_cast<int>(std::min<int64_t>(kQ8Rows, M - r0));
+      q8k_rows<FMT>(rows, L, tile, d, dmin, sums.data(), X, r0, out.data() + r0 * kTile, next,
+                    tb);
+    }
     const int64_t n0 = t * kTile;
     y.store(out.data(), M, n0, std::min<int64_t>(kTile, y.n - n0));
   }
