@@ -112,6 +112,20 @@ def _table(rows: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def readme_table(result: dict[str, Any]) -> str:
+    """The README's section body for a result file: what ran where, then the table."""
+    run = result.get("run", {})
+    model = Path(result["model"]).name if result["model"] != "default" else "the default model"
+    head = (
+        f"{model}, {result['steps']} greedy tokens per request, {run.get('torch_threads', '?')} "
+        f"torch threads, the in-process executor, each configuration in a fresh process; "
+        f"{run.get('cpu', '?')} at commit {str(run.get('commit', '?'))[:7]}, "
+        f"{str(run.get('date', '?'))[:10]}. Configurations: dtype:quantization, "
+        '`float-activations` = `gguf_activations="float32"` (else int8 for the K-quants).'
+    )
+    return head + "\n\n" + _table(result["configs"])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Runs the comparison, prints each result and a table, writes the JSON."""
     parser = argparse.ArgumentParser(prog="baton bench gguf_decode", description=__doc__)

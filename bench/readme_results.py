@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from baton.bench.forward import RESULTS
+from baton.bench.gguf_decode import readme_table as gguf_decode_table
 from baton.bench.gpu_report import gpu_check_table
 from baton.bench.readme_engine_tables import engine_sim_table, engine_table, spec_table
 from baton.bench.readme_tables import (
@@ -103,6 +104,13 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "Against other engines (JSON schema)",
         "baton bench peers",
         peers_table,
+    ),
+    (
+        "gguf_decode_1b.json",
+        "GGUF decode, 1B-shape Q4_K_M: int8 against float32 activations",
+        "baton bench gguf_decode --model llama-1b-random.Q4_K_M.gguf --threads 2 --configs "
+        "bfloat16:gguf,bfloat16:gguf:float-activations,bfloat16:none",
+        gguf_decode_table,
     ),
     (
         "serve_peers_1b.json",

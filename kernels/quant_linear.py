@@ -219,6 +219,25 @@ def repack_native(raw: np.ndarray, format: str) -> QuantWeight:
     return QuantWeight(format, n, k, _extension().repack(src, fmt.code, n, k))
 
 
+def dequantize_rows_native(weight: QuantWeight, rows: torch.Tensor) -> torch.Tensor:
+    """``quant_formats.dequantize_rows(weight, rows)`` in C++ (an embedding lookup in the
+    blocks): float32 ``[len(rows), k]``, gguf's values (only zeros' signs may differ from the
+    torch decode). Compiles the extension on first use.
+
+    Raises:
+        ValueError: ``rows`` is not a 1-D integer tensor of indices in [0, n).
+        RuntimeError: the CPU is not x86-64 with AVX2 (use ``quant_formats.dequantize_rows``).
+    """
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.is_floating_point():
+        raise ValueError(f"rows must be a 1-D integer tensor, got {rows!r:.80}")
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= weight.n):
+        raise ValueError(f"rows must be in [0, {weight.n}), got {rows.min()}..{rows.max()}")
+    if not available_isas():
+        raise RuntimeError("dequantize_rows_native needs the x86-64 extension")
+    code = FORMATS[weight.format].code
+    return _extension().dequantize_rows(weight.data, code, weight.n, weight.k, rows.long().cpu())
+
+
 def dequantize_native(raw: np.ndarray, format: str) -> torch.Tensor:
     """GGUF blocks ``raw`` ``[n, row_bytes]`` of ``format`` as float32 ``[n, k]``: gguf's
     dequantised values bit for bit, in C++ on torch's intra-op threads (repacked first, then

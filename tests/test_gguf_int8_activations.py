@@ -37,7 +37,7 @@ CONFIG = ModelConfig(
     num_heads=4,
     num_kv_heads=2,
     head_dim=64,
-    tie_word_embeddings=True,
+    tie_word_embeddings=False,  # the dense embedding below is used for lookups
     max_position_embeddings=256,
 )
 

@@ -27,6 +27,7 @@ from baton.engine.models.gguf_linear import PROJECTIONS
 from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
 from baton.engine.worker.build import add_cpu_kernels
 from baton.kernels.quant_formats import QuantWeight, dequantize
+from baton.kernels.quant_linear import dequantize_rows_native
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the kernel is built for x86-64 only"
@@ -74,8 +75,7 @@ def test_kept_blocks_dequantise_to_the_dense_loaders_weights(quant_gguf: Path) -
     kept = load_checkpoint(quant_gguf, torch.float32, keep_quantized=True)
     expected = {f"model.layers.{i}.{fused}" for i in range(LAYERS) for fused, _ in PROJECTIONS}
     assert set(kept.quantized) == expected | {"lm_head.weight"}
-    assert set(kept.weights) == {
-        "model.embed_tokens.weight",
+    assert set(kept.weights) == {  # the tied embedding is looked up in the head's blocks
         "model.norm.weight",
         *(
             f"model.layers.{i}.{n}_layernorm.weight"
@@ -91,16 +91,15 @@ def test_kept_blocks_dequantise_to_the_dense_loaders_weights(quant_gguf: Path) -
     head = kept.quantized["lm_head.weight"]
     assert head.format == "Q8_0"
     assert torch.equal(dequantize(head), dense.weights["model.embed_tokens.weight"])
-    assert torch.equal(
-        kept.weights["model.embed_tokens.weight"], dense.weights["model.embed_tokens.weight"]
-    )
+    ids = torch.tensor([0, 5, 5, 261, 17])  # repeats, any order, the last row
+    looked_up = dequantize_rows_native(head, ids) + 0.0  # -0.0 -> 0.0 (see dequantize_native)
+    assert torch.equal(looked_up, dense.weights["model.embed_tokens.weight"][ids] + 0.0)
 
 
-def test_only_norms_and_embedding_are_dequantised(
-    quant_gguf: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """No linear weight is ever decoded to floats at load, and the model holds no dense
-    projection or LM head: only the embedding (for lookups) and the norms."""
+def test_only_norms_are_dequantised(quant_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No linear weight nor the embedding is ever decoded to floats at load, and the model
+    holds no dense projection, LM head or embedding table (lookups decode the tied head's
+    rows): only the norms."""
     decoded: list[tuple[int, ...]] = []
     real = gguf.quants.dequantize
 
@@ -121,17 +120,15 @@ def test_only_norms_and_embedding_are_dequantised(
     monkeypatch.setattr(gguf_loader, "dequantize_native", spy_native)
     model = _model(quant_gguf, torch.float32, keep=True)
     vocab = model.config.vocab_size
-    # The norms, then the embedding (decoded a chunk of rows at a time): nothing else.
-    assert sorted(shape for shape in decoded if len(shape) == 1) == [(64,)] * (2 * LAYERS + 1)
-    tables = [shape for shape in decoded if len(shape) == 2]
-    assert {cols for _, cols in tables} == {64} and sum(rows for rows, _ in tables) == vocab
-    assert len(decoded) == 2 * LAYERS + 1 + len(tables)
+    assert sorted(decoded) == [(64,)] * (2 * LAYERS + 1)  # the norms: nothing else
     for layer in model.layers:
         assert layer.quant is not None and all(q is not None for q in layer.quant)
         assert all(lin.weight.numel() == 0 for lin in layer._linears)
     assert isinstance(model.lm_head_quant, QuantWeight) and model.lm_head is None
-    big = {n: tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2}
-    assert big == {"embed_tokens.weight": (vocab, 64)}
+    assert model.embed_quant is model.lm_head_quant
+    big = {n: tuple(p.shape) for n, p in model.named_parameters() if p.numel() > 0 and p.dim() > 1}
+    assert big == {}
+    assert model.lm_head_quant.n == vocab
 
 
 def _decode_logits(model: LlamaForCausalLM, prompt: list[int], steps: int) -> torch.Tensor:
@@ -321,13 +318,16 @@ def test_bench_gguf_decode_runs_a_config_in_a_fresh_process(
 
 def test_qwen2_bias_and_untied_head_through_the_kernel(tiny_qwen_dir: Path, tmp_path: Path) -> None:
     """Qwen2: q/k/v biases added after the kernel, q/k not permuted, and an untied LM head
-    (output.weight) kept quantised with no dense copy."""
+    (output.weight) and embedding kept quantised with no dense copy."""
     path = gguf_from_hf_dir(
         tiny_qwen_dir, tmp_path / "qwen2.gguf", mini_tokenizer_metadata(), _linear_type("Q8_0")
     )
     kept = load_checkpoint(path, torch.float32, keep_quantized=True)
     assert kept.config.attention_bias and not kept.config.tie_word_embeddings
     assert "lm_head.weight" in kept.quantized and "lm_head.weight" not in kept.weights
+    # the untied embedding is kept in its own blocks, looked up there
+    assert "model.embed_tokens.weight" in kept.quantized
+    assert "model.embed_tokens.weight" not in kept.weights
     assert "model.layers.0.self_attn.q_proj.bias" in kept.weights
     model = _model(path, torch.float32, keep=True)
     assert model.lm_head is not None and model.lm_head.weight.numel() == 0

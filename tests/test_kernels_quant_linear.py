@@ -289,3 +289,13 @@ def test_bad_inputs_name_what_is_wrong() -> None:
         repack_native(raw, "IQ4_NL")
     with pytest.raises(ValueError, match=r"isa 'sse2' is not available on this CPU"):
         quant_linear(torch.zeros(1, 64), weight, isa="sse2")
+
+
+def test_an_extension_is_named_by_the_headers_it_includes_only() -> None:
+    """Editing one extension's header must not rebuild another (the build name hashes the
+    source and the headers it includes, directly or through each other)."""
+    from baton.kernels.cpp_build import CSRC, included_headers
+
+    names = {p.name for p in included_headers(CSRC / "quant_linear.cpp")}
+    assert {"quant_linear_body.h", "quant_linear_q8k.h", "quant_repack.h"} <= names
+    assert not {p.name for p in included_headers(CSRC / "cpu_ops.cpp")} & names

@@ -9,7 +9,7 @@ import torch
 
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.gguf_linear import LM_HEAD, covered_weights, type_counts
+from baton.engine.models.gguf_linear import EMBEDDING, LM_HEAD, covered_weights, type_counts
 from baton.engine.models.sharding import ShardSpec, check_tensor_parallel, weight_slice
 from baton.engine.tokenizer import Tokenizer
 from baton.kernels.quant_formats import QuantWeight
@@ -93,6 +93,10 @@ def check_weights(
                 weights[part] = torch.empty(expected.get(part, (0,)), device="meta")
         if config.tie_word_embeddings:
             weights.pop(LM_HEAD, None)
+            if LM_HEAD in quantized:  # its blocks serve the embedding's lookups too
+                weights.setdefault(
+                    EMBEDDING, torch.empty(expected.get(EMBEDDING, (0,)), device="meta")
+                )
     missing = [name for name in expected if name not in weights]
     if missing:
         shown = ", ".join(missing[:5]) + (

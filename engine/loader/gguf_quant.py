@@ -21,7 +21,7 @@ from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.gguf import qk_heads, unpermute_qk
 from baton.engine.loader.gguf_reader import GGUFTensor
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.gguf_linear import LM_HEAD, PROJECTIONS, type_counts
+from baton.engine.models.gguf_linear import EMBEDDING, LM_HEAD, PROJECTIONS, type_counts
 from baton.kernels.quant_formats import FORMATS, QuantWeight, repack
 from baton.kernels.quant_linear import available_isas, repack_native
 
@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 # Unquantised types: a linear stored so is loaded dense as it always was, without a warning.
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
-_EMBEDDING = "model.embed_tokens.weight"
 
 
 def _raw_rows(path: Path, tensor: GGUFTensor, config: ModelConfig) -> np.ndarray:
@@ -82,8 +81,9 @@ def keep_quantized(
     A projection is kept when all its parts have a kernel type; one with a part of another
     quantised type is dequantised whole (logged as a warning naming the type and the memory it
     takes in ``dtype``). The LM head (``output.weight``, or the embedding when tied) is kept
-    when its type has a kernel; a tied embedding stays dense for lookups too. Logs what was
-    kept. Missing tensors are left for the checkpoint's check to report.
+    when its type has a kernel, and so is an untied embedding (``EMBEDDING``); the model looks
+    up a kept embedding's rows in its blocks (a tied one's in the head's), so it is not loaded
+    dense. Logs what was kept. Missing tensors are left for the checkpoint's check to report.
 
     Raises:
         ModelLoadError: no linear weight has a kernel type (naming the types found), or a
@@ -107,16 +107,22 @@ def keep_quantized(
             skip.update(group)
         elif not kinds <= _FLOAT_TYPES:
             fallback.append((name, list(group.values())))
-    head_name = LM_HEAD if LM_HEAD in tensors else _EMBEDDING
+    head_name = LM_HEAD if LM_HEAD in tensors else EMBEDDING
     head = tensors.get(head_name)
     if head is not None and head.tensor_type.name in FORMATS:
         quantized[LM_HEAD] = _repack(
             path, _raw_rows(path, head, config), head.tensor_type.name, LM_HEAD
         )
-        if head_name == LM_HEAD:
-            skip.add(LM_HEAD)  # a tied head's embedding is still loaded, for lookups
+        # the model looks up a tied embedding's rows in the head's blocks: not loaded dense
+        skip.add(head_name)
     elif head is not None and head.tensor_type.name not in _FLOAT_TYPES:
         fallback.append((f"the LM head ({head.name})", [head]))
+    embedding = tensors.get(EMBEDDING)
+    if head_name == LM_HEAD and embedding is not None and embedding.tensor_type.name in FORMATS:
+        quantized[EMBEDDING] = _repack(
+            path, _raw_rows(path, embedding, config), embedding.tensor_type.name, EMBEDDING
+        )
+        skip.add(EMBEDDING)
     if not quantized:
         linear_types = sorted(
             {
@@ -131,7 +137,8 @@ def keep_quantized(
             f"{', '.join(FORMATS)} quantised, but this file's linear weights are "
             f"{', '.join(linear_types) or 'absent'}; use quantization=None to load it dequantised"
         )
-    _log(path, quantized, fallback, tensors.get(_EMBEDDING), dtype)
+    dense_embedding = None if EMBEDDING in skip else tensors.get(EMBEDDING)
+    _log(path, quantized, fallback, dense_embedding, dtype)
     return quantized, frozenset(skip)
 
 
@@ -156,13 +163,17 @@ def _log(
             _dense_bytes(group, dtype) / 2**20,
         )
     counts = ", ".join(f"{k} x{v}" for k, v in type_counts(quantized).items())
+    lookups = (
+        "looked up in its blocks"
+        if embedding is None
+        else f"dense in {dtype_name} for lookups: {_dense_bytes([embedding], dtype) / 2**20:.1f}"
+        " MiB"
+    )
     logger.info(
-        "%s: %d linear weights kept quantised (%s): %.1f MiB; the embedding is dense in %s for "
-        "lookups: %.1f MiB",
+        "%s: %d weights kept quantised (%s): %.1f MiB; the embedding is %s",
         path,
         len(quantized),
         counts,
         sum(w.nbytes for w in quantized.values()) / 2**20,
-        dtype_name,
-        0.0 if embedding is None else _dense_bytes([embedding], dtype) / 2**20,
+        lookups,
     )

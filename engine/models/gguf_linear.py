@@ -5,8 +5,10 @@ multiplies (``kernels/quant_formats.FORMATS``) in their blocks, repacked for
 ``kernels/quant_linear.py``, as ``QuantWeight``s keyed by name: a fused projection's name
 (``self_attn.qkv_proj.weight``, ``mlp.gate_up_proj.weight``) when its parts share a type and
 their rows could be concatenated, else each part under its Hugging Face name (the outputs are
-concatenated instead); ``lm_head.weight`` for the LM head, tied or not. The model multiplies
-these on every step and holds no dense copy of them.
+concatenated instead); ``lm_head.weight`` for the LM head, tied or not, and
+``model.embed_tokens.weight`` for an untied embedding of a kernel type. The model multiplies
+these on every step, looks up the embedding's rows in its blocks (a tied one in the head's),
+and holds no dense copy of them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ PROJECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mlp.down_proj.weight", ("mlp.down_proj.weight",)),
 )
 LM_HEAD = "lm_head.weight"
+# An untied embedding kept in its blocks (lookups decode its rows); a tied one is the LM head's.
+EMBEDDING = "model.embed_tokens.weight"
 
 # The parts of a projection held as kernel weights (one fused weight, or one per part).
 QuantParts = tuple[QuantWeight, ...]

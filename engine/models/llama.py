@@ -11,6 +11,7 @@ from torch import nn
 from baton.engine.models.attention import AttentionMetadata, paged_attention, sdpa_backends
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.gguf_linear import (
+    EMBEDDING,
     LM_HEAD,
     PROJECTIONS,
     QuantParts,
@@ -34,6 +35,7 @@ from baton.engine.models.quant import (
 )
 from baton.engine.models.sharding import shard_config
 from baton.kernels.quant_formats import QuantWeight
+from baton.kernels.quant_linear import dequantize_rows_native
 from baton.kernels.silu_mul import silu_mul
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -258,6 +260,15 @@ class LlamaForCausalLM(nn.Module):
         )
         # The LM head in GGUF blocks (tied or not): then every step multiplies with it.
         self.lm_head_quant: QuantWeight | None = quantized.get(LM_HEAD)
+        # The embedding in GGUF blocks, its own (EMBEDDING) or a tied head's: then lookups
+        # decode its rows and no dense table is held (an empty weight stands in).
+        self.embed_quant: QuantWeight | None = quantized.get(EMBEDDING) or (
+            self.lm_head_quant if config.tie_word_embeddings else None
+        )
+        if self.embed_quant is not None:
+            self.embed_tokens.weight = nn.Parameter(
+                torch.empty(0, config.hidden_size), requires_grad=False
+            )
         self.lm_head: nn.Linear | None = (
             None
             if config.tie_word_embeddings
@@ -351,7 +362,11 @@ class LlamaForCausalLM(nn.Module):
 
         Returns hidden states ``[T, hidden_size]`` after the final norm.
         """
-        x = self.embed_tokens(input_ids)
+        x = (
+            self.embed_tokens(input_ids)
+            if self.embed_quant is None
+            else dequantize_rows_native(self.embed_quant, input_ids).to(self.norm.weight.dtype)
+        )
         rope = self.rope.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
         with sdpa_backends(x.device):
@@ -410,8 +425,11 @@ class LlamaForCausalLM(nn.Module):
             param.copy_(value)
 
         with torch.no_grad():
-            embedding = take("model.embed_tokens.weight")
-            if self.embed_tokens.weight.is_meta:  # built for quantised weights: no copy
+            embedding = take("model.embed_tokens.weight") if self.embed_quant is None else None
+            remaining.pop("model.embed_tokens.weight", None)  # in blocks: lookups decode them
+            if embedding is None:
+                pass
+            elif self.embed_tokens.weight.is_meta:  # built for quantised weights: no copy
                 check(self.embed_tokens.weight, embedding, "embed_tokens")
                 self.embed_tokens.weight = nn.Parameter(
                     embedding.to(self.embed_tokens.weight.dtype).contiguous(), requires_grad=False

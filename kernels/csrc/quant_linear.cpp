@@ -362,6 +362,31 @@ at::Tensor dequantize(const at::Tensor& w, int64_t format, int64_t n, int64_t k)
   return out;
 }
 
+// Rows `rows` (int64, each in [0, n), checked by the wrapper) of dequant(w) as float32
+// [len(rows), k]: gguf's values, as dequantize() gives them.
+at::Tensor dequantize_rows(const at::Tensor& w, int64_t format, int64_t n, int64_t k,
+                           const at::Tensor& rows) {
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "unknown format ", format);
+  TORCH_CHECK(isa_supported(kIsaAvx2), "dequantize_rows needs AVX2, FMA and F16C");
+  const Layout L{static_cast<int>(format), k / 32};
+  const int64_t ntiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(k > 0 && k % L.block_weights() == 0 && n > 0 && w.dim() == 1 &&
+                  w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.numel() == ntiles * L.tile_bytes(),
+              "packed weight does not match format, N and K");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be 1-D int64");
+  const at::Tensor idx = rows.contiguous();
+  const int64_t count = idx.numel();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "row out of range");
+  at::Tensor out = at::empty({count, k}, w.options().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, count, std::max<int64_t>(1, 16384 / k),
+                   [&](int64_t i0, int64_t i1) { avx2::run_dequant_rows(L, wp, ip, op, i0, i1); });
+  return out;
+}
+
 // How many of torch's intra-op threads an at::parallel_for of n one-item chunks ran on: the
 // build's check that this file was compiled with OpenMP (without it the loop runs serially).
 int64_t parallel_threads_used(int64_t n) {
@@ -394,6 +419,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ dequant(w)^T (see quant_linear.py)",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &dequantize, "dequant(w) as float32 [n, k] (gguf's values)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows", &dequantize_rows, "rows of dequant(w) as float32 (gguf's values)",
         py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads_used", &parallel_threads_used,
         "threads an at::parallel_for over n items ran on (1 when built without OpenMP)");

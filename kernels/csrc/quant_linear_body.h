@@ -308,6 +308,39 @@ static void dequant_tiles(const Layout& L, const uint8_t* w, float* out, int64_t
   }
 }
 
+// Rows rows[i0 .. i1) of dequant(W) as float32 [i][K] into out: an embedding lookup in the
+// blocks (each row as dequant_tiles writes it).
+template <int FMT>
+static void dequant_rows(const Layout& L, const uint8_t* w, const int64_t* rows, float* out,
+                         int64_t i0, int64_t i1) {
+  std::vector<float> sd(L.blocks * kTile), sb(L.blocks * kTile);
+  std::vector<float> super_scales(L.blocks * kTile / 4 + 8);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t t = rows[i] / kTile;
+    const int c = static_cast<int>(rows[i] % kTile);
+    const uint8_t* tile = w + t * L.tile_bytes();
+    tile_scales<FMT>(L, tile, sd.data(), sb.data(), super_scales.data());
+    float* row = out + i * L.k();
+    for (int64_t b = 0; b < L.blocks; ++b) {
+      V16 lo, hi;
+      dequant<FMT>(L, tile + L.head_bytes(), sd.data(), sb.data(), b * kTile + c, lo, hi);
+      vstore(row + 32 * b, lo);
+      vstore(row + 32 * b + 16, hi);
+    }
+  }
+}
+
+static void run_dequant_rows(const Layout& L, const uint8_t* w, const int64_t* rows, float* out,
+                             int64_t i0, int64_t i1) {
+  switch (L.format) {
+    case kQ8_0: dequant_rows<kQ8_0>(L, w, rows, out, i0, i1); break;
+    case kQ4_0: dequant_rows<kQ4_0>(L, w, rows, out, i0, i1); break;
+    case kQ4_1: dequant_rows<kQ4_1>(L, w, rows, out, i0, i1); break;
+    case kQ4_K: dequant_rows<kQ4_K>(L, w, rows, out, i0, i1); break;
+    default: dequant_rows<kQ6_K>(L, w, rows, out, i0, i1); break;
+  }
+}
+
 static void run_dequant(const Layout& L, const uint8_t* w, float* out, int64_t n, int64_t t0,
                         int64_t t1) {
   switch (L.format) {
