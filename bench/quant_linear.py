@@ -336,6 +336,37 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def readme_table(result: dict) -> str:
+    """The README's section body: where it ran, each kernel's weight bandwidth at one row
+    against the measured copy bandwidth, and milliseconds per pass by row count."""
+    run = result.get("run", {})
+    parts = [
+        f"{run.get('cpu', '?')}, {run.get('torch_threads', '?')} torch threads, kernel ISA "
+        f"{result['isa']}, commit {str(run.get('commit', '?'))[:7]}, "
+        f"{str(run.get('date', '?'))[:10]}; copy {result['copy_bandwidth_GBps']:.1f} GB/s, "
+        f"read {result['read_bandwidth_GBps']:.1f} GB/s; median of {result['trials']} "
+        "interleaved trials. `gguf_*`: the GGUF blocks kept (`gguf_int8act_*`: int8 rows of x, "
+        "llama.cpp's numerics); the others multiply the same weights dequantised."
+    ]
+    for w in result["workloads"]:
+        rows = [r["rows"] for r in w["rows"]]
+        lines = [
+            f"**{w['name']}**",
+            "",
+            "| kernel | weight MB | M=1 GB/s (of copy) | "
+            + " | ".join(f"M={m} ms" for m in rows)
+            + " |",
+            "|---|---|---|" + "---|" * len(rows),
+        ]
+        for k in w["kernels"]:
+            bw = w["m1_weight_bandwidth"].get(k)
+            m1 = f"{bw['GB/s']:.1f} ({bw['of_copy']:.0%})" if bw else "-"
+            ms = " | ".join(f"{r[f'{k}_ms']:.2f}" for r in w["rows"])
+            lines.append(f"| {k} | {w['weight_bytes'][k] / 1e6:.1f} | {m1} | {ms} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(p, "quant_linear", dtype=None)

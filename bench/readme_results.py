@@ -19,6 +19,7 @@ from typing import Any
 from baton.bench.forward import RESULTS
 from baton.bench.gguf_decode import readme_table as gguf_decode_table
 from baton.bench.gpu_report import gpu_check_table
+from baton.bench.quant_linear import readme_table as quant_linear_table
 from baton.bench.readme_engine_tables import engine_sim_table, engine_table, spec_table
 from baton.bench.readme_tables import (
     compile_burst_table,
@@ -104,6 +105,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "Against other engines (JSON schema)",
         "baton bench peers",
         peers_table,
+    ),
+    (
+        "quant_linear_kquants.json",
+        "GGUF K-quant kernels by row count (bandwidth at one row)",
+        "baton bench quant_linear --formats Q4_K,Q6_K --threads 2 --rows 1,2,4,16,64 --trials 5",
+        quant_linear_table,
     ),
     (
         "gguf_decode_1b.json",
