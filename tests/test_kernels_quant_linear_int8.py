@@ -58,7 +58,7 @@ def test_the_torch_quantiser_rounds_to_nearest_even() -> None:
 
 
 @pytest.mark.parametrize("fmt", INT8_FORMATS)
-@pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (130, 1536), (33, 2048)])
+@pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (130, 1536), (33, 2048), (9, 4096)])
 def test_matches_the_torch_reference(fmt: str, n: int, k: int) -> None:
     """Within the float32 rounding of its per-super-block steps (K/256 FMAs per lane, a 2-level
     tree, the scale products, the int32 -> float32 conversions), bounded with room by 4 gamma
