@@ -1,8 +1,9 @@
-"""RMSNorm (with its residual add) and RoPE on the CPU in one C++ call each
-(``csrc/cpu_ops.cpp``): what ``rms_norm`` and ``rope`` run for CPU tensors when the extension
-builds. Their references are ``rms_norm_torch`` and ``rope_torch``: RoPE gives their bits, and
-RMSNorm all but the mean's summation order (one fixed order, so a row's result does not depend
-on the other rows or on the thread count).
+"""RMSNorm (with its residual add), RoPE and paged decode attention on the CPU in one C++ call
+each (``csrc/cpu_ops.cpp``): what ``rms_norm``, ``rope`` and the model's decode steps run for
+CPU tensors when the extension builds. Their references are ``rms_norm_torch``, ``rope_torch``
+and ``paged_decode_attention_torch``: RoPE gives their bits, RMSNorm all but the mean's
+summation order, attention its float32 value in another order (each one fixed, so a row's
+result does not depend on the other rows or on the thread count).
 
 Why: a small model's batch-1 decode step on the CPU is bound by dispatching torch ops, and the
 torch forms are eight to ten ops per call (measured on the default model, AMD EPYC, 2 threads:
@@ -100,3 +101,44 @@ def rope_cpu(
     if ext is None:
         raise RuntimeError("the CPU ops extension is not available")
     return ext.rope(q, cos, sin), ext.rope(k, cos, sin)
+
+
+def paged_decode_fits(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode_cpu` takes these tensors (CPU, one float32/bfloat16 dtype, q
+    ``[B, H, D]``, contiguous caches ``[N, block_size, KVH, D]``)."""
+    return (
+        ENABLED
+        and q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and key_cache.dtype == value_cache.dtype == q.dtype
+        and q.dim() == 3
+        and key_cache.dim() == 4
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and extension() is not None
+    )
+
+
+def paged_decode_cpu(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_decode_attention_torch``'s value (``kernels/paged_attention.py``: one query
+    token per sequence over its blocks) in one C++ call, float32 math in one fixed order per
+    (sequence, head): a row's result does not depend on the other sequences, their lengths or
+    the thread count. Reads the lengths and block ids on the host (CPU tensors).
+
+    Raises:
+        RuntimeError: tensors `paged_decode_fits` refuses, a length outside [1, the table's
+            capacity], a used block id outside the cache, or no extension.
+    """
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("the CPU ops extension is not available")
+    return ext.paged_decode(
+        q.contiguous(), key_cache, value_cache, block_tables.long(), seq_lens.long(), float(scale)
+    )

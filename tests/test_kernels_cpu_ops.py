@@ -1,5 +1,6 @@
-"""The CPU's one-call RMSNorm and RoPE (``kernels/cpu_ops.py``) against their torch references:
-RoPE bit for bit, RMSNorm within the mean's rounding; both batch-invariant."""
+"""The CPU's one-call RMSNorm, RoPE and paged decode attention (``kernels/cpu_ops.py``) against
+their torch references: RoPE bit for bit, RMSNorm within the mean's rounding, attention within
+float32 rounding; all batch-invariant."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from baton.kernels import cpu_ops
+from baton.kernels.paged_attention import paged_decode_attention_torch
 from baton.kernels.rms_norm import rms_norm, rms_norm_torch
 from baton.kernels.rope import rope, rope_torch
 
@@ -107,3 +109,56 @@ def test_shapes_the_ops_refuse_fall_back_to_torch() -> None:
         torch.equal(a, b)
         for a, b in zip(rope(half, half, cos, sin), rope_torch(half, half, cos, sin), strict=True)
     )
+
+
+def _decode_case(
+    dtype: torch.dtype, seed: int = 0, batch: int = 6, heads: int = 9, kv_heads: int = 3
+):
+    """q [B, H, 64], caches of 48 blocks of 16, shuffled tables, lengths from 1 to a full table."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks, block_size, width = 48, 16, 7
+    q = torch.randn(batch, heads, 64, generator=gen).to(dtype)
+    kc = torch.randn(blocks, block_size, kv_heads, 64, generator=gen).to(dtype)
+    vc = torch.randn(blocks, block_size, kv_heads, 64, generator=gen).to(dtype)
+    tables = torch.randperm(blocks, generator=gen)[: batch * width].view(batch, width)
+    lens = torch.tensor([1, 16, 17, width * block_size, 50, 3][:batch])
+    return q, kc, vc, tables, lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_matches_the_reference(dtype: torch.dtype) -> None:
+    """float32: within a few ulps of the reference's float32 SDPA (another summation order);
+    bfloat16: the same float32 value rounded once, so within one bfloat16 ulp of it."""
+    q, kc, vc, tables, lens = _decode_case(dtype)
+    ref = paged_decode_attention_torch(q.float(), kc.float(), vc.float(), tables, lens, 0.125)
+    out = cpu_ops.paged_decode_cpu(q, kc, vc, tables, lens, 0.125)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    assert ((out.float() - ref).abs() <= tol * (1 + ref.abs())).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_is_batch_invariant(dtype: torch.dtype, restore_threads: None) -> None:
+    """Each sequence alone, at 1 and 2 threads, gives the bits it gets among the others."""
+    q, kc, vc, tables, lens = _decode_case(dtype, seed=1)
+    torch.set_num_threads(2)
+    batch = cpu_ops.paged_decode_cpu(q, kc, vc, tables, lens, 0.125)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for b in range(q.shape[0]):
+            alone = cpu_ops.paged_decode_cpu(
+                q[b : b + 1], kc, vc, tables[b : b + 1], lens[b : b + 1], 0.125
+            )
+            assert torch.equal(alone[0], batch[b]), (threads, b)
+
+
+def test_paged_decode_names_bad_lengths_and_blocks() -> None:
+    q, kc, vc, tables, lens = _decode_case(torch.float32, batch=2)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        cpu_ops.paged_decode_cpu(q, kc, vc, tables, torch.tensor([0, 3]), 0.125)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        cpu_ops.paged_decode_cpu(q, kc, vc, tables, torch.tensor([3, 7 * 16 + 1]), 0.125)
+    bad = tables.clone()
+    bad[1, 0] = 48
+    with pytest.raises(RuntimeError, match="block id"):
+        cpu_ops.paged_decode_cpu(q, kc, vc, bad, lens, 0.125)

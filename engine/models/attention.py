@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from baton.engine.worker.device_buffers import stage_to_device
+from baton.kernels.cpu_ops import paged_decode_cpu, paged_decode_fits
 from baton.kernels.kv_write import kv_write_
 from baton.kernels.paged_attention import HAS_TRITON, paged_decode_attention
 
@@ -244,6 +245,10 @@ def paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale
         )
 
+    if meta.query_index is None and paged_decode_fits(q, key_cache, value_cache):
+        # Pure decode on the CPU: one C++ call over the blocks in place, one fixed order per
+        # (sequence, head) whatever the batch (the gather + padded SDPA below was 8-10 ops).
+        return paged_decode_cpu(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
     b, qlen = meta.num_seqs, meta.max_query_len
     num_heads = q.shape[1]
     if meta.query_index is None:

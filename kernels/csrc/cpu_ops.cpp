@@ -13,6 +13,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -155,6 +156,129 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
+// Paged decode attention: the dot product of two float rows in 16 lanes (i mod 16), then a
+// fixed tree, and acc += p * v; cloned for AVX-512, AVX2 and the baseline (GCC picks one at load
+// time). With -ffp-contract=off every clone rounds each product and sum alike: one order, one
+// result per machine, whatever the batch.
+__attribute__((target_clones("avx512f", "avx2", "default"))) float dot16(const float* a,
+                                                                          const float* b,
+                                                                          int64_t n) {
+  float lanes[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
+  for (int l = 0; i < n; ++i, ++l) lanes[l] += a[i] * b[i];
+  for (int width = 8; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0];
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void axpy(float* acc, float p,
+                                                                        const float* v,
+                                                                        int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
+}
+
+// One (sequence, kv head) pair: its `group` query heads over the sequence's keys, each in the
+// same order whatever else is in the batch (scores, max, exp, sum and the weighted values in
+// position order).
+template <typename T>
+void decode_pair(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len,
+                 float scale, T* out, int64_t group, int64_t kvh, int64_t g, int64_t d,
+                 int64_t bs, std::vector<float>& work) {
+  work.assign(group * d * 2 + group * len + d, 0.0f);
+  float* qf = work.data();
+  float* acc = qf + group * d;
+  float* scores = acc + group * d;
+  float* row = scores + group * len;
+  for (int64_t i = 0; i < group * d; ++i) qf[i] = to_f(q[i]);
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = table[t / bs] * bs + t % bs;
+    const T* k = kc + (slot * kvh + g) * d;
+    for (int64_t i = 0; i < d; ++i) row[i] = to_f(k[i]);
+    for (int64_t h = 0; h < group; ++h) scores[h * len + t] = dot16(qf + h * d, row, d) * scale;
+  }
+  std::vector<float> total(group, 0.0f);
+  for (int64_t h = 0; h < group; ++h) {
+    float* sc = scores + h * len;
+    float top = sc[0];
+    for (int64_t t = 1; t < len; ++t) top = std::max(top, sc[t]);
+    for (int64_t t = 0; t < len; ++t) {
+      sc[t] = std::exp(sc[t] - top);
+      total[h] += sc[t];
+    }
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = table[t / bs] * bs + t % bs;
+    const T* v = vc + (slot * kvh + g) * d;
+    for (int64_t i = 0; i < d; ++i) row[i] = to_f(v[i]);
+    for (int64_t h = 0; h < group; ++h) axpy(acc + h * d, scores[h * len + t], row, d);
+  }
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t i = 0; i < d; ++i) out[h * d + i] = from_f<T>(acc[h * d + i] / total[h]);
+}
+
+template <typename T>
+void run_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                const int64_t* tables, int64_t width, const int64_t* lens, double scale,
+                at::Tensor& out, int64_t batch, int64_t group, int64_t kvh, int64_t d,
+                int64_t bs) {
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, batch * kvh, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> work;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / kvh, g = i % kvh;
+      const int64_t at = (b * kvh + g) * group * d;  // q and out rows of this pair's heads
+      decode_pair<T>(qp + at, kp, vp, tables + b * width, lens[b], static_cast<float>(scale),
+                     op + at, group, kvh, g, d, bs, work);
+    }
+  });
+}
+
+// q [B, H, D] (contiguous), caches [N, block_size, KVH, D] (contiguous), block_tables int64
+// [B, max_blocks], seq_lens int64 [B] (each in [1, max_blocks * block_size], block ids in
+// [0, N): checked here) -> [B, H, D] in q's dtype; float32 math.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, H, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "q must be float32 or bfloat16");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == q.scalar_type() &&
+                  value_cache.scalar_type() == q.scalar_type() && key_cache.size(3) == q.size(2),
+              "caches must be contiguous [N, block_size, KVH, D] of q's dtype and head dim");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), kvh = key_cache.size(2);
+  TORCH_CHECK(kvh > 0 && heads % kvh == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                  block_tables.scalar_type() == at::kLong && seq_lens.dim() == 1 &&
+                  seq_lens.size(0) == batch && seq_lens.scalar_type() == at::kLong,
+              "block_tables must be int64 [B, max_blocks] and seq_lens int64 [B]");
+  const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  const int64_t width = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "seq_lens[", b, "] out of range");
+    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[b * width + j] >= 0 && tp[b * width + j] < blocks, "block id out of range");
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const int64_t group = heads / kvh;
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode",
+                     AT_DISPATCH_CASE(at::kFloat, [&] { run_decode<float>(q, key_cache,
+                         value_cache, tp, width, lp, scale, out, batch, group, kvh, d, bs); })
+                     AT_DISPATCH_CASE(at::kBFloat16, [&] { run_decode<at::BFloat16>(q,
+                         key_cache, value_cache, tp, width, lp, scale, out, batch, group, kvh, d,
+                         bs); }));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -162,5 +286,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("rope", &rope, "rotary embedding of one tensor of heads (see rope.py)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode", &paged_decode, "paged decode attention (see cpu_ops.py)",
         py::call_guard<py::gil_scoped_release>());
 }
