@@ -175,7 +175,9 @@ class EngineConfig:
             built). "gguf": a GGUF file's block-quantised linear layers (Q8_0, Q4_0, Q4_1,
             Q4_K, Q6_K; the LM head too) stay in their blocks in memory, repacked at load, and
             every step multiplies them with ``kernels/quant_linear.py`` (activations in
-            ``dtype``); the embedding is dequantised to ``dtype`` for lookups. A linear of
+            ``dtype``, or int8 as ``gguf_activations`` says); an embedding of those types stays
+            in its blocks too (lookups decode its rows; a tied one's are the LM head's). A
+            linear of
             another quantised type is dequantised with a logged warning naming it. CPU only,
             one rank (tensor_parallel_size 1); a model that is not a GGUF file, or has no
             linear of those types, is refused when it is loaded (``ModelLoadError``).

@@ -4,8 +4,9 @@ Each linear weight of a type the kernel multiplies (``kernels/quant_formats.FORM
 taken as raw block bytes from the memory map (``[rows, row_bytes]``), its q/k rows put back in
 Hugging Face order (llama.cpp's permutation moves whole rows), the parts of a fused projection
 concatenated row-wise when they share a type, and repacked for the kernel: never a float copy.
-Everything else (norms, the embedding for lookups, biases, linears of other types) is left to
-the dense loader.
+So is the embedding (an untied one under its own name; a tied one is the LM head's blocks),
+which the model looks up in its blocks. Everything else (norms, biases, linears of other
+types, an embedding of another type) is left to the dense loader.
 """
 
 from __future__ import annotations
