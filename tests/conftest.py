@@ -582,3 +582,28 @@ def default_model_server(default_checkpoint: Checkpoint) -> Iterator[str]:
             yield base
     finally:
         engine.shutdown()
+
+
+def decode_after_prompts(
+    model: torch.nn.Module, prompts: torch.Tensor, which: list[int], dtype: torch.dtype, block: int
+) -> torch.Tensor:
+    """Logits of one decode step for sequences ``which`` of ``prompts`` ``[seqs, n + 1]``:
+    each prompt's first n tokens prefilled alone into its own two cache blocks (block size
+    ``block``), then its token n decoded, all of ``which`` in one step."""
+    from baton.engine.models.attention import AttentionMetadata
+    from baton.engine.models.llama import allocate_kv_cache
+
+    seqs, n = prompts.shape[0], prompts.shape[1] - 1
+    tables = torch.tensor([[1 + 2 * s, 2 + 2 * s] for s in range(seqs)])
+    kv = allocate_kv_cache(model.config, 1 + 2 * seqs, block, dtype)
+    with torch.no_grad():
+        for s in which:
+            meta = AttentionMetadata.build(
+                torch.tensor([n]), torch.tensor([n]), tables[s : s + 1], block
+            )
+            model(prompts[s, :n], torch.arange(n), kv, meta)
+        k = len(which)
+        meta = AttentionMetadata.build(
+            torch.ones(k, dtype=torch.long), torch.full((k,), n + 1), tables[which], block
+        )
+        return model.compute_logits(model(prompts[which, n], torch.full((k,), n), kv, meta))

@@ -14,13 +14,13 @@ import platform
 import numpy as np
 import pytest
 import torch
+from conftest import decode_after_prompts
 
 from baton.bench.quant_linear import random_blocks
 from baton.engine.config import EngineConfig
 from baton.engine.entrypoints.args import add_engine_args, config_from_args
-from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.models.llama import LlamaForCausalLM
 from baton.kernels.quant_formats import QuantWeight, repack
 
 pytestmark = pytest.mark.skipif(
@@ -74,26 +74,6 @@ def _model(weights, activations: str, dtype: torch.dtype) -> LlamaForCausalLM:
     return model.eval()
 
 
-def _decode(
-    model: LlamaForCausalLM, prompts: torch.Tensor, which: list[int], dtype
-) -> torch.Tensor:
-    """Logits of one decode step for sequences ``which`` after their prompts' first n tokens."""
-    seqs, n = prompts.shape[0], prompts.shape[1] - 1
-    tables = torch.tensor([[1 + 2 * s, 2 + 2 * s] for s in range(seqs)])
-    kv = allocate_kv_cache(model.config, 1 + 2 * seqs, BLOCK, dtype)
-    with torch.no_grad():
-        for s in which:
-            meta = AttentionMetadata.build(
-                torch.tensor([n]), torch.tensor([n]), tables[s : s + 1], BLOCK
-            )
-            model(prompts[s, :n], torch.arange(n), kv, meta)
-        k = len(which)
-        meta = AttentionMetadata.build(
-            torch.ones(k, dtype=torch.long), torch.full((k,), n + 1), tables[which], BLOCK
-        )
-        return model.compute_logits(model(prompts[which, n], torch.full((k,), n), kv, meta))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_activations_reach_the_kernel_and_stay_batch_invariant(kquant_weights, dtype) -> None:
     """A decode step's row alone equals it in a batch of 4, bit for bit, with int8
@@ -102,10 +82,12 @@ def test_int8_activations_reach_the_kernel_and_stay_batch_invariant(kquant_weigh
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, CONFIG.vocab_size, (4, 6), generator=gen)
     int8 = _model(kquant_weights, "int8", dtype)
-    batch = _decode(int8, prompts, [0, 1, 2, 3], dtype)
+    batch = decode_after_prompts(int8, prompts, [0, 1, 2, 3], dtype, BLOCK)
     for s in range(4):
-        assert torch.equal(_decode(int8, prompts, [s], dtype)[0], batch[s]), s
-    exact = _decode(_model(kquant_weights, "float32", dtype), prompts, [0, 1, 2, 3], dtype)
+        assert torch.equal(decode_after_prompts(int8, prompts, [s], dtype, BLOCK)[0], batch[s]), s
+    exact = decode_after_prompts(
+        _model(kquant_weights, "float32", dtype), prompts, [0, 1, 2, 3], dtype, BLOCK
+    )
     assert not torch.equal(batch, exact)
     spread = exact.float().std().item()
     assert (batch.float() - exact.float()).abs().max().item() < 0.2 * spread

@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf.quants
 import pytest
 import torch
-from conftest import gguf_from_hf_dir, mini_tokenizer_metadata
+from conftest import decode_after_prompts, gguf_from_hf_dir, mini_tokenizer_metadata
 
 from baton.engine import LLM, SamplingParams
 from baton.engine.config import EngineConfig
@@ -215,22 +215,9 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_batch(
                 assert torch.equal(model.compute_logits(hidden[r : r + 1].clone())[0], batch[r])
     n, seqs = 6, 4
     prompts = torch.randint(0, 262, (seqs, n + 1), generator=gen)
-    tables = torch.tensor([[1 + 2 * s, 2 + 2 * s] for s in range(seqs)])
 
     def decode(which: list[int]) -> torch.Tensor:
-        kv = allocate_kv_cache(model.config, 1 + 2 * seqs, BLOCK, dtype)
-        with torch.no_grad():
-            for s in which:  # each prompt's first n tokens into its own blocks
-                meta = AttentionMetadata.build(
-                    torch.tensor([n]), torch.tensor([n]), tables[s : s + 1], BLOCK
-                )
-                model(prompts[s, :n], torch.arange(n), kv, meta)
-            k = len(which)
-            meta = AttentionMetadata.build(
-                torch.ones(k, dtype=torch.long), torch.full((k,), n + 1), tables[which], BLOCK
-            )
-            ids, pos = prompts[which, n], torch.full((k,), n)
-            return model.compute_logits(model(ids, pos, kv, meta))
+        return decode_after_prompts(model, prompts, which, dtype, BLOCK)
 
     batch = decode(list(range(seqs)))
     for s in range(seqs):

@@ -33,6 +33,29 @@ inline T from_f(float v) {
 // Rows a thread takes at once: enough work to be worth a thread.
 int64_t grain_for(int64_t row_elements) { return std::max<int64_t>(1, 16384 / row_elements); }
 
+// The dot product of two float rows in 16 lanes (i mod 16), then a fixed tree (RMSNorm's sum of
+// squares and attention's scores), and acc += p * v; cloned for AVX-512, AVX2 and the baseline (GCC picks one at load
+// time). With -ffp-contract=off every clone rounds each product and sum alike: one order, one
+// result per machine, whatever the batch.
+__attribute__((target_clones("avx512f", "avx2", "default"))) float dot16(const float* a,
+                                                                          const float* b,
+                                                                          int64_t n) {
+  float lanes[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
+  for (int l = 0; i < n; ++i, ++l) lanes[l] += a[i] * b[i];
+  for (int width = 8; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0];
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void axpy(float* acc, float p,
+                                                                        const float* v,
+                                                                        int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, int64_t ldx, const T* res, int64_t ldr, const T* w, float eps,
                    T* out, T* summed, int64_t rows, int64_t hidden) {
@@ -49,15 +72,8 @@ void rms_norm_rows(const T* x, int64_t ldx, const T* res, int64_t ldr, const T* 
           h[i] = to_f(xr[i]);
         }
       }
-      // Sum of squares in 16 lanes (i mod 16), then a fixed tree: one order for every row.
-      float lanes[16] = {0};
-      int64_t i = 0;
-      for (; i + 16 <= hidden; i += 16)
-        for (int l = 0; l < 16; ++l) lanes[l] += h[i + l] * h[i + l];
-      for (int l = 0; i < hidden; ++i, ++l) lanes[l] += h[i] * h[i];
-      for (int width = 8; width >= 1; width /= 2)
-        for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-      const float mean = lanes[0] / static_cast<float>(hidden);
+      // Sum of squares in dot16's fixed order: one order for every row.
+      const float mean = dot16(h.data(), h.data(), hidden) / static_cast<float>(hidden);
       const float scale = 1.0f / std::sqrt(mean + eps);
       T* o = out + r * hidden;
       for (int64_t j = 0; j < hidden; ++j)
@@ -154,29 +170,6 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
                          cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>(),
                          cos.stride(0), out.data_ptr<at::BFloat16>(), tokens, heads, half);
   return out;
-}
-
-// Paged decode attention: the dot product of two float rows in 16 lanes (i mod 16), then a
-// fixed tree, and acc += p * v; cloned for AVX-512, AVX2 and the baseline (GCC picks one at load
-// time). With -ffp-contract=off every clone rounds each product and sum alike: one order, one
-// result per machine, whatever the batch.
-__attribute__((target_clones("avx512f", "avx2", "default"))) float dot16(const float* a,
-                                                                          const float* b,
-                                                                          int64_t n) {
-  float lanes[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
-  for (int l = 0; i < n; ++i, ++l) lanes[l] += a[i] * b[i];
-  for (int width = 8; width >= 1; width /= 2)
-    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0];
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) void axpy(float* acc, float p,
-                                                                        const float* v,
-                                                                        int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
 }
 
 // One (sequence, kv head) pair: its `group` query heads over the sequence's keys, each in the

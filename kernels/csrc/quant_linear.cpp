@@ -192,7 +192,6 @@ static void row_group_halves(const float* wbuf, int64_t cb, const float* x, int6
 // one pair a pass, 16 rows of a 1B-shape step 236 -> 217 ms and 2 rows 44 -> 37 (in-process
 // A/B, 2 threads, AMD EPYC Genoa running this build).
 constexpr int kQ8Rows = 2;
-constexpr int kQ8RowsBothPairs = 2;
 #include "quant_linear_q8k.h"
 
 }  // namespace avx2
@@ -270,7 +269,6 @@ constexpr int kColGroup = 4;
 // The same AVX2 code with 32 registers (EVEX): four rows, both column pairs a pass (against
 // one pair: 16 rows of a 1B-shape step 187 -> 162 ms, 4 rows 62 -> 50; same A/B).
 constexpr int kQ8Rows = 4;
-constexpr int kQ8RowsBothPairs = 4;
 #include "quant_linear_q8k.h"
 
 }  // namespace avx512
@@ -290,19 +288,24 @@ bool isa_supported(int64_t isa) {
 }
 
 // The Python wrapper validates arguments with clear ValueErrors; these checks only keep a
-// direct caller from reading out of bounds.
+// direct caller from reading out of bounds. The layout of a packed weight w [n, k] of format.
+Layout checked_layout(const at::Tensor& w, int64_t format, int64_t n, int64_t k) {
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "unknown format ", format);
+  const Layout L{static_cast<int>(format), k / 32};
+  TORCH_CHECK(k > 0 && k % L.block_weights() == 0 && n > 0, "bad N or K");
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.numel() == (n + kTile - 1) / kTile * L.tile_bytes(),
+              "packed weight does not match format, N and K");
+  return L;
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t n,
                         int64_t k, int64_t isa, int64_t activations) {
-  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "unknown format ", format);
   TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
-  const Layout L{static_cast<int>(format), k / 32};
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && k > 0 && k % L.block_weights() == 0 && n > 0,
-              "bad x or K");
+  const Layout L = checked_layout(w, format, n, k);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "bad x or K");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "bad dtype");
   const int64_t ntiles = (n + kTile - 1) / kTile;
-  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  w.numel() == ntiles * L.tile_bytes(),
-              "packed weight does not match format, N and K");
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
@@ -351,14 +354,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format
 
 // dequant(w) as float32 [n, k] (the weights' gguf values; threads over tiles).
 at::Tensor dequantize(const at::Tensor& w, int64_t format, int64_t n, int64_t k) {
-  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "unknown format ", format);
   TORCH_CHECK(isa_supported(kIsaAvx2), "dequantize needs AVX2, FMA and F16C");
-  const Layout L{static_cast<int>(format), k / 32};
+  const Layout L = checked_layout(w, format, n, k);
   const int64_t ntiles = (n + kTile - 1) / kTile;
-  TORCH_CHECK(k > 0 && k % L.block_weights() == 0 && n > 0 && w.dim() == 1 &&
-                  w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  w.numel() == ntiles * L.tile_bytes(),
-              "packed weight does not match format, N and K");
   at::Tensor out = at::empty({n, k}, w.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -371,14 +369,8 @@ at::Tensor dequantize(const at::Tensor& w, int64_t format, int64_t n, int64_t k)
 // [len(rows), k]: gguf's values, as dequantize() gives them.
 at::Tensor dequantize_rows(const at::Tensor& w, int64_t format, int64_t n, int64_t k,
                            const at::Tensor& rows) {
-  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "unknown format ", format);
   TORCH_CHECK(isa_supported(kIsaAvx2), "dequantize_rows needs AVX2, FMA and F16C");
-  const Layout L{static_cast<int>(format), k / 32};
-  const int64_t ntiles = (n + kTile - 1) / kTile;
-  TORCH_CHECK(k > 0 && k % L.block_weights() == 0 && n > 0 && w.dim() == 1 &&
-                  w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  w.numel() == ntiles * L.tile_bytes(),
-              "packed weight does not match format, N and K");
+  const Layout L = checked_layout(w, format, n, k);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be 1-D int64");
   const at::Tensor idx = rows.contiguous();
   const int64_t count = idx.numel();

@@ -285,8 +285,21 @@ static void run_tiles(const Layout& L, const uint8_t* w, const float* x, int64_t
   }
 }
 
-// dequant(W) as float32 rows [n][K] for tiles [t0, t1): each weight as dequant() gives it,
-// gguf's own bits (what the dense loader needs, without numpy's temporaries).
+// Column c of a tile as float32 weights [K] into row (its scales sd, sb as tile_scales gives
+// them), each weight as dequant() gives it: gguf's own bits.
+template <int FMT>
+static void decode_column(const Layout& L, const uint8_t* tile, const float* sd, const float* sb,
+                          int c, float* row) {
+  for (int64_t b = 0; b < L.blocks; ++b) {
+    V16 lo, hi;
+    dequant<FMT>(L, tile + L.head_bytes(), sd, sb, b * kTile + c, lo, hi);
+    vstore(row + 32 * b, lo);
+    vstore(row + 32 * b + 16, hi);
+  }
+}
+
+// dequant(W) as float32 rows [n][K] for tiles [t0, t1) (what the dense loader needs, without
+// numpy's temporaries).
 template <int FMT>
 static void dequant_tiles(const Layout& L, const uint8_t* w, float* out, int64_t n, int64_t t0,
                           int64_t t1) {
@@ -294,39 +307,24 @@ static void dequant_tiles(const Layout& L, const uint8_t* w, float* out, int64_t
   std::vector<float> super_scales(L.blocks * kTile / 4 + 8);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * L.tile_bytes();
-    const uint8_t* qs = tile + L.head_bytes();
     tile_scales<FMT>(L, tile, sd.data(), sb.data(), super_scales.data());
-    for (int c = 0; c < kTile && t * kTile + c < n; ++c) {
-      float* row = out + (t * kTile + c) * L.k();
-      for (int64_t b = 0; b < L.blocks; ++b) {
-        V16 lo, hi;
-        dequant<FMT>(L, qs, sd.data(), sb.data(), b * kTile + c, lo, hi);
-        vstore(row + 32 * b, lo);
-        vstore(row + 32 * b + 16, hi);
-      }
-    }
+    for (int c = 0; c < kTile && t * kTile + c < n; ++c)
+      decode_column<FMT>(L, tile, sd.data(), sb.data(), c, out + (t * kTile + c) * L.k());
   }
 }
 
 // Rows rows[i0 .. i1) of dequant(W) as float32 [i][K] into out: an embedding lookup in the
-// blocks (each row as dequant_tiles writes it).
+// blocks.
 template <int FMT>
 static void dequant_rows(const Layout& L, const uint8_t* w, const int64_t* rows, float* out,
                          int64_t i0, int64_t i1) {
   std::vector<float> sd(L.blocks * kTile), sb(L.blocks * kTile);
   std::vector<float> super_scales(L.blocks * kTile / 4 + 8);
   for (int64_t i = i0; i < i1; ++i) {
-    const int64_t t = rows[i] / kTile;
-    const int c = static_cast<int>(rows[i] % kTile);
-    const uint8_t* tile = w + t * L.tile_bytes();
+    const uint8_t* tile = w + rows[i] / kTile * L.tile_bytes();
     tile_scales<FMT>(L, tile, sd.data(), sb.data(), super_scales.data());
-    float* row = out + i * L.k();
-    for (int64_t b = 0; b < L.blocks; ++b) {
-      V16 lo, hi;
-      dequant<FMT>(L, tile + L.head_bytes(), sd.data(), sb.data(), b * kTile + c, lo, hi);
-      vstore(row + 32 * b, lo);
-      vstore(row + 32 * b + 16, hi);
-    }
+    decode_column<FMT>(L, tile, sd.data(), sb.data(), static_cast<int>(rows[i] % kTile),
+                       out + i * L.k());
   }
 }
 

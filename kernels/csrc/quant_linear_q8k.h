@@ -18,9 +18,8 @@
 // for more rows at once) give the same bits.
 //
 // Included by quant_linear.cpp once per instruction set, after quant_linear_body.h, inside
-// that set's namespace and target region; needs kQ8Rows (rows per pass at most) and
-// kQ8RowsBothPairs (most rows that take all four columns in one pass) defined there and
-// Q8Rows (quant_linear.cpp) in scope.
+// that set's namespace and target region; needs kQ8Rows (rows per pass at most) defined there
+// and Q8Rows (quant_linear.cpp) in scope.
 
 // Row x [k] -> q, d, aux as Q8Rows describes (k a multiple of 256).
 static void q8k_quantize_row(const float* x, int64_t k, int8_t* q, float* d, int16_t* aux,
@@ -101,19 +100,19 @@ static inline __m256i bcast16(const void* p) {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Columns c, c + 1 of tile rows [r0, r0 + R): out[r][c], out[r][c + 1]. d, dmin: the tile's
-// super block scales as float32, [super block][kTile].
-// Columns c .. c + 2P of tile rows [r0, r0 + R): out[r][c ..]. d, dmin: the tile's super
-// block scales as float32, [super block][kTile]. P = 2 (all four columns in one pass: the tile
-// is read once, in order, and each row's x once per block) where registers allow.
+// Rows [r0, r0 + R) of a tile, all four columns in one pass (P = 2 column pairs: the tile is
+// read once, in order, and each row's x once per block): out[r][0 .. kTile). d, dmin: the
+// tile's super block scales as float32, [super block][kTile].
 // ahead: bytes to prefetch while the blocks go by (the next tile; nullptr: none), about
 // ahead_bytes / blocks of them per block. Without it, a 32768 x 2048 Q6_K weight at one row
 // read 8.2 GB/s from DRAM (1 thread; 16.1 on 2) against 10.8 (22.8) with it, AMD EPYC Genoa:
 // its arithmetic per byte left the hardware prefetchers behind.
-template <int FMT, int R, int P>
+template <int FMT, int R>
 static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const float* dmin,
-                     const int16_t* sums, const Q8Rows& X, int64_t r0, int c, float* out,
+                     const int16_t* sums, const Q8Rows& X, int64_t r0, float* out,
                      const uint8_t* ahead, int64_t ahead_bytes) {
+  static_assert(kTile == 4, "a pass covers two column pairs");
+  constexpr int P = 2;
   const Sections sec = sections_of(L);
   const uint8_t* qs = tile + sec.q;
   const uint8_t* sc = tile + sec.sc;
@@ -136,7 +135,7 @@ static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const
              off += 64)
           _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
       for (int p = 0; p < P; ++p) {
-        const int64_t i = b * kTile + c + 2 * p;
+        const int64_t i = b * kTile + 2 * p;
         if (FMT == kQ4_K) {
           const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 16 * i));
           const __m256i lo = _mm256_and_si256(qv, m4);
@@ -166,10 +165,10 @@ static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const
       }
     }
     for (int p = 0; p < P; ++p) {
-      const int64_t e = s * kTile + c + 2 * p;
+      const int64_t e = s * kTile + 2 * p;
       // per (super block, column pair): Q4_K [m_j of c | of c + 1]; Q6_K those of sc_h,
       // h 0-7 then 8-15 (tile_sums in q8k_tiles)
-      const int16_t* ts = sums + (s * 2 + (c / 2 + p)) * (FMT == kQ4_K ? 16 : 32);
+      const int16_t* ts = sums + (s * 2 + p) * (FMT == kQ4_K ? 16 : 32);
       const __m256 dd = _mm256_set_m128(_mm_set1_ps(d[e + 1]), _mm_set1_ps(d[e]));
       __m256 dm = _mm256_setzero_ps();
       if (FMT == kQ4_K) dm = _mm256_set_m128(_mm_set1_ps(dmin[e + 1]), _mm_set1_ps(dmin[e]));
@@ -203,7 +202,7 @@ static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const
       for (int h = 0; h < 2; ++h) {
         const float* a = f + 4 * h;
         const float* b = m + 4 * h;
-        out[r * kTile + c + 2 * p + h] =
+        out[r * kTile + 2 * p + h] =
             ((a[0] + a[1]) + (a[2] + a[3])) - ((b[0] + b[1]) + (b[2] + b[3]));
       }
     }
@@ -252,20 +251,6 @@ static void tile_sums(const Layout& L, const uint8_t* tile, int16_t* out) {
   }
 }
 
-// Rows [r0, r0 + R) of a tile, all four columns: one pass of both column pairs where the
-// registers hold them (R <= kQ8RowsBothPairs), else a pass per pair.
-template <int FMT, int R>
-static void q8k_rows_of(const Layout& L, const uint8_t* tile, const float* d, const float* dmin,
-                        const int16_t* sums, const Q8Rows& X, int64_t r0, float* out,
-                        const uint8_t* ahead, int64_t ahead_bytes) {
-  if (R <= kQ8RowsBothPairs) {
-    q8k_pass<FMT, R, 2>(L, tile, d, dmin, sums, X, r0, 0, out, ahead, ahead_bytes);
-  } else {
-    q8k_pass<FMT, R, 1>(L, tile, d, dmin, sums, X, r0, 0, out, ahead, ahead_bytes);
-    q8k_pass<FMT, R, 1>(L, tile, d, dmin, sums, X, r0, 2, out, nullptr, ahead_bytes);
-  }
-}
-
 template <int FMT>
 static void q8k_rows(int rows, const Layout& L, const uint8_t* tile, const float* d,
                      const float* dmin, const int16_t* sums, const Q8Rows& X, int64_t r0,
@@ -273,8 +258,8 @@ static void q8k_rows(int rows, const Layout& L, const uint8_t* tile, const float
   static_assert(kQ8Rows <= 8, "q8k_rows dispatches 1..8 rows");
 #define Q8K_ROWS_CASE(n)                                                                    \
   case n:                                                                                   \
-    q8k_rows_of<FMT, (n <= kQ8Rows ? n : 1)>(L, tile, d, dmin, sums, X, r0, out, ahead,     \
-                                             ahead_bytes);                                  \
+    q8k_pass<FMT, (n <= kQ8Rows ? n : 1)>(L, tile, d, dmin, sums, X, r0, out, ahead,        \
+                                          ahead_bytes);                                     \
     break;
   switch (rows) {
     Q8K_ROWS_CASE(1)
@@ -285,7 +270,7 @@ static void q8k_rows(int rows, const Layout& L, const uint8_t* tile, const float
     Q8K_ROWS_CASE(6)
     Q8K_ROWS_CASE(7)
     default:
-      q8k_rows_of<FMT, kQ8Rows>(L, tile, d, dmin, sums, X, r0, out, ahead, ahead_bytes);
+      q8k_pass<FMT, kQ8Rows>(L, tile, d, dmin, sums, X, r0, out, ahead, ahead_bytes);
   }
 #undef Q8K_ROWS_CASE
 }
