@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 import platform
 import warnings
+from collections.abc import Sequence
 from types import ModuleType
 
 import numpy as np
@@ -173,6 +174,22 @@ def selected_isa() -> str:
     return isas[-1]
 
 
+def _isa_code(isa: str | None) -> int:
+    if isa is None:
+        isa = selected_isa()
+    elif isa not in available_isas():
+        raise ValueError(
+            f"isa {isa!r} is not available on this CPU; available: {', '.join(available_isas())}"
+        )
+    return ISAS.index(isa)
+
+
+def _activations_code(activations: str) -> int:
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    return ACTIVATIONS.index(activations)
+
+
 def quant_linear(
     x: torch.Tensor,
     weight: QuantWeight,
@@ -195,18 +212,60 @@ def quant_linear(
             not run by this CPU.
     """
     x = _check_input(x, weight)
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
-    if isa is None:
-        isa = selected_isa()
-    elif isa not in available_isas():
-        raise ValueError(
-            f"isa {isa!r} is not available on this CPU; available: {', '.join(available_isas())}"
+    return QuantProjection((weight,), isa, activations)(x)
+
+
+class QuantProjection:
+    """``x @ [dequant(w_0); dequant(w_1); ...].T``: several weights of one ``k`` (a fused
+    projection whose parts differ in type, e.g. Q4_K q/k and Q6_K v), their outputs side by
+    side, in one C++ call: one parallel region over all their tiles (its threads take equal
+    shares of the bytes) and, for int8 activations, one quantisation of x. Each column is
+    `quant_linear`'s for its weight, bit for bit (batch-invariant as that is).
+
+    The weights, ``isa`` and ``activations`` are checked once, here; a call checks only x, in
+    C++ (the per-step path of a model's layers: no Python checks per call).
+
+    Raises:
+        ValueError: no weights, weights of different ``k`` or of a format without a kernel,
+            or ``isa``/``activations`` as `quant_linear`.
+    """
+
+    __slots__ = ("weights", "n", "k", "_args")
+
+    def __init__(
+        self,
+        weights: Sequence[QuantWeight],
+        isa: str | None = None,
+        activations: str = "float32",
+    ) -> None:
+        weights = tuple(weights)
+        if not weights:
+            raise ValueError("a QuantProjection needs at least one weight")
+        for w in weights:
+            block_format(w.format)
+        if len({w.k for w in weights}) != 1:
+            raise ValueError(f"the weights must share k, got {[w.k for w in weights]}")
+        self.weights = weights
+        self.n = sum(w.n for w in weights)
+        self.k = weights[0].k
+        self._args = (
+            [w.data for w in weights],
+            [FORMATS[w.format].code for w in weights],
+            [w.n for w in weights],
+            self.k,
+            _isa_code(isa),
+            _activations_code(activations),
         )
-    code = FORMATS[weight.format].code
-    return _extension().quant_linear(
-        x, weight.data, code, weight.n, weight.k, ISAS.index(isa), ACTIVATIONS.index(activations)
-    )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``[M, k]`` float32/bfloat16 CPU x -> ``[M, n]`` in x's dtype. Compiles the extension
+        on first use.
+
+        Raises:
+            RuntimeError: x is not a 2-D float32/bfloat16 tensor with ``k`` columns (the C++
+                check's message).
+        """
+        return _extension().quant_linear_parts(x, *self._args)
 
 
 def repack_native(raw: np.ndarray, format: str) -> QuantWeight:

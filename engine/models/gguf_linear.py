@@ -4,21 +4,18 @@ The loader (``loader/gguf.py``) keeps a GGUF file's linear weights of a type the
 multiplies (``kernels/quant_formats.FORMATS``) in their blocks, repacked for
 ``kernels/quant_linear.py``, as ``QuantWeight``s keyed by name: a fused projection's name
 (``self_attn.qkv_proj.weight``, ``mlp.gate_up_proj.weight``) when its parts share a type and
-their rows could be concatenated, else each part under its Hugging Face name (the outputs are
-concatenated instead); ``lm_head.weight`` for the LM head, tied or not, and
-``model.embed_tokens.weight`` for an untied embedding of a kernel type. The model multiplies
-these on every step, looks up the embedding's rows in its blocks (a tied one in the head's),
-and holds no dense copy of them.
+their rows could be concatenated, else each part under its Hugging Face name (one
+``QuantProjection`` call multiplies the parts and writes their outputs side by side);
+``lm_head.weight`` for the LM head, tied or not, and ``model.embed_tokens.weight`` for an
+untied embedding of a kernel type. The model multiplies these on every step, looks up the
+embedding's rows in its blocks (a tied one in the head's), and holds no dense copy of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
-
 from baton.kernels.quant_formats import QuantWeight
-from baton.kernels.quant_linear import quant_linear
 
 # A decoder layer's projections in the model's order (qkv, o, gate_up, down): the fused name
 # and its Hugging Face parts, in row order.
@@ -75,28 +72,6 @@ def covered_weights(quantized: Mapping[str, QuantWeight]) -> dict[str, tuple[str
         parts = fused.get(leaf) if name.startswith("model.layers.") else None
         out[name] = (name,) if parts is None else tuple(f"{layer}.{p}" for p in parts)
     return out
-
-
-def gguf_linear(
-    x: torch.Tensor,
-    parts: QuantParts,
-    bias: torch.Tensor | None = None,
-    activations: str = "float32",
-) -> torch.Tensor:
-    """``x @ W.T + bias`` for ``x`` ``[rows, k]`` (float32/bfloat16, CPU) and ``W`` the rows of
-    ``parts`` one after another; in ``x``'s dtype. ``activations``: as ``quant_linear``'s
-    ("int8": llama.cpp's int8 rows of x for the K-quant weights). Batch-invariant, as
-    ``quant_linear``.
-
-    Raises:
-        ValueError: as ``quant_linear`` (x's shape, dtype or device; ``activations``).
-    """
-    if len(parts) == 1:
-        out = quant_linear(x, parts[0], activations=activations)
-    else:
-        out = torch.cat([quant_linear(x, w, activations=activations) for w in parts], dim=-1)
-    # The bias is added after the kernel (which has none), in x's dtype as nn.Linear's would be.
-    return out if bias is None else out + bias
 
 
 def type_counts(quantized: Mapping[str, QuantWeight]) -> dict[str, int]:

@@ -15,7 +15,6 @@ from baton.engine.models.gguf_linear import (
     LM_HEAD,
     PROJECTIONS,
     QuantParts,
-    gguf_linear,
     layer_projections,
 )
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
@@ -35,7 +34,7 @@ from baton.engine.models.quant import (
 )
 from baton.engine.models.sharding import shard_config
 from baton.kernels.quant_formats import QuantWeight
-from baton.kernels.quant_linear import dequantize_rows_native
+from baton.kernels.quant_linear import QuantProjection, dequantize_rows_native
 from baton.kernels.silu_mul import silu_mul
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -89,6 +88,11 @@ class DecoderLayer(nn.Module):
         self.quant: tuple[QuantParts | None, ...] | None = (
             tuple(q) if any(p is not None for p in q) else None
         )
+        # Their kernel calls, each checked once here (None: a dense projection).
+        self._quant_calls = tuple(
+            None if parts is None else QuantProjection(parts, activations=quant_activations)
+            for parts in q
+        )
 
     def quantize_int8(self) -> None:
         """Replaces the projections' weights by int8 weight-only ones (``quant.py``) for every
@@ -113,8 +117,9 @@ class DecoderLayer(nn.Module):
     def _project(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Projection ``i`` (qkv, o, gate_up, down) of ``x`` with the model's kernel."""
         linear = self._linears[i]
-        if self.quant is not None and (parts := self.quant[i]) is not None:
-            return gguf_linear(x, parts, linear.bias, self.quant_activations)
+        if (call := self._quant_calls[i]) is not None:
+            # The bias after the kernel (which has none), in x's dtype as nn.Linear's would be.
+            return call(x) if linear.bias is None else call(x) + linear.bias
         if self.int8 is not None:
             return int8_linear(x, self.int8[i], linear.bias)
         if self.packed is not None:
@@ -260,6 +265,11 @@ class LlamaForCausalLM(nn.Module):
         )
         # The LM head in GGUF blocks (tied or not): then every step multiplies with it.
         self.lm_head_quant: QuantWeight | None = quantized.get(LM_HEAD)
+        self._lm_head_call = (
+            None
+            if self.lm_head_quant is None
+            else QuantProjection((self.lm_head_quant,), activations=quant_activations)
+        )
         # The embedding in GGUF blocks, its own (EMBEDDING) or a tied head's: then lookups
         # decode its rows and no dense table is held (an empty weight stands in).
         self.embed_quant: QuantWeight | None = quantized.get(EMBEDDING) or (
@@ -385,8 +395,8 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: ``out`` under tensor parallelism.
         """
-        if self.lm_head_quant is not None:
-            logits = gguf_linear(hidden, (self.lm_head_quant,), activations=self.quant_activations)
+        if self._lm_head_call is not None:
+            logits = self._lm_head_call(hidden)
         elif self.lm_head_int8 is not None:
             logits = int8_linear(hidden, self.lm_head_int8)
         elif self.lm_head_packed is not None:

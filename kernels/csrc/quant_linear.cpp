@@ -67,19 +67,22 @@ struct Layout {
 // The output [M, n] in x's dtype. Each thread stores its own tiles' results, so a bfloat16
 // call has no extra parallel pass (each one costs a wait for every thread, which on a shared
 // 2-core machine was a scheduler slice).
+// One weight's columns of it: n of them, from f32 / bf16 on, rows ld apart (a part of a
+// multi-weight call writes its columns of the shared output).
 struct Output {
   float* f32;
   at::BFloat16* bf16;
   int64_t n;
+  int64_t ld;
   // values [M][kTile] of columns n0 .. n0 + ncols
   void store(const float* values, int64_t M, int64_t n0, int64_t ncols) const {
     for (int64_t r = 0; r < M; ++r)
       for (int64_t c = 0; c < ncols; ++c) {
         const float v = values[r * kTile + c];
         if (f32 != nullptr)
-          f32[r * n + n0 + c] = v;
+          f32[r * ld + n0 + c] = v;
         else
-          bf16[r * n + n0 + c] = at::BFloat16(v);  // round to nearest even, as torch's .to()
+          bf16[r * ld + n0 + c] = at::BFloat16(v);  // round to nearest even, as torch's .to()
       }
   }
 };
@@ -299,15 +302,39 @@ Layout checked_layout(const at::Tensor& w, int64_t format, int64_t n, int64_t k)
   return L;
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t n,
-                        int64_t k, int64_t isa, int64_t activations) {
+// x [M, k] times several packed weights (formats[i], ns[i] columns each) -> y [M, sum ns],
+// each weight's columns after the previous ones'. One parallel region for all of them, its
+// threads given equal shares of the weights' bytes (a decode step is bound by reading them);
+// x is quantised once for the int8 path. Each output element is computed as a one-weight call
+// computes it, so the result is the one-weight results side by side, bit for bit.
+at::Tensor quant_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws,
+                              const std::vector<int64_t>& formats, const std::vector<int64_t>& ns,
+                              int64_t k, int64_t isa, int64_t activations) {
   TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
-  const Layout L = checked_layout(w, format, n, k);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "bad x or K");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "bad dtype");
-  const int64_t ntiles = (n + kTile - 1) / kTile;
-  const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, n}, x.options());
+  TORCH_CHECK(!ws.empty() && ws.size() == formats.size() && ws.size() == ns.size(),
+              "one format and one N per weight, at least one weight");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k,
+              "x must be a 2-D CPU tensor of ", k, " columns, got ", x.sizes(), " on ",
+              x.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16, got ", x.scalar_type());
+  const size_t parts = ws.size();
+  std::vector<Layout> layouts;
+  std::vector<int64_t> first_tile(parts + 1, 0), first_col(parts + 1, 0), byte_end(parts, 0);
+  bool q4k = false, q6k = false;
+  int64_t total_bytes = 0;
+  for (size_t p = 0; p < parts; ++p) {
+    layouts.push_back(checked_layout(ws[p], formats[p], ns[p], k));
+    const int64_t ntiles = (ns[p] + kTile - 1) / kTile;
+    first_tile[p + 1] = first_tile[p] + ntiles;
+    first_col[p + 1] = first_col[p] + ns[p];
+    total_bytes += ntiles * layouts[p].tile_bytes();
+    byte_end[p] = total_bytes;
+    q4k |= formats[p] == kQ4_K;
+    q6k |= formats[p] == kQ6_K;
+  }
+  const int64_t M = x.size(0), width = first_col[parts], ntiles = first_tile[parts];
+  at::Tensor y = at::empty({M, width}, x.options());
   if (M == 0) return y;
   at::Tensor xf = x.contiguous();
   if (x.scalar_type() == at::kBFloat16) {  // exact widening, serial (see Output)
@@ -318,38 +345,72 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format
     for (int64_t i = 0; i < M * k; ++i) dst[i] = static_cast<float>(src[i]);
   }
   const bool f32 = x.scalar_type() == at::kFloat;
-  const Output out{f32 ? y.data_ptr<float>() : nullptr,
-                   f32 ? nullptr : y.data_ptr<at::BFloat16>(), n};
-  const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* xp = xf.data_ptr<float>();
-  // Threads only for tiles worth it (about 64K weights each); results do not depend on this.
-  const int64_t grain = std::max<int64_t>(1, 16384 / k);
-  if (activations == kActInt8 && format >= kQ4_K) {
-    const int64_t supers = k / 256;
-    std::vector<int8_t> q(M * k);
-    std::vector<float> d(M * supers);
-    std::vector<int16_t> aux(M * supers * kAuxPerSuper);
+  // The int8 rows of x: q and d shared, the sums of x per 32 (Q4_K) and per 16 (Q6_K) apart.
+  const bool int8 = activations == kActInt8 && (q4k || q6k);
+  const int64_t supers = k / 256;
+  std::vector<int8_t> q(int8 ? M * k : 0);
+  std::vector<float> d(int8 ? M * supers : 0);
+  std::vector<int16_t> aux4(int8 && q4k ? M * supers * kAuxPerSuper : 0);
+  std::vector<int16_t> aux6(int8 && q6k ? M * supers * kAuxPerSuper : 0);
+  if (int8)
     at::parallel_for(0, M, std::max<int64_t>(1, 65536 / k), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t at = r * supers * kAuxPerSuper;
+        const bool four = q4k;  // Q4_K's sums first; Q6_K's, if wanted too, from the same q
         avx2::q8k_quantize_row(xp + r * k, k, q.data() + r * k, d.data() + r * supers,
-                               aux.data() + r * supers * kAuxPerSuper, format == kQ6_K);
+                               (four ? aux4 : aux6).data() + at, !four);
+        if (q4k && q6k) avx2::q8k_aux_sums(q.data() + r * k, k, aux6.data() + at, true);
+      }
     });
-    const Q8Rows X{q.data(), d.data(), aux.data(), k};
-    at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
-      if (isa == kIsaAvx512)
-        avx512::run_q8k(L, wp, X, M, out, t0, t1);
-      else
-        avx2::run_q8k(L, wp, X, M, out, t0, t1);
-    });
+  // Tiles [t0, t1) of the whole output (all parts' tiles in order) on this thread.
+  auto run = [&](int64_t t0, int64_t t1) {
+    for (size_t p = 0; p < parts; ++p) {
+      const int64_t a = std::max(t0, first_tile[p]), b = std::min(t1, first_tile[p + 1]);
+      if (a >= b) continue;
+      const Layout& L = layouts[p];
+      const Output out{f32 ? y.data_ptr<float>() + first_col[p] : nullptr,
+                       f32 ? nullptr : y.data_ptr<at::BFloat16>() + first_col[p], ns[p], width};
+      const uint8_t* wp = ws[p].data_ptr<uint8_t>();
+      const int64_t lo = a - first_tile[p], hi = b - first_tile[p];
+      if (activations == kActInt8 && L.format >= kQ4_K) {
+        const Q8Rows X{q.data(), d.data(), (L.format == kQ4_K ? aux4 : aux6).data(), k};
+        if (isa == kIsaAvx512)
+          avx512::run_q8k(L, wp, X, M, out, lo, hi);
+        else
+          avx2::run_q8k(L, wp, X, M, out, lo, hi);
+      } else if (isa == kIsaAvx512) {
+        avx512::run_tiles(L, wp, xp, M, out, lo, hi);
+      } else {
+        avx2::run_tiles(L, wp, xp, M, out, lo, hi);
+      }
+    }
+  };
+  // Equal shares of the bytes, each at least `grain` tiles (small weights: fewer threads).
+  const int64_t grain = std::max<int64_t>(1, 16384 / k);
+  const int64_t shares =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles / grain));
+  auto tile_at = [&](int64_t byte) {  // the first tile that ends after `byte`
+    size_t p = 0;
+    while (p + 1 < parts && byte >= byte_end[p]) ++p;
+    const int64_t before = p == 0 ? 0 : byte_end[p - 1];
+    return std::min(first_tile[p + 1], first_tile[p] + (byte - before) / layouts[p].tile_bytes());
+  };
+  if (shares == 1) {
+    run(0, ntiles);
     return y;
   }
-  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
-    if (isa == kIsaAvx512)
-      avx512::run_tiles(L, wp, xp, M, out, t0, t1);
-    else
-      avx2::run_tiles(L, wp, xp, M, out, t0, t1);
+  at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s)
+      run(tile_at(total_bytes * s / shares),
+          s + 1 == shares ? ntiles : tile_at(total_bytes * (s + 1) / shares));
   });
   return y;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t n,
+                        int64_t k, int64_t isa, int64_t activations) {
+  return quant_linear_parts(x, {w}, {format}, {n}, k, isa, activations);
 }
 
 // dequant(w) as float32 [n, k] (the weights' gguf values; threads over tiles).
@@ -414,6 +475,9 @@ at::Tensor repack(const at::Tensor& raw, int64_t format, int64_t n, int64_t k) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ dequant(w)^T (see quant_linear.py)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_linear_parts", &quant_linear_parts,
+        "y = x @ [dequant(w_0); dequant(w_1); ...]^T (see quant_linear.py)",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &dequantize, "dequant(w) as float32 [n, k] (gguf's values)",
         py::call_guard<py::gil_scoped_release>());

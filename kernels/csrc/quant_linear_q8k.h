@@ -21,6 +21,22 @@
 // that set's namespace and target region; needs kQ8Rows (rows per pass at most) defined there
 // and Q8Rows (quant_linear.cpp) in scope.
 
+// The sums of a quantised row's values per super block as Q8Rows' aux holds them: per 16
+// values (halves, Q6_K's) or per 32 (Q4_K's, the last 8 of the 16 entries zero).
+static void q8k_aux_sums(const int8_t* q, int64_t k, int16_t* aux, bool halves) {
+  for (int64_t s = 0; s < k / 256; ++s) {
+    const int8_t* qs = q + 256 * s;
+    int16_t* a = aux + kAuxPerSuper * s;
+    for (int h = 0; h < 16; ++h) {
+      const int width = halves ? 16 : 32;
+      int sum = 0;
+      if (halves || h < 8)
+        for (int i = 0; i < width; ++i) sum += qs[width * h + i];
+      a[h] = static_cast<int16_t>(sum);
+    }
+  }
+}
+
 // Row x [k] -> q, d, aux as Q8Rows describes (k a multiple of 256).
 static void q8k_quantize_row(const float* x, int64_t k, int8_t* q, float* d, int16_t* aux,
                              bool halves) {
@@ -48,15 +64,8 @@ static void q8k_quantize_row(const float* x, int64_t k, int8_t* q, float* d, int
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + i),
                           _mm256_permutevar8x32_epi32(b, order));
     }
-    int16_t* a = aux + kAuxPerSuper * s;
-    for (int h = 0; h < 16; ++h) {
-      const int width = halves ? 16 : 32;
-      int sum = 0;
-      if (halves || h < 8)
-        for (int i = 0; i < width; ++i) sum += qs[width * h + i];
-      a[h] = static_cast<int16_t>(sum);
-    }
   }
+  q8k_aux_sums(q, k, aux, halves);
 }
 
 // Two bytes a (p[0]) and b (p[1]) as 16-bit lanes: [a x 8 | b x 8], unsigned.
