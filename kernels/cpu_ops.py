@@ -103,19 +103,41 @@ def rope_cpu(
     return ext.rope(q, cos, sin), ext.rope(k, cos, sin)
 
 
+@functools.cache
+def decode_isas() -> tuple[str, ...]:
+    """The instruction sets `paged_decode_cpu` runs here, narrowest first: "avx2" (AVX2 and
+    FMA), "avx512" (and AVX-512 F/BW/VL, where torch's own probe agrees); none without the
+    extension or AVX2. Every one gives the same bits."""
+    ext = extension()
+    if ext is None:
+        return ()
+    avx512 = torch.cpu._is_avx512_supported()
+    return tuple(
+        name
+        for code, name in enumerate(DECODE_ISAS)
+        if ext.isa_supported(code) and (name != "avx512" or avx512)
+    )
+
+
+DECODE_ISAS = ("avx2", "avx512")
+"""`paged_decode_cpu`'s instruction sets by code."""
+
+
 def paged_decode_fits(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether `paged_decode_cpu` takes these tensors (CPU, one float32/bfloat16 dtype, q
-    ``[B, H, D]``, contiguous caches ``[N, block_size, KVH, D]``)."""
+    """Whether `paged_decode_cpu` takes these tensors (CPU with AVX2 and FMA, one
+    float32/bfloat16 dtype, q ``[B, H, D]`` with D a multiple of 16, contiguous caches
+    ``[N, block_size, KVH, D]``)."""
     return (
         ENABLED
         and q.device.type == "cpu"
         and q.dtype in _DTYPES
         and key_cache.dtype == value_cache.dtype == q.dtype
         and q.dim() == 3
+        and q.shape[2] % 16 == 0
         and key_cache.dim() == 4
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
-        and extension() is not None
+        and bool(decode_isas())
     )
 
 
@@ -126,19 +148,33 @@ def paged_decode_cpu(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """``paged_decode_attention_torch``'s value (``kernels/paged_attention.py``: one query
-    token per sequence over its blocks) in one C++ call, float32 math in one fixed order per
-    (sequence, head): a row's result does not depend on the other sequences, their lengths or
-    the thread count. Reads the lengths and block ids on the host (CPU tensors).
+    token per sequence over its blocks) in one C++ call (``csrc/decode_attention.h``), float32
+    math in one fixed order per (sequence, head): a row's result does not depend on the other
+    sequences, their lengths, the thread count or the instruction set (``isa``, one of
+    `decode_isas`; default the widest). Reads the lengths and block ids on the host (CPU
+    tensors).
 
     Raises:
         RuntimeError: tensors `paged_decode_fits` refuses, a length outside [1, the table's
-            capacity], a used block id outside the cache, or no extension.
+            capacity], a used block id outside the cache, no extension or no AVX2.
+        ValueError: ``isa`` is not one of `decode_isas`.
     """
-    ext = extension()
-    if ext is None:
-        raise RuntimeError("the CPU ops extension is not available")
-    return ext.paged_decode(
-        q.contiguous(), key_cache, value_cache, block_tables.long(), seq_lens.long(), float(scale)
+    isas = decode_isas()
+    if not isas:
+        raise RuntimeError("paged_decode_cpu needs the CPU ops extension and AVX2 with FMA")
+    if isa is None:
+        isa = isas[-1]
+    elif isa not in isas:
+        raise ValueError(f"isa {isa!r} is not available here; available: {', '.join(isas)}")
+    return extension().paged_decode(
+        q.contiguous(),
+        key_cache,
+        value_cache,
+        block_tables.long(),
+        seq_lens.long(),
+        float(scale),
+        DECODE_ISAS.index(isa),
     )

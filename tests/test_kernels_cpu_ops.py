@@ -162,3 +162,29 @@ def test_paged_decode_names_bad_lengths_and_blocks() -> None:
     bad[1, 0] = 48
     with pytest.raises(RuntimeError, match="block id"):
         cpu_ops.paged_decode_cpu(q, kc, vc, bad, lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_gives_the_same_bits_on_every_instruction_set(dtype: torch.dtype) -> None:
+    isas = cpu_ops.decode_isas()
+    if len(isas) < 2:
+        pytest.skip(f"this CPU runs only {isas}: nothing to compare")
+    q, kc, vc, tables, lens = _decode_case(dtype, seed=2)
+    outs = [cpu_ops.paged_decode_cpu(q, kc, vc, tables, lens, 0.125, isa=isa) for isa in isas]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_paged_decode_takes_head_dims_of_multiples_of_16_and_long_contexts() -> None:
+    """Head dim 128 (Llama 8B's) over 1000 positions, and the scores far apart (one key much
+    closer to q): the float32 reference within a few ulps (another summation order)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 8, 128, generator=gen)
+    kc = torch.randn(130, 16, 2, 128, generator=gen)
+    vc = torch.randn(130, 16, 2, 128, generator=gen)
+    tables = torch.randperm(130, generator=gen)[:126].view(2, 63)
+    kc[tables[0, 10], 3, 0] = q[0, 0] * 4  # a dominant score
+    lens = torch.tensor([1000, 37])
+    ref = paged_decode_attention_torch(q, kc, vc, tables, lens, 0.088).double()
+    out = cpu_ops.paged_decode_cpu(q, kc, vc, tables, lens, 0.088)
+    assert ((out.double() - ref).abs() <= 1e-5 * (1 + ref.abs())).all()
+    assert not cpu_ops.paged_decode_fits(q[..., :40], kc[..., :40], vc[..., :40])

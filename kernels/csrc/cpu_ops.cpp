@@ -12,10 +12,12 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -34,8 +36,7 @@ inline T from_f(float v) {
 int64_t grain_for(int64_t row_elements) { return std::max<int64_t>(1, 16384 / row_elements); }
 
 // The dot product of two float rows in 16 lanes (i mod 16), then a fixed tree (RMSNorm's sum of
-// squares and attention's scores), and acc += p * v; cloned for AVX-512, AVX2 and the baseline (GCC picks one at load
-// time). With -ffp-contract=off every clone rounds each product and sum alike: one order, one
+// squares); cloned for AVX-512, AVX2 and the baseline (GCC picks one at load time). With -ffp-contract=off every clone rounds each product and sum alike: one order, one
 // result per machine, whatever the batch.
 __attribute__((target_clones("avx512f", "avx2", "default"))) float dot16(const float* a,
                                                                           const float* b,
@@ -48,12 +49,6 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) float dot16(const f
   for (int width = 8; width >= 1; width /= 2)
     for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
   return lanes[0];
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) void axpy(float* acc, float p,
-                                                                        const float* v,
-                                                                        int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
 }
 
 template <typename T>
@@ -172,63 +167,82 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
-// One (sequence, kv head) pair: its `group` query heads over the sequence's keys, each in the
-// same order whatever else is in the batch (scores, max, exp, sum and the weighted values in
-// position order).
-template <typename T>
-void decode_pair(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len,
-                 float scale, T* out, int64_t group, int64_t kvh, int64_t g, int64_t d,
-                 int64_t bs, std::vector<float>& work) {
-  work.assign(group * d * 2 + group * len + d, 0.0f);
-  float* qf = work.data();
-  float* acc = qf + group * d;
-  float* scores = acc + group * d;
-  float* row = scores + group * len;
-  for (int64_t i = 0; i < group * d; ++i) qf[i] = to_f(q[i]);
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t slot = table[t / bs] * bs + t % bs;
-    const T* k = kc + (slot * kvh + g) * d;
-    for (int64_t i = 0; i < d; ++i) row[i] = to_f(k[i]);
-    for (int64_t h = 0; h < group; ++h) scores[h * len + t] = dot16(qf + h * d, row, d) * scale;
-  }
-  std::vector<float> total(group, 0.0f);
-  for (int64_t h = 0; h < group; ++h) {
-    float* sc = scores + h * len;
-    float top = sc[0];
-    for (int64_t t = 1; t < len; ++t) top = std::max(top, sc[t]);
-    for (int64_t t = 0; t < len; ++t) {
-      sc[t] = std::exp(sc[t] - top);
-      total[h] += sc[t];
-    }
-  }
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t slot = table[t / bs] * bs + t % bs;
-    const T* v = vc + (slot * kvh + g) * d;
-    for (int64_t i = 0; i < d; ++i) row[i] = to_f(v[i]);
-    for (int64_t h = 0; h < group; ++h) axpy(acc + h * d, scores[h * len + t], row, d);
-  }
-  for (int64_t h = 0; h < group; ++h)
-    for (int64_t i = 0; i < d; ++i) out[h * d + i] = from_f<T>(acc[h * d + i] / total[h]);
-}
+}  // namespace
 
-template <typename T>
-void run_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                const int64_t* tables, int64_t width, const int64_t* lens, double scale,
-                at::Tensor& out, int64_t batch, int64_t group, int64_t kvh, int64_t d,
-                int64_t bs) {
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, batch * kvh, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> work;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / kvh, g = i % kvh;
-      const int64_t at = (b * kvh + g) * group * d;  // q and out rows of this pair's heads
-      decode_pair<T>(qp + at, kp, vp, tables + b * width, lens[b], static_cast<float>(scale),
-                     op + at, group, kvh, g, d, bs, work);
-    }
-  });
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+struct V16 {
+  __m256 a, b;  // lanes 0..7, 8..15
+};
+static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float* p, V16 v) {
+  _mm256_storeu_ps(p, v.a);
+  _mm256_storeu_ps(p + 8, v.b);
+}
+static inline V16 vset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+static inline V16 vfma(V16 x, V16 y, V16 z) {
+  return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
+}
+static inline V16 vdiv(V16 x, V16 y) { return {_mm256_div_ps(x.a, y.a), _mm256_div_ps(x.b, y.b)}; }
+static inline V16 load16(const float* p) { return vload(p); }
+static inline V16 load16(const at::BFloat16* p) {  // exact: bfloat16 is float's top half
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16);
+  const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16);
+  return {_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi)};
+}
+// Lanes l + 8, then + 4, + 2, + 1 (dot16's tree).
+static inline float sum8_tree(__m256 s) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+static inline __m256 halves_sum(V16 v) { return _mm256_add_ps(v.a, v.b); }
+static inline float sum_tree(V16 v) { return sum8_tree(halves_sum(v)); }
+#include "decode_attention.h"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+namespace avx512 {
+struct V16 {
+  __m512 v;
+};
+static inline V16 vzero() { return {_mm512_setzero_ps()}; }
+static inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline void vstore(float* p, V16 x) { _mm512_storeu_ps(p, x.v); }
+static inline V16 vset1(float s) { return {_mm512_set1_ps(s)}; }
+static inline V16 vfma(V16 x, V16 y, V16 z) { return {_mm512_fmadd_ps(x.v, y.v, z.v)}; }
+static inline V16 vdiv(V16 x, V16 y) { return {_mm512_div_ps(x.v, y.v)}; }
+static inline V16 load16(const float* p) { return vload(p); }
+static inline V16 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+}
+static inline __m256 halves_sum(V16 v) {  // lanes l + 8
+  const __m256 lo = _mm512_castps512_ps256(v.v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v.v), 1));
+  return _mm256_add_ps(lo, hi);
+}
+static inline float sum_tree(V16 v) { return avx2::sum8_tree(halves_sum(v)); }
+#include "decode_attention.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace {
+
+bool isa_supported(int64_t isa) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == 0) return avx2;
+  if (isa == 1)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  return false;
 }
 
 // q [B, H, D] (contiguous), caches [N, block_size, KVH, D] (contiguous), block_tables int64
@@ -236,7 +250,8 @@ void run_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
 // [0, N): checked here) -> [B, H, D] in q's dtype; float32 math.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
                         const at::Tensor& value_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& seq_lens, double scale, int64_t isa) {
+  TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, H, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "q must be float32 or bfloat16");
@@ -263,12 +278,21 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int64_t group = heads / kvh;
-  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode",
-                     AT_DISPATCH_CASE(at::kFloat, [&] { run_decode<float>(q, key_cache,
-                         value_cache, tp, width, lp, scale, out, batch, group, kvh, d, bs); })
-                     AT_DISPATCH_CASE(at::kBFloat16, [&] { run_decode<at::BFloat16>(q,
-                         key_cache, value_cache, tp, width, lp, scale, out, batch, group, kvh, d,
-                         bs); }));
+  TORCH_CHECK(d % 16 == 0, "the head dim must be a multiple of 16, got ", d);
+  const float sc = static_cast<float>(scale);
+  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+    if (isa == 1)
+      avx512::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs);
+    else
+      avx2::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs);
+  };
+  if (q.scalar_type() == at::kFloat)
+    run(q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+        out.data_ptr<float>());
+  else
+    run(q.data_ptr<at::BFloat16>(), key_cache.data_ptr<at::BFloat16>(),
+        value_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -282,4 +306,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode", &paged_decode, "paged decode attention (see cpu_ops.py)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("isa_supported", &isa_supported, "whether this CPU runs instruction set code (0: AVX2 "
+        "and FMA, 1: AVX-512 F/BW/VL too)");
 }

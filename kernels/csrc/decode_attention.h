@@ -1,0 +1,205 @@
+// Paged decode attention (one query token per sequence) for one instruction set: included by
+// cpu_ops.cpp twice, inside its AVX2 and AVX-512 namespaces and target regions, after that
+// namespace's V16 (16 float lanes: two ymm or one zmm) and its helpers (vzero, vload,
+// vstore, vset1, vfma, vdiv, load16 of float or bfloat16, sum_tree).
+//
+// One (sequence, kv head) pair is one task; its `group` query heads take, per query row:
+//   score_t = (sum over 16 lanes of fma(q_i, k_t,i), lane i mod 16, i rising; then the fixed
+//             tree of sum_tree) * scale, for t in position order;
+//   top = max_t score_t;  p_t = exp8(score_t - top) (exp8: one AVX2 polynomial, below);
+//   total = 8 lanes over t (lane t mod 8, t rising), then the tree 4, 2, 1;
+//   out_i = (fma over t rising of p_t * v_t,i) / total.
+// (Eight scores are reduced at once by sum_tree8, the same tree as sum_tree's.)
+// Every lane's sequence of operations is the same whatever the batch, the other sequences,
+// the thread count or the instruction set (the AVX-512 build runs the same lane operations in
+// one register where the AVX2 build uses two; exp8 and the sum of p are AVX2 code in both):
+// a row's result is the same bits alone, in any batch, on every machine with AVX2 and FMA.
+
+// exp(x) for x <= 0 (scores minus their maximum), 8 lanes: x clamped at -87.3, split as
+// n ln2 + r with n = round(x / ln2), e^r by Cephes' degree-5 polynomial (about 1 ulp), times
+// 2^n built in the exponent bits. Only AVX2/FMA operations: the same bits in both builds.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// scores[0, len) -> exp(scores - max) in place (padded to a multiple of 8 with room); returns
+// their sum.
+static inline float softmax_numerators(float* scores, int64_t len) {
+  float top = scores[0];
+  for (int64_t t = 1; t < len; ++t) top = std::max(top, scores[t]);
+  const __m256 vtop = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; t += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), vtop));
+    _mm256_storeu_ps(scores + t, p);
+    const int live = static_cast<int>(std::min<int64_t>(8, len - t));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(live), lane));
+    total = _mm256_add_ps(total, _mm256_and_ps(p, keep));
+  }
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight (per-lane) sums at once, each by sum_tree's tree (lanes l + 8, + 4, + 2, + 1), as one
+// transposed reduction: score j of the result is sum_tree(v[j]).
+static inline void sum_tree8(const V16* v, float* out) {
+  __m256 w[8];
+  for (int j = 0; j < 8; ++j) w[j] = halves_sum(v[j]);  // lanes l + 8
+  __m256 x[4], y[2];
+  for (int j = 0; j < 4; ++j)  // [w2j lanes 0-3 + 4-7 | w2j+1 lanes 0-3 + 4-7]
+    x[j] = _mm256_add_ps(_mm256_permute2f128_ps(w[2 * j], w[2 * j + 1], 0x20),
+                         _mm256_permute2f128_ps(w[2 * j], w[2 * j + 1], 0x31));
+  for (int j = 0; j < 2; ++j)  // lanes 0,1 + 2,3 of each half
+    y[j] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane 0 + lane 1: [s0, s2, s4, s6 | s1, s3, s5, s7]
+  const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// out chunks [c0, c0 + W) of H heads (scores p, out and total per head, p `ld` apart): the
+// values' rows weighted by p, one fma chain per lane over t rising (W * H accumulators in
+// registers, each row of values loaded once for the H heads), divided by total.
+template <typename T, int W, int H>
+static inline void weighted_values_w(const float* const* values, int64_t c0, const float* p,
+                                     int64_t ld, int64_t len, const float* total, T* out,
+                                     int64_t d) {
+  V16 acc[H][W];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < W; ++c) acc[h][c] = vzero();
+  for (int64_t u = 0; u < len; ++u) {
+    const float* v = values[u] + 16 * c0;
+    V16 row[W];
+    for (int c = 0; c < W; ++c) row[c] = vload(v + 16 * c);
+    for (int h = 0; h < H; ++h) {
+      const V16 pu = vset1(p[h * ld + u]);
+      for (int c = 0; c < W; ++c) acc[h][c] = vfma(pu, row[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < W; ++c) {
+      float o[16];
+      vstore(o, vdiv(acc[h][c], vset1(total[h])));
+      for (int l = 0; l < 16; ++l) out[h * d + 16 * (c0 + c) + l] = static_cast<T>(o[l]);
+    }
+}
+
+template <typename T, int H>
+static void weighted_values(int64_t width, const float* const* values, int64_t c0,
+                            const float* p, int64_t ld, int64_t len, const float* total, T* out,
+                            int64_t d) {
+  if (width == 4)
+    weighted_values_w<T, 4, H>(values, c0, p, ld, len, total, out, d);
+  else if (width == 3)
+    weighted_values_w<T, 3, H>(values, c0, p, ld, len, total, out, d);
+  else if (width == 2)
+    weighted_values_w<T, 2, H>(values, c0, p, ld, len, total, out, d);
+  else
+    weighted_values_w<T, 1, H>(values, c0, p, ld, len, total, out, d);
+}
+
+// One pair: q / out [group, d] of T, the sequence's block table and length; work holds
+// group * d floats of q and group * (len rounded up to 8) scores.
+template <typename T>
+static void decode_pair(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len,
+                        float scale, T* out, int64_t group, int64_t kvh, int64_t g, int64_t d,
+                        int64_t bs, std::vector<float>& work, std::vector<float>& widened,
+                        std::vector<const float*>& rows) {
+  const int64_t padded = (len + 7) / 8 * 8, chunks = d / 16;
+  work.assign(group * d + group * padded, 0.0f);
+  float* qf = work.data();
+  float* scores = qf + group * d;
+  for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(q[i]);
+  // This pair's key and value rows in position order, as float32: the cache's own rows, or
+  // (bfloat16) widened once here for all `group` heads.
+  rows.resize(2 * len);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t at = ((table[t / bs] * bs + t % bs) * kvh + g) * d;
+      rows[t] = kc + at;
+      rows[len + t] = vc + at;
+    }
+  } else {
+    widened.resize(2 * len * d);
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t at = ((table[t / bs] * bs + t % bs) * kvh + g) * d;
+      float* kw = widened.data() + t * d;
+      float* vw = widened.data() + (len + t) * d;
+      for (int64_t c = 0; c < chunks; ++c) {
+        vstore(kw + 16 * c, load16(kc + at + 16 * c));
+        vstore(vw + 16 * c, load16(vc + at + 16 * c));
+      }
+      rows[t] = kw;
+      rows[len + t] = vw;
+    }
+  }
+  const float* const* keys = rows.data();
+  const float* const* values = rows.data() + len;
+  std::vector<float> totals(group);
+  for (int64_t h = 0; h < group; ++h) {
+    const float* qh = qf + h * d;
+    float* sh = scores + h * padded;
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+      V16 a[8];
+      for (int j = 0; j < 8; ++j) a[j] = vzero();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const V16 qc = vload(qh + 16 * c);
+        for (int j = 0; j < 8; ++j) a[j] = vfma(qc, vload(keys[t + j] + 16 * c), a[j]);
+      }
+      sum_tree8(a, sh + t);
+      for (int j = 0; j < 8; ++j) sh[t + j] *= scale;
+    }
+    for (; t < len; ++t) {
+      V16 a = vzero();
+      for (int64_t c = 0; c < chunks; ++c) a = vfma(vload(qh + 16 * c), vload(keys[t] + 16 * c), a);
+      sh[t] = sum_tree(a) * scale;
+    }
+    totals[h] = softmax_numerators(sh, len);
+  }
+  // Two heads at a time share each row of values (the last one alone if group is odd).
+  for (int64_t h = 0; h < group; h += 2)
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+      const int64_t width = std::min<int64_t>(4, chunks - c0);
+      if (h + 1 < group)
+        weighted_values<T, 2>(width, values, c0, scores + h * padded, padded, len,
+                              totals.data() + h, out + h * d, d);
+      else
+        weighted_values<T, 1>(width, values, c0, scores + h * padded, padded, len,
+                              totals.data() + h, out + h * d, d);
+    }
+}
+
+template <typename T>
+static void run_decode(const T* qp, const T* kp, const T* vp, const int64_t* tables,
+                       int64_t width, const int64_t* lens, float scale, T* op, int64_t batch,
+                       int64_t group, int64_t kvh, int64_t d, int64_t bs) {
+  at::parallel_for(0, batch * kvh, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> work, widened;
+    std::vector<const float*> rows;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / kvh, g = i % kvh;
+      const int64_t at = (b * kvh + g) * group * d;  // q and out rows of this pair's heads
+      decode_pair<T>(qp + at, kp, vp, tables + b * width, lens[b], scale, op + at, group, kvh, g,
+                     d, bs, work, widened, rows);
+    }
+  });
+}
