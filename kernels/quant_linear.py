@@ -83,7 +83,10 @@ ISAS = ("avx2", "avx512")
 # parallel`; compiled without it, every call ran on one thread whatever torch's thread count
 # (measured: M=1 on a Q4_K 16384 x 2048 weight, 2 threads, 1.92 ms without, 0.95 ms with). The
 # pragma's calls resolve to the OpenMP runtime torch already loaded (one runtime, one pool).
-_CFLAGS = ("-O3", "-fopenmp")
+# -ffp-contract=off: the fused decode layer includes csrc/cpu_ops_impl.h, whose RMSNorm and
+# RoPE round every product as torch does, and must give cpu_ops' bits; the kernels here fuse
+# only where they say so (FMA intrinsics).
+_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 
 
 def quant_linear_torch(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
@@ -142,6 +145,17 @@ def _check_input(x: object, weight: QuantWeight) -> torch.Tensor:
 def _extension() -> ModuleType:
     """The compiled extension (built on first call, see ``cpp_build.load_extension``)."""
     return load_extension("baton_quant_linear", "quant_linear.cpp", _CFLAGS)
+
+
+def extension() -> ModuleType:
+    """The compiled extension (built on first call), for fused C++ callers: its
+    ``decode_layer`` (``engine/models/cpu_decode.py``) composes these kernels with
+    ``csrc/cpu_ops_impl.h``'s.
+
+    Raises:
+        RuntimeError: the extension does not build here (not x86-64, no compiler).
+    """
+    return _extension()
 
 
 @functools.cache
@@ -256,6 +270,12 @@ class QuantProjection:
             _isa_code(isa),
             _activations_code(activations),
         )
+
+    @property
+    def call_args(self) -> tuple[object, ...]:
+        """The C++ call's arguments after x: (weights' data, format codes, column counts, k,
+        isa code, activations code); what a fused C++ caller (``decode_layer``) passes on."""
+        return self._args
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, k]`` float32/bfloat16 CPU x -> ``[M, n]`` in x's dtype. Compiles the extension

@@ -11,17 +11,15 @@ from __future__ import annotations
 import argparse
 import platform
 
-import numpy as np
 import pytest
 import torch
-from conftest import decode_after_prompts
+from conftest import decode_after_prompts, kquant_llama_weights
 
-from baton.bench.quant_linear import random_blocks
 from baton.engine.config import EngineConfig
 from baton.engine.entrypoints.args import add_engine_args, config_from_args
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM
-from baton.kernels.quant_formats import QuantWeight, repack
+from baton.kernels.quant_formats import QuantWeight
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the kernel is built for x86-64 only"
@@ -44,26 +42,7 @@ CONFIG = ModelConfig(
 
 @pytest.fixture(scope="module")
 def kquant_weights() -> tuple[dict[str, QuantWeight], dict[str, torch.Tensor]]:
-    rng = np.random.default_rng(0)
-
-    def weight(fmt: str, n: int, k: int) -> QuantWeight:
-        return repack(random_blocks(fmt, n, k, rng, scale=1e-4), fmt)
-
-    c = CONFIG
-    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    quantized: dict[str, QuantWeight] = {"lm_head.weight": weight("Q6_K", c.vocab_size, 256)}
-    gen = torch.Generator().manual_seed(0)
-    dense = {"model.embed_tokens.weight": torch.randn(c.vocab_size, 256, generator=gen)}
-    dense["model.norm.weight"] = 1 + 0.1 * torch.randn(256, generator=gen)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        quantized[p + "self_attn.qkv_proj.weight"] = weight("Q4_K", qkv, 256)
-        quantized[p + "self_attn.o_proj.weight"] = weight("Q4_K", 256, 256)
-        quantized[p + "mlp.gate_up_proj.weight"] = weight("Q4_K", 2 * c.intermediate_size, 256)
-        quantized[p + "mlp.down_proj.weight"] = weight("Q6_K", 256, c.intermediate_size)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            dense[f"{p}{norm}.weight"] = 1 + 0.1 * torch.randn(256, generator=gen)
-    return quantized, dense
+    return kquant_llama_weights(CONFIG)
 
 
 def _model(weights, activations: str, dtype: torch.dtype) -> LlamaForCausalLM:

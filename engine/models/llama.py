@@ -10,6 +10,7 @@ from torch import nn
 
 from baton.engine.models.attention import AttentionMetadata, paged_attention, sdpa_backends
 from baton.engine.models.config import ModelConfig
+from baton.engine.models.cpu_decode import FusedLayer, attention_isa, fused_layers, step_fits
 from baton.engine.models.gguf_linear import (
     EMBEDDING,
     LM_HEAD,
@@ -89,7 +90,7 @@ class DecoderLayer(nn.Module):
             tuple(q) if any(p is not None for p in q) else None
         )
         # Their kernel calls, each checked once here (None: a dense projection).
-        self._quant_calls = tuple(
+        self.quant_calls: tuple[QuantProjection | None, ...] = tuple(
             None if parts is None else QuantProjection(parts, activations=quant_activations)
             for parts in q
         )
@@ -117,7 +118,7 @@ class DecoderLayer(nn.Module):
     def _project(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Projection ``i`` (qkv, o, gate_up, down) of ``x`` with the model's kernel."""
         linear = self._linears[i]
-        if (call := self._quant_calls[i]) is not None:
+        if (call := self.quant_calls[i]) is not None:
             # The bias after the kernel (which has none), in x's dtype as nn.Linear's would be.
             return call(x) if linear.bias is None else call(x) + linear.bias
         if self.int8 is not None:
@@ -265,6 +266,13 @@ class LlamaForCausalLM(nn.Module):
         )
         # The LM head in GGUF blocks (tied or not): then every step multiplies with it.
         self.lm_head_quant: QuantWeight | None = quantized.get(LM_HEAD)
+        # The layers' fused CPU decode calls (``_fused_layers``): built on the first step that
+        # could take them; _fusable turns False where a layer cannot.
+        self._fused: tuple[FusedLayer, ...] | None = None
+        self._fusable = bool(quantized)
+        # False: every step runs the layers' own forward (for side-by-side measurements and
+        # the test that the two give the same bits).
+        self.fuse_cpu_decode = True
         self._lm_head_call = (
             None
             if self.lm_head_quant is None
@@ -379,12 +387,37 @@ class LlamaForCausalLM(nn.Module):
         )
         rope = self.rope.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
+        fused = self._fused_layers(x, rope, kv_caches, meta)
+        if fused is not None:  # a CPU decode step: one C++ call a layer, the same bits
+            isa = attention_isa()
+            for call, kv in zip(fused, kv_caches, strict=True):
+                x, residual = call(x, residual, rope, kv, meta, isa)
+            return self.norm.forward_add(x, residual)[0]
         with sdpa_backends(x.device):
             for layer, kv in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, rope, kv, meta)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.forward_add(x, residual)[0]
+
+    def _fused_layers(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[FusedLayer, ...] | None:
+        """The layers' fused CPU decode calls (``models/cpu_decode.py``) when this step takes
+        them, else None. Built on the first step that could (after the weights are loaded);
+        None for good where a layer cannot fuse."""
+        if not (self._fusable and self.fuse_cpu_decode and kv_caches):
+            return None
+        if not step_fits(x, rope, kv_caches[0], meta, self.norm.weight.dtype):
+            return None
+        if self._fused is None:
+            self._fused = fused_layers(self.layers)
+            self._fusable = self._fused is not None
+        return self._fused
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the given hidden rows, written into ``out``

@@ -17,6 +17,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_ops_impl.h"
+
 namespace {
 
 // Format codes shared with quant_formats.py (FORMATS).
@@ -413,6 +415,67 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t format
   return quant_linear_parts(x, {w}, {format}, {n}, k, isa, activations);
 }
 
+// A projection's packed weights as decode_layer takes them (QuantProjection's arguments).
+struct Projection {
+  std::vector<at::Tensor> ws;
+  std::vector<int64_t> formats, ns;
+  int64_t k;
+  at::Tensor operator()(const at::Tensor& x, int64_t isa, int64_t activations) const {
+    return quant_linear_parts(x, ws, formats, ns, k, isa, activations);
+  }
+};
+
+// One Llama-family decoder layer of a pure-decode step on the CPU, every projection in GGUF
+// blocks, in one call: the ops and the order of the model's own forward (models/llama.py:
+// RMSNorm with the residual add, QKV (+ bias), RoPE, the cache write, paged decode attention,
+// O, RMSNorm, gate/up, SiLU(gate) * up, down), each op the one the unfused path calls, so the
+// bits are its bits. Returns (mlp output, residual stream).
+std::vector<at::Tensor> decode_layer(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& norm1,
+    const at::Tensor& norm2, double eps, const std::vector<at::Tensor>& qkv_w,
+    const std::vector<int64_t>& qkv_f, const std::vector<int64_t>& qkv_n,
+    const c10::optional<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& o_w,
+    const std::vector<int64_t>& o_f, const std::vector<int64_t>& o_n,
+    const std::vector<at::Tensor>& gu_w, const std::vector<int64_t>& gu_f,
+    const std::vector<int64_t>& gu_n, const std::vector<at::Tensor>& down_w,
+    const std::vector<int64_t>& down_f, const std::vector<int64_t>& down_n,
+    const std::vector<int64_t>& shape, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& slots,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t isa,
+    int64_t activations, int64_t attention_isa) {
+  TORCH_CHECK(shape.size() == 4, "shape must be (heads, kv heads, head dim, intermediate)");
+  const int64_t heads = shape[0], kv_heads = shape[1], head_dim = shape[2], inter = shape[3];
+  const int64_t t = x.size(0), hidden = x.size(1);
+  const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  const Projection qkv{qkv_w, qkv_f, qkv_n, hidden}, o{o_w, o_f, o_n, q_size};
+  const Projection gate_up{gu_w, gu_f, gu_n, hidden}, down{down_w, down_f, down_n, inter};
+  at::Tensor h, res;
+  if (residual.has_value()) {
+    const std::vector<at::Tensor> r = cpuops::rms_norm(x, norm1, eps, residual);
+    h = r[0];
+    res = r[1];
+  } else {
+    h = cpuops::rms_norm(x, norm1, eps, c10::nullopt)[0];
+    res = x;
+  }
+  at::Tensor qkv_out = qkv(h, isa, activations);
+  if (qkv_bias.has_value()) qkv_out = qkv_out + *qkv_bias;
+  TORCH_CHECK(qkv_out.size(1) == q_size + 2 * kv_size, "the QKV weights do not match the shape");
+  const std::vector<at::Tensor> parts = qkv_out.split_with_sizes({q_size, kv_size, kv_size}, -1);
+  const at::Tensor q = cpuops::rope(parts[0].view({t, heads, head_dim}), cos, sin);
+  const at::Tensor k = cpuops::rope(parts[1].view({t, kv_heads, head_dim}), cos, sin);
+  const at::Tensor v = parts[2].view({t, kv_heads, head_dim});
+  key_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slots, k);
+  value_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slots, v);
+  const at::Tensor attn = cpuops::paged_decode(q.contiguous(), key_cache, value_cache,
+                                               block_tables, seq_lens, scale, attention_isa);
+  const at::Tensor out = o(attn.reshape({t, q_size}), isa, activations);
+  const std::vector<at::Tensor> r2 = cpuops::rms_norm(out, norm2, eps, res);
+  const std::vector<at::Tensor> gu = gate_up(r2[0], isa, activations).split_with_sizes({inter, inter}, -1);
+  const at::Tensor act = at::silu(gu[0]) * gu[1];
+  return {down(act, isa, activations), r2[1]};
+}
+
 // dequant(w) as float32 [n, k] (the weights' gguf values; threads over tiles).
 at::Tensor dequantize(const at::Tensor& w, int64_t format, int64_t n, int64_t k) {
   TORCH_CHECK(isa_supported(kIsaAvx2), "dequantize needs AVX2, FMA and F16C");
@@ -476,6 +539,8 @@ at::Tensor repack(const at::Tensor& raw, int64_t format, int64_t n, int64_t k) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ dequant(w)^T (see quant_linear.py)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("decode_layer", &decode_layer, "one decoder layer of a CPU decode step (see "
+        "models/cpu_decode.py)", py::call_guard<py::gil_scoped_release>());
   m.def("quant_linear_parts", &quant_linear_parts,
         "y = x @ [dequant(w_0); dequant(w_1); ...]^T (see quant_linear.py)",
         py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,306 @@
+#pragma once
+// The decoder's small per-token ops on the CPU, one call each instead of eight to ten torch ops
+// (a small model's batch-1 decode step is bound by their dispatch): RMSNorm with its residual
+// add, the rotary embedding of queries and keys, and paged decode attention. Included by
+// cpu_ops.cpp (their Python module) and by quant_linear.cpp (its fused decode layer), both
+// built with -ffp-contract=off, so the two give the same bits. References: kernels/rms_norm.py and
+// kernels/rope.py (rms_norm_torch, rope_torch).
+//
+// Every row is computed by one thread in one fixed order, whatever the number of rows or
+// threads: the results are batch-invariant. Built with -ffp-contract=off, so that no product
+// is fused into a sum: every product and sum rounds as the torch reference's ops do, in float32
+// and (each intermediate rounded to bfloat16) in bfloat16; RoPE gives the reference's bits, and
+// RMSNorm all but its mean, whose sum of squares runs in another (fixed) order.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace cpuops {
+
+namespace {
+
+template <typename T>
+inline float to_f(T v) {
+  return static_cast<float>(v);
+}
+
+template <typename T>
+inline T from_f(float v) {
+  return static_cast<T>(v);  // bfloat16: round to nearest even, as torch's casts
+}
+
+// Rows a thread takes at once: enough work to be worth a thread.
+int64_t grain_for(int64_t row_elements) { return std::max<int64_t>(1, 16384 / row_elements); }
+
+// The dot product of two float rows in 16 lanes (i mod 16), then a fixed tree (RMSNorm's sum of
+// squares); cloned for AVX-512, AVX2 and the baseline (GCC picks one at load time). With -ffp-contract=off every clone rounds each product and sum alike: one order, one
+// result per machine, whatever the batch.
+__attribute__((target_clones("avx512f", "avx2", "default"))) float dot16(const float* a,
+                                                                          const float* b,
+                                                                          int64_t n) {
+  float lanes[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
+  for (int l = 0; i < n; ++i, ++l) lanes[l] += a[i] * b[i];
+  for (int width = 8; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0];
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, int64_t ldx, const T* res, int64_t ldr, const T* w, float eps,
+                   T* out, T* summed, int64_t rows, int64_t hidden) {
+  at::parallel_for(0, rows, grain_for(hidden), [&](int64_t r0, int64_t r1) {
+    std::vector<float> h(hidden);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * ldx;
+      for (int64_t i = 0; i < hidden; ++i) {
+        if (res != nullptr) {
+          const T s = from_f<T>(to_f(xr[i]) + to_f(res[r * ldr + i]));  // rounded, as x + res
+          summed[r * hidden + i] = s;
+          h[i] = to_f(s);
+        } else {
+          h[i] = to_f(xr[i]);
+        }
+      }
+      // Sum of squares in dot16's fixed order: one order for every row.
+      const float mean = dot16(h.data(), h.data(), hidden) / static_cast<float>(hidden);
+      const float scale = 1.0f / std::sqrt(mean + eps);
+      T* o = out + r * hidden;
+      for (int64_t j = 0; j < hidden; ++j)
+        o[j] = from_f<T>(to_f(w[j]) * to_f(from_f<T>(h[j] * scale)));
+    }
+  });
+}
+
+// (out, summed): out = weight * norm(h), h = x + residual (summed = h) or x (summed empty).
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                 const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, hidden] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [hidden] tensor of x's dtype");
+  const bool has_res = residual.has_value();
+  if (has_res)
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->stride(1) == 1 &&
+                    residual->scalar_type() == x.scalar_type(),
+                "residual must be x's shape and dtype with contiguous rows");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  at::Tensor out = at::empty({rows, hidden}, x.options());
+  at::Tensor summed = has_res ? at::empty({rows, hidden}, x.options()) : at::Tensor();
+  if (rows == 0) return {out, summed};
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
+                     AT_DISPATCH_CASE(at::kFloat,
+                                      [&] {
+                                        rms_norm_rows<float>(
+                                            x.data_ptr<float>(), x.stride(0),
+                                            has_res ? residual->data_ptr<float>() : nullptr,
+                                            has_res ? residual->stride(0) : 0,
+                                            weight.data_ptr<float>(), static_cast<float>(eps),
+                                            out.data_ptr<float>(),
+                                            has_res ? summed.data_ptr<float>() : nullptr, rows,
+                                            hidden);
+                                      })
+                         AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                           using B = at::BFloat16;
+                           rms_norm_rows<B>(x.data_ptr<B>(), x.stride(0),
+                                            has_res ? residual->data_ptr<B>() : nullptr,
+                                            has_res ? residual->stride(0) : 0, weight.data_ptr<B>(),
+                                            static_cast<float>(eps), out.data_ptr<B>(),
+                                            has_res ? summed.data_ptr<B>() : nullptr, rows, hidden);
+                         }));
+  return {out, summed};
+}
+
+template <typename T>
+void rotate(const T* x, int64_t s0, int64_t s1, const T* cos, const T* sin, int64_t cs,
+            T* out, int64_t tokens, int64_t heads, int64_t half) {
+  at::parallel_for(0, tokens, grain_for(heads * 2 * half), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* c = cos + t * cs;
+      const T* s = sin + t * cs;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xh = x + t * s0 + h * s1;
+        T* o = out + (t * heads + h) * 2 * half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(xh[i]), x2 = to_f(xh[half + i]);
+          const float ci = to_f(c[i]), si = to_f(s[i]);
+          // Each product and difference rounded to T, as torch's x1 * cos - x2 * sin.
+          const float a = to_f(from_f<T>(x1 * ci)), b = to_f(from_f<T>(x2 * si));
+          const float e = to_f(from_f<T>(x2 * ci)), f = to_f(from_f<T>(x1 * si));
+          o[i] = from_f<T>(a - b);
+          o[half + i] = from_f<T>(e + f);
+        }
+      }
+    }
+  });
+}
+
+// Rotated copies of x [T, H, D] (heads with contiguous dims) by cos/sin [T, 1, D / 2].
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "x must be [T, H, D] with contiguous heads and an even D");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(1) == 1 && t->size(2) == half &&
+                    t->stride(2) == 1 && t->scalar_type() == x.scalar_type() &&
+                    t->stride(0) == cos.stride(0),
+                "cos and sin must be [T, 1, D / 2] of x's dtype with one row stride");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (tokens == 0 || heads == 0) return out;
+  if (x.scalar_type() == at::kFloat)
+    rotate<float>(x.data_ptr<float>(), x.stride(0), x.stride(1), cos.data_ptr<float>(),
+                  sin.data_ptr<float>(), cos.stride(0), out.data_ptr<float>(), tokens, heads,
+                  half);
+  else
+    rotate<at::BFloat16>(x.data_ptr<at::BFloat16>(), x.stride(0), x.stride(1),
+                         cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>(),
+                         cos.stride(0), out.data_ptr<at::BFloat16>(), tokens, heads, half);
+  return out;
+}
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+struct V16 {
+  __m256 a, b;  // lanes 0..7, 8..15
+};
+static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float* p, V16 v) {
+  _mm256_storeu_ps(p, v.a);
+  _mm256_storeu_ps(p + 8, v.b);
+}
+static inline V16 vset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+static inline V16 vfma(V16 x, V16 y, V16 z) {
+  return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
+}
+static inline V16 vdiv(V16 x, V16 y) { return {_mm256_div_ps(x.a, y.a), _mm256_div_ps(x.b, y.b)}; }
+static inline V16 load16(const float* p) { return vload(p); }
+static inline V16 load16(const at::BFloat16* p) {  // exact: bfloat16 is float's top half
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16);
+  const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16);
+  return {_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi)};
+}
+// Lanes l + 8, then + 4, + 2, + 1 (dot16's tree).
+static inline float sum8_tree(__m256 s) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+static inline __m256 halves_sum(V16 v) { return _mm256_add_ps(v.a, v.b); }
+static inline float sum_tree(V16 v) { return sum8_tree(halves_sum(v)); }
+#include "decode_attention.h"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+namespace avx512 {
+struct V16 {
+  __m512 v;
+};
+static inline V16 vzero() { return {_mm512_setzero_ps()}; }
+static inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline void vstore(float* p, V16 x) { _mm512_storeu_ps(p, x.v); }
+static inline V16 vset1(float s) { return {_mm512_set1_ps(s)}; }
+static inline V16 vfma(V16 x, V16 y, V16 z) { return {_mm512_fmadd_ps(x.v, y.v, z.v)}; }
+static inline V16 vdiv(V16 x, V16 y) { return {_mm512_div_ps(x.v, y.v)}; }
+static inline V16 load16(const float* p) { return vload(p); }
+static inline V16 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+}
+static inline __m256 halves_sum(V16 v) {  // lanes l + 8
+  const __m256 lo = _mm512_castps512_ps256(v.v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v.v), 1));
+  return _mm256_add_ps(lo, hi);
+}
+static inline float sum_tree(V16 v) { return avx2::sum8_tree(halves_sum(v)); }
+#include "decode_attention.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace {
+
+bool isa_supported(int64_t isa) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == 0) return avx2;
+  if (isa == 1)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  return false;
+}
+
+// q [B, H, D] (contiguous), caches [N, block_size, KVH, D] (contiguous), block_tables int64
+// [B, max_blocks], seq_lens int64 [B] (each in [1, max_blocks * block_size], block ids in
+// [0, N): checked here) -> [B, H, D] in q's dtype; float32 math.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, double scale, int64_t isa) {
+  TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, H, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "q must be float32 or bfloat16");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == q.scalar_type() &&
+                  value_cache.scalar_type() == q.scalar_type() && key_cache.size(3) == q.size(2),
+              "caches must be contiguous [N, block_size, KVH, D] of q's dtype and head dim");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), kvh = key_cache.size(2);
+  TORCH_CHECK(kvh > 0 && heads % kvh == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                  block_tables.scalar_type() == at::kLong && seq_lens.dim() == 1 &&
+                  seq_lens.size(0) == batch && seq_lens.scalar_type() == at::kLong,
+              "block_tables must be int64 [B, max_blocks] and seq_lens int64 [B]");
+  const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  const int64_t width = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "seq_lens[", b, "] out of range");
+    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[b * width + j] >= 0 && tp[b * width + j] < blocks, "block id out of range");
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const int64_t group = heads / kvh;
+  TORCH_CHECK(d % 16 == 0, "the head dim must be a multiple of 16, got ", d);
+  const float sc = static_cast<float>(scale);
+  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+    if (isa == 1)
+      avx512::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs);
+    else
+      avx2::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs);
+  };
+  if (q.scalar_type() == at::kFloat)
+    run(q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+        out.data_ptr<float>());
+  else
+    run(q.data_ptr<at::BFloat16>(), key_cache.data_ptr<at::BFloat16>(),
+        value_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  return out;
+}
+
+}  // namespace
+
+}  // namespace cpuops
