@@ -76,8 +76,10 @@ ACTIVATIONS = ("float32", "int8")
 INT8_FORMATS = ("Q4_K", "Q6_K")
 """Formats whose kernel takes int8 activations when asked."""
 
-ISAS = ("avx2", "avx512")
-"""Instruction sets the kernel is built for, by code (0: AVX2+FMA+F16C, 1: AVX-512 F/BW/VL)."""
+ISAS = ("avx2", "avx512", "avx512vnni")
+"""Instruction sets the kernel is built for, by code (0: AVX2+FMA+F16C, 1: AVX-512 F/BW/VL,
+2: and AVX512-VNNI, whose vpdpwssd the int8 path takes; the float path runs the AVX-512 code).
+Every one gives the same bits."""
 
 # -fopenmp: at::parallel_for is a header template whose threads come from `#pragma omp
 # parallel`; compiled without it, every call ran on one thread whatever torch's thread count
@@ -172,7 +174,7 @@ def available_isas() -> tuple[str, ...]:
     return tuple(
         name
         for code, name in enumerate(ISAS)
-        if ext.isa_supported(code) and (name != "avx512" or avx512)
+        if ext.isa_supported(code) and (not name.startswith("avx512") or avx512)
     )
 
 

@@ -177,12 +177,13 @@ def test_torch_reference_within_the_same_bound(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_instruction_sets_give_the_same_bits(fmt: str, dtype: torch.dtype) -> None:
-    for isa in ISAS:
-        _require(isa)
+    isas = available_isas()
+    if len(isas) < 2:
+        pytest.skip(f"this CPU runs only {isas}: nothing to compare")
     weight = repack(_random_blocks(fmt, 37, 768, seed=5), fmt)
     x = torch.randn(11, 768, generator=torch.Generator().manual_seed(5)).to(dtype)
-    outs = [quant_linear(x, weight, isa=isa) for isa in ISAS]
-    assert torch.equal(outs[0], outs[1])
+    outs = [quant_linear(x, weight, isa=isa) for isa in isas]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

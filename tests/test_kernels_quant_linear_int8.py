@@ -96,14 +96,14 @@ def test_within_half_a_step_of_x_from_the_exact_product(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", INT8_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_instruction_sets_give_the_same_bits(fmt: str, dtype: torch.dtype) -> None:
-    for isa in ISAS:
-        if isa not in available_isas():
-            pytest.skip(f"this CPU lacks the {isa} instructions")
+    isas = available_isas()
+    if len(isas) < 2:
+        pytest.skip(f"this CPU runs only {isas}: nothing to compare")
     weight = _weight(fmt, 37, 768, seed=5)
     x = _x(11, 768, seed=5).to(dtype)
-    outs = [quant_linear(x, weight, isa=isa, activations="int8") for isa in ISAS]
+    outs = [quant_linear(x, weight, isa=isa, activations="int8") for isa in isas]
     assert outs[0].dtype == dtype
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 @pytest.fixture

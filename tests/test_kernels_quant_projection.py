@@ -14,7 +14,7 @@ import torch
 
 from baton.bench.quant_linear import random_blocks
 from baton.kernels.quant_formats import repack
-from baton.kernels.quant_linear import QuantProjection, available_isas, quant_linear
+from baton.kernels.quant_linear import ISAS, QuantProjection, available_isas, quant_linear
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the kernel is built for x86-64 only"
@@ -34,7 +34,7 @@ PARTS = (("Q4_K", 36), ("Q4_K", 9), ("Q6_K", 9), ("Q8_0", 6))
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ISAS)
 def test_the_columns_are_the_one_weight_kernels_bit_for_bit(
     activations: str, dtype: torch.dtype, isa: str
 ) -> None:

@@ -154,7 +154,11 @@ static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const
             const int8_t* x = xrow[r] + 32 * b;
             const __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast16(x)),
                                                _mm256_maddubs_epi16(hi, bcast16(x + 16)));
+#ifdef Q8K_VNNI
+            isum[r][p] = _mm256_dpwssd_epi32(isum[r][p], q, scv);
+#else
             isum[r][p] = _mm256_add_epi32(isum[r][p], _mm256_madd_epi16(q, scv));
+#endif
           }
         } else {
           __m256i lo, hi;
@@ -166,9 +170,13 @@ static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const
             const int8_t* x = xrow[r] + 32 * b;
             const __m256i pl = _mm256_maddubs_epi16(lo, bcast16(x));
             const __m256i ph = _mm256_maddubs_epi16(hi, bcast16(x + 16));
+#ifdef Q8K_VNNI
+            isum[r][p] = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(isum[r][p], pl, slo), ph, shi);
+#else
             isum[r][p] = _mm256_add_epi32(
                 isum[r][p],
                 _mm256_add_epi32(_mm256_madd_epi16(pl, slo), _mm256_madd_epi16(ph, shi)));
+#endif
           }
         }
       }
