@@ -4,6 +4,7 @@ metadata value type; clear errors for what is not GGUF."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +94,27 @@ def test_what_is_not_gguf_is_refused_by_name(tmp_path: Path, content: bytes, mat
     path.write_bytes(content)
     with pytest.raises(GGUFFormatError, match=match):
         read_gguf_file(path)
+
+
+def test_release_pages_drops_a_tensors_pages_and_keeps_its_bytes(tmp_path: Path) -> None:
+    """A loader releases a tensor it has copied: its file pages leave this process's resident
+    memory (the file stays readable, the same bytes)."""
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    values = np.arange(16 * 2**20, dtype=np.float32)  # 64 MiB
+    writer.add_tensor("big", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = read_gguf_file(path).tensors
+
+    def resident_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    total = float(tensor.data.sum(dtype=np.float64))  # maps every page
+    mapped = resident_mib()
+    tensor.release_pages()
+    assert mapped - resident_mib() > 48
+    assert float(tensor.data.sum(dtype=np.float64)) == total

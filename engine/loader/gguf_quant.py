@@ -69,8 +69,12 @@ def _keep_group(
     raws = {hf: _raw_rows(path, t, config) for hf, t in parts.items()}
     if len(kinds) == 1:
         raw = next(iter(raws.values())) if len(raws) == 1 else np.concatenate(list(raws.values()))
-        return {name: _repack(path, raw, kinds.pop(), name)}
-    return {hf: _repack(path, raws[hf], t.tensor_type.name, hf) for hf, t in parts.items()}
+        kept = {name: _repack(path, raw, kinds.pop(), name)}
+    else:
+        kept = {hf: _repack(path, raws[hf], t.tensor_type.name, hf) for hf, t in parts.items()}
+    for t in parts.values():  # copied: the file's pages need not stay resident beside them
+        t.release_pages()
+    return kept
 
 
 def keep_quantized(
@@ -114,6 +118,7 @@ def keep_quantized(
         quantized[LM_HEAD] = _repack(
             path, _raw_rows(path, head, config), head.tensor_type.name, LM_HEAD
         )
+        head.release_pages()
         # the model looks up a tied embedding's rows in the head's blocks: not loaded dense
         skip.add(head_name)
     elif head is not None and head.tensor_type.name not in _FLOAT_TYPES:
@@ -123,6 +128,7 @@ def keep_quantized(
         quantized[EMBEDDING] = _repack(
             path, _raw_rows(path, embedding, config), embedding.tensor_type.name, EMBEDDING
         )
+        embedding.release_pages()
         skip.add(EMBEDDING)
     if not quantized:
         linear_types = sorted(
