@@ -178,3 +178,44 @@ def paged_decode_cpu(
         float(scale),
         DECODE_ISAS.index(isa),
     )
+
+
+def paged_prefill_cpu(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_seqs: torch.Tensor,
+    token_lens: torch.Tensor,
+    scale: float,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """Attention of prefill (or mixed) tokens ``q`` ``[T, H, D]`` over their sequences'
+    blocks: token i reads row ``token_seqs[i]`` of ``block_tables`` and positions
+    ``[0, token_lens[i])`` (causal), each token computed exactly as `paged_decode_cpu`
+    computes a decode step of that length (the same bits: a token's result does not depend
+    on how its prompt was chunked, on the other tokens or on the thread count). Takes what
+    `paged_decode_fits` takes.
+
+    Raises:
+        RuntimeError: tensors `paged_decode_fits` refuses, a sequence index or length out of
+            range, a used block id outside the cache, no extension or no AVX2.
+        ValueError: ``isa`` is not one of `decode_isas`.
+    """
+    isas = decode_isas()
+    if not isas:
+        raise RuntimeError("paged_prefill_cpu needs the CPU ops extension and AVX2 with FMA")
+    if isa is None:
+        isa = isas[-1]
+    elif isa not in isas:
+        raise ValueError(f"isa {isa!r} is not available here; available: {', '.join(isas)}")
+    return extension().paged_prefill(
+        q.contiguous(),
+        key_cache,
+        value_cache,
+        block_tables.long(),
+        token_seqs.long(),
+        token_lens.long(),
+        float(scale),
+        DECODE_ISAS.index(isa),
+    )

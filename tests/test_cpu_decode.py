@@ -91,3 +91,47 @@ def test_a_model_with_a_dense_projection_never_fuses(fused_calls: list[int]) -> 
     prompts = torch.randint(0, CONFIG.vocab_size, (1, 5), generator=torch.Generator())
     decode_after_prompts(model.eval(), prompts, [0], torch.float32, BLOCK)
     assert fused_calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_tokens_do_not_depend_on_chunking_or_the_batch(dtype: torch.dtype) -> None:
+    """On GGUF kernels the CPU attends prefill token by token (``token_order``): a prompt's
+    last logits are the same bits prefilled whole, in two chunks, or beside another prompt in
+    one step."""
+    from baton.engine.models.attention import AttentionMetadata
+    from baton.engine.models.llama import allocate_kv_cache
+
+    model = _model(dtype, "int8", True, False)
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randint(0, CONFIG.vocab_size, (90,), generator=gen)
+    b = torch.randint(0, CONFIG.vocab_size, (140,), generator=gen)
+    tables = torch.arange(80).view(2, 40)
+
+    def run(steps: list[list[tuple[int, torch.Tensor, int]]]) -> dict[int, torch.Tensor]:
+        """steps: per step, (sequence, its new tokens, tokens it had before); -> each
+        sequence's logits for its last new token of its last step."""
+        kv = allocate_kv_cache(CONFIG, 80, BLOCK, dtype)
+        last: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for step in steps:
+                seqs = [s for s, _, _ in step]
+                meta = AttentionMetadata.build(
+                    torch.tensor([len(t) for _, t, _ in step]),
+                    torch.tensor([before + len(t) for _, t, before in step]),
+                    tables[seqs],
+                    BLOCK,
+                )
+                ids = torch.cat([t for _, t, _ in step])
+                pos = torch.cat([torch.arange(before, before + len(t)) for _, t, before in step])
+                hidden = model(ids, pos, kv, meta)
+                ends = torch.cumsum(torch.tensor([len(t) for _, t, _ in step]), 0) - 1
+                logits = model.compute_logits(hidden[ends])
+                for i, s in enumerate(seqs):
+                    last[s] = logits[i]
+        return last
+
+    whole = run([[(0, a, 0)]])[0]
+    chunked = run([[(0, a[:37], 0)], [(0, a[37:], 37)]])[0]
+    beside = run([[(1, b, 0), (0, a, 0)]])[0]
+    assert torch.equal(whole, chunked)
+    assert torch.equal(whole, beside)

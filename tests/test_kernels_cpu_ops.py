@@ -188,3 +188,31 @@ def test_paged_decode_takes_head_dims_of_multiples_of_16_and_long_contexts() -> 
     out = cpu_ops.paged_decode_cpu(q, kc, vc, tables, lens, 0.088)
     assert ((out.double() - ref).abs() <= 1e-5 * (1 + ref.abs())).all()
     assert not cpu_ops.paged_decode_fits(q[..., :40], kc[..., :40], vc[..., :40])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_prefill_gives_each_token_the_bits_of_a_decode_step(dtype: torch.dtype) -> None:
+    """Three sequences' prompt tokens (40, 1 and 70 of them: runs longer than the kernel's run
+    of 32, and a lone token) in one call, each equal to a decode call of its length, bit for
+    bit, and close to the reference."""
+    gen = torch.Generator().manual_seed(4)
+    kc = torch.randn(48, 16, 3, 64, generator=gen).to(dtype)
+    vc = torch.randn(48, 16, 3, 64, generator=gen).to(dtype)
+    tables = torch.randperm(48, generator=gen)[:21].view(3, 7)
+    counts, ends = [40, 1, 70], [45, 1, 112]  # tokens this step; length after it
+    seqs = torch.cat([torch.full((n,), s) for s, n in enumerate(counts)])
+    lens = torch.cat([torch.arange(e - n + 1, e + 1) for n, e in zip(counts, ends, strict=True)])
+    q = torch.randn(len(seqs), 9, 64, generator=gen).to(dtype)
+    out = cpu_ops.paged_prefill_cpu(q, kc, vc, tables, seqs, lens, 0.125)
+    for i in range(len(seqs)):
+        one = cpu_ops.paged_decode_cpu(
+            q[i : i + 1], kc, vc, tables[seqs[i] : seqs[i] + 1], lens[i : i + 1], 0.125
+        )
+        assert torch.equal(out[i], one[0]), i
+    ref = paged_decode_attention_torch(q.float(), kc.float(), vc.float(), tables[seqs], lens, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    assert ((out.float() - ref).abs() <= tol * (1 + ref.abs())).all()
+    with pytest.raises(RuntimeError, match="token_seqs"):
+        cpu_ops.paged_prefill_cpu(q, kc, vc, tables, seqs + 3, lens, 0.125)
+    with pytest.raises(RuntimeError, match="token_lens"):
+        cpu_ops.paged_prefill_cpu(q, kc, vc, tables, seqs, lens * 0, 0.125)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from baton.engine.worker.device_buffers import stage_to_device
-from baton.kernels.cpu_ops import paged_decode_cpu, paged_decode_fits
+from baton.kernels.cpu_ops import paged_decode_cpu, paged_decode_fits, paged_prefill_cpu
 from baton.kernels.kv_write import kv_write_
 from baton.kernels.paged_attention import HAS_TRITON, paged_decode_attention
 
@@ -46,6 +46,10 @@ class AttentionMetadata:
         max_query_len: Q.
         seq_lens: int64 ``[B]``, tokens in each sequence after this step.
         block_tables: int64 ``[B, ceil(S / block_size)]``, each sequence's blocks in order.
+        token_seqs: int64 ``[T]``, each flat token's sequence (its row of ``block_tables``);
+            None where not built (`decode`).
+        token_lens: int64 ``[T]``, the positions each flat token attends to (its position + 1,
+            causal); None where not built. For ``paged_attention(token_order=True)``.
     """
 
     slot_mapping: torch.Tensor
@@ -56,6 +60,8 @@ class AttentionMetadata:
     max_query_len: int
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
+    token_seqs: torch.Tensor | None = None
+    token_lens: torch.Tensor | None = None
 
     @staticmethod
     def decode(
@@ -142,13 +148,13 @@ class AttentionMetadata:
         # Pure decode needs no padded layout (nothing to stage).
         query_index = token_seq[:0] if max_q == 1 else token_seq * max_q + token_off
         used_tables = np.ascontiguousarray(tables[:, : -(-max_s // block_size)])
-        arrays = [slot_mapping, query_index, s, ctx_lens, q, used_tables]
+        arrays = [slot_mapping, query_index, s, ctx_lens, q, used_tables, token_seq, token_pos + 1]
         if stage is None:
             target = torch.device("cpu") if device is None else torch.device(device)
             staged = stage_to_device(arrays, target)
         else:
             staged = stage(arrays)
-        slots_d, query_d, seq_d, ctx_d, q_d, tables_d = staged
+        slots_d, query_d, seq_d, ctx_d, q_d, tables_d, token_seq_d, token_len_d = staged
 
         # Flat slot of every (sequence, key position) pair.
         key_pos = torch.arange(max_s, device=seq_d.device)
@@ -175,6 +181,8 @@ class AttentionMetadata:
             max_query_len=max_q,
             seq_lens=seq_d,
             block_tables=tables_d,
+            token_seqs=token_seq_d,
+            token_lens=token_len_d,
         )
 
 
@@ -223,6 +231,7 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    token_order: bool = False,
 ) -> torch.Tensor:
     """Writes this step's keys/values into the cache and attends over it.
 
@@ -230,6 +239,12 @@ def paged_attention(
         q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]``.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
             updated in place at ``meta.slot_mapping``.
+
+        token_order: on the CPU, attend prefill and mixed steps token by token, each token as
+            a decode step of its length (``paged_prefill_cpu``: its result then does not
+            depend on its prompt's chunking or the batch) instead of the padded SDPA. Costs
+            more on long prompts (default model, 1000 tokens: +8% gguf, +19% dense bfloat16):
+            the models that are batch-invariant otherwise (GGUF kernels) ask for it.
 
     Returns:
         ``[T, num_heads, head_dim]`` attention output for the flat tokens.
@@ -249,6 +264,13 @@ def paged_attention(
         # Pure decode on the CPU: one C++ call over the blocks in place, one fixed order per
         # (sequence, head) whatever the batch (the gather + padded SDPA below was 8-10 ops).
         return paged_decode_cpu(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
+    if token_order and meta.token_lens is not None and paged_decode_fits(q, key_cache, value_cache):
+        # Prefill or mixed on the CPU: each token as a decode step of its length computes it,
+        # so its result does not depend on the chunking of its prompt or on the batch.
+        assert meta.token_seqs is not None
+        return paged_prefill_cpu(
+            q, key_cache, value_cache, meta.block_tables, meta.token_seqs, meta.token_lens, scale
+        )
     b, qlen = meta.num_seqs, meta.max_query_len
     num_heads = q.shape[1]
     if meta.query_index is None:

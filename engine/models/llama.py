@@ -156,7 +156,11 @@ class DecoderLayer(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, *rope)
-        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale).reshape(t, self.q_size)
+        # A layer on GGUF kernels is batch-invariant but for the padded prefill attention:
+        # token order makes it so (models/attention.py).
+        attn = paged_attention(
+            q, k, v, kv[0], kv[1], meta, self.scale, token_order=self.quant is not None
+        ).reshape(t, self.q_size)
         out = self._project(1, attn)
         out = out if self.reduce is None else self.reduce(out)
         h, residual = self.post_attention_layernorm.forward_add(out, residual)

@@ -10,6 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode", &cpuops::paged_decode, "paged decode attention (see cpu_ops.py)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill", &cpuops::paged_prefill,
+        "paged attention of prefill tokens, each as a decode step (see cpu_ops.py)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("isa_supported", &cpuops::isa_supported, "whether this CPU runs instruction set code (0: AVX2 "
         "and FMA, 1: AVX-512 F/BW/VL too)");
 }

@@ -301,6 +301,66 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
   return out;
 }
 
+
+// Prefill/mixed tokens: q [T, H, D] (contiguous), caches as paged_decode's, block_tables int64
+// [B, max_blocks], token_seqs int64 [T] (each token's row of the tables, in [0, B)),
+// token_lens int64 [T] (the positions each attends to, in [1, capacity]; checked here) ->
+// [T, H, D] in q's dtype; each token's rows the bits a decode step of that length gives.
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables,
+                         const at::Tensor& token_seqs, const at::Tensor& token_lens,
+                         double scale, int64_t isa) {
+  TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "q must be float32 or bfloat16");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == q.scalar_type() &&
+                  value_cache.scalar_type() == q.scalar_type() && key_cache.size(3) == q.size(2),
+              "caches must be contiguous [N, block_size, KVH, D] of q's dtype and head dim");
+  const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), kvh = key_cache.size(2);
+  TORCH_CHECK(kvh > 0 && heads % kvh == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(d % 16 == 0, "the head dim must be a multiple of 16, got ", d);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
+                  token_seqs.dim() == 1 && token_seqs.size(0) == tokens &&
+                  token_seqs.scalar_type() == at::kLong && token_lens.dim() == 1 &&
+                  token_lens.size(0) == tokens && token_lens.scalar_type() == at::kLong,
+              "block_tables must be int64 [B, max_blocks], token_seqs and token_lens int64 [T]");
+  const at::Tensor tables = block_tables.contiguous(), seqs = token_seqs.contiguous(),
+                   lens = token_lens.contiguous();
+  const int64_t batch = tables.size(0), width = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* sp = seqs.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tokens; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < batch, "token_seqs[", i, "] out of range");
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= width * bs, "token_lens[", i, "] out of range");
+    for (int64_t j = 0; j < (lp[i] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[sp[i] * width + j] >= 0 && tp[sp[i] * width + j] < blocks,
+                  "block id out of range");
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (tokens == 0) return out;
+  const int64_t group = heads / kvh;
+  const float sc = static_cast<float>(scale);
+  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+    if (isa == 1)
+      avx512::run_prefill<T>(qp, kp, vp, tp, width, sp, lp, sc, op, tokens, group, kvh, d, bs);
+    else
+      avx2::run_prefill<T>(qp, kp, vp, tp, width, sp, lp, sc, op, tokens, group, kvh, d, bs);
+  };
+  if (q.scalar_type() == at::kFloat)
+    run(q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+        out.data_ptr<float>());
+  else
+    run(q.data_ptr<at::BFloat16>(), key_cache.data_ptr<at::BFloat16>(),
+        value_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  return out;
+}
+
 }  // namespace
 
 }  // namespace cpuops

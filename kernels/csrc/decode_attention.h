@@ -116,20 +116,14 @@ static void weighted_values(int64_t width, const float* const* values, int64_t c
     weighted_values_w<T, 1, H>(values, c0, p, ld, len, total, out, d);
 }
 
-// One pair: q / out [group, d] of T, the sequence's block table and length; work holds
-// group * d floats of q and group * (len rounded up to 8) scores.
+// One (sequence, kv head) pair's key and value rows for positions [0, len), in position
+// order, as float32: the cache's own rows, or (bfloat16) widened once into `widened` for all
+// the query rows that read them. rows[0, len) are keys, rows[len, 2 len) values.
 template <typename T>
-static void decode_pair(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len,
-                        float scale, T* out, int64_t group, int64_t kvh, int64_t g, int64_t d,
-                        int64_t bs, std::vector<float>& work, std::vector<float>& widened,
+static void gather_rows(const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t kvh,
+                        int64_t g, int64_t d, int64_t bs, std::vector<float>& widened,
                         std::vector<const float*>& rows) {
-  const int64_t padded = (len + 7) / 8 * 8, chunks = d / 16;
-  work.assign(group * d + group * padded, 0.0f);
-  float* qf = work.data();
-  float* scores = qf + group * d;
-  for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(q[i]);
-  // This pair's key and value rows in position order, as float32: the cache's own rows, or
-  // (bfloat16) widened once here for all `group` heads.
+  const int64_t chunks = d / 16;
   rows.resize(2 * len);
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t t = 0; t < len; ++t) {
@@ -151,8 +145,19 @@ static void decode_pair(const T* q, const T* kc, const T* vc, const int64_t* tab
       rows[len + t] = vw;
     }
   }
-  const float* const* keys = rows.data();
-  const float* const* values = rows.data() + len;
+}
+
+// One query token's `group` heads (q / out [group, d] of T) over keys[0, len) and
+// values[0, len): the order the header describes. work: scratch.
+template <typename T>
+static void attend(const T* q, const float* const* keys, const float* const* values,
+                   int64_t len, float scale, T* out, int64_t group, int64_t d,
+                   std::vector<float>& work) {
+  const int64_t padded = (len + 7) / 8 * 8, chunks = d / 16;
+  work.assign(group * d + group * padded, 0.0f);
+  float* qf = work.data();
+  float* scores = qf + group * d;
+  for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(q[i]);
   std::vector<float> totals(group);
   for (int64_t h = 0; h < group; ++h) {
     const float* qh = qf + h * d;
@@ -198,8 +203,44 @@ static void run_decode(const T* qp, const T* kp, const T* vp, const int64_t* tab
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / kvh, g = i % kvh;
       const int64_t at = (b * kvh + g) * group * d;  // q and out rows of this pair's heads
-      decode_pair<T>(qp + at, kp, vp, tables + b * width, lens[b], scale, op + at, group, kvh, g,
-                     d, bs, work, widened, rows);
+      gather_rows<T>(kp, vp, tables + b * width, lens[b], kvh, g, d, bs, widened, rows);
+      attend<T>(qp + at, rows.data(), rows.data() + lens[b], lens[b], scale, op + at, group, d,
+                work);
+    }
+  });
+}
+
+// Prefill (or mixed) tokens: token i of q [T, H, D] belongs to sequence seqs[i] and attends
+// to its positions [0, lens[i]) (causal), each computed as a decode step of that length
+// computes it (attend: the same bits). The tokens of one sequence come in runs of rising
+// length; a run of up to kPrefillRun of them shares one gather of its key/value rows.
+constexpr int64_t kPrefillRun = 32;
+
+template <typename T>
+static void run_prefill(const T* qp, const T* kp, const T* vp, const int64_t* tables,
+                        int64_t width, const int64_t* seqs, const int64_t* lens, float scale,
+                        T* op, int64_t tokens, int64_t group, int64_t kvh, int64_t d,
+                        int64_t bs) {
+  std::vector<int64_t> starts;  // runs: same sequence, consecutive tokens
+  for (int64_t i = 0; i < tokens; ++i)
+    if (i == 0 || seqs[i] != seqs[i - 1] || i - starts.back() == kPrefillRun) starts.push_back(i);
+  const int64_t runs = static_cast<int64_t>(starts.size());
+  starts.push_back(tokens);
+  at::parallel_for(0, runs * kvh, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> work, widened;
+    std::vector<const float*> rows;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t run = i / kvh, g = i % kvh;
+      const int64_t first = starts[run], end = starts[run + 1];
+      int64_t longest = 0;
+      for (int64_t j = first; j < end; ++j) longest = std::max(longest, lens[j]);
+      gather_rows<T>(kp, vp, tables + seqs[first] * width, longest, kvh, g, d, bs, widened,
+                     rows);
+      for (int64_t j = first; j < end; ++j) {
+        const int64_t at = (j * kvh + g) * group * d;
+        attend<T>(qp + at, rows.data(), rows.data() + longest, lens[j], scale, op + at, group,
+                  d, work);
+      }
     }
   });
 }
