@@ -123,6 +123,24 @@ DECODE_ISAS = ("avx2", "avx512")
 """`paged_decode_cpu`'s instruction sets by code."""
 
 
+def decode_isa_code(isa: str | None = None, caller: str = "paged attention") -> int:
+    """The code of ``isa`` (one of `decode_isas`; None: the widest) that the attention calls
+    take; the fused decode layer passes it on.
+
+    Raises:
+        RuntimeError: no extension or no AVX2 here (naming ``caller``).
+        ValueError: ``isa`` is not one of `decode_isas`.
+    """
+    isas = decode_isas()
+    if not isas:
+        raise RuntimeError(f"{caller} needs the CPU ops extension and AVX2 with FMA")
+    if isa is None:
+        isa = isas[-1]
+    elif isa not in isas:
+        raise ValueError(f"isa {isa!r} is not available here; available: {', '.join(isas)}")
+    return DECODE_ISAS.index(isa)
+
+
 def paged_decode_fits(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether `paged_decode_cpu` takes these tensors (CPU with AVX2 and FMA, one
     float32/bfloat16 dtype, q ``[B, H, D]`` with D a multiple of 16, contiguous caches
@@ -162,13 +180,7 @@ def paged_decode_cpu(
             capacity], a used block id outside the cache, no extension or no AVX2.
         ValueError: ``isa`` is not one of `decode_isas`.
     """
-    isas = decode_isas()
-    if not isas:
-        raise RuntimeError("paged_decode_cpu needs the CPU ops extension and AVX2 with FMA")
-    if isa is None:
-        isa = isas[-1]
-    elif isa not in isas:
-        raise ValueError(f"isa {isa!r} is not available here; available: {', '.join(isas)}")
+    code = decode_isa_code(isa, "paged_decode_cpu")
     return extension().paged_decode(
         q.contiguous(),
         key_cache,
@@ -176,7 +188,7 @@ def paged_decode_cpu(
         block_tables.long(),
         seq_lens.long(),
         float(scale),
-        DECODE_ISAS.index(isa),
+        code,
     )
 
 
@@ -202,13 +214,7 @@ def paged_prefill_cpu(
             range, a used block id outside the cache, no extension or no AVX2.
         ValueError: ``isa`` is not one of `decode_isas`.
     """
-    isas = decode_isas()
-    if not isas:
-        raise RuntimeError("paged_prefill_cpu needs the CPU ops extension and AVX2 with FMA")
-    if isa is None:
-        isa = isas[-1]
-    elif isa not in isas:
-        raise ValueError(f"isa {isa!r} is not available here; available: {', '.join(isas)}")
+    code = decode_isa_code(isa, "paged_prefill_cpu")
     return extension().paged_prefill(
         q.contiguous(),
         key_cache,
@@ -217,5 +223,5 @@ def paged_prefill_cpu(
         token_seqs.long(),
         token_lens.long(),
         float(scale),
-        DECODE_ISAS.index(isa),
+        code,
     )

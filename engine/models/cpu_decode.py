@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from baton.kernels import cpu_ops
-from baton.kernels.cpu_ops import DECODE_ISAS, decode_isas, paged_decode_fits
+from baton.kernels.cpu_ops import decode_isa_code, decode_isas, paged_decode_fits
 from baton.kernels.quant_linear import extension as quant_extension
 
 if TYPE_CHECKING:
@@ -130,4 +130,4 @@ def step_fits(
 
 def attention_isa() -> int:
     """The paged decode kernel's instruction set code, as ``paged_decode_cpu`` picks it."""
-    return DECODE_ISAS.index(decode_isas()[-1])
+    return decode_isa_code()

@@ -177,20 +177,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
-struct V16 {
-  __m256 a, b;  // lanes 0..7, 8..15
-};
-static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-static inline void vstore(float* p, V16 v) {
-  _mm256_storeu_ps(p, v.a);
-  _mm256_storeu_ps(p + 8, v.b);
-}
-static inline V16 vset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
-static inline V16 vfma(V16 x, V16 y, V16 z) {
-  return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
-}
-static inline V16 vdiv(V16 x, V16 y) { return {_mm256_div_ps(x.a, y.a), _mm256_div_ps(x.b, y.b)}; }
+#include "v16_avx2.h"
 static inline V16 load16(const float* p) { return vload(p); }
 static inline V16 load16(const at::BFloat16* p) {  // exact: bfloat16 is float's top half
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -214,15 +201,7 @@ static inline float sum_tree(V16 v) { return sum8_tree(halves_sum(v)); }
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
 namespace avx512 {
-struct V16 {
-  __m512 v;
-};
-static inline V16 vzero() { return {_mm512_setzero_ps()}; }
-static inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
-static inline void vstore(float* p, V16 x) { _mm512_storeu_ps(p, x.v); }
-static inline V16 vset1(float s) { return {_mm512_set1_ps(s)}; }
-static inline V16 vfma(V16 x, V16 y, V16 z) { return {_mm512_fmadd_ps(x.v, y.v, z.v)}; }
-static inline V16 vdiv(V16 x, V16 y) { return {_mm512_div_ps(x.v, y.v)}; }
+#include "v16_avx512.h"
 static inline V16 load16(const float* p) { return vload(p); }
 static inline V16 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -250,6 +229,29 @@ bool isa_supported(int64_t isa) {
   return false;
 }
 
+// q [*, H, D] float32/bfloat16 and caches [N, block_size, KVH, D] of its dtype, contiguous.
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "q must be float32 or bfloat16");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == q.scalar_type() &&
+                  value_cache.scalar_type() == q.scalar_type() && key_cache.size(3) == q.size(2),
+              "caches must be contiguous [N, block_size, KVH, D] of q's dtype and head dim");
+}
+
+// fn(q, key cache, value cache, out) with the typed data pointers of q's dtype.
+template <typename F>
+void with_typed(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
+                F fn) {
+  if (q.scalar_type() == at::kFloat)
+    fn(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), out.data_ptr<float>());
+  else
+    fn(q.data_ptr<at::BFloat16>(), kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(),
+       out.data_ptr<at::BFloat16>());
+}
+
 // q [B, H, D] (contiguous), caches [N, block_size, KVH, D] (contiguous), block_tables int64
 // [B, max_blocks], seq_lens int64 [B] (each in [1, max_blocks * block_size], block ids in
 // [0, N): checked here) -> [B, H, D] in q's dtype; float32 math.
@@ -258,13 +260,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
                         const at::Tensor& seq_lens, double scale, int64_t isa) {
   TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, H, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "q must be float32 or bfloat16");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.scalar_type() == q.scalar_type() &&
-                  value_cache.scalar_type() == q.scalar_type() && key_cache.size(3) == q.size(2),
-              "caches must be contiguous [N, block_size, KVH, D] of q's dtype and head dim");
+  check_attention_inputs(q, key_cache, value_cache);
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), kvh = key_cache.size(2);
   TORCH_CHECK(kvh > 0 && heads % kvh == 0, "query heads must be a multiple of kv heads");
@@ -285,19 +281,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t group = heads / kvh;
   TORCH_CHECK(d % 16 == 0, "the head dim must be a multiple of 16, got ", d);
   const float sc = static_cast<float>(scale);
-  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+  with_typed(q, key_cache, value_cache, out, [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
     if (isa == 1)
       avx512::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs);
     else
       avx2::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs);
-  };
-  if (q.scalar_type() == at::kFloat)
-    run(q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
-        out.data_ptr<float>());
-  else
-    run(q.data_ptr<at::BFloat16>(), key_cache.data_ptr<at::BFloat16>(),
-        value_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  });
   return out;
 }
 
@@ -312,13 +302,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
                          double scale, int64_t isa) {
   TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "q must be float32 or bfloat16");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.scalar_type() == q.scalar_type() &&
-                  value_cache.scalar_type() == q.scalar_type() && key_cache.size(3) == q.size(2),
-              "caches must be contiguous [N, block_size, KVH, D] of q's dtype and head dim");
+  check_attention_inputs(q, key_cache, value_cache);
   const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), kvh = key_cache.size(2);
   TORCH_CHECK(kvh > 0 && heads % kvh == 0, "query heads must be a multiple of kv heads");
@@ -345,19 +329,13 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
   if (tokens == 0) return out;
   const int64_t group = heads / kvh;
   const float sc = static_cast<float>(scale);
-  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+  with_typed(q, key_cache, value_cache, out, [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
     if (isa == 1)
       avx512::run_prefill<T>(qp, kp, vp, tp, width, sp, lp, sc, op, tokens, group, kvh, d, bs);
     else
       avx2::run_prefill<T>(qp, kp, vp, tp, width, sp, lp, sc, op, tokens, group, kvh, d, bs);
-  };
-  if (q.scalar_type() == at::kFloat)
-    run(q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
-        out.data_ptr<float>());
-  else
-    run(q.data_ptr<at::BFloat16>(), key_cache.data_ptr<at::BFloat16>(),
-        value_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  });
   return out;
 }
 

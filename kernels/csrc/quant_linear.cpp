@@ -112,20 +112,7 @@ struct Q8Rows {
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 
-struct V16 {
-  __m256 a, b;  // lanes 0..7, 8..15
-};
-static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-static inline void vstore(float* p, V16 v) {
-  _mm256_storeu_ps(p, v.a);
-  _mm256_storeu_ps(p + 8, v.b);
-}
-static inline V16 vset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
-static inline V16 vfma(V16 x, V16 y, V16 z) {
-  return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
-}
-static inline V16 vmul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+#include "v16_avx2.h"
 static inline void vsum8(V16 v, float out[8]) { _mm256_storeu_ps(out, _mm256_add_ps(v.a, v.b)); }
 static inline V16 u8_to_v16(__m128i bytes) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
@@ -207,15 +194,7 @@ constexpr int kQ8Rows = 2;
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 namespace avx512 {
 
-struct V16 {
-  __m512 v;
-};
-static inline V16 vzero() { return {_mm512_setzero_ps()}; }
-static inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
-static inline void vstore(float* p, V16 x) { _mm512_storeu_ps(p, x.v); }
-static inline V16 vset1(float s) { return {_mm512_set1_ps(s)}; }
-static inline V16 vfma(V16 x, V16 y, V16 z) { return {_mm512_fmadd_ps(x.v, y.v, z.v)}; }
-static inline V16 vmul(V16 x, V16 y) { return {_mm512_mul_ps(x.v, y.v)}; }
+#include "v16_avx512.h"
 static inline void vsum8(V16 x, float out[8]) {
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1));
   _mm256_storeu_ps(out, _mm256_add_ps(_mm512_castps512_ps256(x.v), hi));
