@@ -173,9 +173,17 @@ def spec_table(d: dict[str, Any]) -> str:
         f"Greedy JSON workloads (peers: invent a person; extraction: fill a schema from facts "
         f"in the prompt), at most {cfg['max_tokens']} tokens, "
         f"{cfg['num_speculative_tokens']} drafts at most per request and step, synchronous "
-        f"scheduling, in {d['run'].get('dtype')}; free is the peers prompts without a schema, "
+        f"scheduling, in {d['run'].get('dtype')}"
+        + (f" with `quantization={cfg['quantization']}`" if cfg.get("quantization") else "")
+        + "; free is the peers prompts without a schema, "
         f"spec off. One engine per mode, measured in one run: output tok/s is the median of "
-        f"{cfg.get('repeats', 1)} run(s) per mode in alternating order.\n\n"
+        f"{cfg.get('repeats', 1)} run(s) per mode in alternating order"
+        + (
+            ': a mode drafts as the draft policy chooses, "-fixed" always up to the most.'
+            if cfg.get("draft_policy")
+            else " (before the draft policy: every mode drafted up to the most)."
+        )
+        + "\n\n"
     )
     notes = goal_lines(d.get("goals") or [])
     sim = d.get("sim") or {}

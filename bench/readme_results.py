@@ -139,6 +139,28 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         serve_peers_table,
     ),
     ("spec.json", "Speculative decoding", "baton bench spec", spec_table),
+    (
+        "spec_policy_1b.json",
+        "Draft policy: 1B-shape Q4_K_M (random weights, drafts mostly rejected)",
+        "baton bench spec --model llama-1b-random.Q4_K_M.gguf --quantization gguf "
+        "--modes off,auto-fixed,auto --workloads peers --concurrency 1,8,16 --repeats 2 "
+        "--sim-device none",
+        spec_table,
+    ),
+    (
+        "spec_policy_smollm2_gguf.json",
+        "Draft policy: SmolLM2-135M Q4_1 with its GGUF kernels",
+        "baton bench spec --quantization gguf --modes off,auto-fixed,auto --workloads peers "
+        "--concurrency 1,8,16 --repeats 3 --sim-device none",
+        spec_table,
+    ),
+    (
+        "spec_policy_smollm2.json",
+        "Draft policy: SmolLM2-135M dense",
+        "baton bench spec --modes off,auto-fixed,auto --workloads peers --concurrency 1,8,16 "
+        "--repeats 3 --sim-device none",
+        spec_table,
+    ),
     ("serve.json", "Serving over HTTP", "baton bench serve", serve_table),
     ("soak.json", "Soak", "baton bench soak", soak_table),
     (

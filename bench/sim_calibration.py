@@ -20,6 +20,7 @@ device of that GPU, with traces in place of the model's tokens, and
 
     python -m baton.bench.sim_calibration fit [--gpu-result F] [--profile-log F] [--runs 3]
     python -m baton.bench.sim_calibration check [--gpu-result F] [--calibration F] [--runs 3]
+        [--drafts fixed|adaptive] [--only 'sync json']
 
 A new GPU check recalibrates with ``fit`` then ``check`` (one command each).
 """
@@ -174,10 +175,16 @@ def build_llm(
     max_len: int,
     runner: str,
     time_scale: float,
+    adaptive_drafts: bool = False,
 ) -> LLM:
     """An engine on the simulated H200 as the GPU check built one on CUDA: drafts for
-    structured requests only under synchronous scheduling (CUDA turns them off under async)."""
+    structured requests only under synchronous scheduling (CUDA turns them off under async),
+    every draft each step as the engine of that check drafted (``adaptive_drafts``: as many
+    as the draft policy finds worth their rows, today's default)."""
     blocks_per_seq = -(-max_len // BLOCK_SIZE) + 1
+    spec = None
+    if not async_on:
+        spec = {"method": "auto", "structured_only": True, "adaptive": adaptive_drafts}
     return LLM(
         model,
         device="sim:h200",
@@ -186,7 +193,8 @@ def build_llm(
         sim_runner=runner,
         sim_time_scale=time_scale,
         async_scheduling=async_on,
-        structured_drafts=None if not async_on else False,
+        speculative_config=spec,
+        structured_drafts=False,
         enforce_eager=not graphs,
         max_num_seqs=max_batch,
         max_model_len=max_len,
@@ -206,11 +214,15 @@ def _step_features(steps: Sequence[RunnerStep]) -> list[float]:
 
 
 def run_cells(
-    cells: Sequence[dict[str, Any]], model: str | None, runner: str, time_scale: float
+    cells: Sequence[dict[str, Any]],
+    model: str | None,
+    runner: str,
+    time_scale: float,
+    adaptive_drafts: bool = False,
 ) -> list[dict[str, Any]]:
     """Runs every cell's workload on the simulator; one result per cell, in ``cells``'
     order: TPOT and host time per step (divided by ``time_scale``), the engine phases, and
-    the mean runner features of the steady steps."""
+    the mean runner features of the steady steps (``adaptive_drafts``: see ``build_llm``)."""
     tok = load_tokenizer(model)
     output_len = max(c["output_len"] for c in cells)
     max_batch = max(c["batch"] for c in cells)
@@ -235,7 +247,7 @@ def run_cells(
                     continue
                 llm = build_llm(
                     model, path, async_on, graphs, max_batch, longest + output_len + 1,
-                    runner, time_scale,
+                    runner, time_scale, adaptive_drafts,
                 )  # fmt: skip
                 try:
                     llm.generate(warm[0], warm[1], use_tqdm=False)
@@ -472,12 +484,17 @@ def cmd_fit(a: argparse.Namespace) -> int:
 def cmd_check(a: argparse.Namespace) -> int:
     from baton.engine.executor.sim_runner import load_calibration
 
-    cells = gpu_cells(a.gpu_result)
+    cells = [c for c in gpu_cells(a.gpu_result) if a.only in _cell_key(c)]
+    if not cells:
+        raise SystemExit(f"no GPU cell's name holds {a.only!r}")
     calibration = load_calibration(a.calibration)
     local = measure_host_speed()
     scale = local / calibration.host_speed_s
     load_start = os.getloadavg()[0]
-    sim = median_tpot([run_cells(cells, a.model, str(a.calibration), scale) for _ in range(a.runs)])
+    adaptive = a.drafts == "adaptive"
+    sim = median_tpot(
+        [run_cells(cells, a.model, str(a.calibration), scale, adaptive) for _ in range(a.runs)]
+    )
     rows = []
     for cell, res in zip(cells, sim, strict=True):
         ratio = res["tpot_ms"] / cell["tpot_ms"]
@@ -506,6 +523,7 @@ def cmd_check(a: argparse.Namespace) -> int:
         "calibration_source": calibration.source,
         "time_scale": scale,
         "runs": a.runs,
+        "drafts": a.drafts,
         "tolerance": TOLERANCE,
         "cells_within": within,
         "rows": rows,
@@ -538,6 +556,14 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--profile-log", type=Path, default=PROFILE_LOG)
         else:
             s.add_argument("--out", type=Path, default=RESULTS_DIR / "sim_calibration.json")
+            s.add_argument(
+                "--drafts",
+                choices=("fixed", "adaptive"),
+                default="fixed",
+                help="synchronous JSON cells: every draft, as the GPU check's engine drafted "
+                "(default), or the draft policy's choice (the engine's default now)",
+            )
+            s.add_argument("--only", default="", help="only the cells whose name holds this")
     a = p.parse_args(argv)
     if a.runs < 1:
         p.error(f"--runs must be >= 1, got {a.runs}")

@@ -22,6 +22,7 @@ as traces (``bench/spec_sim.py``): what the drafts are worth at GPU speed.
 
     baton bench spec [--concurrency 1,16] [--num-prompts 8] [--max-tokens 96]
         [--num-speculative-tokens 5] [--modes off,grammar,ngram,auto] [--dtype auto]
+        [--quantization gguf]
         [--sim-device sim:h200] [--sim-shape llama-3.1-8b] [--repeats 3]
 """
 
@@ -52,13 +53,24 @@ from baton.bench.common import (
 from baton.bench.peers import SCHEMA as PEERS_SCHEMA
 from baton.bench.peers import conversation
 from baton.bench.plotting import pyplot
-from baton.bench.spec_sim import ASYNC, ASYNC_OFF, SimRun, measure_sim, step_figures, trace_of
+from baton.bench.spec_sim import (
+    ASYNC,
+    ASYNC_OFF,
+    FIXED,
+    SimRun,
+    measure_sim,
+    spec_config,
+    step_figures,
+    trace_of,
+)
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.loader import load_checkpoint
 from baton.engine.sim_specs import GPUS, SHAPES
 from baton.engine.tokenizer import Tokenizer
 
-MODES = ("off", "grammar", "ngram", "auto")
+DEFAULT_MODES = ("off", "grammar", "ngram", "auto")
+# Each drafting method with the adaptive draft policy, and "-fixed": always every draft.
+MODES = (*DEFAULT_MODES, *(f"{m}{FIXED}" for m in DEFAULT_MODES[1:]))
 WORKLOADS = ("peers", "extraction")
 WARMUP = 2
 
@@ -125,7 +137,8 @@ class SpecBenchConfig:
     num_prompts: int = 8
     max_tokens: int = 96
     num_speculative_tokens: int = 5
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
+    quantization: str | None = None
     workloads: tuple[str, ...] = WORKLOADS
     sim_device: str | None = "sim:h200"
     sim_shape: str = "llama-3.1-8b"
@@ -219,16 +232,14 @@ def measure(
 
 
 def _engine(checkpoint: Any, mode: str, cfg: SpecBenchConfig, max_model_len: int) -> LLM:
-    spec = None
-    if mode != "off":
-        spec = {"method": mode, "num_speculative_tokens": cfg.num_speculative_tokens}
     return LLM.from_checkpoint(
         checkpoint,
         dtype=cfg.dtype,
+        quantization=cfg.quantization,
         max_model_len=max_model_len,
         enable_prefix_caching=False,
         async_scheduling=False,
-        speculative_config=spec,
+        speculative_config=spec_config(mode, cfg.num_speculative_tokens),
         # "off" means off: not the engine's default drafts for structured requests.
         structured_drafts=False,
     )
@@ -323,6 +334,9 @@ def run(cfg: SpecBenchConfig) -> dict[str, Any]:
             "max_tokens": cfg.max_tokens,
             "num_speculative_tokens": cfg.num_speculative_tokens,
             "modes": list(cfg.modes),
+            "quantization": cfg.quantization,
+            # Modes without "-fixed" draft as the engine's draft policy chooses.
+            "draft_policy": True,
             "workloads": list(cfg.workloads),
             "repeats": cfg.repeats,
         },
@@ -410,7 +424,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
     ax.set_xticklabels([f"{w}\nconcurrency {c}" for w, c in groups])
     ax.set_ylabel("output tok/s")
-    ax.set_title(f"Speculative decoding ({result['run'].get('dtype')}, greedy JSON)")
+    quant = result["config"].get("quantization")
+    kind = result["run"].get("dtype") + (f", {quant}" if quant else "")
+    ax.set_title(f"Speculative decoding ({kind}, greedy JSON)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -425,7 +441,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
-    parser.add_argument("--modes", type=csv_of(str), default=MODES)
+    parser.add_argument(
+        "--modes",
+        type=csv_of(str),
+        default=DEFAULT_MODES,
+        help=f"from {', '.join(MODES)} (-fixed: every draft, no draft policy)",
+    )
+    parser.add_argument(
+        "--quantization", default=None, choices=("gguf", "int8"), help="EngineConfig's"
+    )
     parser.add_argument("--workloads", type=csv_of(str), default=WORKLOADS)
     parser.add_argument("--sim-device", default="sim:h200", help="'none' skips the sim runs")
     parser.add_argument("--sim-shape", default="llama-3.1-8b", choices=sorted(SHAPES))

@@ -26,6 +26,23 @@ ASYNC = " (async)"
 ASYNC_OFF = "off" + ASYNC
 
 
+FIXED = "-fixed"
+
+
+def spec_config(mode: str, num_speculative_tokens: int) -> dict[str, Any] | None:
+    """The ``speculative_config`` of a benchmark mode: None for "off"; "<method>" drafts with
+    the adaptive draft policy (the engine's default), "<method>-fixed" always up to
+    ``num_speculative_tokens`` per request and step."""
+    if mode == "off":
+        return None
+    method = mode.removesuffix(FIXED)
+    return {
+        "method": method,
+        "num_speculative_tokens": num_speculative_tokens,
+        "adaptive": not mode.endswith(FIXED),
+    }
+
+
 def sim_modes(modes: Sequence[str]) -> list[tuple[str, str, bool]]:
     """Each mode's simulated runs: (row label, drafting method or "off", async scheduling),
     every mode synchronous first, then every mode with async scheduling."""
@@ -86,9 +103,7 @@ def measure_sim(
         paths = write_trace_files(runs, Path(tmp))
         for label, method, async_on in sim_modes(modes):
             for c, path in sorted(paths.items()):
-                spec = None
-                if method != "off":
-                    spec = {"method": method, "num_speculative_tokens": num_speculative_tokens}
+                spec = spec_config(method, num_speculative_tokens)
                 llm = LLM(
                     model,
                     device=device,

@@ -30,6 +30,10 @@ class SpeculativeConfig:
             names), 1 <= min <= max <= 8.
         structured_only: draft for structured requests only (free text is served without
             drafts); what the engine's default, ``EngineConfig.structured_drafts``, turns on.
+        adaptive: True (default): each step carries as many drafts per request, up to
+            ``num_speculative_tokens``, as the step's measured cost per row and the drafts'
+            measured acceptance say will pay (``engine/core/draft_policy.py``); False: always
+            up to ``num_speculative_tokens``.
 
     Requests with repetition, presence or frequency penalties get drafts too: each draft
     position is penalised with the drafts before it counted as output tokens. Requests that ask
@@ -53,12 +57,14 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     structured_only: bool = False
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.structured_only, bool):
-            raise ValueError(
-                f"speculative_config.structured_only must be a bool, got {self.structured_only!r}"
-            )
+        for name in ("structured_only", "adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"speculative_config.{name} must be a bool, got {getattr(self, name)!r}"
+                )
         if self.method not in SPEC_METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {list(SPEC_METHODS)}, "

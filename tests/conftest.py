@@ -31,6 +31,7 @@ import baton.engine.config as engine_config_module
 from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
 from baton.engine.loader import default_model_path as _default_model_path
 from baton.engine.loader.gguf import gguf_metadata, read_gguf
+from baton.engine.speculative_config import SpeculativeConfig
 from baton.engine.tokenizer import Tokenizer
 
 
@@ -72,15 +73,30 @@ def small_kv_cache_by_default() -> Iterator[None]:
     """In the suite, ``EngineConfig.kv_cache_memory_bytes`` defaults to
     ``TEST_KV_CACHE_BYTES`` (still thousands of tokens for the default model in float32);
     tests that need a given cache set ``num_kv_blocks`` or ``kv_cache_memory_bytes``."""
-    init = engine_config_module.EngineConfig.__init__
+    yield from _with_default(
+        engine_config_module.EngineConfig, "kv_cache_memory_bytes", TEST_KV_CACHE_BYTES
+    )
+
+
+def _with_default(cls: type, name: str, value: Any) -> Iterator[None]:
+    """``cls(...)`` defaults ``name`` to ``value`` while the generator is suspended."""
+    init = cls.__init__
     code = init.__code__
     names = code.co_varnames[1 : code.co_argcount]
     defaults = list(init.__defaults__ or ())
-    index = names.index("kv_cache_memory_bytes") - (len(names) - len(defaults))
-    defaults[index] = TEST_KV_CACHE_BYTES
+    defaults[names.index(name) - (len(names) - len(defaults))] = value
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(init, "__defaults__", tuple(defaults))
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fixed_drafts_by_default() -> Iterator[None]:
+    """In the suite, ``SpeculativeConfig.adaptive`` defaults to False: the draft policy's
+    choices follow wall-clock step times, and the tests that count drafts must see them on a
+    loaded machine too. The policy is tested with given timings (``test_draft_policy.py``);
+    tests of it in an engine ask for ``adaptive=True``."""
+    yield from _with_default(SpeculativeConfig, "adaptive", False)
 
 
 TINY_SEED = 1234

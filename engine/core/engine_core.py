@@ -21,6 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from baton.engine.core.draft_policy import decode_rows
 from baton.engine.core.fill_thread import FillThread
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.core.scheduler import Scheduler
@@ -83,6 +84,9 @@ class EngineCore:
         self.stats = EngineStats()
         self._dead: str | None = None
         self._last_step_end: float | None = None
+        # When the last step's tokens arrived (None after idling): the time to the next
+        # arrival is that step's cost, which the scheduler's draft policy weighs.
+        self._last_arrival: float | None = None
         # A deferred step's fill overlaps the update and scheduling the next one (async only;
         # never with drafters, which read matchers while scheduling).
         overlap = fill_thread and async_scheduling and scheduler.fills_beside_schedule()
@@ -118,6 +122,8 @@ class EngineCore:
         if self._last_step_end is not None and t0 - self._last_step_end < _MAX_FRONT_END_GAP_S:
             # Front-end work between steps (detokenising) overlaps the device too.
             self.stats.engine_s += t0 - self._last_step_end
+        else:
+            self._last_arrival = None  # the engine idled: the next interval is no step's
         wait0, device0 = self.stats.device_wait_s, self.executor.device_seconds
         deferred0 = self.stats.deferred_steps
         try:
@@ -256,7 +262,17 @@ class EngineCore:
             self.stats.add("gc", t0, t1, step.so.step_id)
             t0 = t1
         out = step.output.get_output()
-        self.stats.add("wait", t0, time.perf_counter(), step.so.step_id)
+        now = time.perf_counter()
+        self.stats.add("wait", t0, now, step.so.step_id)
+        policy = self.scheduler.draft_policy
+        # Only a decode step's time: a prompt chunk's cost is another matter.
+        if (
+            policy is not None
+            and self._last_arrival is not None
+            and (rows := decode_rows(step.so)) is not None
+        ):
+            policy.observe_step(rows, now - self._last_arrival)
+        self._last_arrival = now
         return out
 
     def _update(self, step: SampledStep) -> Outputs:
@@ -284,6 +300,7 @@ class EngineCore:
 
     def _idle(self) -> Outputs:
         # Only grammars still compiling: give the compile threads the CPU.
+        self._last_arrival = None
         time.sleep(_IDLE_WAIT_S)
         return []
 

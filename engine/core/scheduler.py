@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from baton.engine.config import EngineConfig
+from baton.engine.core.draft_policy import DraftPolicy
 from baton.engine.core.drafter import Drafter
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request, RequestStatus
@@ -51,12 +52,15 @@ class Scheduler:
         max_model_len: int,
         structured: StructuredOutputManager | None = None,
         drafter: Drafter | None = None,
+        draft_policy: DraftPolicy | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.structured = structured
         self.drafter = drafter
+        # How many drafts pay for their rows (None: always up to num_speculative_tokens).
+        self.draft_policy = draft_policy if drafter is not None else None
         # Blocks held by requests whose rejected drafts freed some, for the next step.
         self._kept_blocks: dict[str, int] = {}
         # Requests whose runner rows hold tokens planned past rejected drafts (async): their
@@ -124,7 +128,7 @@ class Scheduler:
         preempted: list[Request] = []
         drafts: dict[str, tuple[int, ...]] = {}
 
-        drafter = self.drafter
+        depth = self._draft_depth()
         allocate = self.kv.allocate_slots
         running = RequestStatus.RUNNING
         for req in list(self.running):
@@ -133,7 +137,7 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n <= 0:
                 continue
-            proposed = self._propose_drafts(req, n, budget) if drafter is not None else ()
+            proposed = self._propose_drafts(req, n, budget, depth) if depth else ()
             n += len(proposed)
             while (blocks := allocate(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self.running[-1]
@@ -268,9 +272,21 @@ class Scheduler:
             failed.append(self._fail(req, message))
         return failed
 
-    def _propose_drafts(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
-        """The drafts a decoding request feeds after its last token this step, trimmed so that
-        every outcome stays within the token budget, max_tokens and max_model_len.
+    def _draft_depth(self) -> int:
+        """The most drafts per request this step: the policy's choice for the running
+        requests, ``num_speculative_tokens`` without a policy, 0 without a drafter."""
+        drafter = self.drafter
+        if drafter is None:
+            return 0
+        if self.draft_policy is None:
+            return drafter.config.num_speculative_tokens
+        drafting = sum(1 for req in self.running if drafter.can_draft(req))
+        return self.draft_policy.depth(len(self.running), drafting)
+
+    def _propose_drafts(self, req: Request, n: int, budget: int, depth: int) -> tuple[int, ...]:
+        """Up to ``depth`` drafts a decoding request feeds after its last token this step,
+        trimmed so that every outcome stays within the token budget, max_tokens and
+        max_model_len.
 
         Under async scheduling a request may have tokens in flight (one, or a drafted step's
         drafts and the token after them): its drafts then follow the drafter's guess of those
@@ -289,7 +305,7 @@ class Scheduler:
         max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
         # The step yields up to 1 + k tokens: k accepted drafts and one more.
         room = min(
-            drafter.config.num_speculative_tokens,
+            depth,
             budget - 1,
             max_tokens - req.num_output_tokens - in_flight - 1,
             self.max_model_len - req.num_tokens - in_flight - 1,
@@ -523,6 +539,8 @@ class Scheduler:
         blocks past the accepted tokens go back to the pool. Call it after the step's own
         placeholders are released: any left belong to steps planned since (async)."""
         self.num_accepted_tokens += num_accepted
+        if self.draft_policy is not None:
+            self.draft_policy.observe_drafts(num_drafts, num_accepted)
         rejected = num_drafts - num_accepted
         if rejected <= 0:
             return

@@ -21,6 +21,7 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.core.async_scheduler import AsyncScheduler
+from baton.engine.core.draft_policy import DraftPolicy
 from baton.engine.core.drafter import Drafter
 from baton.engine.core.engine_core import EngineCore, InFlight
 from baton.engine.core.kv_cache_manager import KVCacheManager
@@ -92,7 +93,8 @@ class LLMEngine:
         )
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         drafter = Drafter(spec, self.tokenizer) if spec is not None else None
-        scheduler = scheduler_cls(config, kv, self.max_model_len, self.structured, drafter)
+        policy = DraftPolicy(spec.num_speculative_tokens) if spec and spec.adaptive else None
+        scheduler = scheduler_cls(config, kv, self.max_model_len, self.structured, drafter, policy)
         self.core = EngineCore(
             scheduler,
             model.executor,
@@ -291,7 +293,10 @@ class LLMEngine:
         (``grammar_*`` keys, see ``CompileService.stats``); with speculative decoding
         ``spec_draft_tokens`` (drafts fed), ``spec_accepted_tokens`` (drafts kept),
         ``spec_acceptance_rate``, ``spec_drafted_steps`` (steps that fed any draft) and
-        ``spec_wasted_rows`` (async: rows planned past drafts that were rejected)."""
+        ``spec_wasted_rows`` (async: rows planned past drafts that were rejected); with the
+        adaptive draft policy ``spec_draft_depth`` (the drafts per request its last decision
+        chose) and, once fitted, ``spec_step_fixed_ms`` and ``spec_step_row_ms`` (its decode
+        step cost line)."""
         sched = self.core.scheduler
         stats: dict[str, float | int | str] = dict(self.core.stats.as_dict())
         stats.update(
@@ -327,6 +332,11 @@ class LLMEngine:
                 spec_drafted_steps=sched.num_drafted_steps,
                 spec_wasted_rows=sched.num_wasted_rows,
             )
+        if sched.draft_policy is not None:
+            stats["spec_draft_depth"] = sched.draft_policy.last_depth
+            line = sched.draft_policy.cost_line()
+            if line is not None:
+                stats.update(spec_step_fixed_ms=1e3 * line[0], spec_step_row_ms=1e3 * line[1])
         stats.update(self.structured.service.stats())
         return stats
 

@@ -1,0 +1,239 @@
+"""How many drafts a step carries: only as many as their expected tokens pay for.
+
+A draft is a row of the step's forward, sampler and bitmask. Where the step is bound by
+reading the weights (a small batch on a GPU, one row of a dense model on a CPU) a few more
+rows cost almost nothing and drafts are a clear win; where it is bound by arithmetic (the CPU's
+quantised kernels, or any batch of 8-16 rows on a CPU) each row costs about as much as a
+request's own, and a draft the model rejects slows every request in the batch. Measured
+in-process on an AMD EPYC Genoa, 2 threads, with ``bench/engine.py``'s JSON-person requests,
+JSON objects per second with up to 5 drafts a step against none: the default model in GGUF
+Q4_1 gains 1.2-1.6x from drafts at batch 1-16; a random-weight 1B-shape Q4_K_M model, whose
+drafts are mostly rejected, loses 20% at batch 1 and 27-34% at batch 8-16; the default model
+dense in bfloat16 gains 1.3x at batch 1 and loses 11-24% at batch 8-16. No fixed count is
+right for all three, so the policy measures both sides while the engine runs:
+
+- the step's cost by its rows: an average time per row count of the decode steps seen
+  (``observe_step``), made non-decreasing and joined by lines (``cost_curve``): a few more
+  rows may be nearly free at one batch size and cost their full share at another;
+- each draft position's acceptance: of the drafts proposed at position i (the i-th draft of a
+  request in a step), the share whose step kept the first i (``observe_drafts``).
+
+``depth`` then picks the draft count per request that maximises the step's expected tokens
+per second. Until both sides are known it allows every draft (the engine's behaviour without
+the policy), and every ``EXPLORE_EVERY``-th decision it allows them all again, so that the
+acceptance figures stay current and the cost line keeps seeing row counts beyond the
+chosen ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from baton.engine.scheduler_output import SchedulerOutput
+
+# A decision that allows fewer drafts than the most is followed, every this many decisions,
+# by one that allows them all: fresh acceptance figures, and row counts past the chosen ones.
+EXPLORE_EVERY = 32
+# Steps a row count's average weighs before the fit uses it, and the most any one weighs.
+MIN_COST_SAMPLES = 2
+MAX_COST_WEIGHT = 8
+# The weight of the newest step in a row count's average (older ones fade).
+COST_SMOOTHING = 0.25
+# Row counts not seen in this many steps leave the fit (the machine's load may have changed).
+COST_HORIZON = 512
+# Drafts proposed at position 1 before its acceptance is trusted.
+MIN_PROPOSED = 16
+# Each observation fades the earlier ones by this factor (about the last 500 drafts count).
+ACCEPT_DECAY = 1.0 - 1.0 / 512
+
+
+@dataclass
+class _RowCost:
+    seconds: float
+    count: int
+    last_seen: int
+
+
+@dataclass
+class DraftPolicy:
+    """Chooses each step's drafts per request from measured step costs and acceptance.
+
+    Args:
+        max_drafts: the most drafts per request and step (``num_speculative_tokens``).
+
+    Attributes:
+        last_depth: the count the last decision chose by the figures (an exploring
+            decision's ``max_drafts`` aside).
+
+    Raises:
+        ValueError: ``max_drafts`` < 1.
+    """
+
+    max_drafts: int
+    last_depth: int = field(default=0, init=False)
+    _costs: dict[int, _RowCost] = field(default_factory=dict, init=False, repr=False)
+    _proposed: list[float] = field(default_factory=list, init=False, repr=False)
+    _accepted: list[float] = field(default_factory=list, init=False, repr=False)
+    _steps: int = field(default=0, init=False, repr=False)
+    _held_back: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_drafts < 1:
+            raise ValueError(f"DraftPolicy.max_drafts must be >= 1, got {self.max_drafts}")
+        self.last_depth = self.max_drafts
+        self._proposed = [0.0] * self.max_drafts
+        self._accepted = [0.0] * self.max_drafts
+
+    # ------------------------------------------------------------- observations
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """Records a decode step of ``rows`` rows (requests and their drafts) that took
+        ``seconds`` from one step to the next."""
+        if rows < 1 or not seconds > 0.0:
+            return
+        self._steps += 1
+        if self._steps % COST_HORIZON == 0:
+            horizon = self._steps - COST_HORIZON
+            self._costs = {r: c for r, c in self._costs.items() if c.last_seen > horizon}
+        cost = self._costs.get(rows)
+        if cost is None:
+            self._costs[rows] = _RowCost(seconds, 1, self._steps)
+            return
+        cost.seconds += COST_SMOOTHING * (seconds - cost.seconds)
+        cost.count += 1
+        cost.last_seen = self._steps
+
+    def observe_drafts(self, proposed: int, accepted: int) -> None:
+        """Records one request's verification: ``proposed`` drafts, the first ``accepted``
+        of them kept."""
+        proposed = min(proposed, self.max_drafts)
+        accepted = max(0, min(accepted, proposed))
+        for i in range(self.max_drafts):
+            self._proposed[i] *= ACCEPT_DECAY
+            self._accepted[i] *= ACCEPT_DECAY
+        for i in range(proposed):
+            self._proposed[i] += 1.0
+            if i < accepted:
+                self._accepted[i] += 1.0
+
+    # ----------------------------------------------------------------- decision
+    def depth(self, rows: int, drafting: int) -> int:
+        """Drafts per request for a step of ``rows`` decoding requests, ``drafting`` of which
+        may draft: the count whose expected tokens per second is highest by the figures so
+        far (``max_drafts`` while they are too few, and on every ``EXPLORE_EVERY``-th
+        decision that would allow fewer)."""
+        if drafting < 1:
+            return self.max_drafts
+        best = self.best_depth(rows, drafting)
+        if best < self.max_drafts:
+            self._held_back += 1
+            if self._held_back % EXPLORE_EVERY == 0:
+                return self.max_drafts
+        self.last_depth = best
+        return best
+
+    def best_depth(self, rows: int, drafting: int) -> int:
+        """``depth`` without the exploration: the best count by the figures so far, or
+        ``max_drafts`` while they are too few."""
+        curve = self.cost_curve()
+        gains = self.acceptance()
+        if curve is None or gains is None:
+            return self.max_drafts
+        best_k, best_rate, tokens = 0, rows / step_seconds(curve, rows), float(rows)
+        for k in range(1, self.max_drafts + 1):
+            tokens += drafting * gains[k - 1]
+            rate = tokens / step_seconds(curve, rows + drafting * k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def cost_curve(self) -> list[tuple[int, float]] | None:
+        """The decode step's seconds by its rows, as (rows, seconds) points in increasing
+        rows: each recent row count's average, made non-decreasing (adjacent counts that
+        disagree are pooled, weighted by their steps); None until two row counts have
+        ``MIN_COST_SAMPLES`` steps. Between the points a step costs what the line between
+        them gives, so a batch where a few more rows are nearly free (bound by reading the
+        weights) and one where every row counts are each judged by their own part of it."""
+        points = self._recent_points()
+        if len(points) < 2:
+            return None
+        pooled: list[list[float]] = []  # [first index, last index, weighted sum, weight]
+        for i, (_, seconds, weight) in enumerate(points):
+            pooled.append([i, i, seconds * weight, weight])
+            while len(pooled) > 1 and pooled[-2][2] * pooled[-1][3] > pooled[-1][2] * pooled[-2][3]:
+                last = pooled.pop()
+                pooled[-1][1], pooled[-1][2], pooled[-1][3] = (
+                    last[1],
+                    pooled[-1][2] + last[2],
+                    pooled[-1][3] + last[3],
+                )
+        curve = []
+        for first, last, total, weight in pooled:
+            curve += [(points[i][0], total / weight) for i in range(int(first), int(last) + 1)]
+        return curve
+
+    def cost_line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per row) of a decode step: the line fitted by weighted least
+        squares to the recent row counts' averages (a summary for ``LLM.stats()``; decisions
+        use ``cost_curve``); None until two row counts have ``MIN_COST_SAMPLES`` steps."""
+        points = self._recent_points()
+        if len(points) < 2:
+            return None
+        total = sum(w for _, _, w in points)
+        mean_r = sum(r * w for r, _, w in points) / total
+        mean_s = sum(s * w for _, s, w in points) / total
+        var = sum(w * (r - mean_r) ** 2 for r, _, w in points)
+        cov = sum(w * (r - mean_r) * (s - mean_s) for r, s, w in points)
+        per_row = max(0.0, cov / var)
+        fixed = mean_s - per_row * mean_r
+        if fixed <= 0.0:  # rows explain all of it
+            fixed, per_row = 0.0, mean_s / mean_r
+        return fixed, per_row
+
+    def _recent_points(self) -> list[tuple[int, float, int]]:
+        """(rows, average seconds, weight) of the row counts with enough recent steps, in
+        increasing rows."""
+        return sorted(
+            (rows, c.seconds, min(c.count, MAX_COST_WEIGHT))
+            for rows, c in self._costs.items()
+            if c.count >= MIN_COST_SAMPLES and self._steps - c.last_seen < COST_HORIZON
+        )
+
+    def acceptance(self) -> list[float] | None:
+        """Per draft position, the expected tokens a proposed draft there adds (the share of
+        proposals whose step kept it and every draft before it); None until position 1 has
+        ``MIN_PROPOSED`` proposals. A position with too few proposals of its own takes the
+        figure of the one before it."""
+        if self._proposed[0] < MIN_PROPOSED:
+            return None
+        out: list[float] = []
+        for proposed, accepted in zip(self._proposed, self._accepted, strict=True):
+            if proposed >= MIN_PROPOSED or not out:
+                out.append(accepted / proposed)
+            else:
+                out.append(out[-1])
+        return out
+
+
+def decode_rows(so: SchedulerOutput) -> int | None:
+    """The rows of a step that only decodes (each request feeds its last token and its
+    drafts), or None for a step with prompt tokens, whose cost is another matter."""
+    if so.new_requests or not so.num_scheduled_tokens:
+        return None
+    spec = so.scheduled_spec_decode_tokens
+    for rid, n in so.num_scheduled_tokens.items():
+        if n != 1 + len(spec.get(rid, ())):
+            return None
+    return so.total_num_scheduled_tokens
+
+
+def step_seconds(curve: list[tuple[int, float]], rows: int) -> float:
+    """A decode step's seconds at ``rows`` by ``curve`` (``DraftPolicy.cost_curve``): the
+    first point's below it, the line between the two points around it, and past the last
+    point the last two points' slope (the per-row cost where it was last seen)."""
+    if rows <= curve[0][0]:
+        return curve[0][1]
+    for (r0, s0), (r1, s1) in zip(curve, curve[1:], strict=False):
+        if rows <= r1:
+            return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+    (r0, s0), (r1, s1) = curve[-2], curve[-1]
+    return s1 + (s1 - s0) / (r1 - r0) * (rows - r1)
