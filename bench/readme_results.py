@@ -77,6 +77,13 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         sim_calibration_table,
     ),
     (
+        "sim_calibration_policy.json",
+        "Calibrated simulator, synchronous cells with the draft policy",
+        "python -m baton.bench.sim_calibration check --drafts adaptive --only sync "
+        "--out bench/results/sim_calibration_policy.json",
+        sim_calibration_table,
+    ),
+    (
         "structured.json",
         "Structured vs free TPOT",
         "baton bench structured",

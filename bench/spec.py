@@ -258,7 +258,7 @@ def _median_row(mode: str, measured: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(cfg: SpecBenchConfig) -> dict[str, Any]:
     """Measures every mode on every workload and concurrency; returns the result dict."""
-    checkpoint = load_checkpoint(cfg.model)
+    checkpoint = load_checkpoint(cfg.model, keep_quantized=cfg.quantization == "gguf")
     tokenizer = checkpoint.tokenizer
     max_prompt = max(
         len(tokenizer.encode(p, add_special_tokens=False))

@@ -70,3 +70,25 @@ def test_a_row_is_the_median_of_its_runs():
     assert row["tok_per_s_runs"] == [30.0, 10.0, 20.0]
     assert row["load_avg_1m"] == [0.0, 0.25]
     assert _median_row("off", runs[:2])["tok_per_s"] == 20.0
+
+
+def test_modes_name_the_engine_config_they_run():
+    from baton.bench.spec import MODES, SpecBenchConfig
+    from baton.bench.spec_sim import spec_config
+
+    assert spec_config("off", 5) is None
+    assert spec_config("auto", 5) == {
+        "method": "auto",
+        "num_speculative_tokens": 5,
+        "adaptive": True,
+    }
+    assert spec_config("ngram-fixed", 3) == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+    }
+    assert {"auto-fixed", "grammar-fixed", "ngram-fixed"} <= set(MODES)
+    cfg = SpecBenchConfig(modes=("off", "auto-fixed", "auto"), quantization="gguf")
+    assert cfg.quantization == "gguf"
+    with pytest.raises(ValueError, match="modes"):
+        SpecBenchConfig(modes=("off", "auto-adaptive"))

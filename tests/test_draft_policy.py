@@ -13,6 +13,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.core.draft_policy import (
     COST_HORIZON,
     EXPLORE_EVERY,
+    MAX_EXPLORE_GAP,
     MIN_PROPOSED,
     DraftPolicy,
     decode_rows,
@@ -129,12 +130,41 @@ def test_the_cost_curve_is_local_and_non_decreasing():
     assert step_seconds(curve, 8) == pytest.approx(0.020 + 2 * 0.0035)
 
 
-def test_exploration_allows_every_draft_now_and_then():
+def _explorations(held: int) -> int:
+    """Exploring decisions among ``held`` decisions in a row that hold drafts back."""
+    gap, total, count = EXPLORE_EVERY, 0, 0
+    while total + gap <= held:
+        total, count, gap = total + gap, count + 1, min(2 * gap, MAX_EXPLORE_GAP)
+    return count
+
+
+def test_exploration_allows_every_draft_less_often_while_nothing_changes():
     policy = _fed(fixed=0.001, per_row=0.010, accept=0.2)
-    depths = [policy.depth(rows=8, drafting=8) for _ in range(3 * EXPLORE_EVERY)]
-    assert depths.count(4) == 3
-    assert depths.count(0) == 3 * EXPLORE_EVERY - 3
-    assert all(d == 4 for d in depths[EXPLORE_EVERY - 1 :: EXPLORE_EVERY])
+    n = 32 + 64 + 128 + 256 + 256
+    depths = [policy.depth(rows=8, drafting=8) for _ in range(n)]
+    looks = [i for i, d in enumerate(depths) if d == 4]
+    assert looks == [31, 95, 223, 479, 735]
+    assert len(looks) == _explorations(n) and depths.count(0) == n - len(looks)
+    assert policy.last_depth == 0
+
+
+class _Best(DraftPolicy):
+    """A policy whose figures always find ``best`` drafts best."""
+
+    best = 0
+
+    def best_depth(self, rows: int, drafting: int) -> int:
+        return self.best
+
+
+def test_a_decision_that_allows_every_draft_starts_the_waits_again():
+    policy = _Best(max_drafts=4)
+    assert [policy.depth(8, 8) for _ in range(96)].count(4) == 2  # looks at 32 and 96
+    policy.best = 4
+    assert policy.depth(8, 8) == 4
+    policy.best = 0
+    depths = [policy.depth(8, 8) for _ in range(EXPLORE_EVERY)]
+    assert depths.count(4) == 1 and depths[-1] == 4
 
 
 def test_no_drafting_request_needs_no_decision():
@@ -271,11 +301,11 @@ def test_the_scheduler_drafts_as_deep_as_the_policy_says(drafting_engine):
     none = _Recorded(3, best=0)
     got, drafted = _run(drafting_engine, none)
     assert got == expected
-    # Only the exploring decisions (every EXPLORE_EVERY-th held back) let drafts through; a
+    # Only the exploring decisions let drafts through (see _explorations); a
     # step with no drafting request (the first: none running yet) is no decision.
     held = [d for _, drafting, d in none.decisions if drafting]
     explored = held.count(3)
-    assert explored == len(held) // EXPLORE_EVERY and held.count(0) == len(held) - explored
+    assert explored == _explorations(len(held)) and held.count(0) == len(held) - explored
     assert drafted <= explored * 3 * 4
     assert drafting_engine.stats()["spec_draft_depth"] == 0
 

@@ -20,8 +20,8 @@ right for all three, so the policy measures both sides while the engine runs:
 
 ``depth`` then picks the draft count per request that maximises the step's expected tokens
 per second. Until both sides are known it allows every draft (the engine's behaviour without
-the policy), and every ``EXPLORE_EVERY``-th decision it allows them all again, so that the
-acceptance figures stay current and the cost line keeps seeing row counts beyond the
+the policy), and now and then, while it holds drafts back, it allows them all again, so that
+the acceptance figures stay current and the cost curve keeps seeing row counts beyond the
 chosen ones.
 """
 
@@ -31,9 +31,13 @@ from dataclasses import dataclass, field
 
 from baton.engine.scheduler_output import SchedulerOutput
 
-# A decision that allows fewer drafts than the most is followed, every this many decisions,
-# by one that allows them all: fresh acceptance figures, and row counts past the chosen ones.
+# After this many decisions that allow fewer drafts than the most, one allows them all (fresh
+# acceptance figures, and row counts past the chosen ones); each such look that changes
+# nothing doubles the wait, up to MAX_EXPLORE_GAP (below COST_HORIZON, so that the look keeps
+# the costly row counts in the fit). Where a draft step costs ten times a plain one (a GPU
+# step that leaves its CUDA graph) a look every 32 steps would cost a quarter of the time.
 EXPLORE_EVERY = 32
+MAX_EXPLORE_GAP = 256
 # Steps a row count's average weighs before the fit uses it, and the most any one weighs.
 MIN_COST_SAMPLES = 2
 MAX_COST_WEIGHT = 8
@@ -76,6 +80,7 @@ class DraftPolicy:
     _accepted: list[float] = field(default_factory=list, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _held_back: int = field(default=0, init=False, repr=False)
+    _explore_gap: int = field(default=EXPLORE_EVERY, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_drafts < 1:
@@ -119,16 +124,21 @@ class DraftPolicy:
     def depth(self, rows: int, drafting: int) -> int:
         """Drafts per request for a step of ``rows`` decoding requests, ``drafting`` of which
         may draft: the count whose expected tokens per second is highest by the figures so
-        far (``max_drafts`` while they are too few, and on every ``EXPLORE_EVERY``-th
-        decision that would allow fewer)."""
+        far (``max_drafts`` while they are too few, and on the exploring decisions: after
+        ``EXPLORE_EVERY`` decisions that allow fewer, then after twice as many each time, up
+        to ``MAX_EXPLORE_GAP``, until a decision allows them all again)."""
         if drafting < 1:
             return self.max_drafts
         best = self.best_depth(rows, drafting)
-        if best < self.max_drafts:
-            self._held_back += 1
-            if self._held_back % EXPLORE_EVERY == 0:
-                return self.max_drafts
         self.last_depth = best
+        if best >= self.max_drafts:
+            self._held_back, self._explore_gap = 0, EXPLORE_EVERY
+            return best
+        self._held_back += 1
+        if self._held_back >= self._explore_gap:
+            self._held_back = 0
+            self._explore_gap = min(2 * self._explore_gap, MAX_EXPLORE_GAP)
+            return self.max_drafts
         return best
 
     def best_depth(self, rows: int, drafting: int) -> int:
