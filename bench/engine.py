@@ -248,11 +248,12 @@ def measure(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) ->
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     after = llm.stats()
-    # Counters and times only (stats() also names the dtype and its reason).
+    # Counters and times only (stats() also names the dtype and its reason; a figure that
+    # appears during the run, such as the draft policy's fitted step cost, has no delta).
     delta = {
         k: after[k] - before[k]
         for k, v in after.items()
-        if k != "device_busy_fraction" and isinstance(v, (int, float))
+        if k != "device_busy_fraction" and isinstance(v, (int, float)) and k in before
     }
     tpots = [o.metrics.time_per_output_token for o in outs]
     checked, invalid = invalid_json(outs, params)

@@ -45,7 +45,14 @@ _MONITOR_PERIOD_S = 0.5
 # stats() sums the replicas' numbers (counters, loads, seconds), except these: fractions
 # and rates are averaged, settings are taken from the first replica, and the per-replica
 # identity keys are left to replica_stats().
-_AVERAGED = ("device_busy_fraction", "kv_usage", "spec_acceptance_rate")
+_AVERAGED = (
+    "device_busy_fraction",
+    "kv_usage",
+    "spec_acceptance_rate",
+    "spec_draft_depth",
+    "spec_step_fixed_ms",
+    "spec_step_row_ms",
+)
 _SETTINGS = ("tensor_parallel_size", "cpu_max_threads")
 _PER_REPLICA = ("pid", "healthy")
 
