@@ -9,7 +9,10 @@ torch threads (default 1), the in-process executor, configurations interleaved a
 order reversed every other repeat: the engine's start time (load, build, pack or repack),
 greedy decode tok/s at batch 1 and at batch 16 (``--steps`` tokens per request, after a
 warm-up), the peak RSS (``ru_maxrss``) and the RSS after the imports, and the load average
-when it started. Writes JSON.
+when it started. For the configurations that keep the GGUF blocks it also reports the
+bandwidth a batch-1 step reads the weights at (the file's bytes a step reads, times b1 tok/s)
+against this machine's copy and read bandwidth with the same threads
+(``bench/memory_bandwidth.py``). Writes JSON.
 
     baton bench gguf_decode [--model PATH] [--steps 32] [--repeats 2]
         [--configs bfloat16:none,bfloat16:gguf,bfloat16:gguf:torch-ops,...] [--threads 1]
@@ -30,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from baton.bench.common import add_common_args, run_order, write_results
+from baton.bench.memory_bandwidth import memory_bandwidth, weight_bytes_per_token
+from baton.engine.loader import default_model_path
 
 DEFAULT_CONFIGS = tuple(
     f"{d}:{q}" for d in ("bfloat16", "float32") for q in ("none", "gguf", "int8")
@@ -94,18 +99,28 @@ def run_config(
     return json.loads(lines[-1])
 
 
-def _table(rows: dict[str, list[dict[str, Any]]]) -> str:
+def _table(rows: dict[str, list[dict[str, Any]]], result: dict[str, Any] | None = None) -> str:
+    bandwidth = (result or {}).get("memory_bandwidth")
+    weight_bytes = (result or {}).get("weight_bytes_per_token")
     lines = [
         "| dtype:quantization | start s (min) | b1 tok/s (best) | b16 tok/s (best) | "
-        "peak RSS MiB (after imports) | load avg |",
-        "|---|---|---|---|---|---|",
+        "peak RSS MiB (after imports) | b1 weights GB/s (of copy, of read) | load avg |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, rs in rows.items():
+        best_b1 = max(r["b1_tok_s"] for r in rs)
+        reads = "-"
+        if bandwidth and weight_bytes and name.split(":")[1] == "gguf":
+            gb_s = weight_bytes * best_b1 / 1e9
+            reads = (
+                f"{gb_s:.1f} ({gb_s / bandwidth['copy_gb_s']:.0%}, "
+                f"{gb_s / bandwidth['read_gb_s']:.0%})"
+            )
         lines.append(
             f"| {name} | {min(r['start_s'] for r in rs):.2f} | "
-            f"{max(r['b1_tok_s'] for r in rs):.1f} | {max(r['b16_tok_s'] for r in rs):.1f} | "
+            f"{best_b1:.1f} | {max(r['b16_tok_s'] for r in rs):.1f} | "
             f"{max(r['peak_rss_mib'] for r in rs):.0f} "
-            f"({max(r['rss_imports_mib'] for r in rs):.0f}) | "
+            f"({max(r['rss_imports_mib'] for r in rs):.0f}) | {reads} | "
             + ", ".join(f"{r['load_avg']:.1f}" for r in rs)
             + " |"
         )
@@ -123,7 +138,15 @@ def readme_table(result: dict[str, Any]) -> str:
         f"{str(run.get('date', '?'))[:10]}. Configurations: dtype:quantization, "
         '`float-activations` = `gguf_activations="float32"` (else int8 for the K-quants).'
     )
-    return head + "\n\n" + _table(result["configs"])
+    bandwidth = result.get("memory_bandwidth")
+    if bandwidth:
+        head += (
+            f" A batch-1 step reads {result['weight_bytes_per_token'] / 1e6:.0f} MB of weights "
+            f"in the GGUF configurations; this machine copied at {bandwidth['copy_gb_s']:.1f} "
+            f"GB/s (read + written) and read at {bandwidth['read_gb_s']:.1f} GB/s with the "
+            "same threads."
+        )
+    return head + "\n\n" + _table(result["configs"], result)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -141,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     rows: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    bandwidth = memory_bandwidth(args.threads)
+    weights = weight_bytes_per_token(args.model or default_model_path())
+    print(f"memory: {json.dumps(bandwidth)}; weights read per token: {weights} bytes", flush=True)
     for repeat in range(args.repeats):
         for config in run_order(configs, repeat):
             dtype, quantization, *options = config.split(":")
@@ -160,9 +186,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             result["load_avg"] = load_avg
             rows[config].append(result)
             print(repeat, config, json.dumps(result), flush=True)
-    print(_table(rows))
+    result = {
+        "configs": rows,
+        "steps": args.steps,
+        "model": args.model or "default",
+        "memory_bandwidth": bandwidth,
+        "weight_bytes_per_token": weights,
+    }
+    print(_table(rows, result))
     write_results(
-        {"configs": rows, "steps": args.steps, "model": args.model or "default"},
+        result,
         Path(args.out),
         None,
         torch_threads=args.threads,

@@ -130,6 +130,32 @@ def test_the_cost_curve_is_local_and_non_decreasing():
     assert step_seconds(curve, 8) == pytest.approx(0.020 + 2 * 0.0035)
 
 
+def test_steps_that_verify_drafts_keep_their_own_cost_curve():
+    # As on a GPU: a plain step replays its graph (2 ms at any of these sizes), a step with
+    # drafts runs op by op (20 ms and more): even drafts that are always kept do not pay.
+    policy = DraftPolicy(max_drafts=2)
+    for r in (8, 16, 32):
+        for _ in range(2):
+            policy.observe_step(r, 0.002)
+            policy.observe_step(2 * r, 0.020 + 0.0001 * r, drafted=True)
+    for _ in range(2 * MIN_PROPOSED):
+        policy.observe_drafts(2, 2)
+    plain = policy.cost_curve(False)
+    assert [r for r, _ in plain] == [8, 16, 32]
+    assert [t for _, t in plain] == pytest.approx([0.002] * 3)
+    assert policy.best_depth(rows=16, drafting=16) == 0
+    # One pooled curve would have priced the plain step by its drafted neighbours.
+    assert policy.cost_line(True) is not None and policy.cost_line(False)[1] == 0.0
+    # Without plain steps of its own, the drafted curve stands in for them.
+    only = DraftPolicy(max_drafts=2)
+    for r in (8, 16, 32):
+        for _ in range(2):
+            only.observe_step(r, 0.020 + 0.0001 * r, drafted=True)
+    for _ in range(2 * MIN_PROPOSED):
+        only.observe_drafts(2, 2)
+    assert only.cost_curve(False) is None and only.best_depth(rows=4, drafting=4) == 2
+
+
 def _explorations(held: int) -> int:
     """Exploring decisions among ``held`` decisions in a row that hold drafts back."""
     gap, total, count = EXPLORE_EVERY, 0, 0
@@ -245,9 +271,9 @@ class _Recorded(DraftPolicy):
         self.decisions.append((rows, drafting, d))
         return d
 
-    def observe_step(self, rows: int, seconds: float) -> None:
+    def observe_step(self, rows: int, seconds: float, drafted: bool = False) -> None:
         self.steps.append((rows, seconds))
-        super().observe_step(rows, seconds)
+        super().observe_step(rows, seconds, drafted)
 
     def observe_drafts(self, proposed: int, accepted: int) -> None:
         self.verdicts.append((proposed, accepted))

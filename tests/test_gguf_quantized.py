@@ -323,3 +323,33 @@ def test_qwen2_bias_and_untied_head_through_the_kernel(tiny_qwen_dir: Path, tmp_
     out = _decode_logits(model, PROMPTS[2], 4)
     assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+def test_a_decode_step_reads_every_weight_and_the_embedding_only_when_tied(
+    tiny_model_dir: Path, tiny_qwen_dir: Path, tmp_path: Path
+) -> None:
+    from baton.bench.memory_bandwidth import weight_bytes_per_token
+    from baton.engine.loader.gguf import read_gguf
+
+    for hf_dir, tied in ((tiny_model_dir, True), (tiny_qwen_dir, False)):
+        path = gguf_from_hf_dir(
+            hf_dir,
+            tmp_path / f"{hf_dir.name}.gguf",
+            mini_tokenizer_metadata(),
+            _linear_type("Q4_0"),
+        )
+        tensors = {t.name: t.n_bytes for t in read_gguf(path).tensors}
+        assert ("output.weight" not in tensors) == tied
+        embedding = 0 if tied else tensors["token_embd.weight"]
+        assert weight_bytes_per_token(path) == sum(tensors.values()) - embedding
+
+
+def test_memory_bandwidth_measures_and_restores_the_threads() -> None:
+    from baton.bench.memory_bandwidth import memory_bandwidth
+
+    threads = torch.get_num_threads()
+    figures = memory_bandwidth(1, mib=8, trials=1)
+    assert figures["copy_gb_s"] > 0 and figures["read_gb_s"] > 0
+    assert torch.get_num_threads() == threads
+    with pytest.raises(ValueError, match="must be >= 1"):
+        memory_bandwidth(0)

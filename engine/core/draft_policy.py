@@ -14,7 +14,9 @@ right for all three, so the policy measures both sides while the engine runs:
 
 - the step's cost by its rows: an average time per row count of the decode steps seen
   (``observe_step``), made non-decreasing and joined by lines (``cost_curve``): a few more
-  rows may be nearly free at one batch size and cost their full share at another;
+  rows may be nearly free at one batch size and cost their full share at another. Steps that
+  verify drafts keep their own curve: on a GPU they leave the decode CUDA graphs, and the
+  simulated H200's check put such a step at 10-20 ms where a plain one took 2;
 - each draft position's acceptance: of the drafts proposed at position i (the i-th draft of a
   request in a step), the share whose step kept the first i (``observe_drafts``).
 
@@ -75,7 +77,7 @@ class DraftPolicy:
 
     max_drafts: int
     last_depth: int = field(default=0, init=False)
-    _costs: dict[int, _RowCost] = field(default_factory=dict, init=False, repr=False)
+    _costs: dict[tuple[bool, int], _RowCost] = field(default_factory=dict, init=False, repr=False)
     _proposed: list[float] = field(default_factory=list, init=False, repr=False)
     _accepted: list[float] = field(default_factory=list, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
@@ -90,18 +92,20 @@ class DraftPolicy:
         self._accepted = [0.0] * self.max_drafts
 
     # ------------------------------------------------------------- observations
-    def observe_step(self, rows: int, seconds: float) -> None:
+    def observe_step(self, rows: int, seconds: float, drafted: bool = False) -> None:
         """Records a decode step of ``rows`` rows (requests and their drafts) that took
-        ``seconds`` from one step to the next."""
+        ``seconds`` from one step to the next; ``drafted``: it verified drafts (such a step
+        may take another path than a plain one of as many rows: on a GPU, outside the
+        decode CUDA graphs)."""
         if rows < 1 or not seconds > 0.0:
             return
         self._steps += 1
         if self._steps % COST_HORIZON == 0:
             horizon = self._steps - COST_HORIZON
-            self._costs = {r: c for r, c in self._costs.items() if c.last_seen > horizon}
-        cost = self._costs.get(rows)
+            self._costs = {k: c for k, c in self._costs.items() if c.last_seen > horizon}
+        cost = self._costs.get((drafted, rows))
         if cost is None:
-            self._costs[rows] = _RowCost(seconds, 1, self._steps)
+            self._costs[drafted, rows] = _RowCost(seconds, 1, self._steps)
             return
         cost.seconds += COST_SMOOTHING * (seconds - cost.seconds)
         cost.count += 1
@@ -144,26 +148,30 @@ class DraftPolicy:
     def best_depth(self, rows: int, drafting: int) -> int:
         """``depth`` without the exploration: the best count by the figures so far, or
         ``max_drafts`` while they are too few."""
-        curve = self.cost_curve()
+        plain, drafted = self.cost_curve(False), self.cost_curve(True)
         gains = self.acceptance()
-        if curve is None or gains is None:
+        if gains is None or (plain is None and drafted is None):
             return self.max_drafts
-        best_k, best_rate, tokens = 0, rows / step_seconds(curve, rows), float(rows)
+        # Where one kind of step was not seen enough, the other's curve stands in for it.
+        plain, drafted = plain or drafted, drafted or plain
+        assert plain is not None and drafted is not None
+        best_k, best_rate, tokens = 0, rows / step_seconds(plain, rows), float(rows)
         for k in range(1, self.max_drafts + 1):
             tokens += drafting * gains[k - 1]
-            rate = tokens / step_seconds(curve, rows + drafting * k)
+            rate = tokens / step_seconds(drafted, rows + drafting * k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
-    def cost_curve(self) -> list[tuple[int, float]] | None:
-        """The decode step's seconds by its rows, as (rows, seconds) points in increasing
+    def cost_curve(self, drafted: bool = False) -> list[tuple[int, float]] | None:
+        """A decode step's seconds by its rows (of steps that verified drafts, or of plain
+        ones: ``drafted``), as (rows, seconds) points in increasing
         rows: each recent row count's average, made non-decreasing (adjacent counts that
         disagree are pooled, weighted by their steps); None until two row counts have
         ``MIN_COST_SAMPLES`` steps. Between the points a step costs what the line between
         them gives, so a batch where a few more rows are nearly free (bound by reading the
         weights) and one where every row counts are each judged by their own part of it."""
-        points = self._recent_points()
+        points = self._recent_points(drafted)
         if len(points) < 2:
             return None
         pooled: list[list[float]] = []  # [first index, last index, weighted sum, weight]
@@ -181,11 +189,12 @@ class DraftPolicy:
             curve += [(points[i][0], total / weight) for i in range(int(first), int(last) + 1)]
         return curve
 
-    def cost_line(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per row) of a decode step: the line fitted by weighted least
-        squares to the recent row counts' averages (a summary for ``LLM.stats()``; decisions
-        use ``cost_curve``); None until two row counts have ``MIN_COST_SAMPLES`` steps."""
-        points = self._recent_points()
+    def cost_line(self, drafted: bool = False) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per row) of a decode step (``drafted`` as ``cost_curve``):
+        the line fitted by weighted least squares to the recent row counts' averages (a summary
+        for ``LLM.stats()``; decisions use ``cost_curve``); None until two row counts have
+        ``MIN_COST_SAMPLES`` steps."""
+        points = self._recent_points(drafted)
         if len(points) < 2:
             return None
         total = sum(w for _, _, w in points)
@@ -199,13 +208,15 @@ class DraftPolicy:
             fixed, per_row = 0.0, mean_s / mean_r
         return fixed, per_row
 
-    def _recent_points(self) -> list[tuple[int, float, int]]:
-        """(rows, average seconds, weight) of the row counts with enough recent steps, in
-        increasing rows."""
+    def _recent_points(self, drafted: bool) -> list[tuple[int, float, int]]:
+        """(rows, average seconds, weight) of the row counts of ``drafted`` steps (or plain
+        ones) with enough recent steps, in increasing rows."""
         return sorted(
             (rows, c.seconds, min(c.count, MAX_COST_WEIGHT))
-            for rows, c in self._costs.items()
-            if c.count >= MIN_COST_SAMPLES and self._steps - c.last_seen < COST_HORIZON
+            for (kind, rows), c in self._costs.items()
+            if kind == drafted
+            and c.count >= MIN_COST_SAMPLES
+            and self._steps - c.last_seen < COST_HORIZON
         )
 
     def acceptance(self) -> list[float] | None:

@@ -271,7 +271,8 @@ class EngineCore:
             and self._last_arrival is not None
             and (rows := decode_rows(step.so)) is not None
         ):
-            policy.observe_step(rows, now - self._last_arrival)
+            drafted = bool(step.so.scheduled_spec_decode_tokens)
+            policy.observe_step(rows, now - self._last_arrival, drafted)
         self._last_arrival = now
         return out
 

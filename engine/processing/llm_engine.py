@@ -295,8 +295,8 @@ class LLMEngine:
         ``spec_acceptance_rate``, ``spec_drafted_steps`` (steps that fed any draft) and
         ``spec_wasted_rows`` (async: rows planned past drafts that were rejected); with the
         adaptive draft policy ``spec_draft_depth`` (the drafts per request its last decision
-        chose) and, once fitted, ``spec_step_fixed_ms`` and ``spec_step_row_ms`` (its decode
-        step cost line)."""
+        chose) and, once fitted, ``spec_step_fixed_ms`` and ``spec_step_row_ms`` (a line
+        through the cost of its decode steps without drafts)."""
         sched = self.core.scheduler
         stats: dict[str, float | int | str] = dict(self.core.stats.as_dict())
         stats.update(

@@ -1,0 +1,64 @@
+"""What a batch-1 decode step reads, and how fast this machine can read memory.
+
+A batch-1 CPU decode step is bound by reading the weights: every linear weight once per
+token. ``weight_bytes_per_token`` counts those bytes for a GGUF model run with its blocks
+(``quantization="gguf"``): every tensor of the file, the token embedding only when it is also
+the LM head (tied; otherwise a step reads one row of it). ``memory_bandwidth`` measures, with
+``threads`` torch threads, the rate of a large copy (STREAM's convention: bytes read plus
+bytes written) and of a large read (a sum), best of ``trials``. The two together give the
+fraction of the machine's bandwidth a decode step uses (issue 54's goal: report it).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from baton.engine.loader.gguf import read_gguf
+
+EMBEDDING = "token_embd.weight"
+OUTPUT = "output.weight"
+
+
+def weight_bytes_per_token(path: str | Path) -> int:
+    """Bytes of weights a batch-1 decode step of the GGUF model at ``path`` reads (its blocks
+    as the file holds them; the kernel's repacked layout is within a few percent of that).
+
+    Raises:
+        ModelLoadError: the file is not a readable GGUF file.
+    """
+    tensors = read_gguf(Path(path)).tensors
+    tied = not any(t.name == OUTPUT for t in tensors)
+    return sum(t.n_bytes for t in tensors if t.name != EMBEDDING or tied)
+
+
+def memory_bandwidth(threads: int, mib: int = 512, trials: int = 5) -> dict[str, float]:
+    """GB/s of a ``mib``-MiB copy (read + write bytes) and of a read (sum) of as many bytes,
+    with ``threads`` torch threads (restored after), best of ``trials``.
+
+    Raises:
+        ValueError: threads, mib or trials < 1.
+    """
+    if min(threads, mib, trials) < 1:
+        raise ValueError(f"threads, mib and trials must be >= 1, got {threads}, {mib}, {trials}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = mib * (1 << 20) // 4
+        src = torch.ones(n, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in
+        copy_s = read_s = float("inf")
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            t1 = time.perf_counter()
+            src.sum()
+            t2 = time.perf_counter()
+            copy_s, read_s = min(copy_s, t1 - t0), min(read_s, t2 - t1)
+    finally:
+        torch.set_num_threads(before)
+    nbytes = n * 4
+    return {"copy_gb_s": 2 * nbytes / copy_s / 1e9, "read_gb_s": nbytes / read_s / 1e9}
