@@ -127,6 +127,13 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         gguf_decode_table,
     ),
     (
+        "gguf_decode_bandwidth_1b.json",
+        "GGUF decode, 1B-shape Q4_K_M: the weights' read bandwidth at batch 1",
+        "baton bench gguf_decode --model llama-1b-random.Q4_K_M.gguf --threads 2 --steps 48 "
+        "--configs bfloat16:gguf,bfloat16:none --out bench/results/gguf_decode_bandwidth_1b.json",
+        gguf_decode_table,
+    ),
+    (
         "serve_peers_1b.json",
         "Against llama.cpp's llama-server: 1B-shape Q4_K_M",
         "baton bench serve_peers --shape llama-1b --type Q4_K_M",
