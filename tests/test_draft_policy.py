@@ -13,6 +13,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.core.draft_policy import (
     COST_HORIZON,
     EXPLORE_EVERY,
+    EXPLORE_ROWS,
     MAX_EXPLORE_GAP,
     MIN_PROPOSED,
     DraftPolicy,
@@ -81,8 +82,9 @@ def test_rejected_drafts_on_an_arithmetic_bound_step_get_none():
 
 
 def test_kept_drafts_on_a_weight_bound_step_get_all():
-    # Rows are nearly free next to reading the weights, and most drafts are kept.
-    policy = _fed(fixed=0.030, per_row=0.0002, accept=0.8)
+    # Rows are nearly free next to reading the weights, and most drafts are kept (the step
+    # costs were seen up to the rows every draft adds).
+    policy = _fed(fixed=0.030, per_row=0.0002, accept=0.8, rows=(1, 4, 8, 16, 48, 96))
     assert policy.best_depth(rows=1, drafting=1) == 4
     assert policy.best_depth(rows=16, drafting=16) == 4
 
@@ -128,6 +130,9 @@ def test_the_cost_curve_is_local_and_non_decreasing():
     assert step_seconds(curve, 1) == pytest.approx(0.010)
     assert step_seconds(curve, 5) == pytest.approx(0.0165)
     assert step_seconds(curve, 8) == pytest.approx(0.020 + 2 * 0.0035)
+    # Past a flat end, at least the last point's seconds per row.
+    flat = [(8, 0.030), (16, 0.030)]
+    assert step_seconds(flat, 32) == pytest.approx(0.060)
 
 
 def test_steps_that_verify_drafts_keep_their_own_cost_curve():
@@ -193,6 +198,16 @@ def test_a_decision_that_allows_every_draft_starts_the_waits_again():
     assert depths.count(4) == 1 and depths[-1] == 4
 
 
+def test_an_exploring_step_adds_a_bounded_number_of_rows():
+    policy = _Best(max_drafts=4)
+    for drafting in (8, 16, 32, 64, 256):
+        expected = min(4, max(1, EXPLORE_ROWS // drafting))
+        depths = [policy.depth(drafting, drafting) for _ in range(MAX_EXPLORE_GAP)]
+        assert max(depths) == expected and min(depths) == 0
+    policy.best = 2
+    assert max(policy.depth(256, 256) for _ in range(MAX_EXPLORE_GAP)) == 3  # one past it
+
+
 def test_no_drafting_request_needs_no_decision():
     policy = _fed(fixed=0.001, per_row=0.010, accept=0.2)
     assert policy.depth(rows=8, drafting=0) == 4
@@ -207,6 +222,22 @@ def test_row_counts_not_seen_lately_leave_the_fit():
     for _ in range(COST_HORIZON):
         policy.observe_step(4, 0.010)
     assert policy.cost_line() is None  # one row count left
+
+
+def test_plain_steps_do_not_age_the_drafted_ones_out():
+    # A long stretch of free text (plain steps only) must not leave the drafted curve empty:
+    # the plain one would then stand in for it and price drafts as cheap as plain rows.
+    policy = DraftPolicy(max_drafts=2)
+    for _ in range(2):
+        policy.observe_step(24, 0.030, drafted=True)
+        policy.observe_step(48, 0.032, drafted=True)
+    for _ in range(3 * COST_HORIZON):
+        policy.observe_step(8, 0.002)
+        policy.observe_step(16, 0.002)
+    assert [r for r, _ in policy.cost_curve(True)] == [24, 48]
+    for _ in range(2 * MIN_PROPOSED):
+        policy.observe_drafts(2, 2)
+    assert policy.best_depth(rows=8, drafting=8) == 0
 
 
 def test_nonsense_observations_are_ignored_and_bad_configs_refused():

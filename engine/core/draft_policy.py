@@ -40,12 +40,16 @@ from baton.engine.scheduler_output import SchedulerOutput
 # step that leaves its CUDA graph) a look every 32 steps would cost a quarter of the time.
 EXPLORE_EVERY = 32
 MAX_EXPLORE_GAP = 256
+# An exploring step adds about this many draft rows at most (at least one draft per request):
+# at batch 256 every draft would add 1280 rows, a step several times a plain one's time.
+EXPLORE_ROWS = 64
 # Steps a row count's average weighs before the fit uses it, and the most any one weighs.
 MIN_COST_SAMPLES = 2
 MAX_COST_WEIGHT = 8
 # The weight of the newest step in a row count's average (older ones fade).
 COST_SMOOTHING = 0.25
-# Row counts not seen in this many steps leave the fit (the machine's load may have changed).
+# Row counts not seen in this many steps of their kind (plain or drafted) leave the fit (the
+# machine's load may have changed).
 COST_HORIZON = 512
 # Drafts proposed at position 1 before its acceptance is trusted.
 MIN_PROPOSED = 16
@@ -80,7 +84,11 @@ class DraftPolicy:
     _costs: dict[tuple[bool, int], _RowCost] = field(default_factory=dict, init=False, repr=False)
     _proposed: list[float] = field(default_factory=list, init=False, repr=False)
     _accepted: list[float] = field(default_factory=list, init=False, repr=False)
-    _steps: int = field(default=0, init=False, repr=False)
+    # Decode steps seen, without drafts and with: a row count's age is counted in steps of
+    # its own kind, so that a long stretch of plain steps does not age the drafted ones out.
+    _steps: dict[bool, int] = field(
+        default_factory=lambda: {False: 0, True: 0}, init=False, repr=False
+    )
     _held_back: int = field(default=0, init=False, repr=False)
     _explore_gap: int = field(default=EXPLORE_EVERY, init=False, repr=False)
 
@@ -99,17 +107,20 @@ class DraftPolicy:
         decode CUDA graphs)."""
         if rows < 1 or not seconds > 0.0:
             return
-        self._steps += 1
-        if self._steps % COST_HORIZON == 0:
-            horizon = self._steps - COST_HORIZON
-            self._costs = {k: c for k, c in self._costs.items() if c.last_seen > horizon}
+        self._steps[drafted] = now = self._steps[drafted] + 1
+        if now % COST_HORIZON == 0:
+            self._costs = {
+                k: c
+                for k, c in self._costs.items()
+                if k[0] != drafted or c.last_seen > now - COST_HORIZON
+            }
         cost = self._costs.get((drafted, rows))
         if cost is None:
-            self._costs[drafted, rows] = _RowCost(seconds, 1, self._steps)
+            self._costs[drafted, rows] = _RowCost(seconds, 1, now)
             return
         cost.seconds += COST_SMOOTHING * (seconds - cost.seconds)
         cost.count += 1
-        cost.last_seen = self._steps
+        cost.last_seen = now
 
     def observe_drafts(self, proposed: int, accepted: int) -> None:
         """Records one request's verification: ``proposed`` drafts, the first ``accepted``
@@ -128,9 +139,10 @@ class DraftPolicy:
     def depth(self, rows: int, drafting: int) -> int:
         """Drafts per request for a step of ``rows`` decoding requests, ``drafting`` of which
         may draft: the count whose expected tokens per second is highest by the figures so
-        far (``max_drafts`` while they are too few, and on the exploring decisions: after
+        far (``max_drafts`` while they are too few). On the exploring decisions (after
         ``EXPLORE_EVERY`` decisions that allow fewer, then after twice as many each time, up
-        to ``MAX_EXPLORE_GAP``, until a decision allows them all again)."""
+        to ``MAX_EXPLORE_GAP``, until a decision allows them all again) it allows more: all,
+        or as many as add about ``EXPLORE_ROWS`` rows, and at least one more than the best."""
         if drafting < 1:
             return self.max_drafts
         best = self.best_depth(rows, drafting)
@@ -142,7 +154,7 @@ class DraftPolicy:
         if self._held_back >= self._explore_gap:
             self._held_back = 0
             self._explore_gap = min(2 * self._explore_gap, MAX_EXPLORE_GAP)
-            return self.max_drafts
+            return max(best + 1, min(self.max_drafts, EXPLORE_ROWS // drafting))
         return best
 
     def best_depth(self, rows: int, drafting: int) -> int:
@@ -216,7 +228,7 @@ class DraftPolicy:
             for (kind, rows), c in self._costs.items()
             if kind == drafted
             and c.count >= MIN_COST_SAMPLES
-            and self._steps - c.last_seen < COST_HORIZON
+            and self._steps[drafted] - c.last_seen < COST_HORIZON
         )
 
     def acceptance(self) -> list[float] | None:
@@ -250,11 +262,13 @@ def decode_rows(so: SchedulerOutput) -> int | None:
 def step_seconds(curve: list[tuple[int, float]], rows: int) -> float:
     """A decode step's seconds at ``rows`` by ``curve`` (``DraftPolicy.cost_curve``): the
     first point's below it, the line between the two points around it, and past the last
-    point the last two points' slope (the per-row cost where it was last seen)."""
+    point the last two points' slope or, if steeper, the last point's seconds per row (rows
+    never seen are not taken to be free: a flat end of the curve would price any number of
+    drafts at nothing)."""
     if rows <= curve[0][0]:
         return curve[0][1]
     for (r0, s0), (r1, s1) in zip(curve, curve[1:], strict=False):
         if rows <= r1:
             return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
     (r0, s0), (r1, s1) = curve[-2], curve[-1]
-    return s1 + (s1 - s0) / (r1 - r0) * (rows - r1)
+    return s1 + max((s1 - s0) / (r1 - r0), s1 / r1) * (rows - r1)
