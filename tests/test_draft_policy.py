@@ -169,6 +169,29 @@ def _explorations(held: int) -> int:
     return count
 
 
+def test_rows_are_priced_by_the_drafts_requests_propose():
+    # Flat at 20 ms up to 24 rows, then 2 ms a row; every proposed draft kept half the time.
+    def policy_with(proposals: list[int] | None) -> DraftPolicy:
+        policy = DraftPolicy(max_drafts=4)
+        for r in (8, 16, 24, 32, 48):
+            for _ in range(2):
+                policy.observe_step(r, 0.020 + 0.002 * max(0, r - 24))
+                policy.observe_step(r, 0.020 + 0.002 * max(0, r - 24), drafted=True)
+        for n in range(4 * MIN_PROPOSED):
+            policy.observe_drafts(4, (0, 4)[n % 2])
+        for n in proposals or []:
+            policy.observe_proposal(4, n)
+        return policy
+
+    # Every request offering all four drafts: two per request fill the flat part.
+    assert policy_with(None).best_depth(rows=8, drafting=8) == 2
+    # Half offer a second draft, a quarter a third and a fourth: allowing four adds 16 rows.
+    offers = [1, 1, 2, 4] * (2 * MIN_PROPOSED)
+    policy = policy_with(offers)
+    assert policy.proposal_rates() == pytest.approx([1.0, 0.5, 0.25, 0.25], abs=0.02)
+    assert policy.best_depth(rows=8, drafting=8) == 4
+
+
 def test_exploration_allows_every_draft_less_often_while_nothing_changes():
     policy = _fed(fixed=0.001, per_row=0.010, accept=0.2)
     n = 32 + 64 + 128 + 256 + 256

@@ -18,7 +18,9 @@ right for all three, so the policy measures both sides while the engine runs:
   verify drafts keep their own curve: on a GPU they leave the decode CUDA graphs, and the
   simulated H200's check put such a step at 10-20 ms where a plain one took 2;
 - each draft position's acceptance: of the drafts proposed at position i (the i-th draft of a
-  request in a step), the share whose step kept the first i (``observe_drafts``).
+  request in a step), the share whose step kept the first i (``observe_drafts``);
+- each position's proposal rate: of the requests allowed an i-th draft, the share whose
+  drafter found one (``observe_proposal``): a step's added rows are the drafts proposed.
 
 ``depth`` then picks the draft count per request that maximises the step's expected tokens
 per second. Until both sides are known it allows every draft (the engine's behaviour without
@@ -84,6 +86,9 @@ class DraftPolicy:
     _costs: dict[tuple[bool, int], _RowCost] = field(default_factory=dict, init=False, repr=False)
     _proposed: list[float] = field(default_factory=list, init=False, repr=False)
     _accepted: list[float] = field(default_factory=list, init=False, repr=False)
+    # Per position i: requests allowed an i-th draft, and those whose drafter proposed one.
+    _allowed: list[float] = field(default_factory=list, init=False, repr=False)
+    _offered: list[float] = field(default_factory=list, init=False, repr=False)
     # Decode steps seen, without drafts and with: a row count's age is counted in steps of
     # its own kind, so that a long stretch of plain steps does not age the drafted ones out.
     _steps: dict[bool, int] = field(
@@ -98,6 +103,8 @@ class DraftPolicy:
         self.last_depth = self.max_drafts
         self._proposed = [0.0] * self.max_drafts
         self._accepted = [0.0] * self.max_drafts
+        self._allowed = [0.0] * self.max_drafts
+        self._offered = [0.0] * self.max_drafts
 
     # ------------------------------------------------------------- observations
     def observe_step(self, rows: int, seconds: float, drafted: bool = False) -> None:
@@ -121,6 +128,20 @@ class DraftPolicy:
         cost.seconds += COST_SMOOTHING * (seconds - cost.seconds)
         cost.count += 1
         cost.last_seen = now
+
+    def observe_proposal(self, allowed: int, proposed: int) -> None:
+        """Records one request's drafting in a step: ``allowed`` drafts at most, ``proposed``
+        of them found (a drafter often has fewer: a forced text's few tokens, no n-gram
+        match), so that a step's rows are priced by the drafts requests really add."""
+        allowed = min(allowed, self.max_drafts)
+        proposed = max(0, min(proposed, allowed))
+        for i in range(self.max_drafts):
+            self._allowed[i] *= ACCEPT_DECAY
+            self._offered[i] *= ACCEPT_DECAY
+        for i in range(allowed):
+            self._allowed[i] += 1.0
+            if i < proposed:
+                self._offered[i] += 1.0
 
     def observe_drafts(self, proposed: int, accepted: int) -> None:
         """Records one request's verification: ``proposed`` drafts, the first ``accepted``
@@ -167,10 +188,14 @@ class DraftPolicy:
         # Where one kind of step was not seen enough, the other's curve stands in for it.
         plain, drafted = plain or drafted, drafted or plain
         assert plain is not None and drafted is not None
-        best_k, best_rate, tokens = 0, rows / step_seconds(plain, rows), float(rows)
+        offered = self.proposal_rates()
+        best_k, best_rate = 0, rows / step_seconds(plain, rows)
+        tokens, added = float(rows), 0.0
         for k in range(1, self.max_drafts + 1):
-            tokens += drafting * gains[k - 1]
-            rate = tokens / step_seconds(drafted, rows + drafting * k)
+            # Of the requests allowed a k-th draft, the share whose drafter finds one.
+            tokens += drafting * offered[k - 1] * gains[k - 1]
+            added += drafting * offered[k - 1]
+            rate = tokens / step_seconds(drafted, rows + round(added))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -230,6 +255,14 @@ class DraftPolicy:
             and c.count >= MIN_COST_SAMPLES
             and self._steps[drafted] - c.last_seen < COST_HORIZON
         )
+
+    def proposal_rates(self) -> list[float]:
+        """Per draft position, the share of the requests allowed a draft there whose drafter
+        proposed one; 1.0 at a position with fewer than ``MIN_PROPOSED`` allowed."""
+        return [
+            offered / allowed if allowed >= MIN_PROPOSED else 1.0
+            for allowed, offered in zip(self._allowed, self._offered, strict=True)
+        ]
 
     def acceptance(self) -> list[float] | None:
         """Per draft position, the expected tokens a proposed draft there adds (the share of

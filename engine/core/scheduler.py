@@ -128,7 +128,7 @@ class Scheduler:
         preempted: list[Request] = []
         drafts: dict[str, tuple[int, ...]] = {}
 
-        depth = self._draft_depth()
+        drafter, depth = self.drafter, self._draft_depth()
         allocate = self.kv.allocate_slots
         running = RequestStatus.RUNNING
         for req in list(self.running):
@@ -138,6 +138,8 @@ class Scheduler:
             if n <= 0:
                 continue
             proposed = self._propose_drafts(req, n, budget, depth) if depth else ()
+            if depth and self.draft_policy is not None and drafter.can_draft(req):
+                self.draft_policy.observe_proposal(depth, len(proposed))
             n += len(proposed)
             while (blocks := allocate(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self.running[-1]
