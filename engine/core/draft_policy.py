@@ -24,9 +24,9 @@ right for all three, so the policy measures both sides while the engine runs:
 
 ``depth`` then picks the draft count per request that maximises the step's expected tokens
 per second. Until both sides are known it allows every draft (the engine's behaviour without
-the policy), and now and then, while it holds drafts back, it allows them all again, so that
-the acceptance figures stay current and the cost curve keeps seeing row counts beyond the
-chosen ones.
+the policy), and now and then, while it holds drafts back, it allows more again (a bounded
+number of rows), so that the acceptance figures stay current and the cost curves keep seeing
+row counts beyond the chosen ones.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from baton.engine.scheduler_output import SchedulerOutput
 
-# After this many decisions that allow fewer drafts than the most, one allows them all (fresh
+# After this many decisions that allow fewer drafts than the most, one allows more (fresh
 # acceptance figures, and row counts past the chosen ones); each such look that changes
 # nothing doubles the wait, up to MAX_EXPLORE_GAP (below COST_HORIZON, so that the look keeps
 # the costly row counts in the fit). Where a draft step costs ten times a plain one (a GPU
