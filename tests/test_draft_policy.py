@@ -179,8 +179,7 @@ def test_rows_are_priced_by_the_drafts_requests_propose():
                 policy.observe_step(r, 0.020 + 0.002 * max(0, r - 24), drafted=True)
         for n in range(4 * MIN_PROPOSED):
             policy.observe_drafts(4, (0, 4)[n % 2])
-        for n in proposals or []:
-            policy.observe_proposal(4, n)
+        policy.observe_proposals(4, proposals or [])
         return policy
 
     # Every request offering all four drafts: two per request fill the flat part.

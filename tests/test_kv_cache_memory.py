@@ -1,5 +1,5 @@
 """The CPU KV cache holds memory only for what is written: ``allocate_kv_cache`` takes its zeros
-from ``calloc`` (``untouched_zeros``), whose fresh pages become resident on first write."""
+from fresh anonymous pages (``untouched_zeros``, ``mmap``), resident only once written."""
 
 from __future__ import annotations
 

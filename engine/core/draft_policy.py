@@ -20,7 +20,7 @@ right for all three, so the policy measures both sides while the engine runs:
 - each draft position's acceptance: of the drafts proposed at position i (the i-th draft of a
   request in a step), the share whose step kept the first i (``observe_drafts``);
 - each position's proposal rate: of the requests allowed an i-th draft, the share whose
-  drafter found one (``observe_proposal``): a step's added rows are the drafts proposed.
+  drafter found one (``observe_proposals``): a step's added rows are the drafts proposed.
 
 ``depth`` then picks the draft count per request that maximises the step's expected tokens
 per second. Until both sides are known it allows every draft (the engine's behaviour without
@@ -31,6 +31,7 @@ row counts beyond the chosen ones.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from baton.engine.scheduler_output import SchedulerOutput
@@ -59,6 +60,34 @@ MIN_PROPOSED = 16
 ACCEPT_DECAY = 1.0 - 1.0 / 512
 
 
+class _PositionShares:
+    """Per draft position, faded counts of trials and of hits: a trial of ``n`` covers
+    positions 1..n, a hit of ``h`` positions 1..h (h <= n)."""
+
+    def __init__(self, positions: int) -> None:
+        self.trials = [0.0] * positions
+        self.hits = [0.0] * positions
+
+    def add(self, outcomes: Sequence[tuple[int, int]]) -> None:
+        """Adds (trial, hit) outcomes, each fading the earlier counts by ``ACCEPT_DECAY``
+        (one fade for the batch: per-outcome loops would cost every request of a step)."""
+        if not outcomes:
+            return
+        k = len(self.trials)
+        fade = ACCEPT_DECAY ** len(outcomes)
+        tried, hit = [0] * (k + 1), [0] * (k + 1)
+        for n, h in outcomes:
+            n = max(0, min(n, k))
+            tried[n] += 1
+            hit[max(0, min(h, n))] += 1
+        more_tried = more_hit = 0
+        for i in range(k - 1, -1, -1):  # outcomes reaching past position i
+            more_tried += tried[i + 1]
+            more_hit += hit[i + 1]
+            self.trials[i] = self.trials[i] * fade + more_tried
+            self.hits[i] = self.hits[i] * fade + more_hit
+
+
 @dataclass
 class _RowCost:
     seconds: float
@@ -84,11 +113,10 @@ class DraftPolicy:
     max_drafts: int
     last_depth: int = field(default=0, init=False)
     _costs: dict[tuple[bool, int], _RowCost] = field(default_factory=dict, init=False, repr=False)
-    _proposed: list[float] = field(default_factory=list, init=False, repr=False)
-    _accepted: list[float] = field(default_factory=list, init=False, repr=False)
-    # Per position i: requests allowed an i-th draft, and those whose drafter proposed one.
-    _allowed: list[float] = field(default_factory=list, init=False, repr=False)
-    _offered: list[float] = field(default_factory=list, init=False, repr=False)
+    # Per position: drafts proposed there and kept (with all before them); requests allowed
+    # a draft there and those whose drafter proposed one.
+    _kept: _PositionShares = field(init=False, repr=False)
+    _offered: _PositionShares = field(init=False, repr=False)
     # Decode steps seen, without drafts and with: a row count's age is counted in steps of
     # its own kind, so that a long stretch of plain steps does not age the drafted ones out.
     _steps: dict[bool, int] = field(
@@ -101,10 +129,8 @@ class DraftPolicy:
         if self.max_drafts < 1:
             raise ValueError(f"DraftPolicy.max_drafts must be >= 1, got {self.max_drafts}")
         self.last_depth = self.max_drafts
-        self._proposed = [0.0] * self.max_drafts
-        self._accepted = [0.0] * self.max_drafts
-        self._allowed = [0.0] * self.max_drafts
-        self._offered = [0.0] * self.max_drafts
+        self._kept = _PositionShares(self.max_drafts)
+        self._offered = _PositionShares(self.max_drafts)
 
     # ------------------------------------------------------------- observations
     def observe_step(self, rows: int, seconds: float, drafted: bool = False) -> None:
@@ -129,32 +155,16 @@ class DraftPolicy:
         cost.count += 1
         cost.last_seen = now
 
-    def observe_proposal(self, allowed: int, proposed: int) -> None:
-        """Records one request's drafting in a step: ``allowed`` drafts at most, ``proposed``
-        of them found (a drafter often has fewer: a forced text's few tokens, no n-gram
+    def observe_proposals(self, allowed: int, proposed: Sequence[int]) -> None:
+        """Records a step's drafting: each request was allowed ``allowed`` drafts at most and
+        its drafter found ``proposed[i]`` (often fewer: a forced text's few tokens, no n-gram
         match), so that a step's rows are priced by the drafts requests really add."""
-        allowed = min(allowed, self.max_drafts)
-        proposed = max(0, min(proposed, allowed))
-        for i in range(self.max_drafts):
-            self._allowed[i] *= ACCEPT_DECAY
-            self._offered[i] *= ACCEPT_DECAY
-        for i in range(allowed):
-            self._allowed[i] += 1.0
-            if i < proposed:
-                self._offered[i] += 1.0
+        self._offered.add([(allowed, n) for n in proposed])
 
     def observe_drafts(self, proposed: int, accepted: int) -> None:
         """Records one request's verification: ``proposed`` drafts, the first ``accepted``
         of them kept."""
-        proposed = min(proposed, self.max_drafts)
-        accepted = max(0, min(accepted, proposed))
-        for i in range(self.max_drafts):
-            self._proposed[i] *= ACCEPT_DECAY
-            self._accepted[i] *= ACCEPT_DECAY
-        for i in range(proposed):
-            self._proposed[i] += 1.0
-            if i < accepted:
-                self._accepted[i] += 1.0
+        self._kept.add([(proposed, accepted)])
 
     # ----------------------------------------------------------------- decision
     def depth(self, rows: int, drafting: int) -> int:
@@ -259,9 +269,10 @@ class DraftPolicy:
     def proposal_rates(self) -> list[float]:
         """Per draft position, the share of the requests allowed a draft there whose drafter
         proposed one; 1.0 at a position with fewer than ``MIN_PROPOSED`` allowed."""
+        shares = self._offered
         return [
             offered / allowed if allowed >= MIN_PROPOSED else 1.0
-            for allowed, offered in zip(self._allowed, self._offered, strict=True)
+            for allowed, offered in zip(shares.trials, shares.hits, strict=True)
         ]
 
     def acceptance(self) -> list[float] | None:
@@ -269,10 +280,11 @@ class DraftPolicy:
         proposals whose step kept it and every draft before it); None until position 1 has
         ``MIN_PROPOSED`` proposals. A position with too few proposals of its own takes the
         figure of the one before it."""
-        if self._proposed[0] < MIN_PROPOSED:
+        shares = self._kept
+        if shares.trials[0] < MIN_PROPOSED:
             return None
         out: list[float] = []
-        for proposed, accepted in zip(self._proposed, self._accepted, strict=True):
+        for proposed, accepted in zip(shares.trials, shares.hits, strict=True):
             if proposed >= MIN_PROPOSED or not out:
                 out.append(accepted / proposed)
             else:

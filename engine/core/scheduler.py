@@ -128,7 +128,8 @@ class Scheduler:
         preempted: list[Request] = []
         drafts: dict[str, tuple[int, ...]] = {}
 
-        drafter, depth = self.drafter, self._draft_depth()
+        drafter, policy, depth = self.drafter, self.draft_policy, self._draft_depth()
+        offered: list[int] = []  # drafts each drafting request proposed, for the policy
         allocate = self.kv.allocate_slots
         running = RequestStatus.RUNNING
         for req in list(self.running):
@@ -138,8 +139,8 @@ class Scheduler:
             if n <= 0:
                 continue
             proposed = self._propose_drafts(req, n, budget, depth) if depth else ()
-            if depth and self.draft_policy is not None and drafter.can_draft(req):
-                self.draft_policy.observe_proposal(depth, len(proposed))
+            if depth and policy is not None and drafter.can_draft(req):
+                offered.append(len(proposed))
             n += len(proposed)
             while (blocks := allocate(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self.running[-1]
@@ -154,6 +155,9 @@ class Scheduler:
             if proposed:
                 drafts[req.request_id] = proposed
             budget -= n
+
+        if offered and policy is not None:
+            policy.observe_proposals(depth, offered)
 
         skipped: list[Request] = []  # grammars still compiling: they keep their place
         while self.waiting and not preempted and budget > 0:

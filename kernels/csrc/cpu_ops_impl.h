@@ -230,8 +230,12 @@ bool isa_supported(int64_t isa) {
 }
 
 // q [*, H, D] float32/bfloat16 and caches [N, block_size, KVH, D] of its dtype, contiguous.
+// The checks paged_decode and paged_prefill share: the instruction set, q a contiguous
+// [rows, H, D] (``q_shape`` names it) of float32 or bfloat16, the caches, the head layout.
 void check_attention_inputs(const at::Tensor& q, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache) {
+                            const at::Tensor& value_cache, int64_t isa, const char* q_shape) {
+  TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous ", q_shape);
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "q must be float32 or bfloat16");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
@@ -239,6 +243,9 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& key_cache,
                   key_cache.scalar_type() == q.scalar_type() &&
                   value_cache.scalar_type() == q.scalar_type() && key_cache.size(3) == q.size(2),
               "caches must be contiguous [N, block_size, KVH, D] of q's dtype and head dim");
+  const int64_t kvh = key_cache.size(2);
+  TORCH_CHECK(kvh > 0 && q.size(1) % kvh == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) % 16 == 0, "the head dim must be a multiple of 16, got ", q.size(2));
 }
 
 // fn(q, key cache, value cache, out) with the typed data pointers of q's dtype.
@@ -258,12 +265,9 @@ void with_typed(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
                         const at::Tensor& value_cache, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, double scale, int64_t isa) {
-  TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, H, D]");
-  check_attention_inputs(q, key_cache, value_cache);
+  check_attention_inputs(q, key_cache, value_cache, isa, "[B, H, D]");
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), kvh = key_cache.size(2);
-  TORCH_CHECK(kvh > 0 && heads % kvh == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
                   block_tables.scalar_type() == at::kLong && seq_lens.dim() == 1 &&
                   seq_lens.size(0) == batch && seq_lens.scalar_type() == at::kLong,
@@ -279,7 +283,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int64_t group = heads / kvh;
-  TORCH_CHECK(d % 16 == 0, "the head dim must be a multiple of 16, got ", d);
   const float sc = static_cast<float>(scale);
   with_typed(q, key_cache, value_cache, out, [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
@@ -300,13 +303,9 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables,
                          const at::Tensor& token_seqs, const at::Tensor& token_lens,
                          double scale, int64_t isa) {
-  TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D]");
-  check_attention_inputs(q, key_cache, value_cache);
+  check_attention_inputs(q, key_cache, value_cache, isa, "[T, H, D]");
   const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), kvh = key_cache.size(2);
-  TORCH_CHECK(kvh > 0 && heads % kvh == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(d % 16 == 0, "the head dim must be a multiple of 16, got ", d);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
                   token_seqs.dim() == 1 && token_seqs.size(0) == tokens &&
                   token_seqs.scalar_type() == at::kLong && token_lens.dim() == 1 &&
