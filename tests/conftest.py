@@ -131,11 +131,24 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_tiny_model_dir(
-    directory: Path, tokenizer: Tokenizer, arch: str = "llama", seed: int = TINY_SEED
+    directory: Path,
+    tokenizer: Tokenizer,
+    arch: str = "llama",
+    seed: int = TINY_SEED,
+    rope_scaling: dict[str, Any] | None = None,
 ) -> Path:
     """Write a tiny random-weight ``arch`` model ("llama": tied, no bias; "qwen2": q/k/v bias,
-    untied lm_head) as a Hugging Face folder with ``tokenizer``'s files, and return the folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    untied lm_head; "qwen3": per-head q/k norms, tied) as a Hugging Face folder with
+    ``tokenizer``'s files, and return the folder. ``rope_scaling`` (llama, qwen3): an HF-style
+    RoPE scaling dict."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     special = {
         "bos_token_id": tokenizer.bos_token_id,
@@ -146,11 +159,22 @@ def build_tiny_model_dir(
         config = LlamaConfig(
             vocab_size=tokenizer.vocab_size,
             rope_theta=100000.0,
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
             tie_word_embeddings=True,
             **TINY_SHAPE,
             **special,
         )
         model = LlamaForCausalLM(config)
+    elif arch == "qwen3":
+        config = Qwen3Config(
+            vocab_size=tokenizer.vocab_size,
+            rope_theta=1000000.0,
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            tie_word_embeddings=True,
+            **TINY_SHAPE,
+            **special,
+        )
+        model = Qwen3ForCausalLM(config)
     elif arch == "qwen2":
         shape = {k: v for k, v in TINY_SHAPE.items() if k != "head_dim"}  # Qwen2 derives it
         config = Qwen2Config(
@@ -162,7 +186,9 @@ def build_tiny_model_dir(
         )
         model = Qwen2ForCausalLM(config)
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; expected 'llama' or 'qwen2'")
+        raise ValueError(
+            f"unknown tiny architecture {arch!r}; expected 'llama', 'qwen2' or 'qwen3'"
+        )
     _randomize(model, seed)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
@@ -193,6 +219,8 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -305,9 +333,9 @@ def gguf_from_hf_dir(
     base_metadata: Mapping[str, Any],
     tensor_type: Callable[[str], str] = lambda name: "F32",
 ) -> Path:
-    """Convert a tiny Hugging Face llama/qwen2 folder to GGUF the way llama.cpp does (names,
-    reversed dims, q/k permuted for llama), each tensor stored as ``tensor_type(gguf_name)``, with
-    the tokenizer metadata of ``base_metadata``."""
+    """Convert a tiny Hugging Face llama/qwen2/qwen3 folder to GGUF the way llama.cpp does
+    (names, reversed dims, q/k permuted for llama, YaRN as rope.scaling keys), each tensor stored
+    as ``tensor_type(gguf_name)``, with the tokenizer metadata of ``base_metadata``."""
     from safetensors.torch import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -326,9 +354,17 @@ def gguf_from_hf_dir(
         f"{arch}.vocab_size": config["vocab_size"],
         **tokenizer_metadata(base_metadata),
     }
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         metadata[f"{arch}.rope.dimension_count"] = head_dim
+        metadata[f"{arch}.attention.key_length"] = head_dim
+        metadata[f"{arch}.attention.value_length"] = head_dim
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes YaRN
+        metadata[f"{arch}.rope.scaling.type"] = "yarn"
+        metadata[f"{arch}.rope.scaling.factor"] = float(rope["factor"])
+        metadata[f"{arch}.rope.scaling.original_context_length"] = int(
+            rope["original_max_position_embeddings"]
+        )
     tensors = {}
     for hf_name, value in load_file(str(hf_dir / "model.safetensors")).items():
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):

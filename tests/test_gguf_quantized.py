@@ -17,7 +17,12 @@ from pathlib import Path
 import gguf.quants
 import pytest
 import torch
-from conftest import decode_after_prompts, gguf_from_hf_dir, mini_tokenizer_metadata
+from conftest import (
+    build_tiny_model_dir,
+    decode_after_prompts,
+    gguf_from_hf_dir,
+    mini_tokenizer_metadata,
+)
 
 from baton.engine import LLM, SamplingParams
 from baton.engine.config import EngineConfig
@@ -321,6 +326,22 @@ def test_qwen2_bias_and_untied_head_through_the_kernel(tiny_qwen_dir: Path, tmp_
     assert model.layers[0].qkv_proj.bias.abs().sum() > 0
     ref = _decode_logits(_model(path, torch.float32, keep=False), PROMPTS[2], 4)
     out = _decode_logits(model, PROMPTS[2], 4)
+    assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+def test_qwen3_qk_norms_through_the_kernel(tokenizer, tmp_path: Path) -> None:
+    """Qwen3: the per-head q/k norms applied between the kernel's q/k and RoPE, on the layers'
+    own forward (the fused C++ layer has no q/k norm, so the model never takes it)."""
+    folder = build_tiny_model_dir(tmp_path / "qwen3", tokenizer, "qwen3")
+    path = gguf_from_hf_dir(
+        folder, tmp_path / "qwen3.gguf", mini_tokenizer_metadata(), _linear_type("Q8_0")
+    )
+    model = _model(path, torch.float32, keep=True)
+    assert model.layers[0].quant is not None and model.layers[0].q_norm is not None
+    ref = _decode_logits(_model(path, torch.float32, keep=False), PROMPTS[2], 4)
+    out = _decode_logits(model, PROMPTS[2], 4)
+    assert model._fused is None and not model._fusable
     assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 

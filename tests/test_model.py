@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 from engine_testing import spy_int8_rows
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import Qwen2ForCausalLM as HFQwen2
+from transformers import Qwen3ForCausalLM as HFQwen3
 
 from baton.engine.models.attention import AttentionMetadata, paged_attention
 from baton.engine.models.config import ModelConfig
@@ -20,8 +21,15 @@ from baton.engine.models.quant import int8_linear, quantize_int8
 BLOCK = 4
 
 
+# YaRN stretching an original context of 64 positions to the tiny models' 256: with head_dim 16
+# the ramp falls inside the dimensions, so interpolated, extrapolated and blended frequencies all
+# take part.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
 def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool = False):
     torch.manual_seed(0)
+    rope_scaling = dict(rope_scaling) if rope_scaling else None  # transformers adds keys
     common = dict(
         vocab_size=512,
         hidden_size=64,
@@ -35,6 +43,13 @@ def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool
     )
     if arch == "qwen2":
         hf = HFQwen2(Qwen2Config(**common)).eval()
+    elif arch == "qwen3":
+        hf = HFQwen3(Qwen3Config(head_dim=16, rope_scaling=rope_scaling, **common)).eval()
+        # transformers initialises the per-head norms to ones: random ones test their use.
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     else:
         hf = HFLlama(LlamaConfig(head_dim=16, rope_scaling=rope_scaling, **common)).eval()
     cfg = ModelConfig(
@@ -83,6 +98,10 @@ def _prefill(model, ids: torch.Tensor, kv, blocks: list[int]) -> torch.Tensor:
             False,
         ),
         ("qwen2", None, False),
+        ("qwen3", None, True),
+        ("qwen3", None, False),
+        ("llama", YARN, False),
+        ("qwen3", YARN, True),
     ],
 )
 def test_tiny_logits_match_transformers(arch, scaling, tied):

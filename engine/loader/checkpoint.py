@@ -19,7 +19,8 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight a checkpoint for ``config`` must hold, by Hugging Face name, with its shape.
 
     Shapes follow ``torch.nn.Linear``: ``[out_features, in_features]``. ``lm_head.weight`` is
-    listed only for an untied model and the q/k/v biases only when ``config.attention_bias``.
+    listed only for an untied model, the q/k/v biases only when ``config.attention_bias`` and
+    the per-head q/k norms only when ``config.qk_norm``.
     Pure function, no side effects.
     """
     hidden = config.hidden_size
@@ -33,6 +34,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{prefix}.self_attn.k_proj.weight"] = (kv_rows, hidden)
         shapes[f"{prefix}.self_attn.v_proj.weight"] = (kv_rows, hidden)
         shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, q_rows)
+        if config.qk_norm:
+            shapes[f"{prefix}.self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[f"{prefix}.self_attn.k_norm.weight"] = (config.head_dim,)
         if config.attention_bias:
             shapes[f"{prefix}.self_attn.q_proj.bias"] = (q_rows,)
             shapes[f"{prefix}.self_attn.k_proj.bias"] = (kv_rows,)

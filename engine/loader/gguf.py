@@ -15,7 +15,8 @@ from baton.engine.loader.checkpoint import Checkpoint, check_shard_fits
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import gguf_sampling_defaults
 from baton.engine.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor, read_gguf_file
-from baton.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from baton.engine.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from baton.engine.models.config import ModelConfig
 from baton.engine.models.sharding import ShardSpec, WeightSlice, weight_slice
 from baton.engine.tokenizer import Tokenizer
 from baton.kernels.quant_formats import FORMATS, QuantWeight
@@ -39,10 +40,6 @@ SUPPORTED_TENSOR_TYPES = (
     "Q6_K",
 )
 
-# llama.cpp's converter stores q/k of these architectures permuted for its interleaved RoPE;
-# qwen2 keeps the Hugging Face (half-split) order.
-_PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral"})
-
 # GGUF leaf name -> Hugging Face name inside model.layers.{i}.
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -53,6 +50,8 @@ _LAYER_TENSORS = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -192,6 +191,9 @@ def config_from_gguf(
             "factor": get("rope.scaling.factor", float),
             "original_max_position_embeddings": get("rope.scaling.original_context_length", int),
         }
+        for beta in ("beta_fast", "beta_slow"):  # llama.cpp's defaults are YaRN's: 32 and 1
+            if f"{arch}.rope.scaling.yarn_{beta}" in metadata:
+                rope_scaling[beta] = get(f"rope.scaling.yarn_{beta}", float)
     elif scaling_type != "none":
         raise ModelLoadError(
             f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported; "
@@ -380,7 +382,9 @@ def qk_heads(path: Path, config: ModelConfig, name: str, rows: int) -> int | Non
     Raises:
         ModelLoadError: its ``rows`` are not whole pairs of rows per head.
     """
-    if config.architecture not in _PERMUTED_QK_ARCHITECTURES:
+    # llama.cpp's converter permutes q/k for its interleaved RoPE where the registry says so;
+    # the others keep the Hugging Face (half-split) order.
+    if not ARCHITECTURES[config.architecture].gguf_permuted_qk:
         return None
     if ".attn_q." not in name and ".attn_k." not in name:
         return None
@@ -398,7 +402,7 @@ def load_gguf(
     shard: ShardSpec | None = None,
     keep_quantized: bool = False,
 ) -> Checkpoint:
-    """Load a llama/mistral/qwen2 GGUF file as a ``Checkpoint`` with weights in ``dtype``.
+    """Load a llama/mistral/qwen2/qwen3 GGUF file as a ``Checkpoint`` with weights in ``dtype``.
 
     Maps the file and dequantises every weight; with ``shard``, only rank ``shard.rank``'s part
     of each (``sharding.weight_slice``), read and dequantised from those bytes of the map alone,

@@ -11,16 +11,13 @@ import torch
 from baton.engine.loader.checkpoint import Checkpoint, check_shard_fits, expected_weight_shapes
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import hf_sampling_defaults
+from baton.engine.models.architectures import ARCHITECTURES, HF_CLASSES
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.sharding import ShardSpec, weight_slice
 from baton.engine.tokenizer import Tokenizer
 
 # config.json "architectures" entry -> ModelConfig.architecture.
-SUPPORTED_HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+SUPPORTED_HF_ARCHITECTURES = HF_CLASSES
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -90,8 +87,8 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
         if scaling["rope_type"] == "default":
             scaling = None
 
-    # Qwen2's q/k/v always carry a bias; Llama/Mistral only when the config says so.
-    attention_bias = arch == "qwen2" or bool(data.get("attention_bias", False))
+    # Qwen2's q/k/v always carry a bias; the others only when the config says so.
+    attention_bias = ARCHITECTURES[arch].qkv_bias or bool(data.get("attention_bias", False))
     bos = data.get("bos_token_id")
     eos = data.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
@@ -181,7 +178,8 @@ def _read_weight(
 def load_hf(
     path: Path, dtype: torch.dtype = torch.float32, shard: ShardSpec | None = None
 ) -> Checkpoint:
-    """Load a Hugging Face Llama/Mistral/Qwen2 folder as a ``Checkpoint`` with weights in ``dtype``.
+    """Load a Hugging Face folder of an architecture in ``models/architectures.py`` as a
+    ``Checkpoint`` with weights in ``dtype``.
 
     Reads config.json, every ``*.safetensors`` file and the tokenizer files; with ``shard``,
     only rank ``shard.rank``'s part of each weight (``sharding.weight_slice``), equal to

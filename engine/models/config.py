@@ -5,15 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from baton.engine.models.architectures import SUPPORTED_ARCHITECTURES, Architecture, architecture
+from baton.engine.models.rope_scaling import check_rope_scaling
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2).
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3;
+    ``models/architectures.py`` says how each departs from Llama).
 
-    Raises ``ValueError`` at construction when a field is out of range or the
-    head layout is inconsistent.
+    Raises ``ValueError`` at construction when the architecture or RoPE scaling is one baton
+    does not run (``rope_scaling.check_rope_scaling``), a field is out of range or the head
+    layout is inconsistent.
     """
 
     architecture: str
@@ -28,7 +33,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # HF-style rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0,
     # "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    # "original_max_position_embeddings": 8192}; None means plain RoPE.
+    # "original_max_position_embeddings": 8192}; None means plain RoPE. Types: linear,
+    # llama3, yarn (``models/rope_scaling.py``).
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -37,11 +43,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        architecture(self.architecture)  # raises, naming the supported ones
+        check_rope_scaling(self.rope_scaling)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -64,3 +67,13 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+
+    @property
+    def arch(self) -> Architecture:
+        """How this architecture departs from Llama (``models/architectures.py``)."""
+        return architecture(self.architecture)
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether q and k pass through a per-head RMSNorm before RoPE (Qwen3)."""
+        return self.arch.qk_norm

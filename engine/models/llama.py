@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache."""
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) over a paged KV cache."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block: attention with fused QKV, then a SwiGLU MLP with fused gate/up.
+    """One pre-norm block: attention with fused QKV (q and k normed per head where the
+    architecture says so, Qwen3), then a SwiGLU MLP with fused gate/up.
 
     Under tensor parallelism ``config`` is the rank's shard shape and ``reduce`` sums the
     row-parallel projections' partial outputs over the ranks. ``quant``: per projection (qkv,
@@ -70,6 +71,9 @@ class DecoderLayer(nn.Module):
         self.scale = c.head_dim**-0.5
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # Qwen3: q and k normed per head (one head_dim weight each, shared by the heads).
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         q = quant or (None,) * len(PROJECTIONS)
         qkv = self.q_size + 2 * self.kv_size
         self.qkv_proj = _linear(c.hidden_size, qkv, c.attention_bias, q[0] is not None)
@@ -155,6 +159,9 @@ class DecoderLayer(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(k.shape)
         q, k = apply_rope(q, k, *rope)
         # A layer on GGUF kernels is batch-invariant but for the padded prefill attention:
         # token order makes it so (models/attention.py).
@@ -505,6 +512,10 @@ class LlamaForCausalLM(nn.Module):
                     if q is None:
                         dense = [take(p + part) for part in parts]
                         put(linear.weight, torch.cat(dense), p + fused)
+                if layer.q_norm is not None and layer.k_norm is not None:
+                    for norm, n in ((layer.q_norm, "q"), (layer.k_norm, "k")):
+                        name = f"{p}self_attn.{n}_norm.weight"
+                        put(norm.weight, take(name), name)
                 if layer.qkv_proj.bias is not None:
                     bias = [take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
                     put(layer.qkv_proj.bias, torch.cat(bias), p + "self_attn.qkv bias")

@@ -1,0 +1,160 @@
+"""Each architecture end to end against transformers: a tiny random-weight model saved as a
+Hugging Face folder and converted to GGUF, served by the engine in float32, its greedy tokens
+checked against transformers' argmax; and a JSON-schema request on it validated."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from conftest import build_tiny_model_dir, gguf_from_hf_dir, mini_tokenizer_metadata
+
+from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.engine.loader import ModelLoadError, load_checkpoint
+from baton.engine.tokenizer import Tokenizer
+
+# YaRN stretching 512 original positions to the tiny models' 2048 (factor 4): with head_dim 16
+# the ramp falls inside the dimensions, so interpolated, extrapolated and blended frequencies
+# all take part.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "llama": {"arch": "llama"},
+    "qwen3": {"arch": "qwen3"},
+    "llama-yarn": {"arch": "llama", "rope_scaling": YARN},
+    "qwen3-yarn": {"arch": "qwen3", "rope_scaling": YARN},
+}
+PROMPTS = [
+    "The three primary colours are",
+    "def fibonacci(n):\n    # return the n-th Fibonacci number, iteratively, starting from",
+]
+GREEDY = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request: pytest.FixtureRequest, tmp_path_factory, tokenizer: Tokenizer):
+    """(name, HF folder) of one variant, built once for this module."""
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, build_tiny_model_dir(folder, tokenizer, **VARIANTS[request.param])
+
+
+def _hf_model(folder: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _engine_tokens(model: str, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(model, dtype="float32", max_model_len=256, max_num_seqs=4)
+    try:
+        requests = [{"prompt_token_ids": ids} for ids in prompts]
+        outs = llm.generate(requests, GREEDY, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def test_greedy_tokens_equal_transformers_from_folder_and_gguf(
+    variant, tmp_path, tokenizer, default_gguf_metadata
+):
+    name, folder = variant
+    hf = _hf_model(folder)
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    tokens = _engine_tokens(str(folder), prompts)
+    for prompt, out in zip(prompts, tokens, strict=True):
+        assert len(out) == GREEDY.max_tokens
+        # Teacher-forced: transformers' argmax after every prefix is the next engine token.
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0]
+        assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == out, (name, prompt)
+    # The same model through llama.cpp's layout (float32 tensors): the same tokens.
+    gguf = gguf_from_hf_dir(folder, tmp_path / f"{name}.gguf", default_gguf_metadata)
+    assert _engine_tokens(str(gguf), prompts) == tokens
+
+
+def test_gguf_config_equals_folder_config(variant, tmp_path):
+    name, folder = variant
+    gguf = gguf_from_hf_dir(folder, tmp_path / f"{name}.gguf", mini_tokenizer_metadata())
+    a, b = load_checkpoint(folder), load_checkpoint(gguf)
+    for field in ("architecture", "head_dim", "rope_theta", "tie_word_embeddings"):
+        assert getattr(a.config, field) == getattr(b.config, field), field
+    kind = lambda c: (c.rope_scaling or {}).get("rope_type")  # noqa: E731
+    assert (
+        kind(a.config) == kind(b.config) == VARIANTS[name].get("rope_scaling", {}).get("rope_type")
+    )
+    assert set(a.weights) == set(b.weights)
+    for key, value in a.weights.items():
+        assert torch.equal(value, b.weights[key]), key
+
+
+def test_json_schema_request_gives_a_valid_object_on_qwen3(tokenizer, tmp_path):
+    folder = build_tiny_model_dir(tmp_path / "qwen3", tokenizer, "qwen3")
+    schema = {
+        "type": "object",
+        # Bounded, so that a random-weight model's object ends within max_tokens.
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "colour": {"enum": ["red", "green", "blue"]},
+        },
+        "required": ["name", "age", "colour"],
+        "additionalProperties": False,
+    }
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_seqs=4)
+    try:
+        params = SamplingParams(
+            max_tokens=64, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)
+        )
+        (out,) = llm.generate(["A person as JSON:"], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop", completion
+    jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.parametrize(
+    "scaling,message",
+    [
+        ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}, "longrope"),
+        ({"rope_type": "yarn", "factor": 4.0}, "original_max_position_embeddings"),
+        ({"rope_type": "dynamic", "factor": 2.0}, "dynamic"),
+        ({**YARN, "unknown_knob": 1.0}, "unknown_knob"),
+    ],
+)
+def test_unsupported_rope_scaling_refused_before_weights_are_read(
+    tokenizer, tmp_path, scaling, message, monkeypatch
+):
+    folder = build_tiny_model_dir(tmp_path / "m", tokenizer, "llama")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = scaling
+    (folder / "config.json").write_text(json.dumps(config))
+    import baton.engine.loader.hf as hf_loader
+
+    def no_weights(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("weights were read before the config was checked")
+
+    monkeypatch.setattr(hf_loader, "_read_safetensors", no_weights)
+    with pytest.raises(ModelLoadError, match=message) as info:
+        load_checkpoint(folder)
+    assert str(folder) in str(info.value)
+
+
+def test_unsupported_gguf_rope_scaling_refused(tokenizer, tmp_path):
+    folder = build_tiny_model_dir(tmp_path / "m", tokenizer, "qwen3", rope_scaling=YARN)
+    path = gguf_from_hf_dir(folder, tmp_path / "m.gguf", mini_tokenizer_metadata())
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path, "r+")
+    field = reader.fields["qwen3.rope.scaling.type"]
+    # Same length as "yarn", so the file stays well formed: an unknown scheme.
+    field.parts[field.data[0]][:] = memoryview(b"ntkx").cast("B")
+    del reader
+    with pytest.raises(ModelLoadError, match="ntkx") as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value)
