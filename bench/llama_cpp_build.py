@@ -1,6 +1,7 @@
 """llama.cpp's ``llama-server`` and ``llama-quantize``, built from the llama.cpp vendored in the
-llama-cpp-python sdist, for the benchmarks that compare baton with it (nothing in the engine or
-the tests needs them).
+llama-cpp-python sdist, for the benchmarks that compare baton with it (nothing in the engine
+needs them); and its ``convert_hf_to_gguf.py``, which the architecture tests run on tiny
+Hugging Face folders (``convert_hf``: only the converter's files are unpacked, nothing built).
 
 The recipe, which this module runs (``python -m baton.bench.llama_cpp_build [--dest DIR]``):
 
@@ -24,11 +25,13 @@ Which variant a server loaded is in its log (``load_backend: loaded CPU backend 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,13 +129,7 @@ def build(dest: Path = DEFAULT_DEST, jobs: int = 2) -> LlamaCppBuild:
     if result.complete():
         return result
     if not source.is_dir():
-        sdist = dest / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
-        if not sdist.is_file():
-            _run(
-                [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
-                + [f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(dest)]
-            )
-        with tarfile.open(sdist) as tar:
+        with tarfile.open(_sdist(dest)) as tar:
             tar.extractall(dest, filter="data")
     lists = source / "ggml" / "src" / "CMakeLists.txt"
     lists.write_text(keep_variants(lists.read_text()))
@@ -142,6 +139,74 @@ def build(dest: Path = DEFAULT_DEST, jobs: int = 2) -> LlamaCppBuild:
     if not result.complete():
         raise RuntimeError(f"the build finished but {result.bin_dir} lacks its programs")
     return result
+
+
+# What convert_hf_to_gguf.py needs of the vendored tree (it imports conversion/ and gguf-py/).
+_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def _sdist(dest: Path) -> Path:
+    """The llama-cpp-python sdist under ``dest``, downloaded when missing."""
+    sdist = dest / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        _run(
+            [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
+            + [f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(dest)]
+        )
+    return sdist
+
+
+def converter(dest: Path = DEFAULT_DEST) -> Path:
+    """The vendored ``convert_hf_to_gguf.py``: from a full unpacked source when one is there,
+    else from the sdist (downloaded when missing), of which only the converter's files are
+    unpacked, into a folder of their own (renamed into place whole, so that concurrent callers
+    never see half of it).
+
+    Raises:
+        subprocess.CalledProcessError: pip could not download the sdist.
+    """
+    full = dest / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if (full / "convert_hf_to_gguf.py").is_file() and (full / "gguf-py").is_dir():
+        return full / "convert_hf_to_gguf.py"
+    target = dest / f"converter-{LLAMA_CPP_PYTHON}"
+    if (target / "convert_hf_to_gguf.py").is_file():
+        return target / "convert_hf_to_gguf.py"
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+    staging = Path(tempfile.mkdtemp(prefix="converter-", dir=dest if dest.is_dir() else None))
+    with tarfile.open(_sdist(dest)) as tar:
+        members = []
+        for member in tar.getmembers():
+            rest = member.name[len(prefix) :] if member.name.startswith(prefix) else ""
+            if any(rest == p or (p.endswith("/") and rest.startswith(p)) for p in _CONVERTER_PARTS):
+                member.name = rest
+                members.append(member)
+        tar.extractall(staging, members=members, filter="data")
+    try:
+        staging.rename(target)
+    except OSError:  # another caller put it there first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target / "convert_hf_to_gguf.py"
+
+
+def convert_hf(folder: Path, out: Path, outtype: str = "f32", dest: Path = DEFAULT_DEST) -> Path:
+    """``folder`` (a Hugging Face model folder) written to ``out`` as GGUF by llama.cpp's
+    converter, tensors as ``outtype`` (f32, f16, bf16, q8_0); returns ``out``. Runs the
+    converter in a subprocess with its own ``gguf-py`` first on the path (it needs torch,
+    numpy, transformers and sentencepiece).
+
+    Raises:
+        subprocess.CalledProcessError: the download or the converter failed; the converter's
+            output is in the error's ``stderr``.
+    """
+    script = converter(dest)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(script.parent / "gguf-py"), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    cmd = [sys.executable, str(script), str(folder), "--outfile", str(out), "--outtype", outtype]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    return out
 
 
 def loaded_variant(server_log: str) -> str | None:

@@ -4,7 +4,9 @@ checked against transformers' argmax; and a JSON-schema request on it validated.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 from conftest import build_tiny_model_dir, gguf_from_hf_dir, mini_tokenizer_metadata
 
+from baton.bench.llama_cpp_build import convert_hf, converter
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.loader import ModelLoadError, load_checkpoint
 from baton.engine.tokenizer import Tokenizer
@@ -89,6 +92,37 @@ def test_gguf_config_equals_folder_config(variant, tmp_path):
     assert set(a.weights) == set(b.weights)
     for key, value in a.weights.items():
         assert torch.equal(value, b.weights[key]), key
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_converter() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py from the llama-cpp-python sdist (downloaded once into
+    ~/.cache/baton, only the converter's files unpacked)."""
+    try:
+        return converter()
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"the llama-cpp-python sdist could not be downloaded: {exc}")
+
+
+@pytest.mark.timeout(600)  # a first run downloads the sdist (76 MB)
+def test_llama_cpp_converter_output_loads_as_its_folder(variant, tmp_path, llama_cpp_converter):
+    """The GGUF llama.cpp's own converter writes (names, q/k layout, rope keys, tokenizer)
+    loads to the folder's config, weights and tokens exactly."""
+    name, folder = variant
+    try:
+        gguf = convert_hf(folder, tmp_path / f"{name}.gguf", "f32")
+    except subprocess.CalledProcessError as exc:
+        raise AssertionError(f"convert_hf_to_gguf.py failed:\n{exc.stderr[-3000:]}") from exc
+    a, b = load_checkpoint(folder), load_checkpoint(gguf)
+    ours, theirs = dataclasses.asdict(a.config), dataclasses.asdict(b.config)
+    # GGUF keeps the norm epsilon as a float32.
+    assert theirs.pop("rms_norm_eps") == pytest.approx(ours.pop("rms_norm_eps"), rel=1e-6)
+    assert ours == theirs
+    assert set(a.weights) == set(b.weights)
+    for key, value in a.weights.items():
+        assert torch.equal(value, b.weights[key]), key
+    for text in PROMPTS:
+        assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
 
 
 def test_json_schema_request_gives_a_valid_object_on_qwen3(tokenizer, tmp_path):
