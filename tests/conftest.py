@@ -12,6 +12,7 @@ import fcntl
 import functools
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -138,16 +139,21 @@ def build_tiny_model_dir(
     rope_scaling: dict[str, Any] | None = None,
 ) -> Path:
     """Write a tiny random-weight ``arch`` model ("llama": tied, no bias; "qwen2": q/k/v bias,
-    untied lm_head; "qwen3": per-head q/k norms, tied) as a Hugging Face folder with
+    untied lm_head; "qwen3": per-head q/k norms, tied; "mixtral", "qwen3_moe": experts) as a
+    Hugging Face folder with
     ``tokenizer``'s files, and return the folder. ``rope_scaling`` (llama, qwen3): an HF-style
     RoPE scaling dict."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     special = {
@@ -175,6 +181,30 @@ def build_tiny_model_dir(
             **special,
         )
         model = Qwen3ForCausalLM(config)
+    elif arch == "mixtral":  # 4 experts, top 2
+        config = MixtralConfig(
+            vocab_size=tokenizer.vocab_size,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            **TINY_SHAPE,
+            **special,
+        )
+        model = MixtralForCausalLM(config)
+    elif arch == "qwen3_moe":  # 8 experts of width 32, top 3 renormalised
+        config = Qwen3MoeConfig(
+            vocab_size=tokenizer.vocab_size,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            **TINY_SHAPE,
+            **special,
+        )
+        model = Qwen3MoeForCausalLM(config)
     elif arch == "qwen2":
         shape = {k: v for k, v in TINY_SHAPE.items() if k != "head_dim"}  # Qwen2 derives it
         config = Qwen2Config(
@@ -187,7 +217,8 @@ def build_tiny_model_dir(
         model = Qwen2ForCausalLM(config)
     else:
         raise ValueError(
-            f"unknown tiny architecture {arch!r}; expected 'llama', 'qwen2' or 'qwen3'"
+            f"unknown tiny architecture {arch!r}; "
+            "expected llama, qwen2, qwen3, mixtral or qwen3_moe"
         )
     _randomize(model, seed)
     directory.mkdir(parents=True, exist_ok=True)
@@ -222,6 +253,8 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -333,13 +366,16 @@ def gguf_from_hf_dir(
     base_metadata: Mapping[str, Any],
     tensor_type: Callable[[str], str] = lambda name: "F32",
 ) -> Path:
-    """Convert a tiny Hugging Face llama/qwen2/qwen3 folder to GGUF the way llama.cpp does
-    (names, reversed dims, q/k permuted for llama, YaRN as rope.scaling keys), each tensor stored
-    as ``tensor_type(gguf_name)``, with the tokenizer metadata of ``base_metadata``."""
+    """Convert a tiny Hugging Face llama/qwen2/qwen3/mixtral/qwen3_moe folder to GGUF the way
+    llama.cpp does (names, reversed dims, q/k permuted for llama and mixtral, YaRN as
+    rope.scaling keys, Mixtral as "llama" with an expert count, each projection's experts
+    stacked in one tensor), each tensor stored as ``tensor_type(gguf_name)``, with the
+    tokenizer metadata of ``base_metadata``."""
     from safetensors.torch import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = config["model_type"]
+    model_type = config["model_type"]
+    arch = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(model_type, model_type)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     rope = config.get("rope_parameters") or {}
     metadata: dict[str, Any] = {
@@ -354,7 +390,12 @@ def gguf_from_hf_dir(
         f"{arch}.vocab_size": config["vocab_size"],
         **tokenizer_metadata(base_metadata),
     }
-    if arch in ("llama", "qwen3"):
+    if model_type in ("mixtral", "qwen3_moe"):
+        metadata[f"{arch}.expert_count"] = config.get("num_experts") or config["num_local_experts"]
+        metadata[f"{arch}.expert_used_count"] = config["num_experts_per_tok"]
+        if model_type == "qwen3_moe":
+            metadata[f"{arch}.expert_feed_forward_length"] = config["moe_intermediate_size"]
+    if arch in ("llama", "qwen3", "qwen3moe"):
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         metadata[f"{arch}.rope.dimension_count"] = head_dim
         metadata[f"{arch}.attention.key_length"] = head_dim
@@ -366,15 +407,32 @@ def gguf_from_hf_dir(
             rope["original_max_position_embeddings"]
         )
     tensors = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
     for hf_name, value in load_file(str(hf_dir / "model.safetensors")).items():
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
-        name = gguf_name(hf_name)
         array = value.float().numpy()
+        match = _EXPERT_NAME.match(hf_name)
+        if match:  # stacked below, one tensor per layer and projection
+            layer, expert, proj = match.groups()
+            proj = {"w1": "gate", "w3": "up", "w2": "down"}.get(proj, proj.removesuffix("_proj"))
+            experts.setdefault(f"blk.{layer}.ffn_{proj}_exps.weight", {})[int(expert)] = array
+            continue
+        name = gguf_name(hf_name)
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             array = llama_cpp_permute(array, heads if ".attn_q." in name else kv_heads)
         tensors[name] = encode_tensor(array, tensor_type(name))
+    for name, by_expert in experts.items():
+        stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
+        tensors[name] = encode_tensor(stacked, tensor_type(name))
     return write_gguf(path, arch, metadata, tensors)
+
+
+# An expert's weight in a Mixtral or Qwen3-MoE checkpoint: layer, expert and projection.
+_EXPERT_NAME = re.compile(
+    r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight"
+)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Each architecture end to end against transformers: a tiny random-weight model saved as a
-Hugging Face folder and converted to GGUF, served by the engine in float32, its greedy tokens
-checked against transformers' argmax; and a JSON-schema request on it validated."""
+Hugging Face folder and converted to GGUF (by the tests' writer and by llama.cpp's own
+converter), served by the engine in float32, its greedy tokens checked against transformers'
+argmax; and a JSON-schema request validated on a dense and on a mixture-of-experts model."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "qwen3": {"arch": "qwen3"},
     "llama-yarn": {"arch": "llama", "rope_scaling": YARN},
     "qwen3-yarn": {"arch": "qwen3", "rope_scaling": YARN},
+    "mixtral": {"arch": "mixtral"},
+    "qwen3_moe": {"arch": "qwen3_moe"},
 }
 PROMPTS = [
     "The three primary colours are",
@@ -125,8 +128,9 @@ def test_llama_cpp_converter_output_loads_as_its_folder(variant, tmp_path, llama
         assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
 
 
-def test_json_schema_request_gives_a_valid_object_on_qwen3(tokenizer, tmp_path):
-    folder = build_tiny_model_dir(tmp_path / "qwen3", tokenizer, "qwen3")
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_json_schema_request_gives_a_valid_object(tokenizer, tmp_path, arch):
+    folder = build_tiny_model_dir(tmp_path / arch, tokenizer, arch)
     schema = {
         "type": "object",
         # Bounded, so that a random-weight model's object ends within max_tokens.
@@ -192,3 +196,21 @@ def test_unsupported_gguf_rope_scaling_refused(tokenizer, tmp_path):
     with pytest.raises(ModelLoadError, match="ntkx") as info:
         load_checkpoint(path)
     assert str(path) in str(info.value)
+
+
+def test_moe_runs_on_the_default_bfloat16_kernels_and_refuses_int8(tokenizer, tmp_path):
+    folder = build_tiny_model_dir(tmp_path / "moe", tokenizer, "qwen3_moe")
+    llm = LLM(str(folder), dtype="bfloat16", max_model_len=256, max_num_seqs=4)
+    try:
+        (out,) = llm.generate(["The three primary colours are"], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+    with pytest.raises(ValueError, match="does not cover a mixture-of-experts model's experts"):
+        LLM(str(folder), quantization="int8", max_model_len=256)
+
+
+def test_moe_cannot_be_cut_for_tensor_parallelism(tokenizer, tmp_path):
+    folder = build_tiny_model_dir(tmp_path / "moe", tokenizer, "mixtral")
+    with pytest.raises(ValueError, match="mixture-of-experts model .4 experts. cannot be cut"):
+        LLM(str(folder), tensor_parallel_size=2, max_model_len=256)

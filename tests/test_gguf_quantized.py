@@ -346,6 +346,33 @@ def test_qwen3_qk_norms_through_the_kernel(tokenizer, tmp_path: Path) -> None:
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_attention_through_the_kernel_experts_dequantised(
+    tokenizer, tmp_path: Path, arch: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An MoE model's q/k/v/o stay in their Q8_0 blocks; its experts (Q8_0 too) have no
+    kernel yet and are dequantised, with a warning that says so and what they take."""
+    folder = build_tiny_model_dir(tmp_path / arch, tokenizer, arch)
+    path = gguf_from_hf_dir(folder, tmp_path / "m.gguf", mini_tokenizer_metadata(), _moe_type)
+    with caplog.at_level(logging.WARNING, logger="baton.engine.loader.gguf_quant"):
+        kept = load_checkpoint(path, torch.float32, keep_quantized=True)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in kept.quantized
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in kept.weights
+    assert (
+        "mixture-of-experts weights" in caplog.text and "expert tensors dequantised" in caplog.text
+    )
+    model = _model(path, torch.float32, keep=True)
+    ref = _decode_logits(_model(path, torch.float32, keep=False), PROMPTS[2], 4)
+    out = _decode_logits(model, PROMPTS[2], 4)
+    assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+def _moe_type(name: str) -> str:
+    """Q8_0 for every 2-D and 3-D weight but the router (F32, as llama.cpp keeps it)."""
+    return "F32" if name.endswith("norm.weight") or "ffn_gate_inp" in name else "Q8_0"
+
+
 def test_a_decode_step_reads_every_weight_and_the_embedding_only_when_tied(
     tiny_model_dir: Path, tiny_qwen_dir: Path, tmp_path: Path
 ) -> None:

@@ -8,10 +8,12 @@ import dataclasses
 import pytest
 import torch
 from engine_testing import spy_int8_rows
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 from transformers import LlamaForCausalLM as HFLlama
+from transformers import MixtralForCausalLM as HFMixtral
 from transformers import Qwen2ForCausalLM as HFQwen2
 from transformers import Qwen3ForCausalLM as HFQwen3
+from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
 
 from baton.engine.models.attention import AttentionMetadata, paged_attention
 from baton.engine.models.config import ModelConfig
@@ -50,8 +52,31 @@ def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool
             for layer in hf.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif arch == "mixtral":
+        hf = HFMixtral(
+            MixtralConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, **common)
+        )
+    elif arch == "qwen3_moe":
+        # Layer 1 dense (mlp_only_layers), layer 0 of 8 experts of width 32, top 3 renormalised.
+        moe = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32)
+        hf = HFQwen3Moe(
+            Qwen3MoeConfig(head_dim=16, norm_topk_prob=True, mlp_only_layers=[1], **moe, **common)
+        )
     else:
         hf = HFLlama(LlamaConfig(head_dim=16, rope_scaling=rope_scaling, **common)).eval()
+    hf.eval()
+    if arch in ("mixtral", "qwen3_moe"):  # transformers' init leaves the router near uniform
+        with torch.no_grad():
+            for name, param in hf.named_parameters():
+                if ".mlp." in name:
+                    param.normal_(0.0, 0.3)
+    experts = {}
+    if arch == "mixtral":
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+    elif arch == "qwen3_moe":
+        experts = dict(
+            num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, dense_layers=(1,)
+        )
     cfg = ModelConfig(
         architecture=arch,
         vocab_size=512,
@@ -67,10 +92,32 @@ def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool
         max_position_embeddings=256,
         tie_word_embeddings=tied,
         attention_bias=arch == "qwen2",
+        **experts,
     )
+    state = dict(hf.state_dict())
     model = LlamaForCausalLM(cfg)
-    model.load_weights(dict(hf.state_dict()))
+    model.load_weights(_unfused_experts(state))
     return hf, model
+
+
+def _unfused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5 holds experts stacked (``mlp.experts.gate_up_proj`` [E, 2ff, H],
+    ``down_proj`` [E, H, ff]); checkpoints, and baton's loader, name them one by one."""
+    out = {}
+    for name, value in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e, rows in enumerate(value):
+                gate, up = rows.chunk(2)
+                out[f"{prefix}{e}.gate_proj.weight"] = gate
+                out[f"{prefix}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e, rows in enumerate(value):
+                out[f"{prefix}{e}.down_proj.weight"] = rows
+        else:
+            out[name] = value
+    return out
 
 
 def _prefill(model, ids: torch.Tensor, kv, blocks: list[int]) -> torch.Tensor:
@@ -102,6 +149,8 @@ def _prefill(model, ids: torch.Tensor, kv, blocks: list[int]) -> torch.Tensor:
         ("qwen3", None, False),
         ("llama", YARN, False),
         ("qwen3", YARN, True),
+        ("mixtral", None, False),
+        ("qwen3_moe", None, True),
     ],
 )
 def test_tiny_logits_match_transformers(arch, scaling, tied):

@@ -20,7 +20,8 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
     Shapes follow ``torch.nn.Linear``: ``[out_features, in_features]``. ``lm_head.weight`` is
     listed only for an untied model, the q/k/v biases only when ``config.attention_bias`` and
-    the per-head q/k norms only when ``config.qk_norm``.
+    the per-head q/k norms only when ``config.qk_norm``; a mixture-of-experts layer lists its
+    router (``mlp.gate``) and each expert's gate/up/down (``mlp.experts.{e}.*_proj``).
     Pure function, no side effects.
     """
     hidden = config.hidden_size
@@ -42,6 +43,14 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{prefix}.self_attn.k_proj.bias"] = (kv_rows,)
             shapes[f"{prefix}.self_attn.v_proj.bias"] = (kv_rows,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+        if config.moe_layer(i):
+            ff = config.moe_intermediate_size
+            shapes[f"{prefix}.mlp.gate.weight"] = (config.num_experts, hidden)
+            for e in range(config.num_experts):
+                shapes[f"{prefix}.mlp.experts.{e}.gate_proj.weight"] = (ff, hidden)
+                shapes[f"{prefix}.mlp.experts.{e}.up_proj.weight"] = (ff, hidden)
+                shapes[f"{prefix}.mlp.experts.{e}.down_proj.weight"] = (hidden, ff)
+            continue
         shapes[f"{prefix}.mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
         shapes[f"{prefix}.mlp.up_proj.weight"] = (config.intermediate_size, hidden)
         shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, config.intermediate_size)

@@ -15,7 +15,7 @@ from baton.engine.loader.checkpoint import Checkpoint, check_shard_fits
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import gguf_sampling_defaults
 from baton.engine.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor, read_gguf_file
-from baton.engine.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from baton.engine.models.architectures import ARCHITECTURES, Architecture, gguf_architecture
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.sharding import ShardSpec, WeightSlice, weight_slice
 from baton.engine.tokenizer import Tokenizer
@@ -52,10 +52,19 @@ _LAYER_TENSORS = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # an MoE layer's router
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# An MoE layer's experts, stacked in one tensor [experts, rows, columns] per projection: loaded
+# as the Hugging Face names of each expert (EXPERTS_MARK stands for its index).
+EXPERTS_MARK = "{expert}"
+_EXPERT_TENSORS = {
+    "ffn_gate_exps.weight": f"mlp.experts.{EXPERTS_MARK}.gate_proj.weight",
+    "ffn_up_exps.weight": f"mlp.experts.{EXPERTS_MARK}.up_proj.weight",
+    "ffn_down_exps.weight": f"mlp.experts.{EXPERTS_MARK}.down_proj.weight",
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -145,12 +154,8 @@ def config_from_gguf(
 
     Raises ``ModelLoadError`` naming ``path`` and the key for an unsupported architecture or a
     missing/invalid hyper-parameter."""
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: architecture {arch!r} is not supported; expected one of "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    model = _architecture(path, metadata)
+    arch = model.gguf_name  # the metadata keys' prefix
 
     def get(key: str, kind: type, default: Any = None) -> Any:
         full = f"{arch}.{key}"
@@ -205,9 +210,21 @@ def config_from_gguf(
         factors = _dequantize(path, tensors["rope_freqs.weight"]).astype(np.float32).reshape(-1)
         rope_scaling = _rope_scaling_from_freqs(path, factors, theta, head_dim)
 
+    experts: dict[str, Any] = {}
+    if model.experts:
+        experts = {
+            "num_experts": get("expert_count", int),
+            "num_experts_per_tok": get("expert_used_count", int),
+            # Mixtral's experts are feed_forward_length wide; Qwen3-MoE says it apart.
+            "moe_intermediate_size": get(
+                "expert_feed_forward_length", int, get("feed_forward_length", int)
+            ),
+            # llama.cpp renormalises the top-k weights of both (norm_w in its MoE graph).
+            "norm_topk_prob": True,
+        }
     try:
         return ModelConfig(
-            architecture=arch,
+            architecture=model.name,
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length", int),
@@ -223,9 +240,24 @@ def config_from_gguf(
             attention_bias="blk.0.attn_q.bias" in tensors,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tokenizer.eos_token_ids,
+            **experts,
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: invalid model hyper-parameters: {exc}") from exc
+
+
+def _architecture(path: Path, metadata: Mapping[str, Any]) -> Architecture:
+    """The file's architecture (``general.architecture``, and its expert count).
+
+    Raises:
+        ModelLoadError: naming ``path`` and the architectures baton reads.
+    """
+    name = metadata.get("general.architecture")
+    experts = metadata.get(f"{name}.expert_count", 0)
+    try:
+        return gguf_architecture(name, experts if isinstance(experts, int) else 0)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
 
 
 def _native_decodes(kind: str, data: np.ndarray) -> bool:
@@ -365,8 +397,11 @@ def _hf_names(path: Path, reader: GGUFFile, arch: str) -> list[tuple[GGUFTensor,
         hf_name = _GLOBAL_TENSORS.get(name)
         if hf_name is None:
             parts = name.split(".", 2)
-            if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-                hf_name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+            leaf = parts[2] if len(parts) == 3 and parts[0] == "blk" else None
+            if leaf in _LAYER_TENSORS:
+                hf_name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[leaf]}"
+            elif leaf in _EXPERT_TENSORS:
+                hf_name = f"model.layers.{parts[1]}.{_EXPERT_TENSORS[leaf]}"
             else:
                 raise ModelLoadError(
                     f"{path}: unexpected tensor {name}; expected only {arch} decoder tensors"
@@ -417,12 +452,7 @@ def load_gguf(
     """
     reader = read_gguf(path)
     metadata = gguf_metadata(reader, path)
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: architecture {arch!r} is not supported; expected one of "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    arch = _architecture(path, metadata).gguf_name
     tokenizer = load_gguf_tokenizer(path, metadata)
     config = config_from_gguf(path, metadata, reader, tokenizer)
     if shard is not None:
@@ -455,6 +485,15 @@ def load_gguf(
             # head_dim-row blocks), so the shard's rows are unpermuted with its own head count.
             value = unpermute_qk(value, heads * value.shape[0] // shape[0])
         value = value.to(dtype).contiguous()
+        if EXPERTS_MARK in hf_name:  # views of the one dequantised tensor, no copy
+            if value.dim() != 3:
+                raise ModelLoadError(
+                    f"{path}: tensor {tensor.name} has shape {tuple(value.shape)}, expected "
+                    "[experts, rows, columns]"
+                )
+            for e, expert in enumerate(value):
+                weights[hf_name.replace(EXPERTS_MARK, str(e))] = expert
+            continue
         weights[hf_name] = value if part is None else part.pad(value)
     return Checkpoint(
         path=path,

@@ -88,7 +88,9 @@ def keep_quantized(
     takes in ``dtype``). The LM head (``output.weight``, or the embedding when tied) is kept
     when its type has a kernel, and so is an untied embedding (``EMBEDDING``); the model looks
     up a kept embedding's rows in its blocks (a tied one's in the head's), so it is not loaded
-    dense. Logs what was kept. Missing tensors are left for the checkpoint's check to report.
+    dense. A mixture-of-experts model's experts are dequantised (logged as a warning with the
+    memory they take). Logs what was kept. Missing tensors are left for the checkpoint's check
+    to report.
 
     Raises:
         ModelLoadError: no linear weight has a kernel type (naming the types found), or a
@@ -146,6 +148,16 @@ def keep_quantized(
         )
     dense_embedding = None if EMBEDDING in skip else tensors.get(EMBEDDING)
     _log(path, quantized, fallback, dense_embedding, dtype)
+    experts = [t for name, t in tensors.items() if ".mlp.experts." in name]
+    if any(t.tensor_type.name not in _FLOAT_TYPES for t in experts):
+        logger.warning(
+            "%s: the quantised kernel does not multiply mixture-of-experts weights yet; %d "
+            "expert tensors dequantised to %s: %.1f MiB",
+            path,
+            len(experts),
+            str(dtype).removeprefix("torch."),
+            _dense_bytes(experts, dtype) / 2**20,
+        )
     return quantized, frozenset(skip)
 
 

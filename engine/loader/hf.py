@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,7 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
 
     # Qwen2's q/k/v always carry a bias; the others only when the config says so.
     attention_bias = ARCHITECTURES[arch].qkv_bias or bool(data.get("attention_bias", False))
+    experts = _experts_from_hf(arch, data, field)
     bos = data.get("bos_token_id")
     eos = data.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
@@ -110,9 +112,41 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
             attention_bias=attention_bias,
             bos_token_id=bos if isinstance(bos, int) else tokenizer.bos_token_id,
             eos_token_ids=tuple(dict.fromkeys(eos_ids + tokenizer.eos_token_ids)),
+            **experts,
         )
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{config_file}: invalid model hyper-parameters: {exc}") from exc
+
+
+def _experts_from_hf(arch: str, data: dict[str, Any], field: Callable[..., Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``ModelConfig`` (none for a dense architecture).
+
+    Mixtral: ``num_local_experts`` experts of width ``intermediate_size`` in every layer, the
+    top-k weights always renormalised. Qwen3-MoE: ``num_experts`` experts of width
+    ``moe_intermediate_size``; a layer is dense where ``mlp_only_layers`` lists it or
+    ``(layer + 1) % decoder_sparse_step`` is not 0; renormalised when ``norm_topk_prob``.
+    """
+    if not ARCHITECTURES[arch].experts:
+        return {}
+    count = data.get("num_experts") or field("num_local_experts")
+    top_k = field("num_experts_per_tok")
+    if arch == "mixtral":
+        return {
+            "num_experts": count,
+            "num_experts_per_tok": top_k,
+            "moe_intermediate_size": field("intermediate_size"),
+            "norm_topk_prob": True,
+        }
+    layers = field("num_hidden_layers")
+    step = data.get("decoder_sparse_step") or 1
+    only = set(data.get("mlp_only_layers") or ())
+    return {
+        "num_experts": count,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": field("moe_intermediate_size"),
+        "norm_topk_prob": bool(data.get("norm_topk_prob", False)),
+        "dense_layers": tuple(i for i in range(layers) if i in only or (i + 1) % step),
+    }
 
 
 def _read_safetensors(
@@ -124,17 +158,19 @@ def _read_safetensors(
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files; expected the model weights")
     wanted = set(expected_weight_shapes(config))
+    arch = ARCHITECTURES[config.architecture]
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                for stored in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    name = arch.hf_name(stored)
                     if name not in wanted:
                         # Buffers such as rotary inv_freq, or a tied lm_head copy, are not needed.
                         continue
                     if name in weights:
                         raise ModelLoadError(f"{path}: weight {name} appears in two files")
-                    weights[name] = _read_weight(handle, file, name, config, dtype, shard)
+                    weights[name] = _read_weight(handle, file, stored, config, dtype, shard)
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files

@@ -9,6 +9,7 @@ architecture is added in one place.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -26,6 +27,11 @@ class Architecture:
             by the heads) before RoPE (Qwen3).
         gguf_permuted_qk: llama.cpp's converter stores q/k rows permuted for its interleaved
             RoPE (Llama, Mistral); False where it keeps Hugging Face's half-split order.
+        hf_renames: (pattern, replacement) regular expressions that turn the checkpoint's
+            weight names into baton's (Hugging Face Llama/Qwen3-MoE names), applied in order.
+        experts: its MLPs are mixtures of experts (the config gives their number).
+        gguf_name: its ``general.architecture`` in GGUF files (llama.cpp writes Mixtral as
+            "llama" with an expert count: ``gguf_architecture`` tells them apart).
     """
 
     name: str
@@ -33,6 +39,28 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     gguf_permuted_qk: bool = False
+    hf_renames: tuple[tuple[str, str], ...] = ()
+    experts: bool = False
+    gguf_name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.gguf_name:
+            object.__setattr__(self, "gguf_name", self.name)
+
+    def hf_name(self, name: str) -> str:
+        """A checkpoint weight name in baton's naming (``hf_renames``)."""
+        for pattern, replacement in self.hf_renames:
+            name = re.sub(pattern, replacement, name)
+        return name
+
+
+# Mixtral's checkpoints name the router and experts block_sparse_moe.{gate, experts.{e}.w1/w3/w2}.
+_MIXTRAL_RENAMES = (
+    (r"\.block_sparse_moe\.gate\.", ".mlp.gate."),
+    (r"\.block_sparse_moe\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
+    (r"\.block_sparse_moe\.experts\.(\d+)\.w3\.", r".mlp.experts.\1.up_proj."),
+    (r"\.block_sparse_moe\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj."),
+)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -42,10 +70,25 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("mistral", ("MistralForCausalLM",), gguf_permuted_qk=True),
         Architecture("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True),
         Architecture("qwen3", ("Qwen3ForCausalLM",), qk_norm=True),
+        Architecture(
+            "mixtral",
+            ("MixtralForCausalLM",),
+            gguf_permuted_qk=True,
+            hf_renames=_MIXTRAL_RENAMES,
+            experts=True,
+            gguf_name="llama",
+        ),
+        Architecture(
+            "qwen3_moe", ("Qwen3MoeForCausalLM",), qk_norm=True, experts=True, gguf_name="qwen3moe"
+        ),
     )
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
+# GGUF general.architecture values baton reads.
+GGUF_ARCHITECTURES: tuple[str, ...] = tuple(
+    dict.fromkeys(a.gguf_name for a in ARCHITECTURES.values())
+)
 
 # config.json "architectures" entry -> architecture name.
 HF_CLASSES: dict[str, str] = {c: a.name for a in ARCHITECTURES.values() for c in a.hf_classes}
@@ -63,3 +106,21 @@ def architecture(name: str) -> Architecture:
         raise ValueError(
             f"unsupported architecture {name!r}; expected one of {', '.join(ARCHITECTURES)}"
         ) from None
+
+
+def gguf_architecture(gguf_name: object, expert_count: int) -> Architecture:
+    """The architecture of a GGUF file whose ``general.architecture`` is ``gguf_name`` and
+    whose ``{arch}.expert_count`` is ``expert_count`` (0 when absent).
+
+    Raises:
+        ValueError: no architecture baton runs is written that way (the message lists those
+            that are).
+    """
+    for a in ARCHITECTURES.values():
+        if a.gguf_name == gguf_name and a.experts == (expert_count > 0):
+            return a
+    raise ValueError(
+        f"unsupported GGUF architecture {gguf_name!r}"
+        + (f" with {expert_count} experts" if expert_count else "")
+        + f"; expected one of {', '.join(GGUF_ARCHITECTURES)}"
+    )

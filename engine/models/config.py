@@ -41,6 +41,16 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Mixture of experts (Mixtral, Qwen3-MoE): 0 experts is a dense model. Each token goes to
+    # its ``num_experts_per_tok`` best experts (softmax over the router's logits, top k, the k
+    # weights renormalised to sum 1 when ``norm_topk_prob``); an expert is a SwiGLU MLP of
+    # width ``moe_intermediate_size``. ``dense_layers``: layers of an MoE model that keep a
+    # dense MLP of width ``intermediate_size`` (Qwen3-MoE's mlp_only_layers / sparse step).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         architecture(self.architecture)  # raises, naming the supported ones
@@ -67,6 +77,27 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if not self.num_experts:
+            if self.num_experts_per_tok or self.dense_layers:
+                raise ValueError("num_experts_per_tok and dense_layers need num_experts > 0")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                f"({self.num_experts})"
+            )
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"dense_layers {bad} are not layers of a {self.num_layers}-layer model"
+            )
 
     @property
     def arch(self) -> Architecture:
@@ -77,3 +108,12 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """Whether q and k pass through a per-head RMSNorm before RoPE (Qwen3)."""
         return self.arch.qk_norm
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer's MLP is a mixture of experts."""
+        return self.num_experts > 0 and len(set(self.dense_layers)) < self.num_layers
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts (else a dense SwiGLU)."""
+        return self.num_experts > 0 and layer not in self.dense_layers

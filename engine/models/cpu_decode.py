@@ -86,14 +86,14 @@ class FusedLayer:
 
 def fused_layers(layers: Sequence[DecoderLayer]) -> tuple[FusedLayer, ...] | None:
     """Every layer's fused call, or None when one cannot fuse (a dense projection, tensor
-    parallelism, a per-head q/k norm, a norm weight or head dim the CPU ops do not take, no
+    parallelism, a per-head q/k norm, experts, a norm weight or head dim the CPU ops do not take, no
     extension)."""
     if not layers or not decode_isas() or cpu_ops.extension() is None:
         return None
     for layer in layers:
         if layer.reduce is not None or any(c is None for c in layer.quant_calls):
             return None
-        if layer.q_norm is not None:  # the C++ layer has no per-head q/k norm
+        if layer.q_norm is not None or layer.mlp is not None:  # no q/k norm nor experts in C++
             return None
         if layer.head_dim % 16 or any(
             lin.bias is not None for lin in (layer.o_proj, layer.gate_up_proj, layer.down_proj)

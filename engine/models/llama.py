@@ -21,6 +21,7 @@ from baton.engine.models.gguf_linear import (
     layer_projections,
 )
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from baton.engine.models.moe import SparseMoeBlock
 from baton.engine.models.packed import (
     PackedWeight,
     pack_and_release,
@@ -60,6 +61,7 @@ class DecoderLayer(nn.Module):
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         quant: tuple[QuantParts | None, ...] | None = None,
         quant_activations: str = "float32",
+        moe: bool = False,
     ) -> None:
         super().__init__()
         c = config
@@ -78,12 +80,29 @@ class DecoderLayer(nn.Module):
         qkv = self.q_size + 2 * self.kv_size
         self.qkv_proj = _linear(c.hidden_size, qkv, c.attention_bias, q[0] is not None)
         self.o_proj = _linear(self.q_size, c.hidden_size, False, q[1] is not None)
-        self.gate_up_proj = _linear(c.hidden_size, 2 * c.intermediate_size, False, q[2] is not None)
-        self.down_proj = _linear(c.intermediate_size, c.hidden_size, False, q[3] is not None)
         self.intermediate_size = c.intermediate_size
-        # The four projections in the order of ``int8`` and ``packed`` (a plain tuple: the
-        # modules are registered above).
-        self._linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        # A mixture-of-experts layer has its experts here instead of gate_up/down (which are
+        # then None: its MLP is never quantised, packed or fused).
+        self.mlp: SparseMoeBlock | None = None
+        self.gate_up_proj: nn.Linear | None = None
+        self.down_proj: nn.Linear | None = None
+        if moe:
+            self.mlp = SparseMoeBlock(
+                c.hidden_size,
+                c.moe_intermediate_size,
+                c.num_experts,
+                c.num_experts_per_tok,
+                c.norm_topk_prob,
+            )
+            # The projections in the order of ``int8`` and ``packed`` (a plain tuple: the
+            # modules are registered above).
+            self._linears: tuple[nn.Linear, ...] = (self.qkv_proj, self.o_proj)
+        else:
+            self.gate_up_proj = _linear(
+                c.hidden_size, 2 * c.intermediate_size, False, q[2] is not None
+            )
+            self.down_proj = _linear(c.intermediate_size, c.hidden_size, False, q[3] is not None)
+            self._linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         # The projections as int8 weights (set by ``quantize_int8``), in the order qkv, o,
         # gate_up, down: then every step multiplies with these.
         self.int8: tuple[Int8Weight, ...] | None = None
@@ -171,8 +190,12 @@ class DecoderLayer(nn.Module):
         out = self._project(1, attn)
         out = out if self.reduce is None else self.reduce(out)
         h, residual = self.post_attention_layernorm.forward_add(out, residual)
+        if self.mlp is not None:
+            out = self.mlp(h)
+            return (out if self.reduce is None else self.reduce(out)), residual
         sizes = (self.intermediate_size, self.intermediate_size)
         if self._plain:
+            assert self.gate_up_proj is not None
             gate, up = fused_linear(h, self.gate_up_proj, sizes)
         else:
             gate, up = self._project(2, h).split(sizes, dim=-1)
@@ -267,6 +290,7 @@ class LlamaForCausalLM(nn.Module):
                 reduce,
                 layer_projections(quantized, i) if quantized else None,
                 quant_activations,
+                moe=config.moe_layer(i),
             )
             for i in range(config.num_layers)
         )
@@ -321,14 +345,20 @@ class LlamaForCausalLM(nn.Module):
         its final dtype, on the CPU, instead of ``pack_weights``.
 
         Raises:
-            ValueError: the model is not on the CPU, is quantised or packed already, or has a
-                linear layer the int8 kernel cannot take (nothing is changed then).
+            ValueError: the model is not on the CPU, is quantised or packed already, is a
+                mixture of experts, or has a linear layer the int8 kernel cannot take (nothing is
+                changed then).
         """
         if self.embed_tokens.weight.device.type != "cpu":
             raise ValueError("int8 weight-only kernels run on the CPU only")
         if self.lm_head_int8 is not None:
             raise ValueError("the model's weights are int8 already")
         self._refuse_if_gguf("int8")
+        if self.config.is_moe:
+            raise ValueError(
+                "quantization='int8' does not cover a mixture-of-experts model's experts yet; "
+                "use quantization=None"
+            )
         if self.lm_head_packed is not None:
             raise ValueError("the model's weights are packed already; int8 replaces packing")
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -506,12 +536,15 @@ class LlamaForCausalLM(nn.Module):
                     p,
                 )
                 quant = layer.quant or (None,) * len(PROJECTIONS)
+                projections = PROJECTIONS[: len(layer._linears)]  # an MoE layer: qkv and o
                 for linear, (fused, parts), q in zip(
-                    layer._linears, PROJECTIONS, quant, strict=True
+                    layer._linears, projections, quant[: len(projections)], strict=True
                 ):
                     if q is None:
                         dense = [take(p + part) for part in parts]
                         put(linear.weight, torch.cat(dense), p + fused)
+                if layer.mlp is not None:
+                    _load_experts(layer.mlp, p, take, put)
                 if layer.q_norm is not None and layer.k_norm is not None:
                     for norm, n in ((layer.q_norm, "q"), (layer.k_norm, "k")):
                         name = f"{p}self_attn.{n}_norm.weight"
@@ -523,6 +556,23 @@ class LlamaForCausalLM(nn.Module):
         extra = [k for k in remaining if not k.endswith("rotary_emb.inv_freq")]
         if extra:
             raise ValueError(f"checkpoint has unexpected weights: {sorted(extra)[:5]}")
+
+
+def _load_experts(
+    mlp: SparseMoeBlock,
+    prefix: str,
+    take: Callable[[str], torch.Tensor],
+    put: Callable[[torch.Tensor, torch.Tensor, str], None],
+) -> None:
+    """An MoE layer's router and experts (``mlp.gate``, ``mlp.experts.{e}.{gate,up,down}_proj``)
+    stacked into ``mlp``'s tensors, gate then up."""
+    put(mlp.gate.weight, take(prefix + "mlp.gate.weight"), prefix + "mlp.gate.weight")
+    n = mlp.gate_up.shape[0]
+    e = [f"{prefix}mlp.experts.{i}." for i in range(n)]
+    gate_up = [torch.cat([take(x + "gate_proj.weight"), take(x + "up_proj.weight")]) for x in e]
+    put(mlp.gate_up, torch.stack(gate_up), prefix + "mlp.experts (gate | up)")
+    down = torch.stack([take(x + "down_proj.weight") for x in e])
+    put(mlp.down, down, prefix + "mlp.experts (down)")
 
 
 def allocate_kv_cache(

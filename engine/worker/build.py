@@ -4,6 +4,7 @@ in whichever process will run it (the engine's, or a worker's)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from baton.engine.worker.cuda_graphs import capture_sizes
 from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.worker.tp_runner import ParallelModelRunner
 from baton.kernels.quant_formats import QuantWeight
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,10 @@ def build_runner(
         model.local_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
     )
     runner_cls = ModelRunner if tp is None else ParallelModelRunner
+    graphs = spec.cuda_graphs and not model.config.is_moe
+    if spec.cuda_graphs and not graphs:
+        # The experts' token counts are read on the host each step (models/moe.py).
+        logger.warning("a mixture-of-experts model runs its decode steps without CUDA graphs")
     runner = runner_cls(
         model,
         caches,
@@ -151,8 +158,8 @@ def build_runner(
         spec.max_model_len,
         eos_token_ids=spec.eos_token_ids,
         tokenizer_vocab_size=spec.tokenizer_vocab_size,
-        decode_graph_sizes=capture_sizes(spec.max_num_seqs) if spec.cuda_graphs else (),
+        decode_graph_sizes=capture_sizes(spec.max_num_seqs) if graphs else (),
     )
-    if spec.cuda_graphs:
+    if graphs:
         runner.capture_cuda_graphs()
     return runner
