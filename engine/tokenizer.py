@@ -18,89 +18,10 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import processors
 
-from baton.grammar.vocab import byte_to_unicode
-
-# GGUF token types (llama.cpp's llama_token_type).
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-# Split regexes for `tokenizer.ggml.pre` values that do not use GPT-2's. Same table as
-# transformers' GGUF loader (integrations/gguf/gguf_tokenizer_mapping.py), so ids agree with it.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_TOKENIZER_SPLITS: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "llama3",
-            "llama-v3",
-            "llama-bpe",
-            "falcon3",
-            "falcon-h1",
-            "pixtral",
-            "midm-2.0",
-            "lfm2",
-            "jina-v5-nano",
-            "dbrx",
-            "smaug-bpe",
-        ),
-        _LLAMA3_SPLIT,
-    ),
-    **dict.fromkeys(
-        ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"),
-        _QWEN2_SPLIT,
-    ),
-    "qwen35": _QWEN35_SPLIT,
-    "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
-}
-# `pre` values tokenized with GPT-2's own regex (ByteLevel(use_regex=True)), as transformers does.
-# llama.cpp additionally splits every digit apart for smollm/starcoder/refact/command-r/
-# codeshell/exaone/minerva; that differs from transformers only on whitespace right before a
-# digit, and transformers is the reference baton is checked against.
-_GPT2_REGEX_PRE_TYPES = frozenset(
-    {
-        "default",
-        "gpt2",
-        "gpt-2",
-        "mpt",
-        "olmo",
-        "jais",
-        "trillion",
-        "smollm",
-        "starcoder",
-        "refact",
-        "command-r",
-        "codeshell",
-        "exaone",
-        "minerva-7b",
-    }
-)
-SUPPORTED_GGUF_PRE_TYPES = tuple(sorted(_GPT2_REGEX_PRE_TYPES | set(_PRE_TOKENIZER_SPLITS)))
+from baton.engine.gguf_tokenizer import gguf_backend, gguf_specials
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -244,128 +165,26 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Build the tokenizer a GGUF file describes, from its metadata as plain Python values.
 
-        Supports ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE) with the ``pre`` types in
-        ``SUPPORTED_GGUF_PRE_TYPES``. Raises ``ValueError`` naming the key for another model or
-        pre-tokenizer, or for missing/inconsistent vocabulary data.
+        Supports ``tokenizer.ggml.model`` "gpt2" (byte-level BPE, with the ``pre`` types in
+        ``gguf_tokenizer.SUPPORTED_GGUF_PRE_TYPES``) and "llama" (SentencePiece BPE with byte
+        fallback: Llama 2, Mistral up to v0.3, Phi-3; built by transformers' GGUF converter).
+        Raises ``ValueError`` naming the key for another model or pre-tokenizer, or for
+        missing/inconsistent vocabulary data.
         """
-        kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"tokenizer.ggml.model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)"
-            )
-        pre = metadata.get("tokenizer.ggml.pre", "default")
-        if pre not in _GPT2_REGEX_PRE_TYPES and pre not in _PRE_TOKENIZER_SPLITS:
-            raise ValueError(
-                f"tokenizer.ggml.pre {pre!r} is not supported; expected one of "
-                f"{', '.join(SUPPORTED_GGUF_PRE_TYPES)}"
-            )
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        merges = metadata.get("tokenizer.ggml.merges")
-        if not isinstance(tokens, list) or not tokens:
-            raise ValueError("tokenizer.ggml.tokens is missing or empty")
-        if not isinstance(merges, list):
-            raise ValueError("tokenizer.ggml.merges is missing (a byte-level BPE needs its merges)")
-        token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        if len(token_types) != len(tokens):
-            raise ValueError(
-                f"tokenizer.ggml.token_type has {len(token_types)} entries, "
-                f"expected one per token ({len(tokens)})"
-            )
-
-        # A byte-level vocabulary spells every token in GPT-2's byte alphabet; respell the few
-        # that llama.cpp stored as raw text (transformers does the same).
-        byte_map = byte_to_unicode()
-        alphabet = set(byte_map.values())
-        vocab: dict[str, int] = {}
-        for index, token in enumerate(tokens):
-            spelled = (
-                token
-                if set(token) <= alphabet
-                else "".join(byte_map[b] for b in token.encode("utf-8"))
-            )
-            vocab.setdefault(spelled, index)
-        if len(vocab) != len(tokens):
-            raise ValueError("tokenizer.ggml.tokens contains duplicate tokens")
-        pairs: list[tuple[str, str]] = []
-        for merge in merges:
-            parts = merge.split(" ")
-            if len(parts) != 2:
-                raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens")
-            pairs.append((parts[0], parts[1]))
-
-        backend = BackendTokenizer(
-            models.BPE(
-                vocab=vocab,
-                merges=pairs,
-                dropout=None,
-                continuing_subword_prefix="",
-                end_of_word_suffix="",
-                fuse_unk=False,
-            )
-        )
-        split = _PRE_TOKENIZER_SPLITS.get(pre)
-        if split is None:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        backend.decoder = decoders.ByteLevel()
-
-        def special_id(key: str) -> int | None:
-            value = metadata.get(f"tokenizer.ggml.{key}")
-            if value is None:
-                return None
-            if not isinstance(value, int) or not 0 <= value < len(tokens):
-                raise ValueError(f"tokenizer.ggml.{key} {value!r} is not a token id")
-            return value
-
-        bos, eos, unk, pad = (
-            special_id(k)
-            for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
-        )
-        if eos is None:
-            raise ValueError("tokenizer.ggml.eos_token_id is missing")
-        extra_eos = [special_id("eot_token_id"), special_id("eom_token_id")]
-
-        # Control tokens become special added tokens so text containing them maps to one id;
-        # a "control" token outside the byte alphabet is a llama.cpp mislabel (transformers
-        # skips those too). The named special tokens are special whatever their type.
-        named = {i for i in (bos, eos, unk, pad) if i is not None}
-        control = [
-            AddedToken(token, normalized=False, special=True)
-            for index, (token, kind_) in enumerate(zip(tokens, token_types, strict=True))
-            if (kind_ == _TOKEN_TYPE_CONTROL and set(token) <= alphabet) or index in named
-        ]
-        if control:
-            backend.add_special_tokens(control)
-        user_defined = [
-            AddedToken(token, normalized=False, special=False)
-            for token, kind_ in zip(tokens, token_types, strict=True)
-            if kind_ == _TOKEN_TYPE_USER_DEFINED and token in vocab
-        ]
-        if user_defined:
-            backend.add_tokens(user_defined)
-
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
-        if add_bos or add_eos:
-            backend.post_processor = _bos_eos_post_processor(
-                (tokens[bos], bos) if add_bos and bos is not None else None,
-                (tokens[eos], eos) if add_eos else None,
-            )
-        template = metadata.get("tokenizer.chat_template")
+        backend = gguf_backend(metadata)
+        specials = gguf_specials(metadata)
+        if specials.add_bos or specials.add_eos:
+            backend.post_processor = _bos_eos_post_processor(specials.bos_token, specials.eos_token)
+        else:  # transformers' SentencePiece class brings its own BOS template
+            backend.post_processor = None
         return cls(
             backend,
-            eos_token_ids=[eos, *(e for e in extra_eos if e is not None)],
-            bos_token_id=bos,
-            pad_token_id=pad,
-            unk_token_id=unk,
-            chat_template=template if isinstance(template, str) else None,
-            add_bos_token=add_bos,
+            eos_token_ids=specials.eos_token_ids,
+            bos_token_id=specials.bos_token_id,
+            pad_token_id=specials.pad_token_id,
+            unk_token_id=specials.unk_token_id,
+            chat_template=specials.chat_template,
+            add_bos_token=specials.add_bos,
         )
 
     @classmethod

@@ -423,9 +423,9 @@ def test_gguf_missing_tensor(tmp_path: Path) -> None:
 
 def test_gguf_unsupported_tokenizer(tmp_path: Path) -> None:
     metadata = _tiny_metadata("llama")
-    metadata["tokenizer.ggml.model"] = "llama"
-    path = write_gguf(tmp_path / "spm.gguf", "llama", metadata, _tiny_tensors(MINI_VOCAB))
-    with pytest.raises(ModelLoadError, match=r"spm\.gguf.*tokenizer\.ggml\.model 'llama'"):
+    metadata["tokenizer.ggml.model"] = "t5"
+    path = write_gguf(tmp_path / "t5.gguf", "llama", metadata, _tiny_tensors(MINI_VOCAB))
+    with pytest.raises(ModelLoadError, match=r"t5\.gguf.*tokenizer\.ggml\.model 't5'"):
         load_checkpoint(path)
 
 

@@ -285,7 +285,8 @@ def test_errors(tokenizer: Tokenizer) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"tokenizer.ggml.model": "llama"}, "tokenizer.ggml.model 'llama' is not supported"),
+        ({"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model 'bert' is not supported"),
+        ({"tokenizer.ggml.model": "llama"}, "tokenizer.ggml.scores is missing"),
         (
             {"tokenizer.ggml.pre": "chatglm-bpe"},
             "tokenizer.ggml.pre 'chatglm-bpe' is not supported",

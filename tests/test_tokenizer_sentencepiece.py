@@ -1,0 +1,155 @@
+"""SentencePiece GGUF vocabularies (Llama 2, Mistral up to v0.3): a tiny SentencePiece BPE
+model trained here, a Llama folder using it, converted to GGUF by llama.cpp's own converter;
+baton's tokenizer from that GGUF gives transformers' ids for the folder on a fixed text set, and
+a JSON-schema request through it gives a valid object."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from baton.bench.llama_cpp_build import convert_hf, converter
+from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.engine.loader import load_tokenizer
+
+spm = pytest.importorskip("sentencepiece")
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Über café naïve, 東京 です.\n"
+    '    def f(x): return x + 1\n{"name": "Ana", "age": 34, "tags": ["a", "b"]}\n'
+    "Numbers 1234567 and 3.14, a-b_c/d; emoji 🙂 and tabs\tend.\n"
+)
+TEXTS = [
+    "Hello world",
+    " leading space",
+    "two  spaces and\ttab",
+    "Über café naïve — 東京 です 🙂",
+    '{"name": "Ana", "age": 34}',
+    "line one\nline two\n\n",
+    "a <tool> call",
+    "<s> literal bos text",
+    "",
+    "Zebra Quartz xylophone 🦓",  # pieces absent from the corpus: byte fallback
+]
+
+
+@pytest.fixture(scope="module")
+def spm_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(Hugging Face folder, its GGUF by llama.cpp's converter) of a tiny random Llama whose
+    tokenizer is a 400-piece SentencePiece BPE with byte fallback."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("spm")
+    (root / "corpus.txt").write_text(CORPUS * 40)
+    spm.SentencePieceTrainer.train(
+        input=str(root / "corpus.txt"),
+        model_prefix=str(root / "tokenizer"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        user_defined_symbols=["<tool>"],
+        minloglevel=2,
+    )
+    folder = root / "model"
+    folder.mkdir()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    (folder / "tokenizer.model").write_bytes((root / "tokenizer.model").read_bytes())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "legacy": False,
+                # As transformers writes it: what llama.cpp's converter reads the types from.
+                "added_tokens_decoder": {
+                    str(i): {"content": text, "special": special, "normalized": False}
+                    for i, text, special in (
+                        (0, "<unk>", True),
+                        (1, "<s>", True),
+                        (2, "</s>", True),
+                        (3, "<tool>", False),
+                    )
+                },
+            }
+        )
+    )
+    try:
+        converter()
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"the llama-cpp-python sdist could not be downloaded: {exc}")
+    try:
+        gguf = convert_hf(folder, root / "spm.gguf", "f32")
+    except subprocess.CalledProcessError as exc:
+        raise AssertionError(f"convert_hf_to_gguf.py failed:\n{exc.stderr[-3000:]}") from exc
+    return folder, gguf
+
+
+@pytest.mark.timeout(600)  # a first run downloads the llama-cpp-python sdist (76 MB)
+def test_gguf_sentencepiece_ids_equal_transformers(spm_llama: tuple[Path, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    folder, gguf = spm_llama
+    reference = AutoTokenizer.from_pretrained(folder)
+    ours = load_tokenizer(gguf)
+    assert ours.vocab_size == 400 and ours.bos_token_id == 1 and ours.eos_token_id == 2
+    assert ours.add_bos_token
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        # Byte fallback and the "▁" spaces come back as the text, leading space included.
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+    assert any(t.startswith("<0x") for t in ours.convert_ids_to_tokens(ours.encode("🦓")))
+
+
+def test_json_schema_through_a_sentencepiece_vocabulary(spm_llama: tuple[Path, Path]) -> None:
+    _, gguf = spm_llama
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 10},
+            "ok": {"type": "boolean"},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["city", "ok", "n"],
+        "additionalProperties": False,
+    }
+    llm = LLM(str(gguf), dtype="float32", max_model_len=256, max_num_seqs=4)
+    try:
+        params = SamplingParams(
+            max_tokens=96, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)
+        )
+        (out,) = llm.generate(["A city as JSON:"], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop", completion
+    jsonschema.validate(json.loads(completion.text), schema)
