@@ -148,6 +148,8 @@ def build_tiny_model_dir(
         LlamaForCausalLM,
         MixtralConfig,
         MixtralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -181,6 +183,22 @@ def build_tiny_model_dir(
             **special,
         )
         model = Qwen3ForCausalLM(config)
+    elif arch == "phi3":  # fused q|k|v and gate|up; LongRoPE through rope_scaling
+        shape = {k: v for k, v in TINY_SHAPE.items() if k != "head_dim"}  # Phi-3 derives it
+        longrope = rope_scaling is not None and rope_scaling.get("rope_type") == "longrope"
+        config = Phi3Config(
+            vocab_size=tokenizer.vocab_size,
+            rope_theta=10000.0,
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            original_max_position_embeddings=512
+            if longrope
+            else TINY_SHAPE["max_position_embeddings"],
+            tie_word_embeddings=False,
+            sliding_window=None,
+            **shape,
+            **special,
+        )
+        model = Phi3ForCausalLM(config)
     elif arch == "mixtral":  # 4 experts, top 2
         config = MixtralConfig(
             vocab_size=tokenizer.vocab_size,
@@ -218,7 +236,7 @@ def build_tiny_model_dir(
     else:
         raise ValueError(
             f"unknown tiny architecture {arch!r}; "
-            "expected llama, qwen2, qwen3, mixtral or qwen3_moe"
+            "expected llama, qwen2, qwen3, phi3, mixtral or qwen3_moe"
         )
     _randomize(model, seed)
     directory.mkdir(parents=True, exist_ok=True)
@@ -250,6 +268,8 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3: llama.cpp keeps gate|up in ffn_up
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -395,7 +415,7 @@ def gguf_from_hf_dir(
         metadata[f"{arch}.expert_used_count"] = config["num_experts_per_tok"]
         if model_type == "qwen3_moe":
             metadata[f"{arch}.expert_feed_forward_length"] = config["moe_intermediate_size"]
-    if arch in ("llama", "qwen3", "qwen3moe"):
+    if arch in ("llama", "qwen3", "qwen3moe", "phi3"):
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         metadata[f"{arch}.rope.dimension_count"] = head_dim
         metadata[f"{arch}.attention.key_length"] = head_dim

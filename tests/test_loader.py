@@ -402,9 +402,9 @@ def test_unsupported_tensor_type(tmp_path: Path) -> None:
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     path = write_gguf(
-        tmp_path / "phi.gguf", "phi3", _tiny_metadata("phi3"), _tiny_tensors(MINI_VOCAB)
+        tmp_path / "gemma.gguf", "gemma2", _tiny_metadata("gemma2"), _tiny_tensors(MINI_VOCAB)
     )
-    with pytest.raises(ModelLoadError, match=r"phi\.gguf.*'phi3'.*llama, mistral, qwen2"):
+    with pytest.raises(ModelLoadError, match=r"gemma\.gguf.*'gemma2'.*llama, mistral, qwen2"):
         load_checkpoint(path)
 
 

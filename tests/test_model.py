@@ -8,9 +8,17 @@ import dataclasses
 import pytest
 import torch
 from engine_testing import spy_int8_rows
-from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    LlamaConfig,
+    MixtralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import MixtralForCausalLM as HFMixtral
+from transformers import Phi3ForCausalLM as HFPhi3
 from transformers import Qwen2ForCausalLM as HFQwen2
 from transformers import Qwen3ForCausalLM as HFQwen3
 from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
@@ -27,6 +35,15 @@ BLOCK = 4
 # the ramp falls inside the dimensions, so interpolated, extrapolated and blended frequencies all
 # take part.
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+# LongRoPE over an original context of 64 (of the tiny models' 256): its short factors, one
+# per frequency (head_dim 16), and the attention factor sqrt(1 + ln 4 / ln 64).
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 3.0, 4.0],
+    "long_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0],
+}
 
 
 def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool = False):
@@ -52,6 +69,18 @@ def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool
             for layer in hf.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif arch == "phi3":
+        longrope = rope_scaling is not None and rope_scaling.get("rope_type") == "longrope"
+        hf = HFPhi3(
+            Phi3Config(
+                rope_scaling=rope_scaling,
+                original_max_position_embeddings=64 if longrope else 256,
+                sliding_window=None,
+                pad_token_id=0,
+                eos_token_id=2,
+                **common,
+            )
+        )
     elif arch == "mixtral":
         hf = HFMixtral(
             MixtralConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, **common)
@@ -88,13 +117,22 @@ def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool
         head_dim=16,
         rms_norm_eps=hf.config.rms_norm_eps,
         rope_theta=10000.0,
-        rope_scaling=rope_scaling,
+        rope_scaling=(
+            {**rope_scaling, "original_max_position_embeddings": 64, "factor": 4.0}  # as hf.py
+            if rope_scaling and rope_scaling["rope_type"] == "longrope"
+            else rope_scaling
+        ),
         max_position_embeddings=256,
         tie_word_embeddings=tied,
         attention_bias=arch == "qwen2",
         **experts,
     )
     state = dict(hf.state_dict())
+    if rope_scaling and rope_scaling.get("rope_type") == "longrope":  # as hf.py fills it in
+        cfg = dataclasses.replace(
+            cfg,
+            rope_scaling={**rope_scaling, "original_max_position_embeddings": 64, "factor": 4.0},
+        )
     model = LlamaForCausalLM(cfg)
     model.load_weights(_unfused_experts(state))
     return hf, model
@@ -111,6 +149,14 @@ def _unfused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 gate, up = rows.chunk(2)
                 out[f"{prefix}{e}.gate_proj.weight"] = gate
                 out[f"{prefix}{e}.up_proj.weight"] = up
+        elif name.endswith("self_attn.qkv_proj.weight"):  # Phi-3: q (64 rows), k, v (32 each)
+            prefix = name[: -len("qkv_proj.weight")]
+            for part, rows in zip("qkv", value.split([64, 32, 32]), strict=True):
+                out[f"{prefix}{part}_proj.weight"] = rows
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            prefix = name[: -len("gate_up_proj.weight")]
+            gate, up = value.chunk(2)
+            out[f"{prefix}gate_proj.weight"], out[f"{prefix}up_proj.weight"] = gate, up
         elif name.endswith("mlp.experts.down_proj"):
             prefix = name[: -len("down_proj")]
             for e, rows in enumerate(value):
@@ -151,6 +197,8 @@ def _prefill(model, ids: torch.Tensor, kv, blocks: list[int]) -> torch.Tensor:
         ("qwen3", YARN, True),
         ("mixtral", None, False),
         ("qwen3_moe", None, True),
+        ("phi3", None, False),
+        ("phi3", LONGROPE, False),
     ],
 )
 def test_tiny_logits_match_transformers(arch, scaling, tied):

@@ -63,54 +63,66 @@ def spm_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         user_defined_symbols=["<tool>"],
         minloglevel=2,
     )
-    folder = root / "model"
-    folder.mkdir()
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=400,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    (folder / "tokenizer.model").write_bytes((root / "tokenizer.model").read_bytes())
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "LlamaTokenizer",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "unk_token": "<unk>",
-                "add_bos_token": True,
-                "add_eos_token": False,
-                "legacy": False,
-                # As transformers writes it: what llama.cpp's converter reads the types from.
-                "added_tokens_decoder": {
-                    str(i): {"content": text, "special": special, "normalized": False}
-                    for i, text, special in (
-                        (0, "<unk>", True),
-                        (1, "<s>", True),
-                        (2, "</s>", True),
-                        (3, "<tool>", False),
-                    )
-                },
-            }
-        )
-    )
+    config = LlamaConfig(**SHAPE, bos_token_id=1, eos_token_id=2)
+    folder = _with_tokenizer(LlamaForCausalLM(config), root / "model", root / "tokenizer.model")
     try:
         converter()
     except subprocess.CalledProcessError as exc:
         pytest.skip(f"the llama-cpp-python sdist could not be downloaded: {exc}")
+    return folder, _convert(folder, root / "spm.gguf")
+
+
+SHAPE = {
+    "vocab_size": 400,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+
+def _convert(folder: Path, out: Path) -> Path:
     try:
-        gguf = convert_hf(folder, root / "spm.gguf", "f32")
+        return convert_hf(folder, out, "f32")
     except subprocess.CalledProcessError as exc:
         raise AssertionError(f"convert_hf_to_gguf.py failed:\n{exc.stderr[-3000:]}") from exc
-    return folder, gguf
+
+
+def _with_tokenizer(model: torch.nn.Module, folder: Path, sp_model: Path) -> Path:
+    """``model`` saved in ``folder`` with the SentencePiece tokenizer ``sp_model``, its
+    tokenizer.json written by transformers and the tokenizer_config.json a Hugging Face repo
+    has (its added_tokens_decoder is where llama.cpp's converter reads the token types)."""
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(folder)
+    (folder / "tokenizer.model").write_bytes(sp_model.read_bytes())
+    config = json.dumps(
+        {
+            "tokenizer_class": "LlamaTokenizer",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "legacy": False,
+            "added_tokens_decoder": {
+                str(i): {"content": text, "special": special, "normalized": False}
+                for i, text, special in (
+                    (0, "<unk>", True),
+                    (1, "<s>", True),
+                    (2, "</s>", True),
+                    (3, "<tool>", False),
+                )
+            },
+        }
+    )
+    (folder / "tokenizer_config.json").write_text(config)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text(config)  # save_pretrained rewrote it
+    return folder
 
 
 @pytest.mark.timeout(600)  # a first run downloads the llama-cpp-python sdist (76 MB)
@@ -153,3 +165,42 @@ def test_json_schema_through_a_sentencepiece_vocabulary(spm_llama: tuple[Path, P
     completion = out.outputs[0]
     assert completion.finish_reason == "stop", completion
     jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.parametrize("longrope", [False, True])
+def test_phi3_from_llama_cpp_converter(spm_llama, tmp_path, longrope) -> None:
+    """Phi-3 as llama.cpp writes it (q|k|v in attn_qkv, gate|up in ffn_up): the folder's
+    config and weights exactly; with LongRoPE (factor tensors) a clear refusal instead."""
+    import dataclasses
+
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from baton.engine.loader import ModelLoadError, load_checkpoint
+
+    folder, _ = spm_llama
+    factors = [1.0, 1.1, 1.3, 1.6, 2.0, 3.0, 4.0, 6.0]
+    scaling = {"rope_type": "longrope", "short_factor": factors, "long_factor": factors}
+    config = Phi3Config(
+        **SHAPE,
+        rope_scaling=scaling if longrope else None,
+        original_max_position_embeddings=128 if longrope else 512,
+        sliding_window=None,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    phi = _with_tokenizer(Phi3ForCausalLM(config), tmp_path / "phi3", folder / "tokenizer.model")
+    gguf = _convert(phi, tmp_path / "phi3.gguf")
+    if longrope:
+        with pytest.raises(ModelLoadError, match="rope_factors_.* LongRoPE factors") as info:
+            load_checkpoint(gguf)
+        assert str(gguf) in str(info.value)
+        return
+    a, b = load_checkpoint(phi), load_checkpoint(gguf)
+    ours, theirs = dataclasses.asdict(a.config), dataclasses.asdict(b.config)
+    assert theirs.pop("rms_norm_eps") == pytest.approx(ours.pop("rms_norm_eps"), rel=1e-6)
+    assert ours == theirs
+    assert set(a.weights) == set(b.weights)
+    for key, value in a.weights.items():
+        assert torch.equal(value, b.weights[key]), key

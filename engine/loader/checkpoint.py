@@ -60,6 +60,43 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Fused weights some architectures store (``Architecture.fused_projections``).
+FUSED_LEAVES = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
+
+
+def split_fused(
+    path: Path, name: str, whole: torch.Tensor, config: ModelConfig, shard: ShardSpec | None
+) -> dict[str, torch.Tensor]:
+    """A fused q|k|v or gate|up weight (Phi-3's ``qkv_proj``, ``gate_up_proj``) as its parts'
+    Hugging Face names and rows (views of ``whole``), each cut to rank ``shard.rank``'s part
+    where ``shard`` is given. Used by both loaders.
+
+    Raises:
+        ModelLoadError: ``whole`` does not have the parts' rows.
+    """
+    if name.endswith("qkv_proj.weight"):
+        prefix = name[: -len("qkv_proj.weight")]
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        sizes, leaves = [q, kv, kv], ["q_proj", "k_proj", "v_proj"]
+    else:
+        prefix = name[: -len("gate_up_proj.weight")]
+        sizes, leaves = [config.intermediate_size] * 2, ["gate_proj", "up_proj"]
+    if whole.dim() != 2 or whole.shape[0] != sum(sizes):
+        raise ModelLoadError(
+            f"{path}: weight {name} has shape {tuple(whole.shape)}, expected {sum(sizes)} rows "
+            f"({' + '.join(map(str, sizes))})"
+        )
+    out = {}
+    for leaf, part in zip(leaves, whole.split(sizes), strict=True):
+        part_name = f"{prefix}{leaf}.weight"
+        if shard is not None:
+            cut = weight_slice(part_name, tuple(part.shape), config, shard)
+            if cut.dim is not None:
+                part = cut.pad(part.narrow(cut.dim, cut.start, cut.stop - cut.start))
+        out[part_name] = part
+    return out
+
+
 def shard_weight_shapes(config: ModelConfig, shard: ShardSpec) -> dict[str, tuple[int, ...]]:
     """``expected_weight_shapes`` of rank ``shard.rank``'s part of the model (as
     ``sharding.weight_slice`` cuts it). Pure function; ``ValueError`` when ``shard.size`` does not

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from baton.engine.loader.checkpoint import Checkpoint, check_shard_fits
+from baton.engine.loader.checkpoint import Checkpoint, check_shard_fits, split_fused
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import gguf_sampling_defaults
 from baton.engine.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor, read_gguf_file
@@ -50,6 +50,7 @@ _LAYER_TENSORS = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3: q|k|v in one tensor
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # an MoE layer's router
@@ -246,6 +247,18 @@ def config_from_gguf(
         raise ModelLoadError(f"{path}: invalid model hyper-parameters: {exc}") from exc
 
 
+def _fused_name(config: ModelConfig, hf_name: str, shape: tuple[int, ...]) -> str | None:
+    """The fused Hugging Face name a tensor stands for (Phi-3's q|k|v, and its ``ffn_up``
+    that llama.cpp stores as gate|up, twice the MLP's width), else None."""
+    if not ARCHITECTURES[config.architecture].fused_projections:
+        return None
+    if hf_name.endswith("self_attn.qkv_proj.weight"):
+        return hf_name
+    if hf_name.endswith("mlp.up_proj.weight") and shape[0] == 2 * config.intermediate_size:
+        return hf_name[: -len("up_proj.weight")] + "gate_up_proj.weight"
+    return None
+
+
 def _architecture(path: Path, metadata: Mapping[str, Any]) -> Architecture:
     """The file's architecture (``general.architecture``, and its expert count).
 
@@ -402,6 +415,11 @@ def _hf_names(path: Path, reader: GGUFFile, arch: str) -> list[tuple[GGUFTensor,
                 hf_name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[leaf]}"
             elif leaf in _EXPERT_TENSORS:
                 hf_name = f"model.layers.{parts[1]}.{_EXPERT_TENSORS[leaf]}"
+            elif name.startswith("rope_factors_"):
+                raise ModelLoadError(
+                    f"{path}: tensor {name} holds LongRoPE factors, which baton does not read "
+                    "from GGUF yet; load the model's Hugging Face folder instead"
+                )
             else:
                 raise ModelLoadError(
                     f"{path}: unexpected tensor {name}; expected only {arch} decoder tensors"
@@ -474,6 +492,11 @@ def load_gguf(
         if hf_name in kept:
             continue
         shape = tuple(reversed(tensor.shape))
+        fused = _fused_name(config, hf_name, shape)
+        if fused is not None:  # Phi-3: read whole, cut into the parts (each rank's if sharded)
+            value = _dequantize_to(path, tensor, dtype).contiguous()
+            weights.update(split_fused(path, fused, value, config, shard))
+            continue
         part = None if shard is None else weight_slice(hf_name, shape, config, shard)
         if part is None:
             value = _dequantize_to(path, tensor, dtype)

@@ -9,7 +9,13 @@ from typing import Any
 
 import torch
 
-from baton.engine.loader.checkpoint import Checkpoint, check_shard_fits, expected_weight_shapes
+from baton.engine.loader.checkpoint import (
+    FUSED_LEAVES,
+    Checkpoint,
+    check_shard_fits,
+    expected_weight_shapes,
+    split_fused,
+)
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import hf_sampling_defaults
 from baton.engine.models.architectures import ARCHITECTURES, HF_CLASSES
@@ -73,6 +79,12 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
         "head_dim", hidden // num_heads if isinstance(hidden, int) and num_heads else 0
     )
 
+    partial = data.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(
+            f"{config_file}: partial_rotary_factor {partial!r} (RoPE on part of each head) is not "
+            "supported; expected 1.0"
+        )
     rope = data.get("rope_parameters")
     if isinstance(rope, dict):
         theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
@@ -87,10 +99,19 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
         scaling.setdefault("rope_type", kind or "default")
         if scaling["rope_type"] == "default":
             scaling = None
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        # Phi-3 keeps the original context beside the scaling, and its factor as the ratio.
+        original = scaling.get("original_max_position_embeddings")
+        original = original or field("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original
+        if scaling.get("factor") is None:
+            scaling["factor"] = field("max_position_embeddings") / original
 
     # Qwen2's q/k/v always carry a bias; the others only when the config says so.
     attention_bias = ARCHITECTURES[arch].qkv_bias or bool(data.get("attention_bias", False))
     experts = _experts_from_hf(arch, data, field)
+    # Qwen2/3 carry a window they do not use unless use_sliding_window says so.
+    window = data.get("sliding_window") if data.get("use_sliding_window", True) else None
     bos = data.get("bos_token_id")
     eos = data.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
@@ -112,6 +133,7 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
             attention_bias=attention_bias,
             bos_token_id=bos if isinstance(bos, int) else tokenizer.bos_token_id,
             eos_token_ids=tuple(dict.fromkeys(eos_ids + tokenizer.eos_token_ids)),
+            sliding_window=window if isinstance(window, int) else None,
             **experts,
         )
     except (TypeError, ValueError) as exc:
@@ -165,6 +187,10 @@ def _read_safetensors(
             with safe_open(str(file), framework="pt") as handle:
                 for stored in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     name = arch.hf_name(stored)
+                    if arch.fused_projections and name.endswith(FUSED_LEAVES):
+                        whole = _read_weight(handle, file, stored, config, dtype, None)
+                        weights.update(split_fused(path, name, whole, config, shard))
+                        continue
                     if name not in wanted:
                         # Buffers such as rotary inv_freq, or a tied lm_head copy, are not needed.
                         continue

@@ -32,6 +32,8 @@ class Architecture:
         experts: its MLPs are mixtures of experts (the config gives their number).
         gguf_name: its ``general.architecture`` in GGUF files (llama.cpp writes Mixtral as
             "llama" with an expert count: ``gguf_architecture`` tells them apart).
+        fused_projections: its checkpoints hold q|k|v as one ``qkv_proj`` and gate|up as one
+            ``gate_up_proj`` (Phi-3), which the loaders cut into the parts (views, no copy).
     """
 
     name: str
@@ -42,6 +44,7 @@ class Architecture:
     hf_renames: tuple[tuple[str, str], ...] = ()
     experts: bool = False
     gguf_name: str = ""
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         if not self.gguf_name:
@@ -81,6 +84,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture(
             "qwen3_moe", ("Qwen3MoeForCausalLM",), qk_norm=True, experts=True, gguf_name="qwen3moe"
         ),
+        Architecture("phi3", ("Phi3ForCausalLM",), fused_projections=True),
     )
 }
 

@@ -46,6 +46,10 @@ class ModelConfig:
     # weights renormalised to sum 1 when ``norm_topk_prob``); an expert is a SwiGLU MLP of
     # width ``moe_intermediate_size``. ``dense_layers``: layers of an MoE model that keep a
     # dense MLP of width ``intermediate_size`` (Qwen3-MoE's mlp_only_layers / sparse step).
+    # Attention over the last ``sliding_window`` tokens only (Mistral v0.1, Phi-3); None: full
+    # causal attention. baton does not run windowed attention yet: an engine keeps its
+    # sequences within the window, where both are the same (``max_context``).
+    sliding_window: int | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -77,6 +81,18 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(scaling[key]) != self.head_dim // 2:
+                    raise ValueError(
+                        f"rope_scaling 'longrope' has {len(scaling[key])} {key} entries, "
+                        f"expected {self.head_dim // 2} (one per frequency of head_dim "
+                        f"{self.head_dim})"
+                    )
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
         self._check_experts()
 
     def _check_experts(self) -> None:
@@ -117,3 +133,16 @@ class ModelConfig:
     def moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts (else a dense SwiGLU)."""
         return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence baton computes exactly as the model's reference does:
+        ``max_position_embeddings``, or the sliding window where that is shorter (up to it
+        full causal attention equals windowed attention) or the original context of a LongRoPE
+        scaling (whose short factors baton applies)."""
+        limit = self.max_position_embeddings
+        if self.sliding_window is not None:
+            limit = min(limit, self.sliding_window)
+        if self.rope_scaling and self.rope_scaling.get("rope_type") == "longrope":
+            limit = min(limit, int(self.rope_scaling["original_max_position_embeddings"]))
+        return limit

@@ -1,5 +1,10 @@
-"""RoPE frequencies with the context-extension schemes checkpoints ask for: linear, Llama 3
-and YaRN, computed as transformers computes them (``modeling_rope_utils``).
+"""RoPE frequencies with the context-extension schemes checkpoints ask for: linear, Llama 3,
+YaRN and LongRoPE, computed as transformers computes them (``modeling_rope_utils``).
+
+LongRoPE (Phi-3) switches from its short to its long factors once a sequence outgrows the
+original context, which a paged cache computed with the short ones cannot follow; baton applies
+the short factors and keeps sequences within the original context (``ModelConfig.max_context``),
+where transformers applies them too.
 
 ``check_rope_scaling`` runs when a ``ModelConfig`` is built, so a scheme baton does not run,
 or one missing a parameter, is refused before any weight is read.
@@ -18,6 +23,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "llama3": ("factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("factor", "original_max_position_embeddings"),
 }
 ROPE_TYPES: tuple[str, ...] = tuple(_REQUIRED)
 # Parameters each scheme reads besides the required ones; anything else is refused, so that a
@@ -29,6 +35,7 @@ _OPTIONAL: dict[str, frozenset[str]] = {
     "yarn": frozenset(
         {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}
     ),
+    "longrope": frozenset({"short_factor", "long_factor", "attention_factor"}),
 }
 # Keys some configs carry beside any scheme and that change nothing here.
 _NEUTRAL = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
@@ -65,6 +72,13 @@ def check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
     partial = scaling.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial!r} is not supported; expected 1.0")
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            factors = scaling.get(key)
+            if not isinstance(factors, (list, tuple)) or not all(
+                isinstance(f, (int, float)) and f > 0 for f in factors
+            ):
+                raise ValueError(f"rope_scaling 'longrope' needs {key!r} as positive numbers")
 
 
 def rope_inv_freq(
@@ -85,7 +99,35 @@ def rope_inv_freq(
         return (inv_freq / float(scaling["factor"])).float(), 1.0
     if kind == "llama3":
         return _llama3(inv_freq, scaling), 1.0
+    if kind == "longrope":
+        return _longrope(head_dim, theta, scaling)
     return _yarn(head_dim, theta, scaling)
+
+
+def _longrope(
+    head_dim: int, theta: float, scaling: Mapping[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE with its short factors (each frequency divided by its factor), and the
+    attention factor sqrt(1 + ln(factor) / ln(original context)), as transformers computes
+    them for a sequence within the original context.
+
+    Raises:
+        ValueError: ``short_factor`` does not hold one factor per frequency.
+    """
+    short = scaling["short_factor"]
+    if len(short) != head_dim // 2:
+        raise ValueError(
+            f"rope_scaling 'longrope' has {len(short)} short factors, expected {head_dim // 2} "
+            f"(head_dim {head_dim} / 2)"
+        )
+    factor = float(scaling["factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (torch.tensor(short, dtype=torch.float32) * theta**shape)
+    return inv_freq, float(attention)
 
 
 def _llama3(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:

@@ -3,6 +3,7 @@ the tokenizer), the KV cache size, and the executor that runs the model."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
 from baton.engine.worker.build import RunnerSpec, build_runner
 from baton.engine.worker.cpu_threads import ThreadGovernor
+
+logger = logging.getLogger(__name__)
 
 # A simulated device keeps this share of its memory, after the weights, for the KV cache.
 _SIM_KV_MEMORY_SHARE = 0.9
@@ -73,9 +76,7 @@ def setup_model(
             config.model, dtype=config.dtype, keep_quantized=config.quantization == "gguf"
         )
     c = ckpt.config
-    max_model_len = min(
-        config.max_model_len or c.max_position_embeddings, c.max_position_embeddings
-    )
+    max_model_len = _max_model_len(config, ckpt)
     element = torch.tensor([], dtype=config.dtype).element_size()
     per_block = 2 * c.num_layers * config.block_size * c.num_kv_heads * c.head_dim * element
     num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_bytes // per_block)
@@ -137,6 +138,41 @@ def _load_shard(config: EngineConfig, rank: int) -> Checkpoint:
     return load_checkpoint(
         config.model, dtype=config.dtype, shard=ShardSpec(rank, config.tensor_parallel_size)
     )
+
+
+def _max_model_len(config: EngineConfig, checkpoint: Checkpoint) -> int:
+    """The engine's longest sequence: ``config.max_model_len`` (at most the model's
+    positions), by default the model's ``max_context``, logged where that is below the
+    positions.
+
+    Raises:
+        ValueError: ``config.max_model_len`` above ``model.max_context`` where that is less
+            than the positions (a sliding window or LongRoPE's original context): past it baton
+            would not compute what the model's reference does.
+    """
+    model = checkpoint.config
+    limit = model.max_context
+    if limit < model.max_position_embeddings:
+        why = (
+            f"attends through a sliding window of {model.sliding_window} tokens"
+            if model.sliding_window == limit
+            else f"has LongRoPE scaling beyond its original {limit} positions"
+        )
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={config.max_model_len}: the model {why}, which baton does not "
+                f"run yet; up to {limit} tokens it computes the same, so max_model_len must be "
+                f"at most {limit}"
+            )
+        if config.max_model_len is None:
+            logger.warning(
+                "the model %s, which baton does not run yet: sequences are limited to %d tokens "
+                "(of its %d positions), where it computes the same",
+                why,
+                limit,
+                model.max_position_embeddings,
+            )
+    return min(config.max_model_len or limit, limit)
 
 
 def _setup_sim(
