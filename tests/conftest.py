@@ -420,6 +420,8 @@ def gguf_from_hf_dir(
         metadata[f"{arch}.rope.dimension_count"] = head_dim
         metadata[f"{arch}.attention.key_length"] = head_dim
         metadata[f"{arch}.attention.value_length"] = head_dim
+    if config.get("sliding_window"):
+        metadata[f"{arch}.attention.sliding_window"] = config["sliding_window"]
     if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes YaRN
         metadata[f"{arch}.rope.scaling.type"] = "yarn"
         metadata[f"{arch}.rope.scaling.factor"] = float(rope["factor"])

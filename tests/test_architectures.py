@@ -258,6 +258,8 @@ def test_a_sliding_window_bounds_the_sequences(tokenizer, tmp_path, caplog):
     attention computes the same), said in a warning; a longer max_model_len is refused."""
     folder = _with_window(tokenizer, tmp_path, 96)
     assert load_checkpoint(folder).config.sliding_window == 96
+    gguf = gguf_from_hf_dir(folder, tmp_path / "m.gguf", mini_tokenizer_metadata())
+    assert load_checkpoint(gguf).config.sliding_window == 96
     with caplog.at_level("WARNING", logger="baton.engine.processing.model_setup"):
         llm = LLM(str(folder), dtype="float32", max_num_seqs=2)
     try:

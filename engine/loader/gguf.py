@@ -241,6 +241,7 @@ def config_from_gguf(
             attention_bias="blk.0.attn_q.bias" in tensors,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tokenizer.eos_token_ids,
+            sliding_window=metadata.get(f"{arch}.attention.sliding_window"),
             **experts,
         )
     except ValueError as exc:
