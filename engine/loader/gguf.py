@@ -241,7 +241,8 @@ def config_from_gguf(
             attention_bias="blk.0.attn_q.bias" in tensors,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_ids=tokenizer.eos_token_ids,
-            sliding_window=metadata.get(f"{arch}.attention.sliding_window"),
+            # llama.cpp writes 0 for no window (Phi-3's converter does).
+            sliding_window=metadata.get(f"{arch}.attention.sliding_window") or None,
             **experts,
         )
     except ValueError as exc:
