@@ -533,3 +533,23 @@ def test_bf16_decode_attention_either_way_matches_float64(monkeypatch, half_fast
         scores = torch.einsum("hd,shd->hs", q[i].double(), keys) * dim**-0.5
         ref = torch.einsum("hs,shd->hd", scores.softmax(-1), values)
         assert (out[i].double() - ref).abs().max().item() <= 2e-2
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_packed_experts_compute_the_unpacked_logits(arch):
+    """The CPU default packs each expert for oneDNN (and releases the stacked weights): the
+    same logits as the plain experts, within float32 rounding."""
+    from baton.engine.models.packed import packing_available
+
+    if not packing_available(torch.float32):
+        pytest.skip("this torch build packs no CPU weights (no oneDNN)")
+    _, model = _tiny_pair(arch)
+    ids = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(3))
+    kv = allocate_kv_cache(model.config, 16, BLOCK, torch.float32)
+    with torch.no_grad():
+        plain = _prefill(model, ids, kv, list(range(1, 7)))
+        model.pack_weights()
+        packed = _prefill(model, ids, kv, list(range(1, 7)))
+    mlp = model.layers[0].mlp
+    assert mlp is not None and mlp.packed is not None and mlp.gate_up.numel() == 0
+    assert (packed - plain).abs().max().item() <= 1e-4 * plain.abs().max().item()

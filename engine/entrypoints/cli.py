@@ -107,6 +107,7 @@ BENCHMARKS = {
     "spec": "speculative decoding off / grammar / ngram / auto on JSON workloads",
     "data_parallel": "replicas on Ray vs one engine; grammar affinity and the compile cache",
     "open_objects": "xgrammar (objects closed) vs guidance (open): the model's outputs",
+    "moe_decode": "mixture-of-experts decode step vs dense models of the same active / total size",
 }
 
 

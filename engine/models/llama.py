@@ -134,6 +134,8 @@ class DecoderLayer(nn.Module):
         weights, which no step uses from then on (a call that reached one would fail on its
         empty weight)."""
         self.packed = tuple(pack_and_release(lin) for lin in self._linears)
+        if self.mlp is not None:
+            self.mlp.pack_weights()
 
     @property
     def _plain(self) -> bool:
@@ -378,8 +380,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Packs every linear layer's weight (LM head included) for oneDNN and uses the packed
         weights for every step; the projections' and an untied LM head's dense weights are
-        released (the embedding stays). Call after the weights are loaded and the model has
-        its final dtype (CPU).
+        released (the embedding stays), a mixture of experts' router and experts too. Call
+        after the weights are loaded and the model has its final dtype (CPU).
 
         Raises:
             ValueError: the model is not on the CPU, packed already or quantised

@@ -1,7 +1,8 @@
 """A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router, then each token through its top-k
 SwiGLU experts, their outputs summed with the router's weights.
 
-The experts' weights are stacked, ``[E, 2 * ff, hidden]`` (gate | up) and ``[E, hidden, ff]``.
+The experts' weights are stacked, ``[E, 2 * ff, hidden]`` (gate | up) and ``[E, hidden, ff]``;
+on a CPU they are packed per expert for oneDNN like the dense layers (``pack_weights``).
 A step sorts its (token, expert) pairs by expert once and runs one GEMM pair per expert that
 got tokens, over all of that expert's tokens at once: the Python loop is over experts, never
 over tokens, and an expert no token chose costs nothing. The expert counts are read on the host
@@ -11,10 +12,13 @@ without CUDA graphs: ``worker/build.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.engine.models.packed import PackedWeight, pack_and_release, pack_linear, packed_linear
 from baton.kernels.silu_mul import silu_mul
 
 
@@ -34,28 +38,31 @@ def experts_forward(
     x: torch.Tensor,
     weights: torch.Tensor,
     experts: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` for every token ``t`` of ``x``
-    ``[T, hidden]``, each expert a SwiGLU MLP with weights ``gate_up[e]`` ``[2 ff, hidden]``
-    and ``down[e]`` ``[hidden, ff]``. Each expert's rows are weighted in float32 and summed
-    in the token's order of its k choices, so a token's result does not depend on which other
-    tokens share the step's experts in float32 (the GEMMs see different row counts)."""
+    """``sum_j weights[t, j] * expert(experts[t, j], x[t])`` for every token ``t`` of ``x``
+    ``[T, hidden]``, ``expert(e, rows)`` being expert ``e``'s MLP over a block of rows. Each
+    expert's rows are weighted in float32 and summed in the token's order of its k choices,
+    so a token's result does not depend on which other tokens share the step's experts in
+    float32 (the GEMMs see different row counts)."""
     t, k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     rows = x[order // k]
-    out_rows = torch.empty(t * k, down.shape[1], dtype=torch.float32, device=x.device)
+    out_rows: torch.Tensor | None = None
     start = 0
-    for expert, count in enumerate(counts):
+    for e, count in enumerate(counts):
         if not count:
             continue
         stop = start + count
-        gate, up = F.linear(rows[start:stop], gate_up[expert]).chunk(2, dim=-1)
-        out_rows[start:stop] = F.linear(silu_mul(gate, up), down[expert]).float()
+        y = expert(e, rows[start:stop])
+        if out_rows is None:
+            out_rows = torch.empty(t * k, y.shape[1], dtype=torch.float32, device=x.device)
+        out_rows[start:stop] = y
         start = stop
+    assert out_rows is not None  # every token chose k >= 1 experts
     # Back to (token, choice) order, then the weighted sum over the k choices in that order.
     unsorted = torch.empty_like(out_rows)
     unsorted[order] = out_rows
@@ -79,8 +86,38 @@ class SparseMoeBlock(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, ff), requires_grad=False)
         self.top_k = top_k
         self.renormalize = renormalize
+        self.num_experts = num_experts
+
+        # Each expert's (gate | up, down) packed for oneDNN (``pack_weights``), else None.
+        self.packed: tuple[tuple[PackedWeight, PackedWeight], ...] | None = None
+        self.gate_packed: PackedWeight | None = None
+
+    def pack_weights(self) -> None:
+        """Packs the router and every expert for oneDNN (``models/packed.py``: the dense
+        layers' CPU kernels) and releases the stacked weights, which no step uses from then on.
+
+        Raises:
+            ValueError: as ``pack_linear`` (not a CPU weight of a dtype oneDNN packs).
+        """
+        self.packed = tuple(
+            (pack_linear(gate_up), pack_linear(down))
+            for gate_up, down in zip(self.gate_up, self.down, strict=True)
+        )
+        self.gate_packed = pack_and_release(self.gate)
+        empty = self.gate_up.new_empty(0)
+        self.gate_up = nn.Parameter(empty, requires_grad=False)
+        self.down = nn.Parameter(empty.clone(), requires_grad=False)
+
+    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            gate_up, down = self.packed[e]
+            gate, up = packed_linear(rows, gate_up).chunk(2, dim=-1)
+            return packed_linear(silu_mul(gate, up), down).float()
+        gate, up = F.linear(rows, self.gate_up[e]).chunk(2, dim=-1)
+        return F.linear(silu_mul(gate, up), self.down[e]).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for ``x`` ``[T, hidden]``."""
-        weights, experts = route(self.gate(x), self.top_k, self.renormalize)
-        return experts_forward(x, weights, experts, self.gate_up, self.down)
+        logits = self.gate(x) if self.gate_packed is None else packed_linear(x, self.gate_packed)
+        weights, experts = route(logits, self.top_k, self.renormalize)
+        return experts_forward(x, weights, experts, self.num_experts, self._expert)
