@@ -202,6 +202,32 @@ def print_table(result: dict[str, Any]) -> None:
     print_goals(result["goals"])
 
 
+def readme_table(result: dict[str, Any]) -> str:
+    """The README's section body: what ran where, then each shape's steps and ratios."""
+    run = result.get("run", {})
+    head = (
+        f"Random-weight models (hidden 1024, 8 layers) in {result['dtype']} on the engine's "
+        f"CPU kernels, {run.get('torch_threads', run.get('threads', '?'))} threads, context "
+        f"{result['context']}, median of {result['trials']} interleaved trials; "
+        f"{run.get('cpu', '?')} at commit {str(run.get('commit', '?'))[:7]}, "
+        f"{str(run.get('date', '?'))[:10]}. dense act: the MLP as wide as the k experts a "
+        "token uses (same active parameters); dense tot: as wide as all experts (same total)."
+    )
+    step = {(r["shape"], r["role"], r["batch"]): r["step_ms"] for r in result["rows"]}
+    lines = [
+        "| shape | batch | MoE ms | dense act ms | dense tot ms | MoE / act | MoE / tot |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["ratios"]:
+        s, b = r["shape"], r["batch"]
+        lines.append(
+            f"| {s}-like | {b} | {step[s, 'moe', b]:.1f} | {step[s, 'dense_active', b]:.1f} | "
+            f"{step[s, 'dense_total', b]:.1f} | {r['moe_over_dense_active']:.2f} | "
+            f"{r['moe_over_dense_total']:.2f} |"
+        )
+    return head + "\n\n" + "\n".join(lines)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     shapes = sorted({r["shape"] for r in result["rows"]})

@@ -19,6 +19,7 @@ from typing import Any
 from baton.bench.forward import RESULTS
 from baton.bench.gguf_decode import readme_table as gguf_decode_table
 from baton.bench.gpu_report import gpu_check_table
+from baton.bench.moe_decode import readme_table as moe_decode_table
 from baton.bench.quant_linear import readme_table as quant_linear_table
 from baton.bench.readme_engine_tables import engine_sim_table, engine_table, spec_table
 from baton.bench.readme_tables import (
@@ -125,6 +126,12 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "baton bench gguf_decode --model llama-1b-random.Q4_K_M.gguf --threads 2 --configs "
         "bfloat16:gguf,bfloat16:gguf:float-activations,bfloat16:none",
         gguf_decode_table,
+    ),
+    (
+        "moe_decode.json",
+        "Mixture-of-experts decode against dense models",
+        "baton bench moe_decode --trials 3 --batches 1,4,16",
+        moe_decode_table,
     ),
     (
         "gguf_decode_bandwidth_1b.json",
