@@ -395,7 +395,10 @@ def gguf_from_hf_dir(
 
     config = json.loads((hf_dir / "config.json").read_text())
     model_type = config["model_type"]
-    arch = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(model_type, model_type)
+    # llama.cpp writes Mistral and Mixtral as "llama" (Mixtral with an expert count).
+    arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(
+        model_type, model_type
+    )
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     rope = config.get("rope_parameters") or {}
     metadata: dict[str, Any] = {

@@ -253,19 +253,56 @@ def _with_window(tokenizer, tmp_path: Path, window: int) -> Path:
     return folder
 
 
-def test_a_sliding_window_bounds_the_sequences(tokenizer, tmp_path, caplog):
-    """baton runs no windowed attention yet: sequences stay within the window (where full
-    attention computes the same), said in a warning; a longer max_model_len is refused."""
-    folder = _with_window(tokenizer, tmp_path, 96)
-    assert load_checkpoint(folder).config.sliding_window == 96
-    gguf = gguf_from_hf_dir(folder, tmp_path / "m.gguf", mini_tokenizer_metadata())
-    assert load_checkpoint(gguf).config.sliding_window == 96
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"max_num_batched_tokens": 7}, {"enable_prefix_caching": True}],
+    ids=["whole", "chunked", "prefix-cache"],
+)
+def test_sliding_window_attention_equals_transformers(
+    tokenizer, tmp_path, engine_args, default_gguf_metadata
+):
+    """A window of 8 tokens on prompts of ~20 and 28 greedy tokens: every step past the window
+    masks keys out, in prefill (whole or in chunks of 7) and decode; transformers' argmax
+    after every prefix is the engine's next token. The GGUF gives the same tokens."""
+    folder = _with_window(tokenizer, tmp_path, 8)
+    assert load_checkpoint(folder).config.sliding_window == 8
+    hf = _hf_model(folder)
+    assert hf.config.sliding_window == 8
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_seqs=4, **engine_args)
+    try:
+        requests = [{"prompt_token_ids": ids} for ids in prompts]
+        runs = 2 if engine_args.get("enable_prefix_caching") else 1  # the second from cache
+        for _ in range(runs):
+            outs = llm.generate(requests, GREEDY, use_tqdm=False)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+            for prompt, out in zip(prompts, tokens, strict=True):
+                with torch.no_grad():
+                    logits = hf(torch.tensor([prompt + out])).logits[0]
+                assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == out, prompt
+    finally:
+        llm.shutdown()
+    if not engine_args:  # llama.cpp's layout with attention.sliding_window: the same tokens
+        gguf = gguf_from_hf_dir(folder, tmp_path / "m.gguf", default_gguf_metadata)
+        assert load_checkpoint(gguf).config.sliding_window == 8
+        assert _engine_tokens(str(gguf), prompts) == tokens
+    # Without the window the same model would answer otherwise (the test can fail).
+    full = dict(json.loads((folder / "config.json").read_text()), sliding_window=None)
+    (folder / "config.json").write_text(json.dumps(full))
+    assert _engine_tokens(str(folder), prompts) != tokens
+
+
+def test_longrope_keeps_sequences_within_the_original_context(tokenizer, tmp_path, caplog):
+    """baton applies LongRoPE's short factors: sequences stay within the original context
+    (where transformers applies them too), said in a warning; a longer max_model_len is
+    refused by name."""
+    folder = build_tiny_model_dir(tmp_path / "phi", tokenizer, "phi3", rope_scaling=LONGROPE)
     with caplog.at_level("WARNING", logger="baton.engine.processing.model_setup"):
         llm = LLM(str(folder), dtype="float32", max_num_seqs=2)
     try:
-        assert llm.engine.max_model_len == 96
-        assert "sliding window of 96 tokens" in caplog.text
+        assert llm.engine.max_model_len == 512
+        assert "LongRoPE scaling beyond its original 512 positions" in caplog.text
     finally:
         llm.shutdown()
-    with pytest.raises(ValueError, match="sliding window of 96 tokens.*at most 96"):
-        LLM(str(folder), dtype="float32", max_model_len=512)
+    with pytest.raises(ValueError, match="max_model_len=1024: .*at most 512"):
+        LLM(str(folder), dtype="float32", max_model_len=1024)

@@ -50,6 +50,9 @@ class AttentionMetadata:
             None where not built (`decode`).
         token_lens: int64 ``[T]``, the positions each flat token attends to (its position + 1,
             causal); None where not built. For ``paged_attention(token_order=True)``.
+        sliding_window: W where a sequence of this step is longer than the model's sliding
+            window: a query at position p then sees keys p - W + 1 .. p only (``mask`` says
+            so, and attention takes the masked path); None where every key is in the window.
     """
 
     slot_mapping: torch.Tensor
@@ -62,6 +65,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     token_seqs: torch.Tensor | None = None
     token_lens: torch.Tensor | None = None
+    sliding_window: int | None = None
 
     @staticmethod
     def decode(
@@ -97,6 +101,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str | None = None,
         stage: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None,
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
         """Builds the metadata from per-sequence lengths and block tables known on the host.
 
@@ -114,6 +119,8 @@ class AttentionMetadata:
             device: where the metadata is used; None = the CPU.
             stage: how host arrays reach ``device`` (the model runner's `DeviceIO.to_device`,
                 through its pinned staging buffer); None: `stage_to_device`.
+            sliding_window: the model's attention window W (None: full causal attention): a
+                query at position p sees keys p - W + 1 .. p.
 
         The arrays are numpy arrays or CPU tensors (reading a tensor's values counts as a host
         read for ``BATON_SYNC_CHECK``: the model runner passes numpy arrays).
@@ -169,6 +176,11 @@ class AttentionMetadata:
         q_abs = ctx_d[:, None] + q_pos[None, :]
         mask = key_pos[None, None, :] <= q_abs[:, :, None]
         mask = mask & valid_key[:, None, :]
+        # Decided on the host, where the lengths are: only a step with a sequence longer than
+        # the window masks keys out (and leaves the unmasked fast paths).
+        window = sliding_window if sliding_window is not None and max_s > sliding_window else None
+        if window is not None:
+            mask = mask & (key_pos[None, None, :] > q_abs[:, :, None] - window)
         # Padded query rows would see nothing and give NaN; let them see key 0.
         pad_rows = q_pos[None, :] >= q_d[:, None]
         mask[..., 0] |= pad_rows
@@ -183,6 +195,7 @@ class AttentionMetadata:
             block_tables=tables_d,
             token_seqs=token_seq_d,
             token_lens=token_len_d,
+            sliding_window=window,
         )
 
 
@@ -253,18 +266,26 @@ def paged_attention(
     flat_k = key_cache.view(-1, num_kv_heads, head_dim)
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     kv_write_(flat_k, flat_v, k, v, meta.slot_mapping)  # one kernel on CUDA
-    if meta.kv_index is None or (meta.query_index is None and q.is_cuda and HAS_TRITON):
+    windowed = meta.sliding_window is not None  # then only the masked SDPA below sees it
+    if meta.kv_index is None or (
+        meta.query_index is None and q.is_cuda and HAS_TRITON and not windowed
+    ):
         # Pure decode on the GPU (or a block-table decode anywhere): the Triton kernel reads
         # the blocks in place instead of gathering every sequence's keys into a padded copy.
         return paged_decode_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale
         )
 
-    if meta.query_index is None and paged_decode_fits(q, key_cache, value_cache):
+    if meta.query_index is None and not windowed and paged_decode_fits(q, key_cache, value_cache):
         # Pure decode on the CPU: one C++ call over the blocks in place, one fixed order per
         # (sequence, head) whatever the batch (the gather + padded SDPA below was 8-10 ops).
         return paged_decode_cpu(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
-    if token_order and meta.token_lens is not None and paged_decode_fits(q, key_cache, value_cache):
+    if (
+        token_order
+        and not windowed
+        and meta.token_lens is not None
+        and paged_decode_fits(q, key_cache, value_cache)
+    ):
         # Prefill or mixed on the CPU: each token as a decode step of its length computes it,
         # so its result does not depend on the chunking of its prompt or on the batch.
         assert meta.token_seqs is not None

@@ -46,9 +46,8 @@ class ModelConfig:
     # weights renormalised to sum 1 when ``norm_topk_prob``); an expert is a SwiGLU MLP of
     # width ``moe_intermediate_size``. ``dense_layers``: layers of an MoE model that keep a
     # dense MLP of width ``intermediate_size`` (Qwen3-MoE's mlp_only_layers / sparse step).
-    # Attention over the last ``sliding_window`` tokens only (Mistral v0.1, Phi-3); None: full
-    # causal attention. baton does not run windowed attention yet: an engine keeps its
-    # sequences within the window, where both are the same (``max_context``).
+    # Attention over the last ``sliding_window`` tokens only (Mistral v0.1, Phi-3): a query at
+    # position p sees keys p - W + 1 .. p (``AttentionMetadata``); None: full causal attention.
     sliding_window: int | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -137,12 +136,9 @@ class ModelConfig:
     @property
     def max_context(self) -> int:
         """The longest sequence baton computes exactly as the model's reference does:
-        ``max_position_embeddings``, or the sliding window where that is shorter (up to it
-        full causal attention equals windowed attention) or the original context of a LongRoPE
-        scaling (whose short factors baton applies)."""
+        ``max_position_embeddings``, or the original context of a LongRoPE scaling where that
+        is shorter (baton applies its short factors)."""
         limit = self.max_position_embeddings
-        if self.sliding_window is not None:
-            limit = min(limit, self.sliding_window)
         if self.rope_scaling and self.rope_scaling.get("rope_type") == "longrope":
             limit = min(limit, int(self.rope_scaling["original_max_position_embeddings"]))
         return limit

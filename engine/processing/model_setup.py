@@ -146,28 +146,24 @@ def _max_model_len(config: EngineConfig, checkpoint: Checkpoint) -> int:
     positions.
 
     Raises:
-        ValueError: ``config.max_model_len`` above ``model.max_context`` where that is less
-            than the positions (a sliding window or LongRoPE's original context): past it baton
-            would not compute what the model's reference does.
+        ValueError: ``config.max_model_len`` above ``max_context`` where that is less than the
+            positions (LongRoPE's original context): past it baton would not compute what the
+            model's reference does.
     """
     model = checkpoint.config
     limit = model.max_context
     if limit < model.max_position_embeddings:
-        why = (
-            f"attends through a sliding window of {model.sliding_window} tokens"
-            if model.sliding_window == limit
-            else f"has LongRoPE scaling beyond its original {limit} positions"
-        )
+        why = f"has LongRoPE scaling beyond its original {limit} positions"
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(
-                f"max_model_len={config.max_model_len}: the model {why}, which baton does not "
-                f"run yet; up to {limit} tokens it computes the same, so max_model_len must be "
-                f"at most {limit}"
+                f"max_model_len={config.max_model_len}: the model {why}, whose long factors "
+                f"baton does not apply yet; up to {limit} tokens it computes the same, so "
+                f"max_model_len must be at most {limit}"
             )
         if config.max_model_len is None:
             logger.warning(
-                "the model %s, which baton does not run yet: sequences are limited to %d tokens "
-                "(of its %d positions), where it computes the same",
+                "the model %s, whose long factors baton does not apply yet: sequences are "
+                "limited to %d tokens (of its %d positions), where it computes the same",
                 why,
                 limit,
                 model.max_position_embeddings,

@@ -146,10 +146,18 @@ def build_runner(
         model.local_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
     )
     runner_cls = ModelRunner if tp is None else ParallelModelRunner
-    graphs = spec.cuda_graphs and not model.config.is_moe
+    # An MoE step reads its experts' token counts on the host (models/moe.py); a sliding
+    # window is applied by the masked attention path, not the graphs' block-table kernel.
+    eager_why = (
+        "a mixture-of-experts model"
+        if model.config.is_moe
+        else "a model with a sliding window"
+        if model.config.sliding_window is not None
+        else None
+    )
+    graphs = spec.cuda_graphs and eager_why is None
     if spec.cuda_graphs and not graphs:
-        # The experts' token counts are read on the host each step (models/moe.py).
-        logger.warning("a mixture-of-experts model runs its decode steps without CUDA graphs")
+        logger.warning("%s runs its decode steps without CUDA graphs", eager_why)
     runner = runner_cls(
         model,
         caches,

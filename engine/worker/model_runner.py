@@ -138,6 +138,7 @@ class ModelRunner:
                     self.block_size,
                     self.io.device,
                     stage=self.io.to_device,
+                    sliding_window=self.model.config.sliding_window,
                 )
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
             laps.lap("forward")
