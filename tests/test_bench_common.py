@@ -140,6 +140,7 @@ _NO_RESULT_JSON = {
     "gpu_check": "collects the results of others; its env.json records the host CPU itself",
     "llama_cpp_build": "builds llama.cpp for the benchmarks: measures nothing",
     "gguf_models": "writes model files for the benchmarks: measures nothing",
+    "models_table": "writes docs/models.md from the tests' outcomes (commit and CPU in it)",
 }
 
 
