@@ -59,7 +59,9 @@ ALSO = {
 
 def run_tests(report: Path) -> int:
     """Runs the architecture tests with a JUnit report at ``report``; pytest's exit code."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
+    # -P: the repository root must not shadow installed packages named like its folders
+    # (transformers imports the "kernels" package; baton has a kernels/ folder).
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
     cmd += ["--junitxml", str(report)]
     return subprocess.run(cmd, cwd=ROOT, check=False).returncode
 

@@ -306,3 +306,14 @@ def test_longrope_keeps_sequences_within_the_original_context(tokenizer, tmp_pat
         llm.shutdown()
     with pytest.raises(ValueError, match="max_model_len=1024: .*at most 512"):
         LLM(str(folder), dtype="float32", max_model_len=1024)
+
+
+def test_the_models_page_lists_every_architecture():
+    """docs/models.md (python -m baton.bench.models_table) is regenerated when the registry
+    changes: every architecture has its row, and no test it reports failed."""
+    from baton.engine.models.architectures import ARCHITECTURES
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    for name, arch in ARCHITECTURES.items():
+        assert f"| {name} | {', '.join(arch.hf_classes)} |" in page, name
+    assert "FAILED" not in page
