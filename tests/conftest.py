@@ -152,6 +152,8 @@ def build_tiny_model_dir(
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
@@ -210,6 +212,21 @@ def build_tiny_model_dir(
             **special,
         )
         model = MixtralForCausalLM(config)
+    elif arch == "qwen2_moe":  # 8 experts of width 32, top 2, a shared expert of width 48
+        shape = {k: v for k, v in TINY_SHAPE.items() if k != "head_dim"}  # derived: 16
+        config = Qwen2MoeConfig(
+            vocab_size=tokenizer.vocab_size,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            **shape,
+            **special,
+        )
+        model = Qwen2MoeForCausalLM(config)
     elif arch == "qwen3_moe":  # 8 experts of width 32, top 3 renormalised
         config = Qwen3MoeConfig(
             vocab_size=tokenizer.vocab_size,
@@ -236,7 +253,7 @@ def build_tiny_model_dir(
     else:
         raise ValueError(
             f"unknown tiny architecture {arch!r}; "
-            "expected llama, qwen2, qwen3, phi3, mixtral or qwen3_moe"
+            "expected llama, qwen2, qwen3, phi3, mixtral, qwen2_moe or qwen3_moe"
         )
     _randomize(model, seed)
     directory.mkdir(parents=True, exist_ok=True)
@@ -274,6 +291,10 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -396,9 +417,12 @@ def gguf_from_hf_dir(
     config = json.loads((hf_dir / "config.json").read_text())
     model_type = config["model_type"]
     # llama.cpp writes Mistral and Mixtral as "llama" (Mixtral with an expert count).
-    arch = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(
-        model_type, model_type
-    )
+    arch = {
+        "mistral": "llama",
+        "mixtral": "llama",
+        "qwen2_moe": "qwen2moe",
+        "qwen3_moe": "qwen3moe",
+    }.get(model_type, model_type)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     rope = config.get("rope_parameters") or {}
     metadata: dict[str, Any] = {
@@ -413,11 +437,15 @@ def gguf_from_hf_dir(
         f"{arch}.vocab_size": config["vocab_size"],
         **tokenizer_metadata(base_metadata),
     }
-    if model_type in ("mixtral", "qwen3_moe"):
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
         metadata[f"{arch}.expert_count"] = config.get("num_experts") or config["num_local_experts"]
         metadata[f"{arch}.expert_used_count"] = config["num_experts_per_tok"]
-        if model_type == "qwen3_moe":
+        if model_type != "mixtral":
             metadata[f"{arch}.expert_feed_forward_length"] = config["moe_intermediate_size"]
+        if model_type == "qwen2_moe":
+            metadata[f"{arch}.expert_shared_feed_forward_length"] = config[
+                "shared_expert_intermediate_size"
+            ]
     if arch in ("llama", "qwen3", "qwen3moe", "phi3"):
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         metadata[f"{arch}.rope.dimension_count"] = head_dim

@@ -41,6 +41,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "qwen3-yarn": {"arch": "qwen3", "rope_scaling": YARN},
     "mixtral": {"arch": "mixtral"},
     "qwen3_moe": {"arch": "qwen3_moe"},
+    "qwen2_moe": {"arch": "qwen2_moe"},
     "phi3": {"arch": "phi3"},
     "phi3-longrope": {"arch": "phi3", "rope_scaling": LONGROPE},
 }

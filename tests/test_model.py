@@ -13,6 +13,7 @@ from transformers import (
     MixtralConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -20,6 +21,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from transformers import MixtralForCausalLM as HFMixtral
 from transformers import Phi3ForCausalLM as HFPhi3
 from transformers import Qwen2ForCausalLM as HFQwen2
+from transformers import Qwen2MoeForCausalLM as HFQwen2Moe
 from transformers import Qwen3ForCausalLM as HFQwen3
 from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
 
@@ -85,6 +87,18 @@ def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool
         hf = HFMixtral(
             MixtralConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, **common)
         )
+    elif arch == "qwen2_moe":
+        # Layer 0: 8 experts of width 32, top 2 not renormalised, a shared expert of 48.
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+        hf = HFQwen2Moe(
+            Qwen2MoeConfig(
+                shared_expert_intermediate_size=48,
+                norm_topk_prob=False,
+                mlp_only_layers=[1],
+                **moe,
+                **common,
+            )
+        )
     elif arch == "qwen3_moe":
         # Layer 1 dense (mlp_only_layers), layer 0 of 8 experts of width 32, top 3 renormalised.
         moe = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32)
@@ -94,7 +108,7 @@ def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool
     else:
         hf = HFLlama(LlamaConfig(head_dim=16, rope_scaling=rope_scaling, **common)).eval()
     hf.eval()
-    if arch in ("mixtral", "qwen3_moe"):  # transformers' init leaves the router near uniform
+    if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):  # transformers' router init: near uniform
         with torch.no_grad():
             for name, param in hf.named_parameters():
                 if ".mlp." in name:
@@ -105,6 +119,15 @@ def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool
     elif arch == "qwen3_moe":
         experts = dict(
             num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, dense_layers=(1,)
+        )
+    elif arch == "qwen2_moe":
+        experts = dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            dense_layers=(1,),
+            norm_topk_prob=False,
+            shared_expert_intermediate_size=48,
         )
     cfg = ModelConfig(
         architecture=arch,
@@ -124,7 +147,7 @@ def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool
         ),
         max_position_embeddings=256,
         tie_word_embeddings=tied,
-        attention_bias=arch == "qwen2",
+        attention_bias=arch in ("qwen2", "qwen2_moe"),
         **experts,
     )
     state = dict(hf.state_dict())
@@ -197,6 +220,7 @@ def _prefill(model, ids: torch.Tensor, kv, blocks: list[int]) -> torch.Tensor:
         ("qwen3", YARN, True),
         ("mixtral", None, False),
         ("qwen3_moe", None, True),
+        ("qwen2_moe", None, False),
         ("phi3", None, False),
         ("phi3", LONGROPE, False),
     ],
@@ -535,7 +559,7 @@ def test_bf16_decode_attention_either_way_matches_float64(monkeypatch, half_fast
         assert (out[i].double() - ref).abs().max().item() <= 2e-2
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_packed_experts_compute_the_unpacked_logits(arch):
     """The CPU default packs each expert for oneDNN (and releases the stacked weights): the
     same logits as the plain experts, within float32 rounding."""

@@ -21,7 +21,8 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     Shapes follow ``torch.nn.Linear``: ``[out_features, in_features]``. ``lm_head.weight`` is
     listed only for an untied model, the q/k/v biases only when ``config.attention_bias`` and
     the per-head q/k norms only when ``config.qk_norm``; a mixture-of-experts layer lists its
-    router (``mlp.gate``) and each expert's gate/up/down (``mlp.experts.{e}.*_proj``).
+    router (``mlp.gate``) and each expert's gate/up/down (``mlp.experts.{e}.*_proj``), and a
+    shared expert's (``mlp.shared_expert.*_proj``, ``mlp.shared_expert_gate``) where it has one.
     Pure function, no side effects.
     """
     hidden = config.hidden_size
@@ -50,6 +51,12 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[f"{prefix}.mlp.experts.{e}.gate_proj.weight"] = (ff, hidden)
                 shapes[f"{prefix}.mlp.experts.{e}.up_proj.weight"] = (ff, hidden)
                 shapes[f"{prefix}.mlp.experts.{e}.down_proj.weight"] = (hidden, ff)
+            shared = config.shared_expert_intermediate_size
+            if shared:
+                shapes[f"{prefix}.mlp.shared_expert_gate.weight"] = (1, hidden)
+                shapes[f"{prefix}.mlp.shared_expert.gate_proj.weight"] = (shared, hidden)
+                shapes[f"{prefix}.mlp.shared_expert.up_proj.weight"] = (shared, hidden)
+                shapes[f"{prefix}.mlp.shared_expert.down_proj.weight"] = (hidden, shared)
             continue
         shapes[f"{prefix}.mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
         shapes[f"{prefix}.mlp.up_proj.weight"] = (config.intermediate_size, hidden)

@@ -54,6 +54,11 @@ _LAYER_TENSORS = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # an MoE layer's router
+    # Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -220,8 +225,10 @@ def config_from_gguf(
             "moe_intermediate_size": get(
                 "expert_feed_forward_length", int, get("feed_forward_length", int)
             ),
-            # llama.cpp renormalises the top-k weights of both (norm_w in its MoE graph).
-            "norm_topk_prob": True,
+            # llama.cpp renormalises the top-k weights of Mixtral and Qwen3-MoE, not of
+            # Qwen2-MoE (norm_w in its MoE graph), as transformers does for their checkpoints.
+            "norm_topk_prob": model.name != "qwen2_moe",
+            "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", int, 0),
         }
     try:
         return ModelConfig(

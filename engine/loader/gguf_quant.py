@@ -148,7 +148,9 @@ def keep_quantized(
         )
     dense_embedding = None if EMBEDDING in skip else tensors.get(EMBEDDING)
     _log(path, quantized, fallback, dense_embedding, dtype)
-    experts = [t for name, t in tensors.items() if ".mlp.experts." in name]
+    experts = [
+        t for name, t in tensors.items() if ".mlp.experts." in name or ".mlp.shared_expert" in name
+    ]
     if any(t.tensor_type.name not in _FLOAT_TYPES for t in experts):
         logger.warning(
             "%s: the quantised kernel does not multiply mixture-of-experts weights yet; %d "

@@ -144,9 +144,10 @@ def _experts_from_hf(arch: str, data: dict[str, Any], field: Callable[..., Any])
     """The mixture-of-experts fields of ``ModelConfig`` (none for a dense architecture).
 
     Mixtral: ``num_local_experts`` experts of width ``intermediate_size`` in every layer, the
-    top-k weights always renormalised. Qwen3-MoE: ``num_experts`` experts of width
+    top-k weights always renormalised. Qwen2/3-MoE: ``num_experts`` experts of width
     ``moe_intermediate_size``; a layer is dense where ``mlp_only_layers`` lists it or
-    ``(layer + 1) % decoder_sparse_step`` is not 0; renormalised when ``norm_topk_prob``.
+    ``(layer + 1) % decoder_sparse_step`` is not 0; renormalised when ``norm_topk_prob``;
+    Qwen2-MoE adds a shared expert of ``shared_expert_intermediate_size``.
     """
     if not ARCHITECTURES[arch].experts:
         return {}
@@ -168,6 +169,9 @@ def _experts_from_hf(arch: str, data: dict[str, Any], field: Callable[..., Any])
         "moe_intermediate_size": field("moe_intermediate_size"),
         "norm_topk_prob": bool(data.get("norm_topk_prob", False)),
         "dense_layers": tuple(i for i in range(layers) if i in only or (i + 1) % step),
+        "shared_expert_intermediate_size": (
+            field("shared_expert_intermediate_size") if arch == "qwen2_moe" else 0
+        ),
     }
 
 

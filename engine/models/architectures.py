@@ -85,6 +85,9 @@ ARCHITECTURES: dict[str, Architecture] = {
             "qwen3_moe", ("Qwen3MoeForCausalLM",), qk_norm=True, experts=True, gguf_name="qwen3moe"
         ),
         Architecture("phi3", ("Phi3ForCausalLM",), fused_projections=True),
+        Architecture(
+            "qwen2_moe", ("Qwen2MoeForCausalLM",), qkv_bias=True, experts=True, gguf_name="qwen2moe"
+        ),
     )
 }
 

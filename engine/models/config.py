@@ -54,6 +54,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: beside the routed experts, a shared SwiGLU expert of this width that every
+    # token goes through, scaled by sigmoid(shared_expert_gate(x)); 0: none.
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         architecture(self.architecture)  # raises, naming the supported ones
@@ -107,6 +110,11 @@ class ModelConfig:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
                 f"({self.num_experts})"
+            )
+        shared = self.shared_expert_intermediate_size
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ValueError(
+                f"ModelConfig.shared_expert_intermediate_size must be an int >= 0, got {shared!r}"
             )
         bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
         if bad:

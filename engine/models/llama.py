@@ -93,6 +93,7 @@ class DecoderLayer(nn.Module):
                 c.num_experts,
                 c.num_experts_per_tok,
                 c.norm_topk_prob,
+                c.shared_expert_intermediate_size,
             )
             # The projections in the order of ``int8`` and ``packed`` (a plain tuple: the
             # modules are registered above).
@@ -575,6 +576,14 @@ def _load_experts(
     put(mlp.gate_up, torch.stack(gate_up), prefix + "mlp.experts (gate | up)")
     down = torch.stack([take(x + "down_proj.weight") for x in e])
     put(mlp.down, down, prefix + "mlp.experts (down)")
+    if mlp.shared_gate_up is not None:
+        assert mlp.shared_down is not None and mlp.shared_gate is not None
+        s = prefix + "mlp.shared_expert."
+        gate_up = torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")])
+        put(mlp.shared_gate_up.weight, gate_up, s + "gate | up")
+        put(mlp.shared_down.weight, take(s + "down_proj.weight"), s + "down_proj.weight")
+        gate = prefix + "mlp.shared_expert_gate.weight"
+        put(mlp.shared_gate.weight, take(gate), gate)
 
 
 def allocate_kv_cache(

@@ -74,14 +74,25 @@ def experts_forward(
 
 
 class SparseMoeBlock(nn.Module):
-    """The MoE MLP of one layer: ``gate`` (the router, ``nn.Linear(hidden, E)``) and the
-    stacked expert weights, loaded by ``LlamaForCausalLM.load_weights``."""
+    """The MoE MLP of one layer: ``gate`` (the router, ``nn.Linear(hidden, E)``), the stacked
+    expert weights and, with ``shared_ff``, a shared expert (Qwen2-MoE); loaded by
+    ``LlamaForCausalLM.load_weights``."""
 
     def __init__(
-        self, hidden: int, ff: int, num_experts: int, top_k: int, renormalize: bool
+        self,
+        hidden: int,
+        ff: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        shared_ff: int = 0,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden, num_experts, bias=False)
+        # Qwen2-MoE's shared expert (every token, scaled by sigmoid(shared_gate(x))), or None.
+        self.shared_gate_up = nn.Linear(hidden, 2 * shared_ff, bias=False) if shared_ff else None
+        self.shared_down = nn.Linear(shared_ff, hidden, bias=False) if shared_ff else None
+        self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_ff else None
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ff, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, ff), requires_grad=False)
         self.top_k = top_k
@@ -91,6 +102,7 @@ class SparseMoeBlock(nn.Module):
         # Each expert's (gate | up, down) packed for oneDNN (``pack_weights``), else None.
         self.packed: tuple[tuple[PackedWeight, PackedWeight], ...] | None = None
         self.gate_packed: PackedWeight | None = None
+        self.shared_packed: tuple[PackedWeight, ...] | None = None  # gate_up, down, gate
 
     def pack_weights(self) -> None:
         """Packs the router and every expert for oneDNN (``models/packed.py``: the dense
@@ -104,6 +116,12 @@ class SparseMoeBlock(nn.Module):
             for gate_up, down in zip(self.gate_up, self.down, strict=True)
         )
         self.gate_packed = pack_and_release(self.gate)
+        if self.shared_gate_up is not None:
+            assert self.shared_down is not None and self.shared_gate is not None
+            self.shared_packed = tuple(
+                pack_and_release(lin)
+                for lin in (self.shared_gate_up, self.shared_down, self.shared_gate)
+            )
         empty = self.gate_up.new_empty(0)
         self.gate_up = nn.Parameter(empty, requires_grad=False)
         self.down = nn.Parameter(empty.clone(), requires_grad=False)
@@ -120,4 +138,18 @@ class SparseMoeBlock(nn.Module):
         """The block's output for ``x`` ``[T, hidden]``."""
         logits = self.gate(x) if self.gate_packed is None else packed_linear(x, self.gate_packed)
         weights, experts = route(logits, self.top_k, self.renormalize)
-        return experts_forward(x, weights, experts, self.num_experts, self._expert)
+        out = experts_forward(x, weights, experts, self.num_experts, self._expert)
+        if self.shared_gate_up is None:
+            return out
+        return out + self._shared(x)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output, scaled by sigmoid of its gate (as transformers)."""
+        if self.shared_packed is not None:
+            gate_up, down, gate = self.shared_packed
+            g, u = packed_linear(x, gate_up).chunk(2, dim=-1)
+            return torch.sigmoid(packed_linear(x, gate)) * packed_linear(silu_mul(g, u), down)
+        assert self.shared_down is not None and self.shared_gate is not None
+        assert self.shared_gate_up is not None
+        g, u = self.shared_gate_up(x).chunk(2, dim=-1)
+        return torch.sigmoid(self.shared_gate(x)) * self.shared_down(silu_mul(g, u))
