@@ -21,7 +21,7 @@ from baton.engine.models.gguf_linear import (
     layer_projections,
 )
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
-from baton.engine.models.moe import SparseMoeBlock
+from baton.engine.models.moe import SparseMoeBlock, load_experts
 from baton.engine.models.packed import (
     PackedWeight,
     pack_and_release,
@@ -547,7 +547,7 @@ class LlamaForCausalLM(nn.Module):
                         dense = [take(p + part) for part in parts]
                         put(linear.weight, torch.cat(dense), p + fused)
                 if layer.mlp is not None:
-                    _load_experts(layer.mlp, p, take, put)
+                    load_experts(layer.mlp, p, take, put)
                 if layer.q_norm is not None and layer.k_norm is not None:
                     for norm, n in ((layer.q_norm, "q"), (layer.k_norm, "k")):
                         name = f"{p}self_attn.{n}_norm.weight"
@@ -559,31 +559,6 @@ class LlamaForCausalLM(nn.Module):
         extra = [k for k in remaining if not k.endswith("rotary_emb.inv_freq")]
         if extra:
             raise ValueError(f"checkpoint has unexpected weights: {sorted(extra)[:5]}")
-
-
-def _load_experts(
-    mlp: SparseMoeBlock,
-    prefix: str,
-    take: Callable[[str], torch.Tensor],
-    put: Callable[[torch.Tensor, torch.Tensor, str], None],
-) -> None:
-    """An MoE layer's router and experts (``mlp.gate``, ``mlp.experts.{e}.{gate,up,down}_proj``)
-    stacked into ``mlp``'s tensors, gate then up."""
-    put(mlp.gate.weight, take(prefix + "mlp.gate.weight"), prefix + "mlp.gate.weight")
-    n = mlp.gate_up.shape[0]
-    e = [f"{prefix}mlp.experts.{i}." for i in range(n)]
-    gate_up = [torch.cat([take(x + "gate_proj.weight"), take(x + "up_proj.weight")]) for x in e]
-    put(mlp.gate_up, torch.stack(gate_up), prefix + "mlp.experts (gate | up)")
-    down = torch.stack([take(x + "down_proj.weight") for x in e])
-    put(mlp.down, down, prefix + "mlp.experts (down)")
-    if mlp.shared_gate_up is not None:
-        assert mlp.shared_down is not None and mlp.shared_gate is not None
-        s = prefix + "mlp.shared_expert."
-        gate_up = torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")])
-        put(mlp.shared_gate_up.weight, gate_up, s + "gate | up")
-        put(mlp.shared_down.weight, take(s + "down_proj.weight"), s + "down_proj.weight")
-        gate = prefix + "mlp.shared_expert_gate.weight"
-        put(mlp.shared_gate.weight, take(gate), gate)
 
 
 def allocate_kv_cache(

@@ -153,3 +153,30 @@ class SparseMoeBlock(nn.Module):
         assert self.shared_gate_up is not None
         g, u = self.shared_gate_up(x).chunk(2, dim=-1)
         return torch.sigmoid(self.shared_gate(x)) * self.shared_down(silu_mul(g, u))
+
+
+def load_experts(
+    mlp: SparseMoeBlock,
+    prefix: str,
+    take: Callable[[str], torch.Tensor],
+    put: Callable[[torch.Tensor, torch.Tensor, str], None],
+) -> None:
+    """An MoE layer's router and experts (``mlp.gate``, ``mlp.experts.{e}.{gate,up,down}_proj``)
+    stacked into ``mlp``'s tensors, gate then up, and its shared expert where it has one;
+    ``take(name)`` pops a checkpoint weight, ``put(param, value, name)`` checks and copies
+    (``LlamaForCausalLM.load_weights``'s)."""
+    put(mlp.gate.weight, take(prefix + "mlp.gate.weight"), prefix + "mlp.gate.weight")
+    n = mlp.gate_up.shape[0]
+    e = [f"{prefix}mlp.experts.{i}." for i in range(n)]
+    gate_up = [torch.cat([take(x + "gate_proj.weight"), take(x + "up_proj.weight")]) for x in e]
+    put(mlp.gate_up, torch.stack(gate_up), prefix + "mlp.experts (gate | up)")
+    down = torch.stack([take(x + "down_proj.weight") for x in e])
+    put(mlp.down, down, prefix + "mlp.experts (down)")
+    if mlp.shared_gate_up is not None:
+        assert mlp.shared_down is not None and mlp.shared_gate is not None
+        s = prefix + "mlp.shared_expert."
+        gate_up = torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")])
+        put(mlp.shared_gate_up.weight, gate_up, s + "gate | up")
+        put(mlp.shared_down.weight, take(s + "down_proj.weight"), s + "down_proj.weight")
+        gate = prefix + "mlp.shared_expert_gate.weight"
+        put(mlp.shared_gate.weight, take(gate), gate)
