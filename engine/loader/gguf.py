@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -192,44 +192,13 @@ def config_from_gguf(
         vocab_size = len(metadata.get("tokenizer.ggml.tokens") or ())
     theta = get("rope.freq_base", float, 10000.0)
 
-    rope_scaling: dict[str, Any] | None = None
-    scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
-    elif scaling_type == "yarn":
-        rope_scaling = {
-            "rope_type": "yarn",
-            "factor": get("rope.scaling.factor", float),
-            "original_max_position_embeddings": get("rope.scaling.original_context_length", int),
-        }
-        for beta in ("beta_fast", "beta_slow"):  # llama.cpp's defaults are YaRN's: 32 and 1
-            if f"{arch}.rope.scaling.yarn_{beta}" in metadata:
-                rope_scaling[beta] = get(f"rope.scaling.yarn_{beta}", float)
-    elif scaling_type != "none":
-        raise ModelLoadError(
-            f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported; "
-            "expected none, linear or yarn"
-        )
+    rope_scaling = _rope_scaling(path, metadata, arch, get)
     if "rope_freqs.weight" in tensors:
         if rope_scaling is not None:
             raise ModelLoadError(f"{path}: both rope_freqs.weight and rope.scaling.type are set")
         factors = _dequantize(path, tensors["rope_freqs.weight"]).astype(np.float32).reshape(-1)
         rope_scaling = _rope_scaling_from_freqs(path, factors, theta, head_dim)
-
-    experts: dict[str, Any] = {}
-    if model.experts:
-        experts = {
-            "num_experts": get("expert_count", int),
-            "num_experts_per_tok": get("expert_used_count", int),
-            # Mixtral's experts are feed_forward_length wide; Qwen3-MoE says it apart.
-            "moe_intermediate_size": get(
-                "expert_feed_forward_length", int, get("feed_forward_length", int)
-            ),
-            # llama.cpp renormalises the top-k weights of Mixtral and Qwen3-MoE, not of
-            # Qwen2-MoE (norm_w in its MoE graph), as transformers does for their checkpoints.
-            "norm_topk_prob": model.name != "qwen2_moe",
-            "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", int, 0),
-        }
+    experts = _experts(model, get) if model.experts else {}
     try:
         return ModelConfig(
             architecture=model.name,
@@ -254,6 +223,51 @@ def config_from_gguf(
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: invalid model hyper-parameters: {exc}") from exc
+
+
+def _rope_scaling(
+    path: Path, metadata: Mapping[str, Any], arch: str, get: Callable[..., Any]
+) -> dict[str, Any] | None:
+    """The HF-style rope_scaling of ``{arch}.rope.scaling.*`` (None: plain RoPE).
+
+    Raises:
+        ModelLoadError: a scaling type other than none, linear or yarn.
+    """
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "none":
+        return None
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
+    if scaling_type != "yarn":
+        raise ModelLoadError(
+            f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported; "
+            "expected none, linear or yarn"
+        )
+    scaling = {
+        "rope_type": "yarn",
+        "factor": get("rope.scaling.factor", float),
+        "original_max_position_embeddings": get("rope.scaling.original_context_length", int),
+    }
+    for beta in ("beta_fast", "beta_slow"):  # llama.cpp's defaults are YaRN's: 32 and 1
+        if f"{arch}.rope.scaling.yarn_{beta}" in metadata:
+            scaling[beta] = get(f"rope.scaling.yarn_{beta}", float)
+    return scaling
+
+
+def _experts(model: Architecture, get: Callable[..., Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``ModelConfig`` from ``{arch}.expert_*``."""
+    return {
+        "num_experts": get("expert_count", int),
+        "num_experts_per_tok": get("expert_used_count", int),
+        # Mixtral's experts are feed_forward_length wide; Qwen2/3-MoE say it apart.
+        "moe_intermediate_size": get(
+            "expert_feed_forward_length", int, get("feed_forward_length", int)
+        ),
+        # llama.cpp renormalises the top-k weights of Mixtral and Qwen3-MoE, not of Qwen2-MoE
+        # (norm_w in its MoE graph), as transformers does for their checkpoints.
+        "norm_topk_prob": model.name != "qwen2_moe",
+        "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", int, 0),
+    }
 
 
 def _fused_name(config: ModelConfig, hf_name: str, shape: tuple[int, ...]) -> str | None:

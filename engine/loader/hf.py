@@ -79,34 +79,7 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
         "head_dim", hidden // num_heads if isinstance(hidden, int) and num_heads else 0
     )
 
-    partial = data.get("partial_rotary_factor", 1.0)
-    if partial not in (None, 1, 1.0):
-        raise ModelLoadError(
-            f"{config_file}: partial_rotary_factor {partial!r} (RoPE on part of each head) is not "
-            "supported; expected 1.0"
-        )
-    rope = data.get("rope_parameters")
-    if isinstance(rope, dict):
-        theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
-        scaling: dict[str, Any] | None = {k: v for k, v in rope.items() if k != "rope_theta"}
-    else:
-        theta = field("rope_theta", 10000.0)
-        scaling = data.get("rope_scaling")
-    if scaling is not None:
-        scaling = dict(scaling)
-        # transformers 4 wrote the kind as "type"; "default" is plain RoPE.
-        kind = scaling.pop("type", None)
-        scaling.setdefault("rope_type", kind or "default")
-        if scaling["rope_type"] == "default":
-            scaling = None
-    if scaling is not None and scaling["rope_type"] == "longrope":
-        # Phi-3 keeps the original context beside the scaling, and its factor as the ratio.
-        original = scaling.get("original_max_position_embeddings")
-        original = original or field("original_max_position_embeddings")
-        scaling["original_max_position_embeddings"] = original
-        if scaling.get("factor") is None:
-            scaling["factor"] = field("max_position_embeddings") / original
-
+    theta, scaling = _rope_from_hf(config_file, data, field)
     # Qwen2's q/k/v always carry a bias; the others only when the config says so.
     attention_bias = ARCHITECTURES[arch].qkv_bias or bool(data.get("attention_bias", False))
     experts = _experts_from_hf(arch, data, field)
@@ -138,6 +111,45 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
         )
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{config_file}: invalid model hyper-parameters: {exc}") from exc
+
+
+def _rope_from_hf(
+    config_file: Path, data: dict[str, Any], field: Callable[..., Any]
+) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` of a config in the transformers 4 (``rope_theta`` /
+    ``rope_scaling``) or 5 (``rope_parameters``) spelling; rope_scaling None for plain RoPE.
+
+    Raises:
+        ModelLoadError: a partial rotary factor other than 1.
+    """
+    partial = data.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(
+            f"{config_file}: partial_rotary_factor {partial!r} (RoPE on part of each head) is not "
+            "supported; expected 1.0"
+        )
+    rope = data.get("rope_parameters")
+    if isinstance(rope, dict):
+        theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
+        scaling: dict[str, Any] | None = {k: v for k, v in rope.items() if k != "rope_theta"}
+    else:
+        theta = field("rope_theta", 10000.0)
+        scaling = data.get("rope_scaling")
+    if scaling is not None:
+        scaling = dict(scaling)
+        # transformers 4 wrote the kind as "type"; "default" is plain RoPE.
+        kind = scaling.pop("type", None)
+        scaling.setdefault("rope_type", kind or "default")
+        if scaling["rope_type"] == "default":
+            scaling = None
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        # Phi-3 keeps the original context beside the scaling, and its factor as the ratio.
+        original = scaling.get("original_max_position_embeddings")
+        original = original or field("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original
+        if scaling.get("factor") is None:
+            scaling["factor"] = field("max_position_embeddings") / original
+    return float(theta), scaling
 
 
 def _experts_from_hf(arch: str, data: dict[str, Any], field: Callable[..., Any]) -> dict[str, Any]:
