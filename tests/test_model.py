@@ -577,3 +577,14 @@ def test_packed_experts_compute_the_unpacked_logits(arch):
     mlp = model.layers[0].mlp
     assert mlp is not None and mlp.packed is not None and mlp.gate_up.numel() == 0
     assert (packed - plain).abs().max().item() <= 1e-4 * plain.abs().max().item()
+
+
+def test_an_moe_block_takes_a_step_without_tokens():
+    from baton.engine.models.moe import SparseMoeBlock
+
+    block = SparseMoeBlock(16, 8, 4, 2, True)
+    with torch.no_grad():
+        block.gate_up.normal_()
+        block.down.normal_()
+    assert block(torch.empty(0, 16)).shape == (0, 16)
+    assert block(torch.randn(3, 16)).shape == (3, 16)

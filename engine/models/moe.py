@@ -1,5 +1,6 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router, then each token through its top-k
-SwiGLU experts, their outputs summed with the router's weights.
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router, then each token through
+its top-k SwiGLU experts, their outputs summed with the router's weights (plus Qwen2-MoE's
+shared expert).
 
 The experts' weights are stacked, ``[E, 2 * ff, hidden]`` (gate | up) and ``[E, hidden, ff]``;
 on a CPU they are packed per expert for oneDNN like the dense layers (``pack_weights``).
@@ -24,7 +25,7 @@ from baton.kernels.silu_mul import silu_mul
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's ``top_k`` experts and their weights: softmax in float32 over the router's
-    ``logits`` ``[T, E]``, the k largest (ties to the lower expert id, as ``torch.topk``), the k
+    ``logits`` ``[T, E]``, the k largest (``torch.topk``, as transformers picks them), the k
     weights divided by their sum when ``renormalize``. Returns ``(weights [T, k] float32,
     experts [T, k] int64)``."""
     probs = torch.softmax(logits.float(), dim=-1)
@@ -42,31 +43,27 @@ def experts_forward(
     expert: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * expert(experts[t, j], x[t])`` for every token ``t`` of ``x``
-    ``[T, hidden]``, ``expert(e, rows)`` being expert ``e``'s MLP over a block of rows. Each
-    expert's rows are weighted in float32 and summed in the token's order of its k choices,
-    so a token's result does not depend on which other tokens share the step's experts in
-    float32 (the GEMMs see different row counts)."""
+    ``[T, hidden]``, ``expert(e, rows)`` being expert ``e``'s MLP over a block of rows
+    (returning float32 ``[rows, hidden]``). The weighted sum runs in float32 in the order of
+    the token's k choices, whatever else the step holds; only the experts' GEMMs see row
+    counts that depend on the batch."""
     t, k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     rows = x[order // k]
-    out_rows: torch.Tensor | None = None
+    out_rows = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, count in enumerate(counts):
         if not count:
             continue
         stop = start + count
-        y = expert(e, rows[start:stop])
-        if out_rows is None:
-            out_rows = torch.empty(t * k, y.shape[1], dtype=torch.float32, device=x.device)
-        out_rows[start:stop] = y
+        out_rows[start:stop] = expert(e, rows[start:stop])
         start = stop
-    assert out_rows is not None  # every token chose k >= 1 experts
     # Back to (token, choice) order, then the weighted sum over the k choices in that order.
     unsorted = torch.empty_like(out_rows)
     unsorted[order] = out_rows
-    mixed = unsorted.view(t, k, -1) * weights.unsqueeze(-1)
+    mixed = unsorted.view(t, k, x.shape[1]) * weights.unsqueeze(-1)
     total = mixed[:, 0]
     for j in range(1, k):
         total = total + mixed[:, j]
