@@ -19,21 +19,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from baton.bench.common import RESULTS_DIR, csv_of, judge_goal, print_goals, write_results
+from baton.bench.forward import BatonCase
 from baton.bench.plotting import pyplot
 from baton.engine.config import auto_dtype
-from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.models.llama import LlamaForCausalLM
 from baton.engine.worker.build import add_cpu_kernels
 
-BLOCK = 16
 GOAL_BATCH = 16
 GOAL = 1.3
 
@@ -79,42 +77,6 @@ def build(config: ModelConfig, dtype: torch.dtype, seed: int) -> LlamaForCausalL
     return model
 
 
-class DecodeCase:
-    """``batch`` sequences prefilled with ``context`` tokens; ``step_s`` times decode steps."""
-
-    def __init__(self, model: LlamaForCausalLM, batch: int, context: int, steps: int) -> None:
-        self.model, self.batch, self.context, self.steps = model, batch, context, steps
-        per_seq = -(-(context + steps + 1) // BLOCK)
-        self.tables = torch.arange(1, 1 + batch * per_seq).view(batch, per_seq)
-        dtype = model.embed_tokens.weight.dtype
-        self.kv = allocate_kv_cache(model.config, 1 + batch * per_seq, BLOCK, dtype)
-
-    @torch.inference_mode()
-    def step_s(self, seed: int) -> float:
-        """The median decode step over ``steps`` steps after a fresh prefill (seconds)."""
-        b, n = self.batch, self.context
-        ids = torch.randint(0, self.model.config.vocab_size, (b, n), generator=_gen(seed))
-        meta = AttentionMetadata.build(torch.full((b,), n), torch.full((b,), n), self.tables, BLOCK)
-        hidden = self.model(ids.reshape(-1), torch.arange(n).repeat(b), self.kv, meta)
-        logits = self.model.compute_logits(hidden.view(b, n, -1)[:, -1])
-        times = []
-        for step in range(self.steps):
-            length = n + step + 1
-            tok = logits.argmax(-1)
-            t0 = time.perf_counter()
-            meta = AttentionMetadata.build(
-                torch.ones(b, dtype=torch.int64), torch.full((b,), length), self.tables, BLOCK
-            )
-            hidden = self.model(tok, torch.full((b,), length - 1), self.kv, meta)
-            logits = self.model.compute_logits(hidden)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def run(
     shapes: tuple[str, ...], batches: tuple[int, ...], trials: int, context: int, steps: int
 ) -> dict[str, Any]:
@@ -123,15 +85,19 @@ def run(
     rows = []
     for shape in shapes:
         models = {role: build(c, dtype, seed=0) for role, c in configs(shape).items()}
+        # bench forward's case: prefill ``context`` tokens a sequence, the median decode step.
         cases = {
-            (role, b): DecodeCase(m, b, context, steps)
+            (role, b): BatonCase(m, b, context, steps)
             for role, m in models.items()
             for b in batches
         }
         times: dict[tuple[str, int], list[float]] = {key: [] for key in cases}
         for trial in range(trials):
-            for key, case in cases.items():
-                times[key].append(case.step_s(seed=trial))
+            for (role, b), case in cases.items():
+                gen = torch.Generator().manual_seed(trial)
+                ids = torch.randint(0, models[role].config.vocab_size, (b, context), generator=gen)
+                with torch.inference_mode():
+                    times[role, b].append(case.decode_time(ids))
         for (role, b), samples in times.items():
             cfg = models[role].config
             rows.append(

@@ -104,9 +104,10 @@ SUPPORTED_GGUF_PRE_TYPES = tuple(sorted(_GPT2_REGEX_PRE_TYPES | set(_PRE_TOKENIZ
 SUPPORTED_GGUF_MODELS = ("gpt2", "llama")
 
 
-def gguf_backend(metadata: Mapping[str, Any]) -> BackendTokenizer:
-    """The tokenizer ``tokenizer.ggml.model`` names, its control tokens special and its
-    user-defined ones added (no BOS/EOS post-processor: the caller sets that).
+def gguf_backend(metadata: Mapping[str, Any], specials: GgufSpecials) -> BackendTokenizer:
+    """The tokenizer ``tokenizer.ggml.model`` names, its control tokens (and ``specials``'
+    named tokens) special and its user-defined ones added (no BOS/EOS post-processor: the
+    caller sets that).
 
     Raises:
         ValueError: another tokenizer model or ``pre`` type, or missing or inconsistent
@@ -129,7 +130,7 @@ def gguf_backend(metadata: Mapping[str, Any]) -> BackendTokenizer:
         )
     if kind == "llama":
         return _sentencepiece(metadata, tokens, token_types)
-    return _byte_level(metadata, tokens, token_types)
+    return _byte_level(metadata, tokens, token_types, specials)
 
 
 def _sentencepiece(
@@ -161,7 +162,10 @@ def _sentencepiece(
 
 
 def _byte_level(
-    metadata: Mapping[str, Any], tokens: list[str], token_types: Sequence[int]
+    metadata: Mapping[str, Any],
+    tokens: list[str],
+    token_types: Sequence[int],
+    specials: GgufSpecials,
 ) -> BackendTokenizer:
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in _GPT2_REGEX_PRE_TYPES and pre not in _PRE_TOKENIZER_SPLITS:
@@ -214,7 +218,6 @@ def _byte_level(
     # Control tokens become special added tokens so text containing them maps to one id; a
     # "control" token outside the byte alphabet is a llama.cpp mislabel (transformers skips
     # those too). The named special tokens are special whatever their type.
-    specials = gguf_specials(metadata)
     named = {i for i in (specials.bos_token_id, specials.unk_token_id, specials.pad_token_id)}
     named.add(specials.eos_token_ids[0])
     control = [

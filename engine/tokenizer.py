@@ -171,8 +171,8 @@ class Tokenizer:
         Raises ``ValueError`` naming the key for another model or pre-tokenizer, or for
         missing/inconsistent vocabulary data.
         """
-        backend = gguf_backend(metadata)
         specials = gguf_specials(metadata)
+        backend = gguf_backend(metadata, specials)
         if specials.add_bos or specials.add_eos:
             backend.post_processor = _bos_eos_post_processor(specials.bos_token, specials.eos_token)
         else:  # transformers' SentencePiece class brings its own BOS template

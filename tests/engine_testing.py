@@ -1,11 +1,20 @@
-"""Helpers shared by the engine tests: run a set of requests to the end."""
+"""Helpers shared by the engine tests: run a set of requests to the end; compare two loads of a
+model; run one JSON-schema request on a model and check its object."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
 import pytest
 import torch
 
-from baton.engine import SamplingParams
+from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.engine.loader import Checkpoint
 from baton.engine.models import llama as llama_module
 from baton.engine.models.quant import Int8Weight
 from baton.engine.processing.llm_engine import LLMEngine
@@ -47,3 +56,45 @@ def spy_int8_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(llama_module, "int8_linear", spy)
     return rows
+
+
+def assert_equal_weights(a: Checkpoint, b: Checkpoint) -> None:
+    """The same weight names, each bit for bit."""
+    assert set(a.weights) == set(b.weights)
+    for key, value in a.weights.items():
+        assert torch.equal(value, b.weights[key]), key
+
+
+def assert_same_checkpoint(a: Checkpoint, b: Checkpoint) -> None:
+    """Equal configs (the norm epsilon to float32, as GGUF keeps it) and equal weights."""
+    ours, theirs = dataclasses.asdict(a.config), dataclasses.asdict(b.config)
+    assert theirs.pop("rms_norm_eps") == pytest.approx(ours.pop("rms_norm_eps"), rel=1e-6)
+    assert ours == theirs
+    assert_equal_weights(a, b)
+
+
+def llama_cpp_convert(folder: Path, out: Path) -> Path:
+    """``folder`` as GGUF (float32 tensors) by llama.cpp's converter; its output in the failure."""
+    from baton.bench.llama_cpp_build import convert_hf
+
+    try:
+        return convert_hf(folder, out, "f32")
+    except subprocess.CalledProcessError as exc:
+        raise AssertionError(f"convert_hf_to_gguf.py failed:\n{exc.stderr[-3000:]}") from exc
+
+
+def json_object(model: str, prompt: str, schema: dict[str, Any], max_tokens: int) -> Any:
+    """One greedy JSON-schema request on ``model`` (float32): it must stop, and its object
+    validate against ``schema``; returns the object."""
+    llm = LLM(model, dtype="float32", max_model_len=256, max_num_seqs=4)
+    try:
+        spec = StructuredOutputsParams(json=schema)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=spec)
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop", completion
+    value = json.loads(completion.text)
+    jsonschema.validate(value, schema)
+    return value

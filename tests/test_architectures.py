@@ -5,19 +5,23 @@ argmax; and a JSON-schema request validated on a dense and on a mixture-of-exper
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 import torch
 from conftest import build_tiny_model_dir, gguf_from_hf_dir, mini_tokenizer_metadata
+from engine_testing import (
+    assert_equal_weights,
+    assert_same_checkpoint,
+    json_object,
+    llama_cpp_convert,
+)
 
-from baton.bench.llama_cpp_build import convert_hf, converter
-from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.bench.llama_cpp_build import converter
+from baton.engine import LLM, SamplingParams
 from baton.engine.loader import ModelLoadError, load_checkpoint
 from baton.engine.tokenizer import Tokenizer
 
@@ -111,9 +115,7 @@ def test_gguf_config_equals_folder_config(variant, tmp_path):
     assert (
         kind(a.config) == kind(b.config) == VARIANTS[name].get("rope_scaling", {}).get("rope_type")
     )
-    assert set(a.weights) == set(b.weights)
-    for key, value in a.weights.items():
-        assert torch.equal(value, b.weights[key]), key
+    assert_equal_weights(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -133,18 +135,9 @@ def test_llama_cpp_converter_output_loads_as_its_folder(variant, tmp_path, llama
     name, folder = variant
     if name in NO_CONVERTER:
         pytest.skip("llama.cpp's converter writes Phi-3 only with a SentencePiece tokenizer")
-    try:
-        gguf = convert_hf(folder, tmp_path / f"{name}.gguf", "f32")
-    except subprocess.CalledProcessError as exc:
-        raise AssertionError(f"convert_hf_to_gguf.py failed:\n{exc.stderr[-3000:]}") from exc
+    gguf = llama_cpp_convert(folder, tmp_path / f"{name}.gguf")
     a, b = load_checkpoint(folder), load_checkpoint(gguf)
-    ours, theirs = dataclasses.asdict(a.config), dataclasses.asdict(b.config)
-    # GGUF keeps the norm epsilon as a float32.
-    assert theirs.pop("rms_norm_eps") == pytest.approx(ours.pop("rms_norm_eps"), rel=1e-6)
-    assert ours == theirs
-    assert set(a.weights) == set(b.weights)
-    for key, value in a.weights.items():
-        assert torch.equal(value, b.weights[key]), key
+    assert_same_checkpoint(a, b)
     for text in PROMPTS:
         assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
 
@@ -163,17 +156,7 @@ def test_json_schema_request_gives_a_valid_object(tokenizer, tmp_path, arch):
         "required": ["name", "age", "colour"],
         "additionalProperties": False,
     }
-    llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_seqs=4)
-    try:
-        params = SamplingParams(
-            max_tokens=64, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)
-        )
-        (out,) = llm.generate(["A person as JSON:"], params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    completion = out.outputs[0]
-    assert completion.finish_reason == "stop", completion
-    jsonschema.validate(json.loads(completion.text), schema)
+    json_object(str(folder), "A person as JSON:", schema, max_tokens=64)
 
 
 @pytest.mark.parametrize(

@@ -9,12 +9,11 @@ import json
 import subprocess
 from pathlib import Path
 
-import jsonschema
 import pytest
 import torch
+from engine_testing import assert_same_checkpoint, json_object, llama_cpp_convert
 
-from baton.bench.llama_cpp_build import convert_hf, converter
-from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+from baton.bench.llama_cpp_build import converter
 from baton.engine.loader import load_tokenizer
 
 spm = pytest.importorskip("sentencepiece")
@@ -70,7 +69,7 @@ def spm_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         converter()
     except subprocess.CalledProcessError as exc:
         pytest.skip(f"the llama-cpp-python sdist could not be downloaded: {exc}")
-    return folder, _convert(folder, root / "spm.gguf")
+    return folder, llama_cpp_convert(folder, root / "spm.gguf")
 
 
 SHAPE = {
@@ -82,13 +81,6 @@ SHAPE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 512,
 }
-
-
-def _convert(folder: Path, out: Path) -> Path:
-    try:
-        return convert_hf(folder, out, "f32")
-    except subprocess.CalledProcessError as exc:
-        raise AssertionError(f"convert_hf_to_gguf.py failed:\n{exc.stderr[-3000:]}") from exc
 
 
 def _with_tokenizer(model: torch.nn.Module, folder: Path, sp_model: Path) -> Path:
@@ -154,24 +146,13 @@ def test_json_schema_through_a_sentencepiece_vocabulary(spm_llama: tuple[Path, P
         "required": ["city", "ok", "n"],
         "additionalProperties": False,
     }
-    llm = LLM(str(gguf), dtype="float32", max_model_len=256, max_num_seqs=4)
-    try:
-        params = SamplingParams(
-            max_tokens=96, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)
-        )
-        (out,) = llm.generate(["A city as JSON:"], params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    completion = out.outputs[0]
-    assert completion.finish_reason == "stop", completion
-    jsonschema.validate(json.loads(completion.text), schema)
+    json_object(str(gguf), "A city as JSON:", schema, max_tokens=96)
 
 
 @pytest.mark.parametrize("longrope", [False, True])
 def test_phi3_from_llama_cpp_converter(spm_llama, tmp_path, longrope) -> None:
     """Phi-3 as llama.cpp writes it (q|k|v in attn_qkv, gate|up in ffn_up): the folder's
     config and weights exactly; with LongRoPE (factor tensors) a clear refusal instead."""
-    import dataclasses
 
     from transformers import Phi3Config, Phi3ForCausalLM
 
@@ -191,16 +172,10 @@ def test_phi3_from_llama_cpp_converter(spm_llama, tmp_path, longrope) -> None:
     )
     torch.manual_seed(0)
     phi = _with_tokenizer(Phi3ForCausalLM(config), tmp_path / "phi3", folder / "tokenizer.model")
-    gguf = _convert(phi, tmp_path / "phi3.gguf")
+    gguf = llama_cpp_convert(phi, tmp_path / "phi3.gguf")
     if longrope:
         with pytest.raises(ModelLoadError, match="rope_factors_.* LongRoPE factors") as info:
             load_checkpoint(gguf)
         assert str(gguf) in str(info.value)
         return
-    a, b = load_checkpoint(phi), load_checkpoint(gguf)
-    ours, theirs = dataclasses.asdict(a.config), dataclasses.asdict(b.config)
-    assert theirs.pop("rms_norm_eps") == pytest.approx(ours.pop("rms_norm_eps"), rel=1e-6)
-    assert ours == theirs
-    assert set(a.weights) == set(b.weights)
-    for key, value in a.weights.items():
-        assert torch.equal(value, b.weights[key]), key
+    assert_same_checkpoint(load_checkpoint(phi), load_checkpoint(gguf))

@@ -478,7 +478,8 @@ def load_gguf(
     shard: ShardSpec | None = None,
     keep_quantized: bool = False,
 ) -> Checkpoint:
-    """Load a llama/mistral/qwen2/qwen3 GGUF file as a ``Checkpoint`` with weights in ``dtype``.
+    """Load a GGUF file of an architecture in ``models/architectures.py`` as a ``Checkpoint``
+    with weights in ``dtype``.
 
     Maps the file and dequantises every weight; with ``shard``, only rank ``shard.rank``'s part
     of each (``sharding.weight_slice``), read and dequantised from those bytes of the map alone,

@@ -153,17 +153,19 @@ def _max_model_len(config: EngineConfig, checkpoint: Checkpoint) -> int:
     model = checkpoint.config
     limit = model.max_context
     if limit < model.max_position_embeddings:
-        why = f"has LongRoPE scaling beyond its original {limit} positions"
+        why = (
+            f"the model has LongRoPE scaling beyond its original {limit} positions, whose long "
+            "factors baton does not apply yet"
+        )
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(
-                f"max_model_len={config.max_model_len}: the model {why}, whose long factors "
-                f"baton does not apply yet; up to {limit} tokens it computes the same, so "
-                f"max_model_len must be at most {limit}"
+                f"max_model_len={config.max_model_len}: {why}; up to {limit} tokens it computes "
+                f"the same, so max_model_len must be at most {limit}"
             )
         if config.max_model_len is None:
             logger.warning(
-                "the model %s, whose long factors baton does not apply yet: sequences are "
-                "limited to %d tokens (of its %d positions), where it computes the same",
+                "%s: sequences are limited to %d tokens (of its %d positions), where it "
+                "computes the same",
                 why,
                 limit,
                 model.max_position_embeddings,
