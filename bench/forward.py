@@ -33,7 +33,8 @@ from baton.bench.readme_tables import engine_label
 from baton.engine.loader import load_checkpoint
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.models.kv_cache import allocate_kv_cache
+from baton.engine.models.llama import LlamaForCausalLM
 from baton.engine.worker.build import add_cpu_kernels
 
 RESULTS = RESULTS_DIR

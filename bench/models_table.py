@@ -43,6 +43,12 @@ ALSO = {
         "test_json_schema_through_a_sentencepiece_vocabulary"
     ),
     "Phi-3 from llama.cpp's converter = folder": "test_phi3_from_llama_cpp_converter[False]",
+    "Gemma 2 from llama.cpp's converter = folder, Gemma tokenizer = transformers' ids": (
+        "test_gemma2_from_llama_cpp_converter"
+    ),
+    "JSON schema through Gemma 2's SentencePiece vocabulary": (
+        "test_json_schema_through_gemma2s_vocabulary"
+    ),
     "sliding window = transformers (whole prefill)": (
         "test_sliding_window_attention_equals_transformers[whole]"
     ),
@@ -54,6 +60,8 @@ ALSO = {
     ),
     "JSON schema on Qwen3": "test_json_schema_request_gives_a_valid_object[qwen3]",
     "JSON schema on Qwen3-MoE": "test_json_schema_request_gives_a_valid_object[qwen3_moe]",
+    "JSON schema on Gemma 2": "test_json_schema_request_gives_a_valid_object[gemma2]",
+    "JSON schema on Gemma 3": "test_json_schema_request_gives_a_valid_object[gemma3]",
 }
 
 
@@ -116,11 +124,18 @@ def render(results: dict[str, str], commit: str, cpu: str) -> str:
     ]
     for a in ARCHITECTURES.values():
         experts = a.experts
+        tp = "refused (experts)" if experts else "refused (Gemma)" if a.gemma else "yes"
+        graphs = (
+            "off (experts)"
+            if experts
+            else "off (sliding window, soft-caps)"
+            if a.gemma
+            else "yes (off with a sliding window)"
+        )
         lines.append(
             f"| {a.name} | {', '.join(a.hf_classes)} | {a.gguf_name}"
             + (" (with an expert count)" if experts and a.gguf_name == "llama" else "")
-            + f" | {'refused (experts)' if experts else 'yes'}"
-            + f" | {'off (experts)' if experts else 'yes (off with a sliding window)'}"
+            + f" | {tp} | {graphs}"
             + f" | {'attention only; experts dequantised' if experts else 'every linear'}"
             + f" | {'refused (experts)' if experts else 'yes'} |"
         )

@@ -240,6 +240,8 @@ def build_tiny_model_dir(
             **special,
         )
         model = Qwen3MoeForCausalLM(config)
+    elif arch in ("gemma2", "gemma3"):
+        model = _tiny_gemma(arch, tokenizer, rope_scaling, special)
     elif arch == "qwen2":
         shape = {k: v for k, v in TINY_SHAPE.items() if k != "head_dim"}  # Qwen2 derives it
         config = Qwen2Config(
@@ -253,7 +255,7 @@ def build_tiny_model_dir(
     else:
         raise ValueError(
             f"unknown tiny architecture {arch!r}; "
-            "expected llama, qwen2, qwen3, phi3, mixtral, qwen2_moe or qwen3_moe"
+            "expected llama, qwen2, qwen3, phi3, mixtral, qwen2_moe, qwen3_moe, gemma2 or gemma3"
         )
     _randomize(model, seed)
     directory.mkdir(parents=True, exist_ok=True)
@@ -272,6 +274,33 @@ def build_tiny_model_dir(
         tokenizer_config["chat_template"] = tokenizer.chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return directory
+
+
+def _tiny_gemma(
+    arch: str, tokenizer: Tokenizer, rope_scaling: dict[str, Any] | None, special: dict[str, Any]
+) -> torch.nn.Module:
+    """A tiny Gemma 2 (2 layers: windowed, full; caps that bite on these weights) or Gemma 3
+    (6 layers: five windowed with their own RoPE base, one full with ``rope_scaling``) with a
+    window of 8 and llama.cpp's query scale (head_dim)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    common = {
+        **TINY_SHAPE,
+        **special,
+        "vocab_size": tokenizer.vocab_size,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": TINY_SHAPE["head_dim"],
+        "tie_word_embeddings": True,
+    }
+    if arch == "gemma2":
+        config = Gemma2Config(**common, attn_logit_softcapping=4.0, final_logit_softcapping=5.0)
+        return Gemma2ForCausalLM(config)
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0, **(rope_scaling or {})},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    config = Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, rope_parameters=rope)
+    return Gemma3ForCausalLM(config)
 
 
 # Hugging Face name (inside model.layers.{i}) -> llama.cpp name (inside blk.{i}). Written out here
@@ -309,12 +338,41 @@ _HF_TO_GGUF_GLOBAL = {
 _WRITER_OWNED_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture")
 
 
-def gguf_name(hf_name: str) -> str:
-    """llama.cpp's tensor name for a Hugging Face Llama weight name."""
+# Gemma's four norms: its post_attention_layernorm follows attention (not the MLP's norm).
+_GEMMA_NORMS = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def gguf_name(hf_name: str, gemma: bool = False) -> str:
+    """llama.cpp's tensor name for a Hugging Face weight name (``gemma``: of a Gemma model)."""
     if hf_name in _HF_TO_GGUF_GLOBAL:
         return _HF_TO_GGUF_GLOBAL[hf_name]
     _, _, layer, leaf = hf_name.split(".", 3)
-    return f"blk.{layer}.{_HF_TO_GGUF_LAYER[leaf]}"
+    table = {**_HF_TO_GGUF_LAYER, **_GEMMA_NORMS} if gemma else _HF_TO_GGUF_LAYER
+    return f"blk.{layer}.{table[leaf]}"
+
+
+def _gemma_gguf_metadata(arch: str, config: dict[str, Any], metadata: dict[str, Any]) -> None:
+    """Gemma's keys as llama.cpp's converter writes them, and the layer pattern as a bool
+    array (which the converter leaves to llama.cpp's default)."""
+    rope = config.get("rope_parameters") or {}
+    full = rope.get("full_attention", rope)
+    metadata[f"{arch}.rope.freq_base"] = float(full.get("rope_theta", 10000.0))
+    if "sliding_attention" in rope:
+        metadata[f"{arch}.rope.freq_base_swa"] = float(rope["sliding_attention"]["rope_theta"])
+    if full.get("rope_type") == "linear":
+        metadata[f"{arch}.rope.scaling.type"] = "linear"
+        metadata[f"{arch}.rope.scaling.factor"] = float(full["factor"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key):
+            metadata[f"{arch}.{key}"] = float(config[key])
+    types = config["layer_types"]
+    metadata[f"{arch}.attention.sliding_window_pattern"] = [
+        kind == "sliding_attention" for kind in types
+    ]
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -422,6 +480,7 @@ def gguf_from_hf_dir(
         "mixtral": "llama",
         "qwen2_moe": "qwen2moe",
         "qwen3_moe": "qwen3moe",
+        "gemma3_text": "gemma3",
     }.get(model_type, model_type)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     rope = config.get("rope_parameters") or {}
@@ -446,7 +505,10 @@ def gguf_from_hf_dir(
             metadata[f"{arch}.expert_shared_feed_forward_length"] = config[
                 "shared_expert_intermediate_size"
             ]
-    if arch in ("llama", "qwen3", "qwen3moe", "phi3"):
+    gemma = model_type in ("gemma2", "gemma3_text")
+    if gemma:
+        _gemma_gguf_metadata(arch, config, metadata)
+    if arch in ("llama", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3"):
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         metadata[f"{arch}.rope.dimension_count"] = head_dim
         metadata[f"{arch}.attention.key_length"] = head_dim
@@ -471,7 +533,9 @@ def gguf_from_hf_dir(
             proj = {"w1": "gate", "w3": "up", "w2": "down"}.get(proj, proj.removesuffix("_proj"))
             experts.setdefault(f"blk.{layer}.ffn_{proj}_exps.weight", {})[int(expert)] = array
             continue
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, gemma)
+        if gemma and hf_name.endswith("norm.weight"):  # as llama.cpp's converter stores them
+            array = array + 1.0
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             array = llama_cpp_permute(array, heads if ".attn_q." in name else kv_heads)
         tensors[name] = encode_tensor(array, tensor_type(name))
@@ -754,7 +818,7 @@ def decode_after_prompts(
     each prompt's first n tokens prefilled alone into its own two cache blocks (block size
     ``block``), then its token n decoded, all of ``which`` in one step."""
     from baton.engine.models.attention import AttentionMetadata
-    from baton.engine.models.llama import allocate_kv_cache
+    from baton.engine.models.kv_cache import allocate_kv_cache
 
     seqs, n = prompts.shape[0], prompts.shape[1] - 1
     tables = torch.tensor([[1 + 2 * s, 2 + 2 * s] for s in range(seqs)])

@@ -99,7 +99,7 @@ def test_prefill_tokens_do_not_depend_on_chunking_or_the_batch(dtype: torch.dtyp
     last logits are the same bits prefilled whole, in two chunks, or beside another prompt in
     one step."""
     from baton.engine.models.attention import AttentionMetadata
-    from baton.engine.models.llama import allocate_kv_cache
+    from baton.engine.models.kv_cache import allocate_kv_cache
 
     model = _model(dtype, "int8", True, False)
     gen = torch.Generator().manual_seed(2)

@@ -28,8 +28,10 @@ from baton.engine import LLM, SamplingParams
 from baton.engine.config import EngineConfig
 from baton.engine.loader import ModelLoadError, ShardSpec, load_checkpoint
 from baton.engine.models.attention import AttentionMetadata
+from baton.engine.models.causal_lm import causal_lm_class
 from baton.engine.models.gguf_linear import PROJECTIONS
-from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.models.kv_cache import allocate_kv_cache
+from baton.engine.models.llama import LlamaForCausalLM
 from baton.engine.worker.build import add_cpu_kernels
 from baton.kernels.quant_formats import QuantWeight, dequantize
 from baton.kernels.quant_linear import dequantize_rows_native
@@ -67,7 +69,7 @@ def quant_gguf(
 
 def _model(path: Path, dtype: torch.dtype, keep: bool) -> LlamaForCausalLM:
     ckpt = load_checkpoint(path, dtype, keep_quantized=keep)
-    model = LlamaForCausalLM(ckpt.config, quantized=ckpt.quantized).to(dtype)
+    model = causal_lm_class(ckpt.config)(ckpt.config, quantized=ckpt.quantized).to(dtype)
     model.load_weights(ckpt.weights)
     add_cpu_kernels(model, "gguf" if keep else None)
     return model.eval()
@@ -142,13 +144,16 @@ def _decode_logits(model: LlamaForCausalLM, prompt: list[int], steps: int) -> to
     blocks = torch.tensor([list(range(1, 9))])
     dtype = model.embed_tokens.weight.dtype
     kv = allocate_kv_cache(model.config, 9, BLOCK, dtype)
-    meta = AttentionMetadata.build(torch.tensor([n]), torch.tensor([n]), blocks, BLOCK)
+    window = model.config.sliding_window
+    meta = AttentionMetadata.build(
+        torch.tensor([n]), torch.tensor([n]), blocks, BLOCK, sliding_window=window
+    )
     with torch.no_grad():
         rows = [model.compute_logits(model(torch.tensor(prompt), torch.arange(n), kv, meta))[-1]]
         for i in range(steps):
             tok = rows[-1].argmax().view(1)
             meta = AttentionMetadata.build(
-                torch.tensor([1]), torch.tensor([n + i + 1]), blocks, BLOCK
+                torch.tensor([1]), torch.tensor([n + i + 1]), blocks, BLOCK, sliding_window=window
             )
             rows.append(model.compute_logits(model(tok, torch.tensor([n + i]), kv, meta))[0])
     return torch.stack(rows)
@@ -342,6 +347,24 @@ def test_qwen3_qk_norms_through_the_kernel(tokenizer, tmp_path: Path) -> None:
     ref = _decode_logits(_model(path, torch.float32, keep=False), PROMPTS[2], 4)
     out = _decode_logits(model, PROMPTS[2], 4)
     assert model._fused is None and not model._fusable
+    assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_through_the_kernel(tokenizer, tmp_path: Path, arch: str) -> None:
+    """Gemma: every projection from its Q8_0 blocks under Gemma's block (sandwich norms,
+    GeGLU, soft-caps, windowed and full layers), decoding past the window of 8; the norms stay
+    F32 as llama.cpp keeps them."""
+    folder = build_tiny_model_dir(tmp_path / arch, tokenizer, arch)
+    path = gguf_from_hf_dir(
+        folder, tmp_path / f"{arch}.gguf", mini_tokenizer_metadata(), _linear_type("Q8_0")
+    )
+    model = _model(path, torch.float32, keep=True)
+    assert all(q is not None for q in model.layers[0].quant or ())
+    ref = _decode_logits(_model(path, torch.float32, keep=False), PROMPTS[0], 8)
+    out = _decode_logits(model, PROMPTS[0], 8)
+    assert not model._fusable
     assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.llama import allocate_kv_cache, untouched_zeros
+from baton.engine.models.kv_cache import allocate_kv_cache, untouched_zeros
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux")
 

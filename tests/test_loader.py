@@ -402,9 +402,9 @@ def test_unsupported_tensor_type(tmp_path: Path) -> None:
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     path = write_gguf(
-        tmp_path / "gemma.gguf", "gemma2", _tiny_metadata("gemma2"), _tiny_tensors(MINI_VOCAB)
+        tmp_path / "falcon.gguf", "falcon", _tiny_metadata("falcon"), _tiny_tensors(MINI_VOCAB)
     )
-    with pytest.raises(ModelLoadError, match=r"gemma\.gguf.*'gemma2'.*llama, mistral, qwen2"):
+    with pytest.raises(ModelLoadError, match=r"falcon\.gguf.*'falcon'.*llama, mistral, qwen2"):
         load_checkpoint(path)
 
 
@@ -438,7 +438,7 @@ def test_gguf_missing_hyperparameter(tmp_path: Path) -> None:
 
 
 def test_gguf_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:
-    from baton.engine.loader.gguf import _llama3_rope_factors
+    from baton.engine.loader.gguf_config import _llama3_rope_factors
 
     tensors = _tiny_tensors(MINI_VOCAB)
     factors = _llama3_rope_factors(10000.0, 16, 8.0, 1.0, 4.0, 8192)

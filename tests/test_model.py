@@ -27,7 +27,8 @@ from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
 
 from baton.engine.models.attention import AttentionMetadata, paged_attention
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.models.kv_cache import allocate_kv_cache
+from baton.engine.models.llama import LlamaForCausalLM
 from baton.engine.models.quant import int8_linear, quantize_int8
 
 BLOCK = 4

@@ -1,7 +1,8 @@
-"""SentencePiece GGUF vocabularies (Llama 2, Mistral up to v0.3): a tiny SentencePiece BPE
+"""SentencePiece GGUF vocabularies (Llama 2, Mistral up to v0.3, Gemma): a tiny SentencePiece BPE
 model trained here, a Llama folder using it, converted to GGUF by llama.cpp's own converter;
 baton's tokenizer from that GGUF gives transformers' ids for the folder on a fixed text set, and
-a JSON-schema request through it gives a valid object."""
+a JSON-schema request through it gives a valid object. The same for a Gemma 2 folder with a
+Gemma-style vocabulary (no dummy prefix, <pad> <eos> <bos> <unk> <mask> first)."""
 
 from __future__ import annotations
 
@@ -44,27 +45,12 @@ def spm_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("spm")
-    (root / "corpus.txt").write_text(CORPUS * 40)
-    spm.SentencePieceTrainer.train(
-        input=str(root / "corpus.txt"),
-        model_prefix=str(root / "tokenizer"),
-        vocab_size=400,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=1.0,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        split_digits=True,
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=-1,
-        user_defined_symbols=["<tool>"],
-        minloglevel=2,
+    sp_model = _train(
+        root, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, user_defined_symbols=["<tool>"]
     )
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPE, bos_token_id=1, eos_token_id=2)
-    folder = _with_tokenizer(LlamaForCausalLM(config), root / "model", root / "tokenizer.model")
+    folder = _with_tokenizer(LlamaForCausalLM(config), root / "model", sp_model)
     try:
         converter()
     except subprocess.CalledProcessError as exc:
@@ -179,3 +165,112 @@ def test_phi3_from_llama_cpp_converter(spm_llama, tmp_path, longrope) -> None:
         assert str(gguf) in str(info.value)
         return
     assert_same_checkpoint(load_checkpoint(phi), load_checkpoint(gguf))
+
+
+def _train(root: Path, **options: object) -> Path:
+    """A 400-piece SentencePiece BPE with byte fallback trained on ``CORPUS``; its model file."""
+    (root / "corpus.txt").write_text(CORPUS * 40)
+    spm.SentencePieceTrainer.train(
+        input=str(root / "corpus.txt"),
+        model_prefix=str(root / "tokenizer"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        minloglevel=2,
+        **options,
+    )
+    return root / "tokenizer.model"
+
+
+@pytest.fixture(scope="module")
+def spm_gemma2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(Hugging Face folder, its GGUF by llama.cpp's converter, which writes Gemma 2 only with
+    a tokenizer.model) of a tiny random Gemma 2 with a Gemma-style SentencePiece vocabulary."""
+    from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM
+
+    root = tmp_path_factory.mktemp("spm_gemma")
+    sp_model = _train(
+        root,
+        add_dummy_prefix=False,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        bos_piece="<bos>",
+        eos_piece="<eos>",
+        user_defined_symbols=["<mask>", "<tool>"],
+    )
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        **SHAPE,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    folder = root / "gemma2"
+    Gemma2ForCausalLM(config).save_pretrained(folder)
+    (folder / "tokenizer.model").write_bytes(sp_model.read_bytes())
+    specials = ((0, "<pad>", True), (1, "<eos>", True), (2, "<bos>", True), (3, "<unk>", True))
+    tokens = (*specials, (4, "<mask>", True), (5, "<tool>", False))
+    tokenizer_config = json.dumps(
+        {
+            "tokenizer_class": "GemmaTokenizer",
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "unk_token": "<unk>",
+            "pad_token": "<pad>",
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "added_tokens_decoder": {
+                str(i): {"content": text, "special": special, "normalized": False}
+                for i, text, special in tokens
+            },
+        }
+    )
+    (folder / "tokenizer_config.json").write_text(tokenizer_config)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text(tokenizer_config)
+    try:
+        converter()
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"the llama-cpp-python sdist could not be downloaded: {exc}")
+    return folder, llama_cpp_convert(folder, root / "gemma2.gguf")
+
+
+@pytest.mark.timeout(600)
+def test_gemma2_from_llama_cpp_converter(spm_gemma2: tuple[Path, Path]) -> None:
+    """Gemma 2 as llama.cpp writes it (norms stored as 1 + w, its four norm names, the caps,
+    its SentencePiece vocabulary without a dummy prefix): the folder's config and weights
+    exactly, and transformers' GemmaTokenizer ids on the text set."""
+    from transformers import AutoTokenizer
+
+    from baton.engine.loader import load_checkpoint
+
+    folder, gguf = spm_gemma2
+    assert_same_checkpoint(load_checkpoint(folder), load_checkpoint(gguf))
+    reference = AutoTokenizer.from_pretrained(folder)
+    assert type(reference).__name__ == "GemmaTokenizer"
+    ours = load_tokenizer(gguf)
+    assert ours.vocab_size == 400 and ours.bos_token_id == 2 and ours.eos_token_id == 1
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+
+
+def test_json_schema_through_gemma2s_vocabulary(spm_gemma2: tuple[Path, Path]) -> None:
+    _, gguf = spm_gemma2
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}, "ok": {"type": "boolean"}},
+        "required": ["city", "ok"],
+        "additionalProperties": False,
+    }
+    json_object(str(gguf), "A city as JSON:", schema, max_tokens=96)

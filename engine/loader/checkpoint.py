@@ -20,7 +20,8 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
     Shapes follow ``torch.nn.Linear``: ``[out_features, in_features]``. ``lm_head.weight`` is
     listed only for an untied model, the q/k/v biases only when ``config.attention_bias`` and
-    the per-head q/k norms only when ``config.qk_norm``; a mixture-of-experts layer lists its
+    the per-head q/k norms only when ``config.qk_norm``, Gemma's norms before and after the MLP
+    for a Gemma architecture; a mixture-of-experts layer lists its
     router (``mlp.gate``) and each expert's gate/up/down (``mlp.experts.{e}.*_proj``), and a
     shared expert's (``mlp.shared_expert.*_proj``, ``mlp.shared_expert_gate``) where it has one.
     Pure function, no side effects.
@@ -44,6 +45,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{prefix}.self_attn.k_proj.bias"] = (kv_rows,)
             shapes[f"{prefix}.self_attn.v_proj.bias"] = (kv_rows,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+        if config.arch.gemma:  # the norms before and after Gemma's MLP
+            shapes[f"{prefix}.pre_feedforward_layernorm.weight"] = (hidden,)
+            shapes[f"{prefix}.post_feedforward_layernorm.weight"] = (hidden,)
         if config.moe_layer(i):
             ff = config.moe_intermediate_size
             shapes[f"{prefix}.mlp.gate.weight"] = (config.num_experts, hidden)

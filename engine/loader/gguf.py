@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,8 +13,9 @@ from gguf import GGML_QUANT_SIZES
 from baton.engine.loader.checkpoint import Checkpoint, check_shard_fits, split_fused
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import gguf_sampling_defaults
+from baton.engine.loader.gguf_config import architecture_of, config_from_gguf
 from baton.engine.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor, read_gguf_file
-from baton.engine.models.architectures import ARCHITECTURES, Architecture, gguf_architecture
+from baton.engine.models.architectures import ARCHITECTURES, Architecture
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.sharding import ShardSpec, WeightSlice, weight_slice
 from baton.engine.tokenizer import Tokenizer
@@ -72,6 +72,14 @@ _EXPERT_TENSORS = {
     "ffn_up_exps.weight": f"mlp.experts.{EXPERTS_MARK}.up_proj.weight",
     "ffn_down_exps.weight": f"mlp.experts.{EXPERTS_MARK}.down_proj.weight",
 }
+# Gemma's four norms per layer: post_attention_norm follows attention, ffn_norm precedes the
+# MLP (its pre_feedforward_layernorm), post_ffw_norm follows it.
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -106,170 +114,6 @@ def load_gguf_tokenizer(path: Path, metadata: Mapping[str, Any]) -> Tokenizer:
         raise ModelLoadError(f"{path}: cannot build the tokenizer: {exc}") from exc
 
 
-def _llama3_rope_factors(
-    theta: float, head_dim: int, factor: float, low: float, high: float, original: int
-) -> np.ndarray:
-    """The per-frequency divisors llama.cpp writes as ``rope_freqs`` for Llama 3.1 scaling."""
-    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    low_wavelen, high_wavelen = original / low, original / high
-    out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_wavelen:
-            out.append(1.0)
-        elif wavelen > low_wavelen:
-            out.append(factor)
-        else:
-            smooth = (original / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.asarray(out, dtype=np.float32)
-
-
-def _rope_scaling_from_freqs(
-    path: Path, factors: np.ndarray, theta: float, head_dim: int
-) -> dict[str, Any]:
-    # GGUF keeps only the computed factors, not the Llama 3 parameters behind them; recover the
-    # parameters by matching the published settings (Llama 3.1 / 3.2 / 3.3 families).
-    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
-        candidate = _llama3_rope_factors(theta, head_dim, factor, 1.0, 4.0, 8192)
-        if candidate.shape == factors.shape and np.allclose(candidate, factors, rtol=1e-4):
-            return {
-                "rope_type": "llama3",
-                "factor": factor,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            }
-    raise ModelLoadError(
-        f"{path}: tensor rope_freqs.weight holds RoPE factors that match no known Llama 3 "
-        "rope_scaling setting; expected factor 2/4/8/16/32 with low 1, high 4, original 8192"
-    )
-
-
-def config_from_gguf(
-    path: Path, metadata: Mapping[str, Any], reader: GGUFFile, tokenizer: Tokenizer
-) -> ModelConfig:
-    """The ``ModelConfig`` a GGUF file describes.
-
-    Reads ``{arch}.block_count``, ``embedding_length``, ``feed_forward_length``,
-    ``attention.head_count(_kv)``, ``attention.key_length``, ``rope.freq_base``,
-    ``rope.scaling.*``, ``attention.layer_norm_rms_epsilon``, ``context_length`` and
-    ``vocab_size``; ties the embeddings when there is no ``output.weight`` and turns on the
-    attention bias when ``blk.0.attn_q.bias`` exists. A ``rope_freqs.weight`` tensor becomes a
-    Llama 3 ``rope_scaling``.
-
-    Raises ``ModelLoadError`` naming ``path`` and the key for an unsupported architecture or a
-    missing/invalid hyper-parameter."""
-    model = _architecture(path, metadata)
-    arch = model.gguf_name  # the metadata keys' prefix
-
-    def get(key: str, kind: type, default: Any = None) -> Any:
-        full = f"{arch}.{key}"
-        value = metadata.get(full, default)
-        if value is None:
-            raise ModelLoadError(f"{path}: metadata key {full!r} is missing")
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise ModelLoadError(
-                f"{path}: metadata key {full!r} is {value!r}, expected a {kind.__name__}"
-            )
-        return value
-
-    tensors = {t.name: t for t in reader.tensors}
-    hidden = get("embedding_length", int)
-    num_heads = get("attention.head_count", int)
-    num_kv_heads = get("attention.head_count_kv", int, num_heads)
-    head_dim = get("attention.key_length", int, hidden // num_heads if num_heads else 0)
-    rope_dims = metadata.get(f"{arch}.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
-        raise ModelLoadError(
-            f"{path}: {arch}.rope.dimension_count is {rope_dims} but the head size is {head_dim}; "
-            "partial rotary embeddings are not supported"
-        )
-    vocab_size = metadata.get(f"{arch}.vocab_size")
-    if vocab_size is None:
-        vocab_size = len(metadata.get("tokenizer.ggml.tokens") or ())
-    theta = get("rope.freq_base", float, 10000.0)
-
-    rope_scaling = _rope_scaling(path, metadata, arch, get)
-    if "rope_freqs.weight" in tensors:
-        if rope_scaling is not None:
-            raise ModelLoadError(f"{path}: both rope_freqs.weight and rope.scaling.type are set")
-        factors = _dequantize(path, tensors["rope_freqs.weight"]).astype(np.float32).reshape(-1)
-        rope_scaling = _rope_scaling_from_freqs(path, factors, theta, head_dim)
-    experts = _experts(model, get) if model.experts else {}
-    try:
-        return ModelConfig(
-            architecture=model.name,
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            intermediate_size=get("feed_forward_length", int),
-            num_layers=get("block_count", int),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
-            rope_theta=theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=get("context_length", int, 4096),
-            tie_word_embeddings="output.weight" not in tensors,
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_ids=tokenizer.eos_token_ids,
-            # llama.cpp writes 0 for no window (Phi-3's converter does).
-            sliding_window=metadata.get(f"{arch}.attention.sliding_window") or None,
-            **experts,
-        )
-    except ValueError as exc:
-        raise ModelLoadError(f"{path}: invalid model hyper-parameters: {exc}") from exc
-
-
-def _rope_scaling(
-    path: Path, metadata: Mapping[str, Any], arch: str, get: Callable[..., Any]
-) -> dict[str, Any] | None:
-    """The HF-style rope_scaling of ``{arch}.rope.scaling.*`` (None: plain RoPE).
-
-    Raises:
-        ModelLoadError: a scaling type other than none, linear or yarn.
-    """
-    scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type == "none":
-        return None
-    if scaling_type == "linear":
-        return {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
-    if scaling_type != "yarn":
-        raise ModelLoadError(
-            f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported; "
-            "expected none, linear or yarn"
-        )
-    scaling = {
-        "rope_type": "yarn",
-        "factor": get("rope.scaling.factor", float),
-        "original_max_position_embeddings": get("rope.scaling.original_context_length", int),
-    }
-    for beta in ("beta_fast", "beta_slow"):  # llama.cpp's defaults are YaRN's: 32 and 1
-        if f"{arch}.rope.scaling.yarn_{beta}" in metadata:
-            scaling[beta] = get(f"rope.scaling.yarn_{beta}", float)
-    return scaling
-
-
-def _experts(model: Architecture, get: Callable[..., Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of ``ModelConfig`` from ``{arch}.expert_*``."""
-    return {
-        "num_experts": get("expert_count", int),
-        "num_experts_per_tok": get("expert_used_count", int),
-        # Mixtral's experts are feed_forward_length wide; Qwen2/3-MoE say it apart.
-        "moe_intermediate_size": get(
-            "expert_feed_forward_length", int, get("feed_forward_length", int)
-        ),
-        # llama.cpp renormalises the top-k weights of Mixtral and Qwen3-MoE, not of Qwen2-MoE
-        # (norm_w in its MoE graph), as transformers does for their checkpoints.
-        "norm_topk_prob": model.name != "qwen2_moe",
-        "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", int, 0),
-    }
-
-
 def _fused_name(config: ModelConfig, hf_name: str, shape: tuple[int, ...]) -> str | None:
     """The fused Hugging Face name a tensor stands for (Phi-3's q|k|v, and its ``ffn_up``
     that llama.cpp stores as gate|up, twice the MLP's width), else None."""
@@ -280,20 +124,6 @@ def _fused_name(config: ModelConfig, hf_name: str, shape: tuple[int, ...]) -> st
     if hf_name.endswith("mlp.up_proj.weight") and shape[0] == 2 * config.intermediate_size:
         return hf_name[: -len("up_proj.weight")] + "gate_up_proj.weight"
     return None
-
-
-def _architecture(path: Path, metadata: Mapping[str, Any]) -> Architecture:
-    """The file's architecture (``general.architecture``, and its expert count).
-
-    Raises:
-        ModelLoadError: naming ``path`` and the architectures baton reads.
-    """
-    name = metadata.get("general.architecture")
-    experts = metadata.get(f"{name}.expert_count", 0)
-    try:
-        return gguf_architecture(name, experts if isinstance(experts, int) else 0)
-    except ValueError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc
 
 
 def _native_decodes(kind: str, data: np.ndarray) -> bool:
@@ -419,12 +249,14 @@ def unpermute_qk(weight: _Rows, num_heads: int) -> _Rows:
     )
 
 
-def _hf_names(path: Path, reader: GGUFFile, arch: str) -> list[tuple[GGUFTensor, str]]:
+def _hf_names(path: Path, reader: GGUFFile, model: Architecture) -> list[tuple[GGUFTensor, str]]:
     """Each tensor the model takes with its Hugging Face name (ignored ones left out).
 
     Raises:
-        ModelLoadError: a tensor that is no decoder tensor of ``arch``.
+        ModelLoadError: a tensor that is no decoder tensor of ``model``.
     """
+    arch = model.gguf_name
+    layer_tensors = _GEMMA_LAYER_TENSORS if model.gemma else _LAYER_TENSORS
     out = []
     for tensor in reader.tensors:
         name = tensor.name
@@ -434,8 +266,8 @@ def _hf_names(path: Path, reader: GGUFFile, arch: str) -> list[tuple[GGUFTensor,
         if hf_name is None:
             parts = name.split(".", 2)
             leaf = parts[2] if len(parts) == 3 and parts[0] == "blk" else None
-            if leaf in _LAYER_TENSORS:
-                hf_name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[leaf]}"
+            if leaf in layer_tensors:
+                hf_name = f"model.layers.{parts[1]}.{layer_tensors[leaf]}"
             elif leaf in _EXPERT_TENSORS:
                 hf_name = f"model.layers.{parts[1]}.{_EXPERT_TENSORS[leaf]}"
             elif name.startswith("rope_factors_"):
@@ -494,9 +326,12 @@ def load_gguf(
     """
     reader = read_gguf(path)
     metadata = gguf_metadata(reader, path)
-    arch = _architecture(path, metadata).gguf_name
+    model = architecture_of(path, metadata)
     tokenizer = load_gguf_tokenizer(path, metadata)
-    config = config_from_gguf(path, metadata, reader, tokenizer)
+    tensors = {t.name: t for t in reader.tensors}
+    freqs = tensors.get("rope_freqs.weight")
+    rope_freqs = None if freqs is None else _dequantize(path, freqs)
+    config = config_from_gguf(path, metadata, tensors, rope_freqs, tokenizer)
     if shard is not None:
         if keep_quantized:
             raise ModelLoadError(
@@ -504,7 +339,7 @@ def load_gguf(
                 f"{shard.size} shards yet; load them whole (tensor_parallel_size=1)"
             )
         check_shard_fits(path, config, shard)
-    named = _hf_names(path, reader, arch)
+    named = _hf_names(path, reader, model)
     quantized: dict[str, QuantWeight] = {}
     kept: frozenset[str] = frozenset()
     if keep_quantized:

@@ -18,7 +18,7 @@ from baton.engine.loader.checkpoint import (
 )
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import hf_sampling_defaults
-from baton.engine.models.architectures import ARCHITECTURES, HF_CLASSES
+from baton.engine.models.architectures import ARCHITECTURES, HF_CLASSES, Architecture
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.sharding import ShardSpec, weight_slice
 from baton.engine.tokenizer import Tokenizer
@@ -79,12 +79,12 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
         "head_dim", hidden // num_heads if isinstance(hidden, int) and num_heads else 0
     )
 
-    theta, scaling = _rope_from_hf(config_file, data, field)
+    theta, scaling, local_theta = _rope_from_hf(config_file, data, field)
     # Qwen2's q/k/v always carry a bias; the others only when the config says so.
     attention_bias = ARCHITECTURES[arch].qkv_bias or bool(data.get("attention_bias", False))
     experts = _experts_from_hf(arch, data, field)
-    # Qwen2/3 carry a window they do not use unless use_sliding_window says so.
-    window = data.get("sliding_window") if data.get("use_sliding_window", True) else None
+    window, full_layers = _windows_from_hf(config_file, arch, data, field("num_hidden_layers"))
+    gemma = _gemma_from_hf(config_file, data) if ARCHITECTURES[arch].gemma else {}
     bos = data.get("bos_token_id")
     eos = data.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
@@ -106,21 +106,85 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
             attention_bias=attention_bias,
             bos_token_id=bos if isinstance(bos, int) else tokenizer.bos_token_id,
             eos_token_ids=tuple(dict.fromkeys(eos_ids + tokenizer.eos_token_ids)),
-            sliding_window=window if isinstance(window, int) else None,
+            sliding_window=window,
+            full_attention_layers=full_layers,
+            rope_local_theta=local_theta,
+            hidden_act=data.get("hidden_activation") or data.get("hidden_act") or "silu",
             **experts,
+            **gemma,
         )
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{config_file}: invalid model hyper-parameters: {exc}") from exc
 
 
-def _rope_from_hf(
-    config_file: Path, data: dict[str, Any], field: Callable[..., Any]
-) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, rope_scaling)`` of a config in the transformers 4 (``rope_theta`` /
-    ``rope_scaling``) or 5 (``rope_parameters``) spelling; rope_scaling None for plain RoPE.
+def _windows_from_hf(
+    config_file: Path, arch: str, data: dict[str, Any], num_layers: int
+) -> tuple[int | None, tuple[int, ...]]:
+    """``(sliding_window, full_attention_layers)``: the window and the layers that attend to
+    every earlier token in spite of it. ``layer_types`` says which layers are which where the
+    config has it (transformers 5); else Gemma 2 alternates (every second layer full), Gemma 3
+    makes every ``sliding_window_pattern``-th layer full (6), Qwen2/3 window the layers from
+    ``max_window_layers`` on, and Mistral/Phi-3 every layer. No windowed layer: no window.
 
     Raises:
-        ModelLoadError: a partial rotary factor other than 1.
+        ModelLoadError: a ``layer_types`` entry that is neither attention kind, or of another
+            length than the layers.
+    """
+    window = data.get("sliding_window")
+    # Qwen2/3 carry a window they do not use unless use_sliding_window says so.
+    if not isinstance(window, int) or not data.get("use_sliding_window", True):
+        return None, ()
+    types = data.get("layer_types")
+    if types is not None:
+        kinds = {"sliding_attention", "full_attention"}
+        if not isinstance(types, list) or len(types) != num_layers or set(types) - kinds:
+            raise ModelLoadError(
+                f"{config_file}: layer_types must list 'sliding_attention' or 'full_attention' "
+                f"for each of the {num_layers} layers, got {types!r}"
+            )
+        full = tuple(i for i, kind in enumerate(types) if kind == "full_attention")
+    elif arch in ("gemma2", "gemma3_text"):
+        default = 2 if arch == "gemma2" else 6
+        pattern = data.get("sliding_window_pattern") or data.get("_sliding_window_pattern")
+        pattern = pattern or default
+        full = tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
+    elif arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        first = data.get("max_window_layers") or 0
+        full = tuple(range(min(first, num_layers)))
+    else:
+        full = ()
+    if len(full) == num_layers:
+        return None, ()
+    return window, full
+
+
+def _gemma_from_hf(config_file: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's query scale and soft-caps (``ModelConfig`` fields).
+
+    Raises:
+        ModelLoadError: bidirectional attention (EmbeddingGemma), which a decoder cannot run.
+    """
+    if data.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            f"{config_file}: use_bidirectional_attention (an embedding model) is not supported; "
+            "expected a causal language model"
+        )
+    return {
+        key: float(data[key]) if data.get(key) is not None else None
+        for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+    }
+
+
+def _rope_from_hf(
+    config_file: Path, data: dict[str, Any], field: Callable[..., Any]
+) -> tuple[float, dict[str, Any] | None, float | None]:
+    """``(rope_theta, rope_scaling, rope_local_theta)`` of a config in the transformers 4
+    (``rope_theta`` / ``rope_scaling``) or 5 (``rope_parameters``) spelling; rope_scaling None
+    for plain RoPE; rope_local_theta the base of Gemma 3's windowed layers (transformers 4:
+    ``rope_local_base_freq``; 5: ``rope_parameters["sliding_attention"]``), else None.
+
+    Raises:
+        ModelLoadError: a partial rotary factor other than 1, or scaled RoPE on windowed layers.
     """
     partial = data.get("partial_rotary_factor", 1.0)
     if partial not in (None, 1, 1.0):
@@ -129,6 +193,26 @@ def _rope_from_hf(
             "supported; expected 1.0"
         )
     rope = data.get("rope_parameters")
+    local_theta = data.get("rope_local_base_freq")
+    if isinstance(rope, dict) and "full_attention" in rope:  # per layer kind (Gemma 3)
+        local = dict(rope.get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(
+                f"{config_file}: rope_parameters['sliding_attention'] has rope_type "
+                f"{local['rope_type']!r}; expected 'default' (plain RoPE on windowed layers)"
+            )
+        local_theta = local.get("rope_theta", local_theta)
+        rope = rope["full_attention"]
+    theta, scaling = _rope_parameters(config_file, data, rope, field)
+    return theta, scaling, None if local_theta is None else float(local_theta)
+
+
+def _rope_parameters(
+    config_file: Path, data: dict[str, Any], rope: Any, field: Callable[..., Any]
+) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` of one RoPE: ``rope`` (transformers 5's
+    ``rope_parameters``) where it is a dict, else the config's ``rope_theta`` /
+    ``rope_scaling``."""
     if isinstance(rope, dict):
         theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
         scaling: dict[str, Any] | None = {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -212,7 +296,8 @@ def _read_safetensors(
                         continue
                     if name in weights:
                         raise ModelLoadError(f"{path}: weight {name} appears in two files")
-                    weights[name] = _read_weight(handle, file, stored, config, dtype, shard)
+                    weight = _read_weight(handle, file, stored, config, dtype, shard, arch)
+                    weights[name] = weight
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
@@ -227,10 +312,13 @@ def _read_weight(
     config: ModelConfig,
     dtype: torch.dtype,
     shard: ShardSpec | None,
+    arch: Architecture | None = None,
 ) -> torch.Tensor:
     """Weight ``name`` of an open safetensors file in ``dtype``: all of it, or with ``shard``
     only that rank's part (``sharding.weight_slice``). safetensors maps the file and copies
-    out only the indexed elements, so the rest of the tensor is never read."""
+    out only the indexed elements, so the rest of the tensor is never read. A Gemma norm's
+    weight (``arch.gemma``) comes back as 1 + w, added in float32 before the cast: Gemma's
+    RMSNorm multiplies by 1 + w, baton's by its weight."""
     part = None
     if shard is None:
         tensor = handle.get_tensor(name)
@@ -249,6 +337,8 @@ def _read_weight(
             f"{file}: weight {name} has dtype {tensor.dtype}, expected a floating "
             "dtype (quantized safetensors are not supported)"
         )
+    if arch is not None and arch.gemma and name.endswith("norm.weight"):
+        tensor = tensor.float() + 1.0
     tensor = tensor.to(dtype).contiguous()
     return tensor if part is None else part.pad(tensor)
 

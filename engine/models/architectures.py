@@ -1,10 +1,10 @@
 """The decoder architectures baton runs, one entry each: what the loaders and the model ask.
 
 Every architecture here is a Llama-family pre-norm decoder (RMSNorm, RoPE, grouped-query
-attention, SwiGLU MLP). An entry says only how it departs from Llama: q/k/v biases, a
-per-head norm of q and k, and how llama.cpp's converter lays out its q/k weights. The
-loaders read their tables (Hugging Face class names, GGUF names) from here, so an
-architecture is added in one place.
+attention, a gated MLP). An entry says only how it departs from Llama: q/k/v biases, a
+per-head norm of q and k, experts, Gemma's sandwich norms, and how llama.cpp's converter lays
+out its weights. The loaders read their tables (Hugging Face class names, GGUF names) from
+here, and ``models/causal_lm.py`` the model class, so an architecture is added in one place.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ class Architecture:
             "llama" with an expert count: ``gguf_architecture`` tells them apart).
         fused_projections: its checkpoints hold q|k|v as one ``qkv_proj`` and gate|up as one
             ``gate_up_proj`` (Phi-3), which the loaders cut into the parts (views, no copy).
+        gemma: Gemma 2/3's block (``models/gemma.py``): embeddings scaled by sqrt(hidden),
+            norms after attention and after the MLP besides those before them, norm weights
+            stored as an offset from 1 (the Hugging Face loader adds the 1, as llama.cpp's
+            converter does), layers with and without the sliding window, soft-capping.
     """
 
     name: str
@@ -45,6 +49,7 @@ class Architecture:
     experts: bool = False
     gguf_name: str = ""
     fused_projections: bool = False
+    gemma: bool = False
 
     def __post_init__(self) -> None:
         if not self.gguf_name:
@@ -87,6 +92,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("phi3", ("Phi3ForCausalLM",), fused_projections=True),
         Architecture(
             "qwen2_moe", ("Qwen2MoeForCausalLM",), qkv_bias=True, experts=True, gguf_name="qwen2moe"
+        ),
+        Architecture("gemma2", ("Gemma2ForCausalLM",), gemma=True),
+        Architecture(
+            "gemma3_text", ("Gemma3ForCausalLM",), qk_norm=True, gemma=True, gguf_name="gemma3"
         ),
     )
 }

@@ -51,8 +51,12 @@ class AttentionMetadata:
         token_lens: int64 ``[T]``, the positions each flat token attends to (its position + 1,
             causal); None where not built. For ``paged_attention(token_order=True)``.
         sliding_window: W where a sequence of this step is longer than the model's sliding
-            window: a query at position p then sees keys p - W + 1 .. p only (``mask`` says
-            so, and attention takes the masked path); None where every key is in the window.
+            window: a query at position p of a windowed layer then sees keys p - W + 1 .. p
+            only (``window_mask`` says so, and attention takes the masked path); None where
+            every key is in the window.
+        window_mask: ``mask`` with the keys outside the window masked out too, where
+            ``sliding_window`` is set (else None); ``mask`` stays causal for the layers that
+            see every key (Gemma's global layers).
     """
 
     slot_mapping: torch.Tensor
@@ -66,6 +70,7 @@ class AttentionMetadata:
     token_seqs: torch.Tensor | None = None
     token_lens: torch.Tensor | None = None
     sliding_window: int | None = None
+    window_mask: torch.Tensor | None = None
 
     @staticmethod
     def decode(
@@ -179,11 +184,14 @@ class AttentionMetadata:
         # Decided on the host, where the lengths are: only a step with a sequence longer than
         # the window masks keys out (and leaves the unmasked fast paths).
         window = sliding_window if sliding_window is not None and max_s > sliding_window else None
+        window_mask = None
         if window is not None:
-            mask = mask & (key_pos[None, None, :] > q_abs[:, :, None] - window)
+            window_mask = mask & (key_pos[None, None, :] > q_abs[:, :, None] - window)
         # Padded query rows would see nothing and give NaN; let them see key 0.
         pad_rows = q_pos[None, :] >= q_d[:, None]
         mask[..., 0] |= pad_rows
+        if window_mask is not None:
+            window_mask[..., 0] |= pad_rows
         return AttentionMetadata(
             slot_mapping=slots_d,
             kv_index=kv_index,
@@ -196,6 +204,7 @@ class AttentionMetadata:
             token_seqs=token_seq_d,
             token_lens=token_len_d,
             sliding_window=window,
+            window_mask=None if window_mask is None else window_mask[:, None],
         )
 
 
@@ -245,6 +254,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     token_order: bool = False,
+    windowed: bool = True,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Writes this step's keys/values into the cache and attends over it.
 
@@ -258,6 +269,10 @@ def paged_attention(
             depend on its prompt's chunking or the batch) instead of the padded SDPA. Costs
             more on long prompts (default model, 1000 tokens: +8% gguf, +19% dense bfloat16):
             the models that are batch-invariant otherwise (GGUF kernels) ask for it.
+        windowed: this layer keeps to ``meta.sliding_window`` (False: a layer that sees every
+            earlier token, Gemma's global ones).
+        softcap: scores soft-capped to ``softcap * tanh(score / softcap)`` before the softmax
+            (Gemma 2); None: not. Then the masked eager path below attends.
 
     Returns:
         ``[T, num_heads, head_dim]`` attention output for the flat tokens.
@@ -266,23 +281,25 @@ def paged_attention(
     flat_k = key_cache.view(-1, num_kv_heads, head_dim)
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     kv_write_(flat_k, flat_v, k, v, meta.slot_mapping)  # one kernel on CUDA
-    windowed = meta.sliding_window is not None  # then only the masked SDPA below sees it
-    if meta.kv_index is None or (
-        meta.query_index is None and q.is_cuda and HAS_TRITON and not windowed
-    ):
+    # A window or a cap: only the masked path below computes them.
+    windowed = windowed and meta.sliding_window is not None
+    plain = not windowed and softcap is None
+    if meta.kv_index is None or (meta.query_index is None and q.is_cuda and HAS_TRITON and plain):
+        if not plain:
+            raise ValueError("a block-table decode step cannot apply a sliding window or softcap")
         # Pure decode on the GPU (or a block-table decode anywhere): the Triton kernel reads
         # the blocks in place instead of gathering every sequence's keys into a padded copy.
         return paged_decode_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale
         )
 
-    if meta.query_index is None and not windowed and paged_decode_fits(q, key_cache, value_cache):
+    if meta.query_index is None and plain and paged_decode_fits(q, key_cache, value_cache):
         # Pure decode on the CPU: one C++ call over the blocks in place, one fixed order per
         # (sequence, head) whatever the batch (the gather + padded SDPA below was 8-10 ops).
         return paged_decode_cpu(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
     if (
         token_order
-        and not windowed
+        and plain
         and meta.token_lens is not None
         and paged_decode_fits(q, key_cache, value_cache)
     ):
@@ -328,17 +345,47 @@ def paged_attention(
         keys = keys[:, :, None].expand(grouped).reshape(whole)
         values = values[:, :, None].expand(grouped).reshape(whole)
         gqa = False
-    out = F.scaled_dot_product_attention(
-        queries,
-        keys,
-        values,
-        attn_mask=meta.mask,
-        scale=scale,
-        enable_gqa=gqa,
-    )
+    mask = meta.window_mask if windowed else meta.mask
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+    else:
+        out = softcapped_attention(queries, keys, values, mask, scale, softcap)
     if upcast:
         out = out.to(q.dtype)
     out = out.transpose(1, 2).reshape(b * qlen, num_heads, head_dim)
     if meta.query_index is not None:
         out = out.index_select(0, meta.query_index)
     return out
+
+
+def softcapped_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention whose scores are soft-capped before the softmax, as Gemma 2 computes it:
+    ``softcap * tanh(q.k * scale / softcap)``, masked, softmax in float32, times the values.
+
+    Args:
+        queries: ``[B, heads, Q, D]``; keys, values: ``[B, kv_heads, S, D]`` (grouped-query:
+            each key/value head serves ``heads / kv_heads`` query heads in a row).
+        mask: bool, broadcastable to ``[B, heads, Q, S]``, True where a query sees a key.
+
+    Returns:
+        ``[B, heads, Q, D]`` in the queries' dtype.
+    """
+    group = queries.shape[1] // keys.shape[1]
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(weights, values)

@@ -8,13 +8,16 @@ from typing import Any
 from baton.engine.models.architectures import SUPPORTED_ARCHITECTURES, Architecture, architecture
 from baton.engine.models.rope_scaling import check_rope_scaling
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
+__all__ = ["HIDDEN_ACTS", "SUPPORTED_ARCHITECTURES", "ModelConfig"]
+
+# MLP gate activations baton computes (Hugging Face's names).
+HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3;
-    ``models/architectures.py`` says how each departs from Llama).
+    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, Mixtral,
+    Qwen2/3-MoE, Gemma 2/3; ``models/architectures.py`` says how each departs from Llama).
 
     Raises ``ValueError`` at construction when the architecture or RoPE scaling is one baton
     does not run (``rope_scaling.check_rope_scaling``), a field is out of range or the head
@@ -57,6 +60,18 @@ class ModelConfig:
     # Qwen2-MoE: beside the routed experts, a shared SwiGLU expert of this width that every
     # token goes through, scaled by sigmoid(shared_expert_gate(x)); 0: none.
     shared_expert_intermediate_size: int = 0
+    # The MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU).
+    hidden_act: str = "silu"
+    # Gemma: queries scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); scores
+    # and final logits soft-capped, cap * tanh(x / cap) (None: not); the layers listed in
+    # full_attention_layers attend to every earlier token whatever sliding_window says; the
+    # others (the windowed ones) use plain RoPE of base rope_local_theta where it is set
+    # (Gemma 3's local layers), the model's rope_theta and rope_scaling otherwise.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    full_attention_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         architecture(self.architecture)  # raises, naming the supported ones
@@ -96,6 +111,37 @@ class ModelConfig:
         if window is not None and (not isinstance(window, int) or window <= 0):
             raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
         self._check_experts()
+        self._check_gemma()
+
+    def _check_gemma(self) -> None:
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(
+                f"hidden_act {self.hidden_act!r} is not supported; expected one of "
+                f"{', '.join(HIDDEN_ACTS)}"
+            )
+        for name in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "rope_local_theta",
+        ):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
+        if not self.arch.gemma:  # Gemma's block (models/gemma.py) is the one that has these
+            if self.hidden_act != "silu":
+                raise ValueError(
+                    f"hidden_act {self.hidden_act!r}: {self.architecture} models run SwiGLU "
+                    "MLPs; expected 'silu'"
+                )
+            for name in ("attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is for Gemma models, not {self.architecture}")
+        bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"full_attention_layers {bad} are not layers of a {self.num_layers}-layer model"
+            )
 
     def _check_experts(self) -> None:
         if not self.num_experts:
@@ -140,6 +186,17 @@ class ModelConfig:
     def moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts (else a dense SwiGLU)."""
         return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by: ``query_pre_attn_scalar ** -0.5`` where set (Gemma),
+        else ``head_dim ** -0.5``."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer``: ``sliding_window``, or None (every earlier
+        token) where there is none or the layer is one of ``full_attention_layers``."""
+        return None if layer in self.full_attention_layers else self.sliding_window
 
     @property
     def max_context(self) -> int:

@@ -118,6 +118,7 @@ def step_fits(
         cpu_ops.ENABLED
         and meta.query_index is None
         and meta.kv_index is not None
+        and meta.sliding_window is None  # the C++ decode attends to every key
         and x.device.type == "cpu"
         and x.dim() == 2
         and x.is_contiguous()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import mmap
 from collections.abc import Callable, Mapping
 
 import torch
@@ -20,6 +18,7 @@ from baton.engine.models.gguf_linear import (
     QuantParts,
     layer_projections,
 )
+from baton.engine.models.kv_cache import KVCache
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from baton.engine.models.moe import SparseMoeBlock, load_experts
 from baton.engine.models.packed import (
@@ -41,8 +40,6 @@ from baton.kernels.quant_formats import QuantWeight
 from baton.kernels.quant_linear import QuantProjection, dequantize_rows_native
 from baton.kernels.silu_mul import silu_mul
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]
-
 
 class DecoderLayer(nn.Module):
     """One pre-norm block: attention with fused QKV (q and k normed per head where the
@@ -52,7 +49,8 @@ class DecoderLayer(nn.Module):
     row-parallel projections' partial outputs over the ranks. ``quant``: per projection (qkv,
     o, gate_up, down) its GGUF-quantised kernel weights (``models/gguf_linear.py``) or None;
     a quantised projection's module gets no dense weight at all (an empty one: a call that
-    reached it would fail), only its bias.
+    reached it would fail), only its bias. ``window``: the layer's attention window
+    (``ModelConfig.layer_window``; None: every earlier token).
     """
 
     def __init__(
@@ -62,15 +60,18 @@ class DecoderLayer(nn.Module):
         quant: tuple[QuantParts | None, ...] | None = None,
         quant_activations: str = "float32",
         moe: bool = False,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         c = config
+        # Whether this layer keeps to the model's sliding window (``ModelConfig.layer_window``).
+        self.windowed = window is not None
         self.quant_activations = quant_activations
         self.reduce = reduce
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        self.scale = c.head_dim**-0.5
+        self.scale = c.attention_scale
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # Qwen3: q and k normed per head (one head_dim weight each, shared by the heads).
@@ -120,6 +121,11 @@ class DecoderLayer(nn.Module):
             None if parts is None else QuantProjection(parts, activations=quant_activations)
             for parts in q
         )
+
+    def extra_weights(self) -> dict[str, nn.Parameter]:
+        """Weights a subclass's block adds, by Hugging Face name inside ``model.layers.{i}``
+        (``load_weights`` fills them); none here."""
+        return {}
 
     def quantize_int8(self) -> None:
         """Replaces the projections' weights by int8 weight-only ones (``quant.py``) for every
@@ -188,7 +194,15 @@ class DecoderLayer(nn.Module):
         # A layer on GGUF kernels is batch-invariant but for the padded prefill attention:
         # token order makes it so (models/attention.py).
         attn = paged_attention(
-            q, k, v, kv[0], kv[1], meta, self.scale, token_order=self.quant is not None
+            q,
+            k,
+            v,
+            kv[0],
+            kv[1],
+            meta,
+            self.scale,
+            token_order=self.quant is not None,
+            windowed=self.windowed,
         ).reshape(t, self.q_size)
         out = self._project(1, attn)
         out = out if self.reduce is None else self.reduce(out)
@@ -288,12 +302,12 @@ class LlamaForCausalLM(nn.Module):
         )
         reduce = None if tp is None else tp.all_reduce
         self.layers = nn.ModuleList(
-            DecoderLayer(
+            self.build_layer(
+                i,
                 local,
                 reduce,
                 layer_projections(quantized, i) if quantized else None,
                 quant_activations,
-                moe=config.moe_layer(i),
             )
             for i in range(config.num_layers)
         )
@@ -339,6 +353,25 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_int8: Int8Weight | None = None
         # The LM head packed for oneDNN (set by ``pack_weights``).
         self.lm_head_packed: PackedWeight | None = None
+
+    def build_layer(
+        self,
+        index: int,
+        config: ModelConfig,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+        quant: tuple[QuantParts | None, ...] | None,
+        quant_activations: str,
+    ) -> DecoderLayer:
+        """Decoder layer ``index`` of this model (``config``: the rank's shard shape); a
+        subclass with another block overrides it (``models/gemma.py``)."""
+        return DecoderLayer(
+            config,
+            reduce,
+            quant,
+            quant_activations,
+            moe=self.config.moe_layer(index),
+            window=self.config.layer_window(index),
+        )
 
     def quantize_int8(self) -> None:
         """Replaces every linear layer's weight (LM head included) by int8 weight-only ones
@@ -426,11 +459,7 @@ class LlamaForCausalLM(nn.Module):
 
         Returns hidden states ``[T, hidden_size]`` after the final norm.
         """
-        x = (
-            self.embed_tokens(input_ids)
-            if self.embed_quant is None
-            else dequantize_rows_native(self.embed_quant, input_ids).to(self.norm.weight.dtype)
-        )
+        x = self.embed(input_ids)
         rope = self.rope.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
         fused = self._fused_layers(x, rope, kv_caches, meta)
@@ -445,6 +474,13 @@ class LlamaForCausalLM(nn.Module):
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.forward_add(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows ``[T, hidden]`` of ``input_ids``, in the model's dtype (decoded
+        from GGUF blocks where the table is held so)."""
+        if self.embed_quant is None:
+            return self.embed_tokens(input_ids)
+        return dequantize_rows_native(self.embed_quant, input_ids).to(self.norm.weight.dtype)
 
     def _fused_layers(
         self,
@@ -548,6 +584,8 @@ class LlamaForCausalLM(nn.Module):
                         put(linear.weight, torch.cat(dense), p + fused)
                 if layer.mlp is not None:
                     load_experts(layer.mlp, p, take, put)
+                for leaf, param in layer.extra_weights().items():
+                    put(param, take(p + leaf), p + leaf)
                 if layer.q_norm is not None and layer.k_norm is not None:
                     for norm, n in ((layer.q_norm, "q"), (layer.k_norm, "k")):
                         name = f"{p}self_attn.{n}_norm.weight"
@@ -559,36 +597,3 @@ class LlamaForCausalLM(nn.Module):
         extra = [k for k in remaining if not k.endswith("rotary_emb.inv_freq")]
         if extra:
             raise ValueError(f"checkpoint has unexpected weights: {sorted(extra)[:5]}")
-
-
-def allocate_kv_cache(
-    config: ModelConfig,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-) -> KVCache:
-    """Per-layer (key, value) caches of shape ``[num_blocks, block_size, kv_heads, head_dim]``,
-    zeros. On the CPU their pages are mapped by the OS on first write (`untouched_zeros`), so a
-    cache sized for the worst case holds memory only for the blocks used so far."""
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-
-    def zeros() -> torch.Tensor:
-        if torch.device(device).type == "cpu":
-            return untouched_zeros(shape, dtype)
-        return torch.zeros(shape, dtype=dtype, device=device)
-
-    return [(zeros(), zeros()) for _ in range(config.num_layers)]
-
-
-def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros in fresh anonymous pages of its own (``mmap``), zero by the
-    kernel's guarantee and resident only once written (``torch.zeros`` writes every byte, and
-    ``calloc`` clears memory it reuses). The tensor keeps the mapping alive. Measured: an
-    engine on a 1B-shape Q4_K_M GGUF with a 1 GiB cache held 2265 MiB (PSS) after loading with
-    ``torch.zeros`` and 1244 with fresh pages (AMD EPYC Genoa)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)

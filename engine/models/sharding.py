@@ -28,10 +28,15 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     Raises:
         ValueError: naming each dimension that ``size`` does not divide (query heads,
             key/value heads, MLP width), a ``size`` below 1, or above 1 for a
-            mixture-of-experts model.
+            mixture-of-experts or Gemma model.
     """
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+    if size > 1 and config.arch.gemma:
+        raise ValueError(
+            f"tensor_parallel_size={size}: {config.architecture} models cannot be cut into "
+            "shards yet; sizes that fit this model: [1]"
+        )
     if size > 1 and config.is_moe:
         raise ValueError(
             f"tensor_parallel_size={size}: a mixture-of-experts model ({config.num_experts} "

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from baton.engine.models.causal_lm import causal_lm_class
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.llama import LlamaForCausalLM, allocate_kv_cache
+from baton.engine.models.kv_cache import allocate_kv_cache
+from baton.engine.models.llama import LlamaForCausalLM
 from baton.engine.models.packed import packing_available
 from baton.engine.models.parallel import TensorParallel
 from baton.engine.worker.cuda_graphs import capture_sizes
@@ -134,7 +136,8 @@ def build_runner(
             f"but the runner was given {'no group' if tp is None else f'a group of {tp.size}'}"
         )
     with _no_random_init():
-        model = LlamaForCausalLM(spec.model_config, tp, quantized, spec.gguf_activations).to(
+        model_class = causal_lm_class(spec.model_config)
+        model = model_class(spec.model_config, tp, quantized, spec.gguf_activations).to(
             dtype=spec.dtype
         )
     model.load_weights(weights)
@@ -147,12 +150,15 @@ def build_runner(
     )
     runner_cls = ModelRunner if tp is None else ParallelModelRunner
     # An MoE step reads its experts' token counts on the host (models/moe.py); a sliding
-    # window is applied by the masked attention path, not the graphs' block-table kernel.
+    # window and soft-capped scores are applied by the masked attention path, not the
+    # graphs' block-table kernel.
     eager_why = (
         "a mixture-of-experts model"
         if model.config.is_moe
         else "a model with a sliding window"
         if model.config.sliding_window is not None
+        else "a model with soft-capped attention scores"
+        if model.config.attn_logit_softcapping is not None
         else None
     )
     graphs = spec.cuda_graphs and eager_why is None

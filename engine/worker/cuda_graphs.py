@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from baton.engine.models.attention import AttentionMetadata
-from baton.engine.models.llama import KVCache, LlamaForCausalLM
+from baton.engine.models.kv_cache import KVCache
+from baton.engine.models.llama import LlamaForCausalLM
 from baton.engine.worker.device_buffers import DeviceIO
 from baton.kernels.step_state import gather_input_ids
 

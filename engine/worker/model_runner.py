@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from baton.engine.models.attention import AttentionMetadata
-from baton.engine.models.llama import KVCache, LlamaForCausalLM
+from baton.engine.models.kv_cache import KVCache
+from baton.engine.models.llama import LlamaForCausalLM
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import (
     GrammarOutput,
