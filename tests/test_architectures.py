@@ -279,6 +279,26 @@ def test_sliding_window_attention_equals_transformers(
     assert _engine_tokens(str(folder), prompts) != tokens
 
 
+def test_qwen_windows_only_the_layers_from_max_window_layers(tokenizer, tmp_path):
+    """Qwen2 with use_sliding_window: layers below max_window_layers see every token, the
+    others a window of 8 (transformers' rule; the config without layer_types, as
+    transformers 4 wrote it), greedy tokens equal to transformers'."""
+    folder = build_tiny_model_dir(tmp_path / "q", tokenizer, "qwen2")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("layer_types", None)
+    config.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = load_checkpoint(folder).config
+    assert (loaded.sliding_window, loaded.full_attention_layers) == (8, (0,))
+    hf = _hf_model(folder)
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    for prompt, out in zip(prompts, _engine_tokens(str(folder), prompts), strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0]
+        assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == out, prompt
+
+
 def test_longrope_keeps_sequences_within_the_original_context(tokenizer, tmp_path, caplog):
     """baton applies LongRoPE's short factors: sequences stay within the original context
     (where transformers applies them too), said in a warning; a longer max_model_len is
