@@ -1,6 +1,7 @@
 """The table of supported models (architectures x formats x features), generated from the
-tests: runs ``tests/test_architectures.py`` and ``tests/test_tokenizer_sentencepiece.py``,
-reads each test's outcome from pytest's JUnit report, and writes ``docs/models.md``.
+tests: runs ``tests/test_architectures.py``, ``tests/test_tokenizer_sentencepiece.py``,
+``tests/test_gemma.py`` and ``tests/test_gpt_oss.py``, reads each test's outcome from
+pytest's JUnit report, and writes ``docs/models.md``.
 
 A cell says what a test checked on this machine, never what should work: "ok" (passed),
 "FAILED", or "not tested" with the skip reason. The features come from the architecture
@@ -23,7 +24,12 @@ from baton.bench.common import cpu_description, git_commit
 from baton.engine.models.architectures import ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ("tests/test_architectures.py", "tests/test_tokenizer_sentencepiece.py")
+TESTS = (
+    "tests/test_architectures.py",
+    "tests/test_tokenizer_sentencepiece.py",
+    "tests/test_gemma.py",
+    "tests/test_gpt_oss.py",
+)
 OUT = ROOT / "docs" / "models.md"
 
 # Test function -> the column it fills (per variant id in brackets).
@@ -62,6 +68,19 @@ ALSO = {
     "JSON schema on Qwen3-MoE": "test_json_schema_request_gives_a_valid_object[qwen3_moe]",
     "JSON schema on Gemma 2": "test_json_schema_request_gives_a_valid_object[gemma2]",
     "JSON schema on Gemma 3": "test_json_schema_request_gives_a_valid_object[gemma3]",
+    "JSON schema on gpt-oss": "test_json_schema_request_gives_a_valid_object[gpt_oss]",
+    "Gemma 2 logits in bfloat16 within 2x transformers' own bfloat16 error": (
+        "test_logits_within_tolerance_bfloat16[gemma2]"
+    ),
+    "Gemma 3 logits in bfloat16 within 2x transformers' own bfloat16 error": (
+        "test_logits_within_tolerance_bfloat16[gemma3]"
+    ),
+    "gpt-oss MXFP4 experts (official layout) = transformers' decode": (
+        "test_mxfp4_experts_load_as_transformers_decodes_them"
+    ),
+    "gpt-oss MXFP4 GGUF from llama.cpp's converter = folder": (
+        "test_mxfp4_through_llama_cpp_converter"
+    ),
 }
 
 

@@ -242,6 +242,8 @@ def build_tiny_model_dir(
         model = Qwen3MoeForCausalLM(config)
     elif arch in ("gemma2", "gemma3"):
         model = _tiny_gemma(arch, tokenizer, rope_scaling, special)
+    elif arch == "gpt_oss":
+        model = _tiny_gpt_oss(tokenizer, rope_scaling, special)
     elif arch == "qwen2":
         shape = {k: v for k, v in TINY_SHAPE.items() if k != "head_dim"}  # Qwen2 derives it
         config = Qwen2Config(
@@ -255,9 +257,15 @@ def build_tiny_model_dir(
     else:
         raise ValueError(
             f"unknown tiny architecture {arch!r}; "
-            "expected llama, qwen2, qwen3, phi3, mixtral, qwen2_moe, qwen3_moe, gemma2 or gemma3"
+            "expected llama, qwen2, qwen3, phi3, mixtral, qwen2_moe, qwen3_moe, gemma2, gemma3 "
+            "or gpt_oss"
         )
     _randomize(model, seed)
+    if arch == "gpt_oss":  # sinks with a visible share of each softmax; gates the clamp bites
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.mul_(20.0)
+                layer.mlp.experts.gate_up_proj.mul_(8.0)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.backend.save(str(directory / "tokenizer.json"))
@@ -303,6 +311,33 @@ def _tiny_gemma(
     return Gemma3ForCausalLM(config)
 
 
+def _tiny_gpt_oss(
+    tokenizer: Tokenizer, rope_scaling: dict[str, Any] | None, special: dict[str, Any]
+) -> torch.nn.Module:
+    """A tiny gpt-oss: 4 experts of width 32, top 2, a window of 8 on layer 0, YaRN as gpt-oss
+    has it (no truncation) unless ``rope_scaling`` says otherwise."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    rope = rope_scaling or {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    }
+    config = GptOssConfig(
+        **{**TINY_SHAPE, "intermediate_size": 32},
+        **special,
+        vocab_size=tokenizer.vocab_size,
+        sliding_window=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters={"rope_theta": 150000.0, **rope},
+    )
+    return GptOssForCausalLM(config)
+
+
 # Hugging Face name (inside model.layers.{i}) -> llama.cpp name (inside blk.{i}). Written out here
 # rather than imported so the tests check the loader's own table.
 _HF_TO_GGUF_LAYER = {
@@ -314,6 +349,7 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "self_attn.qkv_proj.weight": "attn_qkv.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3: llama.cpp keeps gate|up in ffn_up
     "self_attn.q_norm.weight": "attn_q_norm.weight",
@@ -481,6 +517,7 @@ def gguf_from_hf_dir(
         "qwen2_moe": "qwen2moe",
         "qwen3_moe": "qwen3moe",
         "gemma3_text": "gemma3",
+        "gpt_oss": "gpt-oss",
     }.get(model_type, model_type)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     rope = config.get("rope_parameters") or {}
@@ -496,10 +533,12 @@ def gguf_from_hf_dir(
         f"{arch}.vocab_size": config["vocab_size"],
         **tokenizer_metadata(base_metadata),
     }
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"):
         metadata[f"{arch}.expert_count"] = config.get("num_experts") or config["num_local_experts"]
         metadata[f"{arch}.expert_used_count"] = config["num_experts_per_tok"]
-        if model_type != "mixtral":
+        if model_type == "gpt_oss":
+            metadata[f"{arch}.expert_feed_forward_length"] = config["intermediate_size"]
+        elif model_type != "mixtral":
             metadata[f"{arch}.expert_feed_forward_length"] = config["moe_intermediate_size"]
         if model_type == "qwen2_moe":
             metadata[f"{arch}.expert_shared_feed_forward_length"] = config[
@@ -508,7 +547,7 @@ def gguf_from_hf_dir(
     gemma = model_type in ("gemma2", "gemma3_text")
     if gemma:
         _gemma_gguf_metadata(arch, config, metadata)
-    if arch in ("llama", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3"):
+    if arch in ("llama", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss"):
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         metadata[f"{arch}.rope.dimension_count"] = head_dim
         metadata[f"{arch}.attention.key_length"] = head_dim
@@ -527,13 +566,19 @@ def gguf_from_hf_dir(
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         array = value.float().numpy()
+        if model_type == "gpt_oss" and (".mlp." in hf_name or "sinks" in hf_name):
+            tensors.update(
+                (name, encode_tensor(part, tensor_type(name)))
+                for name, part in _gpt_oss_gguf_tensors(hf_name, array)
+            )
+            continue
         match = _EXPERT_NAME.match(hf_name)
         if match:  # stacked below, one tensor per layer and projection
             layer, expert, proj = match.groups()
             proj = {"w1": "gate", "w3": "up", "w2": "down"}.get(proj, proj.removesuffix("_proj"))
             experts.setdefault(f"blk.{layer}.ffn_{proj}_exps.weight", {})[int(expert)] = array
             continue
-        name = gguf_name(hf_name, gemma)
+        name = gguf_name(hf_name, gemma or model_type == "gpt_oss")
         if gemma and hf_name.endswith("norm.weight"):  # as llama.cpp's converter stores them
             array = array + 1.0
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
@@ -543,6 +588,33 @@ def gguf_from_hf_dir(
         stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
         tensors[name] = encode_tensor(stacked, tensor_type(name))
     return write_gguf(path, arch, metadata, tensors)
+
+
+def _gpt_oss_gguf_tensors(hf_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A gpt-oss MLP tensor or attention sink as llama.cpp's converter writes it: the stacked
+    experts cut into gate and up (alternate columns) and turned to [experts, out, in]."""
+    layer = hf_name.split(".")[2]
+    leaf = hf_name.split(".", 3)[3]
+    blk = f"blk.{layer}."
+    if leaf == "self_attn.sinks":
+        return [(blk + "attn_sinks.weight", array)]
+    if leaf.startswith("mlp.router."):
+        return [(blk + "ffn_gate_inp." + leaf.rsplit(".", 1)[1], array)]
+    if leaf == "mlp.experts.gate_up_proj":
+        weight = array.transpose(0, 2, 1)
+        return [
+            (blk + "ffn_gate_exps.weight", weight[:, ::2]),
+            (blk + "ffn_up_exps.weight", weight[:, 1::2]),
+        ]
+    if leaf == "mlp.experts.gate_up_proj_bias":
+        return [
+            (blk + "ffn_gate_exps.bias", array[:, ::2]),
+            (blk + "ffn_up_exps.bias", array[:, 1::2]),
+        ]
+    if leaf == "mlp.experts.down_proj":
+        return [(blk + "ffn_down_exps.weight", array.transpose(0, 2, 1))]
+    assert leaf == "mlp.experts.down_proj_bias", hf_name
+    return [(blk + "ffn_down_exps.bias", array)]
 
 
 # An expert's weight in a Mixtral or Qwen3-MoE checkpoint: layer, expert and projection.

@@ -51,6 +51,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gemma2": {"arch": "gemma2"},
     # Linear scaling on the full layers only; the windowed ones keep plain RoPE of their base.
     "gemma3": {"arch": "gemma3", "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    # gpt-oss's YaRN: no truncation of the ramp (its configs say truncate: false).
+    "gpt_oss": {"arch": "gpt_oss", "rope_scaling": {**YARN, "truncate": False}},
 }
 # llama.cpp's converter writes Phi-3 and Gemma 2 only with a SentencePiece tokenizer.model (the
 # folders here carry SmolLM2's tokenizer.json), and baton reads no LongRoPE factors from GGUF yet.
@@ -145,7 +147,7 @@ def test_llama_cpp_converter_output_loads_as_its_folder(variant, tmp_path, llama
         assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss"])
 def test_json_schema_request_gives_a_valid_object(tokenizer, tmp_path, arch):
     folder = build_tiny_model_dir(tmp_path / arch, tokenizer, arch)
     schema = {

@@ -38,7 +38,9 @@ CONFIG = ModelConfig(
 
 def _model(dtype: torch.dtype, activations: str, split_qkv: bool, bias: bool) -> LlamaForCausalLM:
     quantized, dense = kquant_llama_weights(CONFIG, split_qkv=split_qkv, qkv_bias=bias)
-    config = CONFIG if not bias else ModelConfig(**{**CONFIG.__dict__, "attention_bias": True})
+    # q/k/v biases without an o_proj one: Qwen2's layout.
+    qwen2 = {"architecture": "qwen2", "attention_bias": True}
+    config = CONFIG if not bias else ModelConfig(**{**CONFIG.__dict__, **qwen2})
     model = LlamaForCausalLM(config, quantized=quantized, quant_activations=activations)
     model = model.to(dtype)
     model.load_weights(dense)

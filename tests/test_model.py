@@ -30,6 +30,7 @@ from baton.engine.models.config import ModelConfig
 from baton.engine.models.kv_cache import allocate_kv_cache
 from baton.engine.models.llama import LlamaForCausalLM
 from baton.engine.models.quant import int8_linear, quantize_int8
+from baton.engine.models.sharding import check_tensor_parallel
 
 BLOCK = 4
 
@@ -234,6 +235,52 @@ def test_tiny_logits_match_transformers(arch, scaling, tied):
     kv = allocate_kv_cache(model.config, 32, BLOCK, torch.float32)
     out = _prefill(model, ids, kv, list(range(3, 13)))
     assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_llama_attention_bias_includes_o_proj_bias():
+    """A Llama config with attention_bias has biases on q, k, v and o (transformers' Llama):
+    the o bias is loaded and used, and a checkpoint without it is refused by name."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=True,
+    )
+    hf = HFLlama(config).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.bias.normal_(0.0, 0.5)
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=config.rms_norm_eps,
+        attention_bias=True,
+    )
+    assert cfg.o_bias
+    model = LlamaForCausalLM(cfg)
+    state = dict(hf.state_dict())
+    model.load_weights(state)
+    ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    kv = allocate_kv_cache(cfg, 16, BLOCK, torch.float32)
+    assert (_prefill(model, ids, kv, list(range(1, 6))) - ref).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match="o_proj has a bias cannot be cut"):
+        check_tensor_parallel(cfg, 2)
+    del state["model.layers.1.self_attn.o_proj.bias"]
+    with pytest.raises(ValueError, match="missing weight 'model.layers.1.self_attn.o_proj.bias'"):
+        LlamaForCausalLM(cfg).load_weights(state)
 
 
 def test_paged_decode_equals_full_recompute():

@@ -19,10 +19,11 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight a checkpoint for ``config`` must hold, by Hugging Face name, with its shape.
 
     Shapes follow ``torch.nn.Linear``: ``[out_features, in_features]``. ``lm_head.weight`` is
-    listed only for an untied model, the q/k/v biases only when ``config.attention_bias`` and
-    the per-head q/k norms only when ``config.qk_norm``, Gemma's norms before and after the MLP
-    for a Gemma architecture; a mixture-of-experts layer lists its
-    router (``mlp.gate``) and each expert's gate/up/down (``mlp.experts.{e}.*_proj``), and a
+    listed only for an untied model, the q/k/v biases only when ``config.attention_bias`` (o's
+    when ``config.o_bias``), the per-head q/k norms only when ``config.qk_norm``, Gemma's norms
+    before and after the MLP for a Gemma architecture, the attention sinks where the
+    architecture has them; a mixture-of-experts layer lists its router (``mlp.gate``) and each
+    expert's gate/up/down (``mlp.experts.{e}.*_proj``), with their biases for gpt-oss, and a
     shared expert's (``mlp.shared_expert.*_proj``, ``mlp.shared_expert_gate``) where it has one.
     Pure function, no side effects.
     """
@@ -44,6 +45,10 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{prefix}.self_attn.q_proj.bias"] = (q_rows,)
             shapes[f"{prefix}.self_attn.k_proj.bias"] = (kv_rows,)
             shapes[f"{prefix}.self_attn.v_proj.bias"] = (kv_rows,)
+        if config.o_bias:
+            shapes[f"{prefix}.self_attn.o_proj.bias"] = (hidden,)
+        if config.arch.attention_sinks:
+            shapes[f"{prefix}.self_attn.sinks"] = (config.num_heads,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
         if config.arch.gemma:  # the norms before and after Gemma's MLP
             shapes[f"{prefix}.pre_feedforward_layernorm.weight"] = (hidden,)
@@ -51,10 +56,18 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.moe_layer(i):
             ff = config.moe_intermediate_size
             shapes[f"{prefix}.mlp.gate.weight"] = (config.num_experts, hidden)
+            biased = config.arch.expert_bias
+            if biased:
+                shapes[f"{prefix}.mlp.gate.bias"] = (config.num_experts,)
             for e in range(config.num_experts):
-                shapes[f"{prefix}.mlp.experts.{e}.gate_proj.weight"] = (ff, hidden)
-                shapes[f"{prefix}.mlp.experts.{e}.up_proj.weight"] = (ff, hidden)
-                shapes[f"{prefix}.mlp.experts.{e}.down_proj.weight"] = (hidden, ff)
+                expert = f"{prefix}.mlp.experts.{e}"
+                shapes[f"{expert}.gate_proj.weight"] = (ff, hidden)
+                shapes[f"{expert}.up_proj.weight"] = (ff, hidden)
+                shapes[f"{expert}.down_proj.weight"] = (hidden, ff)
+                if biased:
+                    shapes[f"{expert}.gate_proj.bias"] = (ff,)
+                    shapes[f"{expert}.up_proj.bias"] = (ff,)
+                    shapes[f"{expert}.down_proj.bias"] = (hidden,)
             shared = config.shared_expert_intermediate_size
             if shared:
                 shapes[f"{prefix}.mlp.shared_expert_gate.weight"] = (1, hidden)

@@ -38,6 +38,7 @@ SUPPORTED_TENSOR_TYPES = (
     "Q4_K",
     "Q5_K",
     "Q6_K",
+    "MXFP4",  # gpt-oss's experts
 )
 
 # GGUF leaf name -> Hugging Face name inside model.layers.{i}.
@@ -54,6 +55,10 @@ _LAYER_TENSORS = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # an MoE layer's router
+    "ffn_gate_inp.bias": "mlp.gate.bias",  # gpt-oss's router bias, o bias, sinks, norm
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
     # Qwen2-MoE's shared expert and its gate.
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
@@ -71,12 +76,15 @@ _EXPERT_TENSORS = {
     "ffn_gate_exps.weight": f"mlp.experts.{EXPERTS_MARK}.gate_proj.weight",
     "ffn_up_exps.weight": f"mlp.experts.{EXPERTS_MARK}.up_proj.weight",
     "ffn_down_exps.weight": f"mlp.experts.{EXPERTS_MARK}.down_proj.weight",
+    "ffn_gate_exps.bias": f"mlp.experts.{EXPERTS_MARK}.gate_proj.bias",
+    "ffn_up_exps.bias": f"mlp.experts.{EXPERTS_MARK}.up_proj.bias",
+    "ffn_down_exps.bias": f"mlp.experts.{EXPERTS_MARK}.down_proj.bias",
 }
 # Gemma's four norms per layer: post_attention_norm follows attention, ffn_norm precedes the
-# MLP (its pre_feedforward_layernorm), post_ffw_norm follows it.
+# MLP (its pre_feedforward_layernorm), post_ffw_norm follows it. (gpt-oss's
+# post_attention_norm is the norm before its MLP, as in every other architecture here.)
 _GEMMA_LAYER_TENSORS = {
     **_LAYER_TENSORS,
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
@@ -368,10 +376,11 @@ def load_gguf(
             value = unpermute_qk(value, heads * value.shape[0] // shape[0])
         value = value.to(dtype).contiguous()
         if EXPERTS_MARK in hf_name:  # views of the one dequantised tensor, no copy
-            if value.dim() != 3:
+            bias = hf_name.endswith(".bias")
+            if value.dim() != (2 if bias else 3):
                 raise ModelLoadError(
                     f"{path}: tensor {tensor.name} has shape {tuple(value.shape)}, expected "
-                    "[experts, rows, columns]"
+                    + ("[experts, rows]" if bias else "[experts, rows, columns]")
                 )
             for e, expert in enumerate(value):
                 weights[hf_name.replace(EXPERTS_MARK, str(e))] = expert

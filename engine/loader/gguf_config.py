@@ -70,7 +70,7 @@ def config_from_gguf(
     ``vocab_size``; ties the embeddings when there is no ``output.weight`` and turns on the
     attention bias when ``blk.0.attn_q.bias`` exists. ``rope_freqs``: the values of the file's
     ``rope_freqs.weight`` tensor (None: it has none), which become a Llama 3 ``rope_scaling``.
-    Gemma's keys as ``_gemma`` reads them.
+    Gemma's keys as ``_gemma`` reads them, gpt-oss's as ``_gpt_oss``.
 
     Raises ``ModelLoadError`` naming ``path`` and the key for an unsupported architecture or a
     missing/invalid hyper-parameter."""
@@ -115,6 +115,10 @@ def config_from_gguf(
     experts = _experts(model, get) if model.experts else {}
     layers = get("block_count", int)
     gemma = _gemma(path, model, metadata, get, layers) if model.gemma else {}
+    if model.name == "gpt_oss":
+        gemma = _gpt_oss(path, model, metadata, layers)
+        if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
+            rope_scaling["truncate"] = False  # gpt-oss's YaRN ramp, as its config.json says
     try:
         return ModelConfig(
             architecture=model.name,
@@ -201,9 +205,9 @@ def architecture_of(path: Path, metadata: Mapping[str, Any]) -> Architecture:
         raise ModelLoadError(f"{path}: {exc}") from exc
 
 
-# llama.cpp's window patterns where a Gemma file has no sliding_window_pattern key: a layer is
+# llama.cpp's window patterns where a file has no sliding_window_pattern key: a layer is
 # windowed unless (layer + 1) is a multiple of the pattern.
-_GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6, "gpt_oss": 2}
 # Layer counts of the 27B models, whose queries llama.cpp scales by (hidden / heads) ** -0.5
 # instead of head_dim ** -0.5 (GGUF has no query_pre_attn_scalar key).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
@@ -226,18 +230,7 @@ def _gemma(
         ModelLoadError: a pattern that is neither an int nor one bool per layer.
     """
     arch = model.gguf_name
-    key = f"{arch}.attention.sliding_window_pattern"
-    pattern = metadata.get(key, _GEMMA_WINDOW_PATTERN[model.name])
-    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
-        # llama.cpp's set_swa_pattern: 0 windows every layer, 1 none.
-        windowed = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
-    elif isinstance(pattern, list) and len(pattern) == layers:
-        windowed = [bool(w) for w in pattern]
-    else:
-        raise ModelLoadError(
-            f"{path}: metadata key {key!r} is {pattern!r}, expected an int >= 0 or a bool "
-            f"for each of the {layers} layers"
-        )
+    full = _full_layers(path, model, metadata, layers)
     hidden, heads = get("embedding_length", int), get("attention.head_count", int)
     scalar = (
         hidden // heads
@@ -252,7 +245,44 @@ def _gemma(
     return {
         "hidden_act": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": float(scalar),
-        "full_attention_layers": tuple(i for i, w in enumerate(windowed) if not w),
+        "full_attention_layers": full,
         "rope_local_theta": local_theta,
         **caps,
+    }
+
+
+def _full_layers(
+    path: Path, model: Architecture, metadata: Mapping[str, Any], layers: int
+) -> tuple[int, ...]:
+    """The layers without the sliding window: ``{arch}.attention.sliding_window_pattern`` (an
+    int, as llama.cpp's set_swa_pattern reads it, or a bool per layer, True = windowed), else
+    the architecture's default pattern.
+
+    Raises:
+        ModelLoadError: a pattern that is neither an int >= 0 nor one bool per layer.
+    """
+    key = f"{model.gguf_name}.attention.sliding_window_pattern"
+    pattern = metadata.get(key, _WINDOW_PATTERN[model.name])
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+        # llama.cpp's set_swa_pattern: 0 windows every layer, 1 none.
+        windowed = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    elif isinstance(pattern, list) and len(pattern) == layers:
+        windowed = [bool(w) for w in pattern]
+    else:
+        raise ModelLoadError(
+            f"{path}: metadata key {key!r} is {pattern!r}, expected an int >= 0 or a bool "
+            f"for each of the {layers} layers"
+        )
+    return tuple(i for i, w in enumerate(windowed) if not w)
+
+
+def _gpt_oss(
+    path: Path, model: Architecture, metadata: Mapping[str, Any], layers: int
+) -> dict[str, Any]:
+    """gpt-oss's ``ModelConfig`` fields from a GGUF file: its windowed layers, and the clamped
+    SwiGLU's constants, which llama.cpp fixes at 7.0 and 1.702 (GGUF has no key for them)."""
+    return {
+        "full_attention_layers": _full_layers(path, model, metadata, layers),
+        "swiglu_limit": 7.0,
+        "swiglu_alpha": 1.702,
     }

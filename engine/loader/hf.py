@@ -18,6 +18,7 @@ from baton.engine.loader.checkpoint import (
 )
 from baton.engine.loader.errors import ModelLoadError
 from baton.engine.loader.generation_config import hf_sampling_defaults
+from baton.engine.loader.gpt_oss import EXPERT_TENSOR, unstack_experts
 from baton.engine.models.architectures import ARCHITECTURES, HF_CLASSES, Architecture
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.sharding import ShardSpec, weight_slice
@@ -240,7 +241,8 @@ def _experts_from_hf(arch: str, data: dict[str, Any], field: Callable[..., Any])
     """The mixture-of-experts fields of ``ModelConfig`` (none for a dense architecture).
 
     Mixtral: ``num_local_experts`` experts of width ``intermediate_size`` in every layer, the
-    top-k weights always renormalised. Qwen2/3-MoE: ``num_experts`` experts of width
+    top-k weights always renormalised; gpt-oss the same, with its clamped SwiGLU's
+    ``swiglu_limit`` and ``swiglu_alpha``. Qwen2/3-MoE: ``num_experts`` experts of width
     ``moe_intermediate_size``; a layer is dense where ``mlp_only_layers`` lists it or
     ``(layer + 1) % decoder_sparse_step`` is not 0; renormalised when ``norm_topk_prob``;
     Qwen2-MoE adds a shared expert of ``shared_expert_intermediate_size``.
@@ -249,12 +251,21 @@ def _experts_from_hf(arch: str, data: dict[str, Any], field: Callable[..., Any])
         return {}
     count = data.get("num_experts") or field("num_local_experts")
     top_k = field("num_experts_per_tok")
-    if arch == "mixtral":
+    if arch in ("mixtral", "gpt_oss"):
+        swiglu = (
+            {
+                "swiglu_limit": float(field("swiglu_limit")),
+                "swiglu_alpha": float(field("swiglu_alpha")),
+            }
+            if arch == "gpt_oss"
+            else {}
+        )
         return {
             "num_experts": count,
             "num_experts_per_tok": top_k,
             "moe_intermediate_size": field("intermediate_size"),
             "norm_topk_prob": True,
+            **swiglu,
         }
     layers = field("num_hidden_layers")
     step = data.get("decoder_sparse_step") or 1
@@ -282,11 +293,15 @@ def _read_safetensors(
     wanted = set(expected_weight_shapes(config))
     arch = ARCHITECTURES[config.architecture]
     weights: dict[str, torch.Tensor] = {}
+    stacked: dict[str, torch.Tensor] = {}  # gpt-oss's stacked experts, as stored
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for stored in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     name = arch.hf_name(stored)
+                    if arch.expert_bias and EXPERT_TENSOR.match(name):
+                        stacked[name] = handle.get_tensor(stored)
+                        continue
                     if arch.fused_projections and name.endswith(FUSED_LEAVES):
                         whole = _read_weight(handle, file, stored, config, dtype, None)
                         weights.update(split_fused(path, name, whole, config, shard))
@@ -302,6 +317,8 @@ def _read_safetensors(
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{file}: not a readable safetensors file ({exc})") from exc
+    if stacked:
+        weights.update(unstack_experts(path, stacked, dtype))
     return weights
 
 

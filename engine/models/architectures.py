@@ -38,6 +38,13 @@ class Architecture:
             norms after attention and after the MLP besides those before them, norm weights
             stored as an offset from 1 (the Hugging Face loader adds the 1, as llama.cpp's
             converter does), layers with and without the sliding window, soft-capping.
+        o_bias: o_proj carries a bias where the config's ``attention_bias`` says so (as q/k/v
+            do); False: o_proj never has one.
+        attention_sinks: each head has a learned sink logit that joins its softmax and takes
+            a share of the weight (gpt-oss).
+        expert_bias: the router and every expert carry biases, the experts' activation is
+            gpt-oss's clamped SwiGLU (``ModelConfig.swiglu_limit``), and Hugging Face
+            checkpoints stack the experts with gate and up interleaved (gpt-oss).
     """
 
     name: str
@@ -50,6 +57,9 @@ class Architecture:
     gguf_name: str = ""
     fused_projections: bool = False
     gemma: bool = False
+    o_bias: bool = False
+    attention_sinks: bool = False
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         if not self.gguf_name:
@@ -74,10 +84,10 @@ _MIXTRAL_RENAMES = (
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
-        Architecture("llama", ("LlamaForCausalLM",), gguf_permuted_qk=True),
+        Architecture("llama", ("LlamaForCausalLM",), gguf_permuted_qk=True, o_bias=True),
         Architecture("mistral", ("MistralForCausalLM",), gguf_permuted_qk=True),
         Architecture("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True),
-        Architecture("qwen3", ("Qwen3ForCausalLM",), qk_norm=True),
+        Architecture("qwen3", ("Qwen3ForCausalLM",), qk_norm=True, o_bias=True),
         Architecture(
             "mixtral",
             ("MixtralForCausalLM",),
@@ -87,15 +97,35 @@ ARCHITECTURES: dict[str, Architecture] = {
             gguf_name="llama",
         ),
         Architecture(
-            "qwen3_moe", ("Qwen3MoeForCausalLM",), qk_norm=True, experts=True, gguf_name="qwen3moe"
+            "qwen3_moe",
+            ("Qwen3MoeForCausalLM",),
+            qk_norm=True,
+            experts=True,
+            gguf_name="qwen3moe",
+            o_bias=True,
         ),
         Architecture("phi3", ("Phi3ForCausalLM",), fused_projections=True),
         Architecture(
             "qwen2_moe", ("Qwen2MoeForCausalLM",), qkv_bias=True, experts=True, gguf_name="qwen2moe"
         ),
-        Architecture("gemma2", ("Gemma2ForCausalLM",), gemma=True),
+        Architecture("gemma2", ("Gemma2ForCausalLM",), gemma=True, o_bias=True),
         Architecture(
-            "gemma3_text", ("Gemma3ForCausalLM",), qk_norm=True, gemma=True, gguf_name="gemma3"
+            "gemma3_text",
+            ("Gemma3ForCausalLM",),
+            qk_norm=True,
+            gemma=True,
+            gguf_name="gemma3",
+            o_bias=True,
+        ),
+        Architecture(
+            "gpt_oss",
+            ("GptOssForCausalLM",),
+            hf_renames=((r"\.mlp\.router\.", ".mlp.gate."),),
+            experts=True,
+            gguf_name="gpt-oss",
+            o_bias=True,
+            attention_sinks=True,
+            expert_bias=True,
         ),
     )
 }

@@ -256,6 +256,7 @@ def paged_attention(
     token_order: bool = False,
     windowed: bool = True,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes this step's keys/values into the cache and attends over it.
 
@@ -273,6 +274,8 @@ def paged_attention(
             earlier token, Gemma's global ones).
         softcap: scores soft-capped to ``softcap * tanh(score / softcap)`` before the softmax
             (Gemma 2); None: not. Then the masked eager path below attends.
+        sinks: ``[num_heads]`` logits, one per head, that join each query's softmax as an
+            extra key with no value (gpt-oss); None: none. Then the eager path attends too.
 
     Returns:
         ``[T, num_heads, head_dim]`` attention output for the flat tokens.
@@ -283,10 +286,12 @@ def paged_attention(
     kv_write_(flat_k, flat_v, k, v, meta.slot_mapping)  # one kernel on CUDA
     # A window or a cap: only the masked path below computes them.
     windowed = windowed and meta.sliding_window is not None
-    plain = not windowed and softcap is None
+    plain = not windowed and softcap is None and sinks is None
     if meta.kv_index is None or (meta.query_index is None and q.is_cuda and HAS_TRITON and plain):
         if not plain:
-            raise ValueError("a block-table decode step cannot apply a sliding window or softcap")
+            raise ValueError(
+                "a block-table decode step cannot apply a sliding window, softcap or sinks"
+            )
         # Pure decode on the GPU (or a block-table decode anywhere): the Triton kernel reads
         # the blocks in place instead of gathering every sequence's keys into a padded copy.
         return paged_decode_attention(
@@ -346,12 +351,12 @@ def paged_attention(
         values = values[:, :, None].expand(grouped).reshape(whole)
         gqa = False
     mask = meta.window_mask if windowed else meta.mask
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
     else:
-        out = softcapped_attention(queries, keys, values, mask, scale, softcap)
+        out = eager_attention(queries, keys, values, mask, scale, softcap, sinks)
     if upcast:
         out = out.to(q.dtype)
     out = out.transpose(1, 2).reshape(b * qlen, num_heads, head_dim)
@@ -360,32 +365,41 @@ def paged_attention(
     return out
 
 
-def softcapped_attention(
+def eager_attention(
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    softcap: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention whose scores are soft-capped before the softmax, as Gemma 2 computes it:
-    ``softcap * tanh(q.k * scale / softcap)``, masked, softmax in float32, times the values.
+    """Attention in plain torch ops for what SDPA cannot do: scores soft-capped before the
+    softmax, ``softcap * tanh(q.k * scale / softcap)`` (Gemma 2), and per-head sink logits
+    that join the softmax as a key without a value (gpt-oss); the softmax in float32.
 
     Args:
         queries: ``[B, heads, Q, D]``; keys, values: ``[B, kv_heads, S, D]`` (grouped-query:
             each key/value head serves ``heads / kv_heads`` query heads in a row).
         mask: bool, broadcastable to ``[B, heads, Q, S]``, True where a query sees a key.
+        sinks: ``[heads]`` or None.
 
     Returns:
-        ``[B, heads, Q, D]`` in the queries' dtype.
+        ``[B, heads, Q, D]`` in the values' dtype.
     """
     group = queries.shape[1] // keys.shape[1]
     if group > 1:
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.matmul(weights, values)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+        weights = weights[..., :-1]
+    return torch.matmul(weights.to(values.dtype), values)

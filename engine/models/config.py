@@ -72,6 +72,10 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     full_attention_layers: tuple[int, ...] = ()
     rope_local_theta: float | None = None
+    # gpt-oss's experts: (up + 1) * gate * sigmoid(alpha * gate), the gate clamped to at most
+    # swiglu_limit and up to +-swiglu_limit; None: plain SwiGLU.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         architecture(self.architecture)  # raises, naming the supported ones
@@ -137,6 +141,10 @@ class ModelConfig:
             for name in ("attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is for Gemma models, not {self.architecture}")
+        if self.swiglu_limit is not None and not self.arch.expert_bias:
+            raise ValueError(f"swiglu_limit is for gpt-oss's experts, not {self.architecture}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be > 0 or None, got {self.swiglu_limit!r}")
         bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(
@@ -186,6 +194,11 @@ class ModelConfig:
     def moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts (else a dense SwiGLU)."""
         return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def o_bias(self) -> bool:
+        """Whether o_proj carries a bias (``attention_bias`` where the architecture says so)."""
+        return self.attention_bias and self.arch.o_bias
 
     @property
     def attention_scale(self) -> float:

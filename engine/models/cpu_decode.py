@@ -93,7 +93,8 @@ def fused_layers(layers: Sequence[DecoderLayer]) -> tuple[FusedLayer, ...] | Non
     for layer in layers:
         if layer.reduce is not None or any(c is None for c in layer.quant_calls):
             return None
-        if layer.q_norm is not None or layer.mlp is not None:  # no q/k norm nor experts in C++
+        # No q/k norm, experts nor attention sinks in C++.
+        if layer.q_norm is not None or layer.mlp is not None or layer.sinks is not None:
             return None
         if layer.head_dim % 16 or any(
             lin.bias is not None for lin in (layer.o_proj, layer.gate_up_proj, layer.down_proj)

@@ -51,8 +51,9 @@ class GemmaDecoderLayer(DecoderLayer):
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def extra_weights(self) -> dict[str, nn.Parameter]:
-        """The two norms Gemma adds: before and after the MLP."""
+        """The base block's, and the two norms Gemma adds: before and after the MLP."""
         return {
+            **super().extra_weights(),
             "pre_feedforward_layernorm.weight": self.pre_feedforward_layernorm.weight,
             "post_feedforward_layernorm.weight": self.post_feedforward_layernorm.weight,
         }

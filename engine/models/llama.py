@@ -80,7 +80,13 @@ class DecoderLayer(nn.Module):
         q = quant or (None,) * len(PROJECTIONS)
         qkv = self.q_size + 2 * self.kv_size
         self.qkv_proj = _linear(c.hidden_size, qkv, c.attention_bias, q[0] is not None)
-        self.o_proj = _linear(self.q_size, c.hidden_size, False, q[1] is not None)
+        self.o_proj = _linear(self.q_size, c.hidden_size, c.o_bias, q[1] is not None)
+        # gpt-oss: each head's sink logit, which joins its softmax (``paged_attention``).
+        self.sinks = (
+            nn.Parameter(torch.zeros(c.num_heads), requires_grad=False)
+            if c.arch.attention_sinks
+            else None
+        )
         self.intermediate_size = c.intermediate_size
         # A mixture-of-experts layer has its experts here instead of gate_up/down (which are
         # then None: its MLP is never quantised, packed or fused).
@@ -95,6 +101,8 @@ class DecoderLayer(nn.Module):
                 c.num_experts_per_tok,
                 c.norm_topk_prob,
                 c.shared_expert_intermediate_size,
+                biased=c.arch.expert_bias,
+                swiglu=None if c.swiglu_limit is None else (c.swiglu_alpha, c.swiglu_limit),
             )
             # The projections in the order of ``int8`` and ``packed`` (a plain tuple: the
             # modules are registered above).
@@ -123,9 +131,15 @@ class DecoderLayer(nn.Module):
         )
 
     def extra_weights(self) -> dict[str, nn.Parameter]:
-        """Weights a subclass's block adds, by Hugging Face name inside ``model.layers.{i}``
-        (``load_weights`` fills them); none here."""
-        return {}
+        """The weights besides the norms, projections and experts, by Hugging Face name inside
+        ``model.layers.{i}`` (``load_weights`` fills them): o_proj's bias and the attention
+        sinks where the model has them; a subclass's block adds its own."""
+        extra: dict[str, nn.Parameter] = {}
+        if self.o_proj.bias is not None:
+            extra["self_attn.o_proj.bias"] = self.o_proj.bias
+        if self.sinks is not None:
+            extra["self_attn.sinks"] = self.sinks
+        return extra
 
     def quantize_int8(self) -> None:
         """Replaces the projections' weights by int8 weight-only ones (``quant.py``) for every
@@ -203,6 +217,7 @@ class DecoderLayer(nn.Module):
             self.scale,
             token_order=self.quant is not None,
             windowed=self.windowed,
+            sinks=self.sinks,
         ).reshape(t, self.q_size)
         out = self._project(1, attn)
         out = out if self.reduce is None else self.reduce(out)

@@ -1,6 +1,7 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router, then each token through
-its top-k SwiGLU experts, their outputs summed with the router's weights (plus Qwen2-MoE's
-shared expert).
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): a router, then each token
+through its top-k SwiGLU experts, their outputs summed with the router's weights (plus
+Qwen2-MoE's shared expert; gpt-oss's router and experts carry biases and its SwiGLU is
+clamped).
 
 The experts' weights are stacked, ``[E, 2 * ff, hidden]`` (gate | up) and ``[E, hidden, ff]``;
 on a CPU they are packed per expert for oneDNN like the dense layers (``pack_weights``).
@@ -23,11 +24,18 @@ from baton.engine.models.packed import PackedWeight, pack_and_release, pack_line
 from baton.kernels.silu_mul import silu_mul
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, softmax_after: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's ``top_k`` experts and their weights: softmax in float32 over the router's
     ``logits`` ``[T, E]``, the k largest (``torch.topk``, as transformers picks them), the k
-    weights divided by their sum when ``renormalize``. Returns ``(weights [T, k] float32,
-    experts [T, k] int64)``."""
+    weights divided by their sum when ``renormalize``; with ``softmax_after`` (gpt-oss) the
+    k largest logits first, then the softmax over those k (the same weights as renormalising,
+    in gpt-oss's order of operations). Returns ``(weights [T, k] float32, experts [T, k]
+    int64)``."""
+    if softmax_after:
+        top, experts = torch.topk(logits.float(), top_k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -70,10 +78,22 @@ def experts_forward(
     return total.to(x.dtype)
 
 
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+) -> torch.Tensor:
+    """gpt-oss's expert activation: ``(up + 1) * gate * sigmoid(alpha * gate)`` with the gate
+    clamped to at most ``limit`` and up to ``[-limit, limit]``."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class SparseMoeBlock(nn.Module):
     """The MoE MLP of one layer: ``gate`` (the router, ``nn.Linear(hidden, E)``), the stacked
     expert weights and, with ``shared_ff``, a shared expert (Qwen2-MoE); loaded by
-    ``LlamaForCausalLM.load_weights``."""
+    ``LlamaForCausalLM.load_weights``. ``biased``: the router and experts carry biases and
+    routing takes the softmax over the top k (gpt-oss); ``swiglu``: ``(alpha, limit)`` of
+    ``clamped_swiglu`` instead of plain SwiGLU."""
 
     def __init__(
         self,
@@ -83,9 +103,18 @@ class SparseMoeBlock(nn.Module):
         top_k: int,
         renormalize: bool,
         shared_ff: int = 0,
+        biased: bool = False,
+        swiglu: tuple[float, float] | None = None,
     ) -> None:
         super().__init__()
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate = nn.Linear(hidden, num_experts, bias=biased)
+        self.swiglu = swiglu
+        self.gate_up_bias = (
+            nn.Parameter(torch.zeros(num_experts, 2 * ff), requires_grad=False) if biased else None
+        )
+        self.down_bias = (
+            nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False) if biased else None
+        )
         # Qwen2-MoE's shared expert (every token, scaled by sigmoid(shared_gate(x))), or None.
         self.shared_gate_up = nn.Linear(hidden, 2 * shared_ff, bias=False) if shared_ff else None
         self.shared_down = nn.Linear(shared_ff, hidden, bias=False) if shared_ff else None
@@ -108,9 +137,14 @@ class SparseMoeBlock(nn.Module):
         Raises:
             ValueError: as ``pack_linear`` (not a CPU weight of a dtype oneDNN packs).
         """
+        n = self.gate_up.shape[0]
+        gate_up_bias = [None] * n if self.gate_up_bias is None else list(self.gate_up_bias)
+        down_bias = [None] * n if self.down_bias is None else list(self.down_bias)
         self.packed = tuple(
-            (pack_linear(gate_up), pack_linear(down))
-            for gate_up, down in zip(self.gate_up, self.down, strict=True)
+            (pack_linear(gate_up, gate_up_b), pack_linear(down, down_b))
+            for gate_up, down, gate_up_b, down_b in zip(
+                self.gate_up, self.down, gate_up_bias, down_bias, strict=True
+            )
         )
         self.gate_packed = pack_and_release(self.gate)
         if self.shared_gate_up is not None:
@@ -124,17 +158,24 @@ class SparseMoeBlock(nn.Module):
         self.down = nn.Parameter(empty.clone(), requires_grad=False)
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
+        down_bias = None if self.down_bias is None else self.down_bias[e]
         if self.packed is not None:
             gate_up, down = self.packed[e]
             gate, up = packed_linear(rows, gate_up).chunk(2, dim=-1)
-            return packed_linear(silu_mul(gate, up), down).float()
-        gate, up = F.linear(rows, self.gate_up[e]).chunk(2, dim=-1)
-        return F.linear(silu_mul(gate, up), self.down[e]).float()
+        else:
+            gate, up = F.linear(rows, self.gate_up[e], gate_up_bias).chunk(2, dim=-1)
+        swiglu = self.swiglu
+        act = silu_mul(gate, up) if swiglu is None else clamped_swiglu(gate, up, *swiglu)
+        if self.packed is not None:
+            return packed_linear(act, down).float()
+        return F.linear(act, self.down[e], down_bias).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for ``x`` ``[T, hidden]``."""
         logits = self.gate(x) if self.gate_packed is None else packed_linear(x, self.gate_packed)
-        weights, experts = route(logits, self.top_k, self.renormalize)
+        biased = self.gate_up_bias is not None
+        weights, experts = route(logits, self.top_k, self.renormalize, softmax_after=biased)
         out = experts_forward(x, weights, experts, self.num_experts, self._expert)
         if self.shared_gate_up is None:
             return out
@@ -165,10 +206,18 @@ def load_experts(
     put(mlp.gate.weight, take(prefix + "mlp.gate.weight"), prefix + "mlp.gate.weight")
     n = mlp.gate_up.shape[0]
     e = [f"{prefix}mlp.experts.{i}." for i in range(n)]
-    gate_up = [torch.cat([take(x + "gate_proj.weight"), take(x + "up_proj.weight")]) for x in e]
-    put(mlp.gate_up, torch.stack(gate_up), prefix + "mlp.experts (gate | up)")
-    down = torch.stack([take(x + "down_proj.weight") for x in e])
-    put(mlp.down, down, prefix + "mlp.experts (down)")
+    for kind, gate_up_param, down_param in (
+        ("weight", mlp.gate_up, mlp.down),
+        ("bias", mlp.gate_up_bias, mlp.down_bias),
+    ):
+        if gate_up_param is None or down_param is None:
+            continue
+        gate_up = [torch.cat([take(f"{x}gate_proj.{kind}"), take(f"{x}up_proj.{kind}")]) for x in e]
+        put(gate_up_param, torch.stack(gate_up), f"{prefix}mlp.experts (gate | up {kind})")
+        down = torch.stack([take(f"{x}down_proj.{kind}") for x in e])
+        put(down_param, down, f"{prefix}mlp.experts (down {kind})")
+    if mlp.gate.bias is not None:
+        put(mlp.gate.bias, take(prefix + "mlp.gate.bias"), prefix + "mlp.gate.bias")
     if mlp.shared_gate_up is not None:
         assert mlp.shared_down is not None and mlp.shared_gate is not None
         s = prefix + "mlp.shared_expert."

@@ -28,10 +28,15 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     Raises:
         ValueError: naming each dimension that ``size`` does not divide (query heads,
             key/value heads, MLP width), a ``size`` below 1, or above 1 for a
-            mixture-of-experts or Gemma model.
+            mixture-of-experts or Gemma model or one with an o_proj bias.
     """
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+    if size > 1 and config.o_bias:
+        raise ValueError(
+            f"tensor_parallel_size={size}: a model whose o_proj has a bias cannot be cut into "
+            "shards yet (each rank would add it); sizes that fit this model: [1]"
+        )
     if size > 1 and config.arch.gemma:
         raise ValueError(
             f"tensor_parallel_size={size}: {config.architecture} models cannot be cut into "

@@ -1,0 +1,240 @@
+"""gpt-oss against transformers: logits of a prompt longer than the window, decode steps past
+it, each of its features shown to matter (attention sinks, the clamped SwiGLU, the window,
+the biases), and the official checkpoints' MXFP4 expert layout read to the values
+transformers' own MXFP4 decoder gives."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import build_tiny_model_dir
+
+from baton.engine.loader import ModelLoadError, load_checkpoint
+from baton.engine.loader.gpt_oss import dequantize_mxfp4
+from baton.engine.models.attention import AttentionMetadata
+from baton.engine.models.causal_lm import causal_lm_class
+from baton.engine.models.kv_cache import allocate_kv_cache
+from baton.engine.models.llama import LlamaForCausalLM
+from baton.engine.tokenizer import Tokenizer
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, tokenizer: Tokenizer) -> Path:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("gpt_oss"), tokenizer, "gpt_oss")
+
+
+def _hf(folder: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _model(folder: Path, **changes: Any) -> LlamaForCausalLM:
+    checkpoint = load_checkpoint(folder)
+    config = dataclasses.replace(checkpoint.config, **changes)
+    model = causal_lm_class(config)(config)
+    weights = dict(checkpoint.weights)
+    if not config.attention_bias:  # the variant without biases: drop them
+        weights = {k: v for k, v in weights.items() if "self_attn" not in k or "bias" not in k}
+    model.load_weights(weights)
+    return model
+
+
+def _logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    n = ids.numel()
+    kv = allocate_kv_cache(model.config, 32, BLOCK, torch.float32)
+    meta = AttentionMetadata.build(
+        torch.tensor([n]),
+        torch.tensor([n]),
+        torch.tensor([list(range(3, 3 + -(-n // BLOCK)))]),
+        BLOCK,
+        sliding_window=model.config.sliding_window,
+    )
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(n), kv, meta))
+
+
+def _prompt(vocab: int, n: int = 40) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1))
+
+
+def test_config_reads_gpt_oss_fields(folder):
+    config = load_checkpoint(folder).config
+    assert config.architecture == "gpt_oss" and config.is_moe
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (
+        4,
+        2,
+        32,
+    )
+    assert (config.swiglu_limit, config.swiglu_alpha) == (7.0, 1.702)
+    assert (config.sliding_window, config.full_attention_layers) == (8, (1,))
+    assert config.o_bias and config.rope_scaling["rope_type"] == "yarn"
+    assert config.rope_scaling["truncate"] is False
+
+
+def test_logits_equal_transformers(folder):
+    model = _model(folder)
+    ids = _prompt(model.config.vocab_size)
+    with torch.no_grad():
+        ref = _hf(folder)(ids[None]).logits[0]
+    assert (_logits(model, ids) - ref).abs().max().item() <= 1e-4
+
+
+FEATURES: dict[str, dict[str, Any]] = {
+    "window": {"sliding_window": None},
+    "clamp": {"swiglu_limit": 1000.0},
+    "alpha": {"swiglu_alpha": 1.0},
+}
+
+
+@pytest.mark.parametrize("feature", [*FEATURES, "sinks"])
+def test_each_feature_changes_the_logits(folder, feature):
+    model = _model(folder)
+    ids = _prompt(model.config.vocab_size)
+    base = _logits(model, ids)
+    if feature == "sinks":
+        other = _model(folder)
+        for layer in other.layers:
+            assert layer.sinks is not None
+            layer.sinks.fill_(float("-inf"))  # a sink of weight 0
+    else:
+        other = _model(folder, **FEATURES[feature])
+    assert (_logits(other, ids) - base).abs().max().item() > 1e-2, feature
+
+
+def test_decode_past_the_window_equals_full_recompute(folder):
+    model = _model(folder)
+    hf = _hf(folder)
+    seq = _prompt(model.config.vocab_size, 5).tolist()
+    blocks = torch.tensor([[9, 2, 14, 5, 11, 3, 8, 1, 12, 6]])
+    kv = allocate_kv_cache(model.config, 16, BLOCK, torch.float32)
+    for step in range(16):
+        n = len(seq)
+        new = n if step == 0 else 1
+        meta = AttentionMetadata.build(
+            torch.tensor([new]), torch.tensor([n]), blocks, BLOCK, sliding_window=8
+        )
+        with torch.no_grad():
+            logits = model.compute_logits(
+                model(torch.tensor(seq[-new:]), torch.arange(n - new, n), kv, meta)
+            )[-1]
+            full = hf(torch.tensor([seq])).logits[0, -1]
+        assert (logits - full).abs().max().item() <= 1e-4, step
+        seq.append(int(logits.argmax()))
+
+
+def test_packed_experts_compute_the_unpacked_logits(folder):
+    from baton.engine.models.packed import packing_available
+
+    if not packing_available(torch.float32):
+        pytest.skip("oneDNN packing is not available on this CPU")
+    model = _model(folder)
+    ids = _prompt(model.config.vocab_size)
+    ref = _logits(model, ids)
+    model.pack_weights()
+    assert (_logits(model, ids) - ref).abs().max().item() <= 1e-4
+
+
+def _mxfp4(weight: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 blocks and scales for a weight of ``weight``'s shape ``[E, out, in]``."""
+    e, rows, cols = weight.shape
+    blocks = torch.randint(
+        0, 256, (e, rows, cols // 32, 16), generator=generator, dtype=torch.uint8
+    )
+    scales = torch.randint(120, 126, (e, rows, cols // 32), generator=generator, dtype=torch.uint8)
+    return blocks, scales
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder(folder: Path, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The tiny gpt-oss in the official layout: each projection's experts as random MXFP4
+    blocks + scales (rows = output features, gate and up alternating) and config.json's
+    quantization_config saying so; with transformers' decode of each projection's bytes
+    (``convert_moe_packed_tensors``: ``[E, in, out]``)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    generator = torch.Generator().manual_seed(5)
+    tensors = load_file(str(folder / "model.safetensors"))
+    packed = tmp_path_factory.mktemp("mxfp4")
+    for file in folder.iterdir():
+        if file.name != "model.safetensors":
+            (packed / file.name).write_bytes(file.read_bytes())
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (packed / "config.json").write_text(json.dumps(config))
+    expected = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        dense = tensors.pop(name).transpose(1, 2)  # [E, out, in]
+        blocks, scales = _mxfp4(dense, generator)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(tensors, str(packed / "model.safetensors"))
+    return packed, expected
+
+
+def test_mxfp4_experts_load_as_transformers_decodes_them(mxfp4_folder, tmp_path):
+    packed, expected = mxfp4_folder
+    weights = load_checkpoint(packed).weights
+    for name, values in expected.items():  # [E, in, out]
+        prefix = name.rsplit(".", 1)[0]
+        for e in range(values.shape[0]):
+            if name.endswith("gate_up_proj"):
+                gate = weights[f"{prefix}.{e}.gate_proj.weight"]
+                up = weights[f"{prefix}.{e}.up_proj.weight"]
+                assert torch.equal(gate, values[e, :, ::2].T)
+                assert torch.equal(up, values[e, :, 1::2].T)
+            else:
+                assert torch.equal(weights[f"{prefix}.{e}.down_proj.weight"], values[e].T)
+    # Half a projection is a clear error naming it.
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in packed.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(str(packed / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.experts\.down_proj is missing"):
+        load_checkpoint(broken)
+
+
+def test_dequantize_mxfp4_values():
+    """Byte 0x21: low nibble 1 (0.5) first, high nibble 2 (1.0); scale 128 doubles them; a
+    nibble with the sign bit (0x9: -0.5)."""
+    blocks = torch.tensor([[0x21] + [0x00] * 14 + [0x90]], dtype=torch.uint8)
+    values = dequantize_mxfp4(blocks, torch.tensor([128], dtype=torch.uint8))
+    assert values[:2].tolist() == [1.0, 2.0] and values[-1].item() == -1.0
+    assert values.shape == (32,)
+    with pytest.raises(ValueError, match="do not fit"):
+        dequantize_mxfp4(blocks[:, :8], torch.tensor([128], dtype=torch.uint8))
+
+
+@pytest.mark.timeout(600)
+def test_mxfp4_through_llama_cpp_converter(mxfp4_folder, tmp_path):
+    """llama.cpp's converter keeps the experts in MXFP4 (GGML type MXFP4, its own nibble
+    order): baton reads that GGUF to the folder's config and weights exactly."""
+    import subprocess
+
+    from engine_testing import assert_same_checkpoint, llama_cpp_convert
+
+    from baton.bench.llama_cpp_build import converter
+    from baton.engine.loader.gguf import read_gguf
+
+    try:
+        converter()
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"the llama-cpp-python sdist could not be downloaded: {exc}")
+    packed, _ = mxfp4_folder
+    gguf = llama_cpp_convert(packed, tmp_path / "mxfp4.gguf")
+    kinds = {t.name: t.tensor_type.name for t in read_gguf(gguf).tensors}
+    assert kinds["blk.0.ffn_down_exps.weight"] == "MXFP4"
+    assert_same_checkpoint(load_checkpoint(packed), load_checkpoint(gguf))
