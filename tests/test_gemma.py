@@ -160,3 +160,29 @@ def test_decode_past_the_window_equals_full_recompute(folder):
             full = hf(torch.tensor([seq])).logits[0, -1]
         assert (logits - full).abs().max().item() <= 1e-4, step
         seq.append(int(logits.argmax()))
+
+
+def test_packed_and_int8_weights_through_gemmas_block(folder):
+    """The CPU kernels the engine puts under a dense model, through Gemma's block: oneDNN-packed
+    weights give the dense logits, and int8 weight-only ones the logits of the dense model
+    whose projections hold the int8 values (the same products: float32 tolerance both)."""
+    from baton.engine.models.packed import packing_available
+    from baton.engine.models.quant import quantize_int8
+
+    ids = _prompt(load_checkpoint(folder).config.vocab_size)
+    if packing_available(torch.float32):
+        packed = _model(folder)
+        packed.pack_weights()
+        ref = _logits(_model(folder), ids, torch.float32)
+        assert (_logits(packed, ids, torch.float32) - ref).abs().max().item() <= 1e-4
+    int8 = _model(folder)
+    int8.quantize_int8()
+    fake = _model(folder)  # the int8 values as dense weights, the same int8 LM head
+    with torch.no_grad():
+        for layer in fake.layers:
+            for linear in layer._linears:
+                q = quantize_int8(linear.weight, torch.float32)
+                linear.weight.copy_(q.qweight.float() * q.scales[:, None])
+    fake.lm_head_int8 = int8.lm_head_int8
+    out, ref = _logits(int8, ids, torch.float32), _logits(fake, ids, torch.float32)
+    assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
