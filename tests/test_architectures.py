@@ -284,6 +284,64 @@ def test_sliding_window_attention_equals_transformers(
     assert _engine_tokens(str(folder), prompts) != tokens
 
 
+@pytest.mark.timeout(180)  # without the release the request could never be scheduled
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_windowed_model_runs_a_long_sequence_in_a_window_of_blocks(
+    tokenizer, tmp_path, prefix_caching
+):
+    """Every layer windowed (8 tokens): blocks wholly before the window go back to the pool,
+    so a 100-token prompt plus 60 generated tokens (40 blocks of 4) run in a cache of 12
+    blocks, in chunks of 8, with transformers' greedy tokens."""
+    folder = _with_window(tokenizer, tmp_path, 8)
+    prompt = (tokenizer.encode(" ".join(PROMPTS)) * 6)[:100]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=1,
+        block_size=4,
+        num_kv_blocks=12,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=prefix_caching,
+    )
+    try:
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    tokens = list(out.outputs[0].token_ids)
+    assert len(tokens) == 60
+    with torch.no_grad():
+        logits = _hf_model(folder)(torch.tensor([prompt + tokens])).logits[0]
+    assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == tokens
+
+
+@pytest.mark.timeout(300)
+def test_a_32k_context_in_the_blocks_of_a_4k_window(tokenizer, tmp_path):
+    """The issue's goal at tiny scale: a window of 4096, a 32768-token prompt in chunks of 1024
+    and 32 generated tokens, in a cache of 324 blocks of 16 (the window, one chunk and 4
+    spare: 5184 slots, where full attention would need 2050 blocks)."""
+    folder = _with_window(tokenizer, tmp_path, 4096)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40000}))
+    prompt = (tokenizer.encode(" ".join(PROMPTS)) * 3000)[:32768]
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=34000,
+        max_num_seqs=1,
+        block_size=16,
+        num_kv_blocks=(4096 + 1024) // 16 + 4,
+        max_num_batched_tokens=1024,
+    )
+    try:
+        params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert len(out.outputs[0].token_ids) == 32
+
+
 def test_qwen_windows_only_the_layers_from_max_window_layers(tokenizer, tmp_path):
     """Qwen2 with use_sliding_window: layers below max_window_layers see every token, the
     others a window of 8 (transformers' rule; the config without layer_types, as

@@ -530,3 +530,39 @@ def test_fills_new_block_says_when_cache_blocks_has_work() -> None:
     off = KVCacheManager(16, BS, enable_prefix_caching=False)
     off.allocate_slots("a", len(tokens))
     assert not off.fills_new_block("a", len(tokens))
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_release_outside_window_frees_leading_blocks(prefix_caching: bool) -> None:
+    """Window 8, blocks of 4: from position 20 on, queries see positions 13.. only, so blocks
+    0-2 (positions 0-11) go back to the pool and the list keeps the null block in their place;
+    with prefix caching only registered blocks go, and stay findable."""
+    kv = KVCacheManager(16, 4, enable_prefix_caching=prefix_caching, sliding_window=8)
+    tokens = list(range(100, 124))
+    assert kv.allocate_slots("r", 24) is not None
+    held = kv.get_block_ids("r")
+    if prefix_caching:
+        kv.cache_blocks("r", tokens, 8)  # only blocks 0-1 registered yet
+        assert kv.release_outside_window("r", 20) == 2
+        kv.cache_blocks("r", tokens, 24)
+    assert kv.release_outside_window("r", 20) == (1 if prefix_caching else 3)
+    assert kv.release_outside_window("r", 20) == 0  # nothing new left the window
+    assert kv.get_block_ids("r") == [NULL_BLOCK_ID] * 3 + held[3:]
+    assert kv.num_used_blocks == 3
+    kv.check_invariants()
+    if prefix_caching:  # the released blocks are still found by a lookup
+        assert kv.get_computed_blocks("other", tokens) == 20
+    with pytest.raises(ValueError, match="released past its window|registered in the prefix"):
+        kv.truncate("r", 8)
+    kv.free("r")
+    assert kv.num_used_blocks == 0
+    kv.check_invariants()
+
+
+def test_release_outside_window_needs_a_window() -> None:
+    kv = KVCacheManager(16, 4)
+    assert kv.allocate_slots("r", 24) is not None
+    assert kv.release_outside_window("r", 20) == 0 and kv.num_used_blocks == 6
+    assert KVCacheManager(16, 4, sliding_window=8).release_outside_window("unknown", 50) == 0
+    with pytest.raises(ValueError, match="sliding_window must be an int"):
+        KVCacheManager(16, 4, sliding_window=8.0)  # type: ignore[arg-type]

@@ -66,10 +66,21 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+        ):
+            raise ValueError(f"sliding_window must be an int or None, got {sliding_window!r}")
+        # Every layer's attention window (None: some layer sees every token): blocks wholly
+        # before it are released by ``release_outside_window``.
+        self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
         self._pool = BlockPool(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -78,6 +89,9 @@ class KVCacheManager:
         # How many leading blocks of the request are already registered (or were hits).
         self._req_num_cached: dict[str, int] = {}
         self._req_hashes: dict[str, list[BlockHash]] = {}
+        # How many leading blocks of the request were released past its window (they stay in
+        # its list as the null block, so that positions keep their index).
+        self._req_released: dict[str, int] = {}
         # Number of hit blocks recorded by the last lookup, until allocate_slots takes them.
         self._pending_hits: dict[str, int] = {}
         self._queried_tokens = 0
@@ -224,6 +238,29 @@ class KVCacheManager:
         self._pending_hits.pop(request_id, None)
         return [b.block_id for b in new_blocks]
 
+    def release_outside_window(self, request_id: str, next_position: int) -> int:
+        """With a ``sliding_window`` W: releases the request's leading blocks that hold only
+        positions before ``next_position - W + 1``, which no query from ``next_position`` on
+        sees (the lowest position the request may compute again, rewinds included). They
+        stay in its block list as the null block (its table keeps its layout; attention masks
+        those positions). With prefix caching only registered blocks go, and stay findable at
+        ref count 0. Returns how many blocks it released (0 without a window, for an unknown
+        request, or when none left the window since the last call)."""
+        blocks = self._req_blocks.get(request_id)
+        if self.sliding_window is None or not blocks:
+            return 0
+        end = max(0, next_position - self.sliding_window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            end = min(end, self._req_num_cached[request_id])
+        start = self._req_released.get(request_id, 0)
+        if end <= start:
+            return 0
+        released = blocks[start:end]
+        blocks[start:end] = [self._pool.blocks[NULL_BLOCK_ID]] * (end - start)
+        self._pool.release(reversed(released))
+        self._req_released[request_id] = end
+        return end - start
+
     def fills_new_block(self, request_id: str, num_known_tokens: int) -> bool:
         """Whether ``cache_blocks`` with ``num_known_tokens`` has a block to register: False
         while none of the request's blocks filled up since the last call (most decode steps),
@@ -299,6 +336,11 @@ class KVCacheManager:
                 f"cannot truncate request {request_id!r} to {num_tokens} tokens: its first "
                 f"{self._req_num_cached[request_id]} blocks are registered in the prefix cache"
             )
+        if keep < self._req_released.get(request_id, 0):
+            raise ValueError(
+                f"cannot truncate request {request_id!r} to {num_tokens} tokens: its first "
+                f"{self._req_released[request_id]} blocks were released past its window"
+            )
         if keep < len(blocks):
             tail = blocks[keep:]
             del blocks[keep:]
@@ -314,9 +356,10 @@ class KVCacheManager:
         self._pending_hits.pop(request_id, None)
         self._req_hashes.pop(request_id, None)
         self._req_num_cached.pop(request_id, None)
+        released = self._req_released.pop(request_id, 0)
         blocks = self._req_blocks.pop(request_id, None)
         if blocks:
-            self._pool.release(reversed(blocks))
+            self._pool.release(reversed(blocks[released:]))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block hash (e.g. after the weights change).
@@ -336,12 +379,17 @@ class KVCacheManager:
         self._pool.check_invariants()
         refs = [0] * self.num_blocks
         assert self._req_blocks.keys() == self._req_num_cached.keys(), "request maps disagree"
-        for request_id, blocks in self._req_blocks.items():
+        for request_id, held in self._req_blocks.items():
+            released = self._req_released.get(request_id, 0)
+            assert all(b.block_id == NULL_BLOCK_ID for b in held[:released]), (
+                f"request {request_id!r}: a released block is still listed"
+            )
+            blocks = held[released:]
             ids = [b.block_id for b in blocks]
             assert len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice"
             assert NULL_BLOCK_ID not in ids, f"request {request_id!r} holds the null block"
             num_cached = self._req_num_cached[request_id]
-            assert 0 <= num_cached <= len(blocks), f"request {request_id!r} cache progress"
+            assert 0 <= num_cached <= len(held), f"request {request_id!r} cache progress"
             if self.enable_prefix_caching:
                 assert len(self._req_hashes.get(request_id, ())) >= num_cached
             for block_id in ids:

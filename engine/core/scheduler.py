@@ -131,6 +131,7 @@ class Scheduler:
         drafter, policy, depth = self.drafter, self.draft_policy, self._draft_depth()
         offered: list[int] = []  # drafts each drafting request proposed, for the policy
         allocate = self.kv.allocate_slots
+        release, window = self.kv.release_outside_window, self.kv.sliding_window is not None
         running = RequestStatus.RUNNING
         for req in list(self.running):
             if req.status is not running:  # preempted earlier in this loop
@@ -142,6 +143,8 @@ class Scheduler:
             if depth and policy is not None and drafter.can_draft(req):
                 offered.append(len(proposed))
             n += len(proposed)
+            if window:  # the lowest position it may compute again: its last known token's
+                release(req.request_id, min(req.num_computed_tokens, req.num_tokens - 1))
             while (blocks := allocate(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self.running[-1]
                 self._preempt(victim)

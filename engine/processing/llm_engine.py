@@ -70,7 +70,12 @@ class LLMEngine:
         self.tokenizer: Tokenizer = model.tokenizer
         self.max_model_len = model.max_model_len
         self.eos_token_ids = model.eos_token_ids
-        kv = KVCacheManager(model.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        kv = KVCacheManager(
+            model.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            sliding_window=model.kv_window,
+        )
         self._executor = model.executor
         workers = config.grammar_compile_workers or default_compile_workers()
         spec = config.speculative_config

@@ -51,6 +51,9 @@ class ModelSetup:
     sampling_defaults: dict[str, float | int]
     # quantization="gguf": the kernel weights by GGUF type (``Checkpoint.quantized_types``).
     quantized_types: dict[str, int] = field(default_factory=dict)
+    # The attention window when every layer keeps to it (Mistral v0.1): a sequence's blocks
+    # wholly before its window can go back to the pool. None: some layer sees every token.
+    kv_window: int | None = None
 
 
 def setup_model(
@@ -126,6 +129,7 @@ def setup_model(
         threads,
         dict(ckpt.sampling_defaults),
         ckpt.quantized_types(),
+        c.sliding_window if not c.full_attention_layers else None,
     )
 
 
