@@ -49,6 +49,9 @@ ALSO = {
         "test_json_schema_through_a_sentencepiece_vocabulary"
     ),
     "Phi-3 from llama.cpp's converter = folder": "test_phi3_from_llama_cpp_converter[False]",
+    "Phi-3 LongRoPE from llama.cpp's converter = folder (same RoPE tables)": (
+        "test_phi3_from_llama_cpp_converter[True]"
+    ),
     "Gemma 2 from llama.cpp's converter = folder, Gemma tokenizer = transformers' ids": (
         "test_gemma2_from_llama_cpp_converter"
     ),
@@ -160,8 +163,9 @@ def render(results: dict[str, str], commit: str, cpu: str) -> str:
         )
     lines += [
         "",
-        "RoPE scaling: linear, Llama 3, YaRN and LongRoPE (its short factors: sequences stay "
-        "within the original context, a longer `max_model_len` is refused); any other scheme, "
+        "RoPE scaling: linear, Llama 3, YaRN and LongRoPE (from folders and GGUF; its short "
+        "factors: sequences stay within the original context, a longer `max_model_len` is "
+        "refused); any other scheme, "
         "a partial rotary factor or an unknown architecture is refused by name before any "
         "weight is read.",
         "",

@@ -501,11 +501,11 @@ def gguf_from_hf_dir(
     base_metadata: Mapping[str, Any],
     tensor_type: Callable[[str], str] = lambda name: "F32",
 ) -> Path:
-    """Convert a tiny Hugging Face llama/qwen2/qwen3/mixtral/qwen3_moe folder to GGUF the way
-    llama.cpp does (names, reversed dims, q/k permuted for llama and mixtral, YaRN as
-    rope.scaling keys, Mixtral as "llama" with an expert count, each projection's experts
-    stacked in one tensor), each tensor stored as ``tensor_type(gguf_name)``, with the
-    tokenizer metadata of ``base_metadata``."""
+    """Convert a tiny Hugging Face folder (conftest's architectures) to GGUF the way llama.cpp
+    does (names, reversed dims, q/k permuted for llama and mixtral, YaRN as rope.scaling keys,
+    LongRoPE as rope_factors tensors, Mixtral as "llama" with an expert count, each
+    projection's experts stacked in one tensor, Gemma's norms as 1 + w), each tensor stored as
+    ``tensor_type(gguf_name)``, with the tokenizer metadata of ``base_metadata``."""
     from safetensors.torch import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -561,6 +561,13 @@ def gguf_from_hf_dir(
             rope["original_max_position_embeddings"]
         )
     tensors = {}
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's converter writes Phi-3's
+        original = rope.get("original_max_position_embeddings")
+        original = original or config["original_max_position_embeddings"]
+        metadata[f"{arch}.rope.scaling.original_context_length"] = int(original)
+        for kind in ("short", "long"):
+            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+            tensors[f"rope_factors_{kind}.weight"] = encode_tensor(factors, "F32")
     experts: dict[str, dict[int, np.ndarray]] = {}
     for hf_name, value in load_file(str(hf_dir / "model.safetensors")).items():
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):

@@ -55,9 +55,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gpt_oss": {"arch": "gpt_oss", "rope_scaling": {**YARN, "truncate": False}},
 }
 # llama.cpp's converter writes Phi-3 and Gemma 2 only with a SentencePiece tokenizer.model (the
-# folders here carry SmolLM2's tokenizer.json), and baton reads no LongRoPE factors from GGUF yet.
+# folders here carry SmolLM2's tokenizer.json).
 NO_CONVERTER = {"phi3", "phi3-longrope", "gemma2"}
-NO_GGUF = {"phi3-longrope"}
 PROMPTS = [
     "The three primary colours are",
     "def fibonacci(n):\n    # return the n-th Fibonacci number, iteratively, starting from",
@@ -101,8 +100,6 @@ def test_greedy_tokens_equal_transformers_from_folder_and_gguf(
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + out])).logits[0]
         assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == out, (name, prompt)
-    if name in NO_GGUF:
-        return
     # The same model through llama.cpp's layout (float32 tensors): the same tokens.
     gguf = gguf_from_hf_dir(folder, tmp_path / f"{name}.gguf", default_gguf_metadata)
     assert _engine_tokens(str(gguf), prompts) == tokens
@@ -110,8 +107,6 @@ def test_greedy_tokens_equal_transformers_from_folder_and_gguf(
 
 def test_gguf_config_equals_folder_config(variant, tmp_path):
     name, folder = variant
-    if name in NO_GGUF:
-        pytest.skip("baton reads no LongRoPE factors from GGUF yet")
     gguf = gguf_from_hf_dir(folder, tmp_path / f"{name}.gguf", mini_tokenizer_metadata())
     a, b = load_checkpoint(folder), load_checkpoint(gguf)
     for field in ("architecture", "head_dim", "rope_theta", "tie_word_embeddings"):

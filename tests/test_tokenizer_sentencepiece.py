@@ -6,6 +6,7 @@ Gemma-style vocabulary (no dummy prefix, <pad> <eos> <bos> <unk> <mask> first)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -137,12 +138,14 @@ def test_json_schema_through_a_sentencepiece_vocabulary(spm_llama: tuple[Path, P
 
 @pytest.mark.parametrize("longrope", [False, True])
 def test_phi3_from_llama_cpp_converter(spm_llama, tmp_path, longrope) -> None:
-    """Phi-3 as llama.cpp writes it (q|k|v in attn_qkv, gate|up in ffn_up): the folder's
-    config and weights exactly; with LongRoPE (factor tensors) a clear refusal instead."""
+    """Phi-3 as llama.cpp writes it (q|k|v in attn_qkv, gate|up in ffn_up; LongRoPE's factors
+    as rope_factors_* tensors): the folder's config and weights exactly (the factors as the
+    float32 values both RoPE tables are computed from), and the same RoPE tables."""
 
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    from baton.engine.loader import ModelLoadError, load_checkpoint
+    from baton.engine.loader import load_checkpoint
+    from baton.engine.models.layers import RotaryEmbedding
 
     folder, _ = spm_llama
     factors = [1.0, 1.1, 1.3, 1.6, 2.0, 3.0, 4.0, 6.0]
@@ -159,12 +162,20 @@ def test_phi3_from_llama_cpp_converter(spm_llama, tmp_path, longrope) -> None:
     torch.manual_seed(0)
     phi = _with_tokenizer(Phi3ForCausalLM(config), tmp_path / "phi3", folder / "tokenizer.model")
     gguf = llama_cpp_convert(phi, tmp_path / "phi3.gguf")
+    a, b = load_checkpoint(phi), load_checkpoint(gguf)
     if longrope:
-        with pytest.raises(ModelLoadError, match="rope_factors_.* LongRoPE factors") as info:
-            load_checkpoint(gguf)
-        assert str(gguf) in str(info.value)
-        return
-    assert_same_checkpoint(load_checkpoint(phi), load_checkpoint(gguf))
+        ours, theirs = dict(a.config.rope_scaling), dict(b.config.rope_scaling)
+        for key in ("short_factor", "long_factor"):
+            assert theirs.pop(key) == torch.tensor(ours.pop(key), dtype=torch.float32).tolist()
+        assert ours == theirs
+        ropes = [
+            RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
+            for c in (a.config, b.config)
+        ]
+        assert torch.equal(ropes[0].cos, ropes[1].cos) and torch.equal(ropes[0].sin, ropes[1].sin)
+        b = dataclasses.replace(b, config=dataclasses.replace(b.config, rope_scaling=None))
+        a = dataclasses.replace(a, config=dataclasses.replace(a.config, rope_scaling=None))
+    assert_same_checkpoint(a, b)
 
 
 def _train(root: Path, **options: object) -> Path:

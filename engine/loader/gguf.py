@@ -93,8 +93,10 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Present in some files but carrying nothing the model needs (rope_freqs is turned into config).
-_IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
+# Present in some files but carrying nothing the model needs: RoPE factors, which are turned
+# into config (rope_freqs: Llama 3; rope_factors_*: Phi-3's LongRoPE).
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+_IGNORED_TENSORS = frozenset(_ROPE_TENSORS)
 
 
 def read_gguf(path: Path) -> GGUFFile:
@@ -278,11 +280,6 @@ def _hf_names(path: Path, reader: GGUFFile, model: Architecture) -> list[tuple[G
                 hf_name = f"model.layers.{parts[1]}.{layer_tensors[leaf]}"
             elif leaf in _EXPERT_TENSORS:
                 hf_name = f"model.layers.{parts[1]}.{_EXPERT_TENSORS[leaf]}"
-            elif name.startswith("rope_factors_"):
-                raise ModelLoadError(
-                    f"{path}: tensor {name} holds LongRoPE factors, which baton does not read "
-                    "from GGUF yet; load the model's Hugging Face folder instead"
-                )
             else:
                 raise ModelLoadError(
                     f"{path}: unexpected tensor {name}; expected only {arch} decoder tensors"
@@ -337,9 +334,10 @@ def load_gguf(
     model = architecture_of(path, metadata)
     tokenizer = load_gguf_tokenizer(path, metadata)
     tensors = {t.name: t for t in reader.tensors}
-    freqs = tensors.get("rope_freqs.weight")
-    rope_freqs = None if freqs is None else _dequantize(path, freqs)
-    config = config_from_gguf(path, metadata, tensors, rope_freqs, tokenizer)
+    rope_tensors = {
+        name: _dequantize(path, tensors[name]) for name in _ROPE_TENSORS if name in tensors
+    }
+    config = config_from_gguf(path, metadata, tensors, rope_tensors, tokenizer)
     if shard is not None:
         if keep_quantized:
             raise ModelLoadError(

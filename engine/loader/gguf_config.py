@@ -59,7 +59,7 @@ def config_from_gguf(
     path: Path,
     metadata: Mapping[str, Any],
     tensor_names: Collection[str],
-    rope_freqs: np.ndarray | None,
+    rope_tensors: Mapping[str, np.ndarray],
     tokenizer: Tokenizer,
 ) -> ModelConfig:
     """The ``ModelConfig`` a GGUF file describes.
@@ -68,8 +68,9 @@ def config_from_gguf(
     ``attention.head_count(_kv)``, ``attention.key_length``, ``rope.freq_base``,
     ``rope.scaling.*``, ``attention.layer_norm_rms_epsilon``, ``context_length`` and
     ``vocab_size``; ties the embeddings when there is no ``output.weight`` and turns on the
-    attention bias when ``blk.0.attn_q.bias`` exists. ``rope_freqs``: the values of the file's
-    ``rope_freqs.weight`` tensor (None: it has none), which become a Llama 3 ``rope_scaling``.
+    attention bias when ``blk.0.attn_q.bias`` exists. ``rope_tensors``: the values of the
+    file's RoPE factor tensors by name: ``rope_freqs.weight`` becomes a Llama 3
+    ``rope_scaling``, ``rope_factors_short/long.weight`` Phi-3's LongRoPE (``_longrope``).
     Gemma's keys as ``_gemma`` reads them, gpt-oss's as ``_gpt_oss``.
 
     Raises ``ModelLoadError`` naming ``path`` and the key for an unsupported architecture or a
@@ -107,11 +108,14 @@ def config_from_gguf(
     theta = get("rope.freq_base", float, 10000.0)
 
     rope_scaling = _rope_scaling(path, metadata, arch, get)
+    rope_freqs = rope_tensors.get("rope_freqs.weight")
     if rope_freqs is not None:
         if rope_scaling is not None:
             raise ModelLoadError(f"{path}: both rope_freqs.weight and rope.scaling.type are set")
         factors = rope_freqs.astype(np.float32).reshape(-1)
         rope_scaling = _rope_scaling_from_freqs(path, factors, theta, head_dim)
+    if any(name.startswith("rope_factors_") for name in rope_tensors):
+        rope_scaling = _longrope(path, metadata, arch, rope_tensors, get)
     experts = _experts(model, get) if model.experts else {}
     layers = get("block_count", int)
     gemma = _gemma(path, model, metadata, get, layers) if model.gemma else {}
@@ -286,3 +290,47 @@ def _gpt_oss(
         "swiglu_limit": 7.0,
         "swiglu_alpha": 1.702,
     }
+
+
+def _longrope(
+    path: Path,
+    metadata: Mapping[str, Any],
+    arch: str,
+    rope_tensors: Mapping[str, np.ndarray],
+    get: Callable[..., Any],
+) -> dict[str, Any]:
+    """Phi-3's LongRoPE as llama.cpp's converter writes it: the factors in the
+    ``rope_factors_short/long.weight`` tensors, the original context in
+    ``rope.scaling.original_context_length``, the factor as ``context_length`` over it, and
+    ``rope.scaling.attn_factor`` kept only where it differs from LongRoPE's own
+    sqrt(1 + ln(factor) / ln(original)).
+
+    Raises:
+        ModelLoadError: one factor tensor without the other, or another scaling type set too.
+    """
+    if metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none", "longrope"):
+        raise ModelLoadError(f"{path}: both rope_factors_* tensors and rope.scaling.type are set")
+    try:
+        short, long = (
+            rope_tensors[f"rope_factors_{kind}.weight"].astype(np.float32).reshape(-1)
+            for kind in ("short", "long")
+        )
+    except KeyError as exc:
+        raise ModelLoadError(
+            f"{path}: tensor {exc.args[0]} is missing; LongRoPE needs rope_factors_short.weight "
+            "and rope_factors_long.weight"
+        ) from None
+    original = get("rope.scaling.original_context_length", int)
+    factor = get("context_length", int) / original
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "short_factor": short.tolist(),
+        "long_factor": long.tolist(),
+        "original_max_position_embeddings": original,
+        "factor": factor,
+    }
+    attention = metadata.get(f"{arch}.rope.scaling.attn_factor")
+    default = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    if isinstance(attention, float) and abs(attention - default) > 1e-6:
+        scaling["attention_factor"] = attention
+    return scaling

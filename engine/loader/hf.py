@@ -216,7 +216,12 @@ def _rope_parameters(
     ``rope_scaling``."""
     if isinstance(rope, dict):
         theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
-        scaling: dict[str, Any] | None = {k: v for k, v in rope.items() if k != "rope_theta"}
+        # partial_rotary_factor is checked on its own (check_rope_scaling refuses any but 1).
+        scaling: dict[str, Any] | None = {
+            k: v
+            for k, v in rope.items()
+            if k != "rope_theta" and (k, v) != ("partial_rotary_factor", 1.0)
+        }
     else:
         theta = field("rope_theta", 10000.0)
         scaling = data.get("rope_scaling")
