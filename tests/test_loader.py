@@ -565,6 +565,36 @@ def test_gguf_sampling_metadata_becomes_the_sampling_defaults(tmp_path: Path) ->
         load_checkpoint(bad)
 
 
+def test_generation_config_eos_ids_stop_generation(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """generation_config.json's eos_token_id list joins config.json's (Llama 3's end of turn,
+    gpt-oss's end of a tool call): the engine stops on any of them."""
+    from baton.engine import LLM, SamplingParams
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(folder), dtype="float32", max_model_len=64, num_kv_blocks=16)
+    try:
+        free = list(llm.generate("hello", greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    finally:
+        llm.shutdown()
+    stop = free[5]  # the sixth greedy token becomes an end of sequence
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop]}))
+    config = load_checkpoint(folder).config
+    assert stop in config.eos_token_ids and 2 in config.eos_token_ids
+    llm = LLM(str(folder), dtype="float32", max_model_len=64, num_kv_blocks=16)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        out = llm.generate("hello", params, use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    first = free.index(stop)
+    assert list(out.token_ids) == free[: first + 1] and out.finish_reason == "stop"
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
+    with pytest.raises(ModelLoadError, match="expected a token id or a list of token ids"):
+        load_checkpoint(folder)
+
+
 def test_hf_generation_config_becomes_the_sampling_defaults(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
