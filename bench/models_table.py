@@ -84,6 +84,9 @@ ALSO = {
     "gpt-oss MXFP4 GGUF from llama.cpp's converter = folder": (
         "test_mxfp4_through_llama_cpp_converter"
     ),
+    "gpt-oss harmony special tokens (folder, llama.cpp's GGUF) = transformers' ids": (
+        "test_harmony_special_tokens_from_folder_and_llama_cpp_gguf"
+    ),
 }
 
 

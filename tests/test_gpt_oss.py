@@ -1,7 +1,7 @@
 """gpt-oss against transformers: logits of a prompt longer than the window, decode steps past
-it, each of its features shown to matter (attention sinks, the clamped SwiGLU, the window,
-the biases), and the official checkpoints' MXFP4 expert layout read to the values
-transformers' own MXFP4 decoder gives."""
+it, each of its features shown to matter (attention sinks, the clamped SwiGLU, the window),
+the official checkpoints' MXFP4 expert layout read to the values transformers' own MXFP4
+decoder gives (and through llama.cpp's converter), and harmony's special tokens."""
 
 from __future__ import annotations
 
@@ -238,3 +238,77 @@ def test_mxfp4_through_llama_cpp_converter(mxfp4_folder, tmp_path):
     kinds = {t.name: t.tensor_type.name for t in read_gguf(gguf).tensors}
     assert kinds["blk.0.ffn_down_exps.weight"] == "MXFP4"
     assert_same_checkpoint(load_checkpoint(packed), load_checkpoint(gguf))
+
+
+HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+
+
+@pytest.fixture(scope="module")
+def harmony_folder(folder: Path, tmp_path_factory) -> Path:
+    """The tiny gpt-oss with harmony's special tokens added to its tokenizer (as the last ids)
+    and its embedding and LM head grown to cover them, <|return|> its end of sequence."""
+    from safetensors.torch import load_file, save_file
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    out = tmp_path_factory.mktemp("harmony")
+    for file in folder.iterdir():
+        (out / file.name).write_bytes(file.read_bytes())
+    backend = Backend.from_file(str(out / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY])
+    backend.save(str(out / "tokenizer.json"))
+    vocab = backend.get_vocab_size()
+    tensors = load_file(str(out / "model.safetensors"))
+    generator = torch.Generator().manual_seed(3)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        extra = 0.1 * torch.randn(vocab - tensors[name].shape[0], 64, generator=generator)
+        tensors[name] = torch.cat([tensors[name], extra])
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    eos = backend.token_to_id("<|return|>")
+    (out / "config.json").write_text(
+        json.dumps({**config, "vocab_size": vocab, "eos_token_id": eos})
+    )
+    (out / "generation_config.json").unlink(missing_ok=True)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_harmony_special_tokens_from_folder_and_llama_cpp_gguf(harmony_folder, tmp_path):
+    """Harmony's turn markers are one id each, as transformers' tokenizer has them, from the
+    folder and from llama.cpp's converter's GGUF; <|return|> ends a sequence; the model
+    generates after a harmony prompt, transformers' greedy tokens."""
+    import subprocess
+
+    from engine_testing import llama_cpp_convert
+    from transformers import AutoTokenizer
+
+    from baton.bench.llama_cpp_build import converter
+    from baton.engine import LLM, SamplingParams
+    from baton.engine.loader import load_tokenizer
+
+    prompt = "<|start|>user<|message|>Name a colour.<|end|><|start|>assistant<|channel|>final"
+    reference = AutoTokenizer.from_pretrained(harmony_folder)
+    ids = reference.encode(prompt, add_special_tokens=False)
+    ours = load_tokenizer(harmony_folder)
+    assert ours.encode(prompt, add_special_tokens=False) == ids
+    for token in HARMONY:
+        assert len(ours.encode(token, add_special_tokens=False)) == 1, token
+    eos = reference.convert_tokens_to_ids("<|return|>")
+    assert eos in load_checkpoint(harmony_folder).config.eos_token_ids
+    try:
+        converter()
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"the llama-cpp-python sdist could not be downloaded: {exc}")
+    gguf = llama_cpp_convert(harmony_folder, tmp_path / "harmony.gguf")
+    assert load_tokenizer(gguf).encode(prompt, add_special_tokens=False) == ids
+    llm = LLM(str(harmony_folder), dtype="float32", max_model_len=256, max_num_seqs=1)
+    try:
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    tokens = list(out.outputs[0].token_ids)
+    with torch.no_grad():
+        logits = _hf(harmony_folder)(torch.tensor([ids + tokens])).logits[0]
+    assert logits[len(ids) - 1 : -1].argmax(-1).tolist() == tokens
