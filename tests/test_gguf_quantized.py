@@ -369,33 +369,36 @@ def test_gemma_through_the_kernel(tokenizer, tmp_path: Path, arch: str) -> None:
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
-def test_moe_attention_through_the_kernel_experts_dequantised(
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"])
+def test_moe_experts_through_the_kernel(
     tokenizer, tmp_path: Path, arch: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An MoE model's q/k/v/o stay in their Q8_0 blocks; its experts (Q8_0 too) have no
-    kernel yet and are dequantised, with a warning that says so and what they take."""
+    """An MoE model's q/k/v/o and each routed expert stay in their Q8_0 blocks (llama.cpp's
+    stacked expert tensors cut per expert, gate | up fused); the logits equal the dequantised
+    model's to float32 summation order. Qwen2-MoE's shared expert (F32 here: 48 wide, no whole
+    Q8_0 blocks) stays dense, and gpt-oss's expert biases are added after the kernel."""
     folder = build_tiny_model_dir(tmp_path / arch, tokenizer, arch)
     path = gguf_from_hf_dir(folder, tmp_path / "m.gguf", mini_tokenizer_metadata(), _moe_type)
     with caplog.at_level(logging.WARNING, logger="baton.engine.loader.gguf_quant"):
         kept = load_checkpoint(path, torch.float32, keep_quantized=True)
     assert "model.layers.0.self_attn.qkv_proj.weight" in kept.quantized
-    assert "model.layers.0.mlp.experts.3.down_proj.weight" in kept.weights
-    assert (
-        "mixture-of-experts weights" in caplog.text and "expert tensors dequantised" in caplog.text
-    )
+    assert "model.layers.1.mlp.experts.3.gate_up_proj.weight" in kept.quantized
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in kept.quantized
+    assert not any(".mlp.experts." in name and "proj.weight" in name for name in kept.weights)
+    assert "dequantised" not in caplog.text
     model = _model(path, torch.float32, keep=True)
-    ref = _decode_logits(_model(path, torch.float32, keep=False), PROMPTS[2], 4)
-    out = _decode_logits(model, PROMPTS[2], 4)
+    ref = _decode_logits(_model(path, torch.float32, keep=False), PROMPTS[0], 6)
+    out = _decode_logits(model, PROMPTS[0], 6)
     assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
 def _moe_type(name: str) -> str:
-    """Q8_0 for every 2-D and 3-D weight but the routers (F32, as llama.cpp keeps them) and
-    Qwen2-MoE's shared expert (48 wide: no whole Q8_0 blocks)."""
-    keep = ("ffn_gate_inp", "shexp")
-    return "F32" if name.endswith("norm.weight") or any(k in name for k in keep) else "Q8_0"
+    """Q8_0 for every 2-D and 3-D weight but the routers (F32, as llama.cpp keeps them),
+    Qwen2-MoE's shared expert (48 wide: no whole Q8_0 blocks), biases and sinks."""
+    keep = ("ffn_gate_inp", "shexp", "sinks")
+    dense = name.endswith(("norm.weight", ".bias")) or any(k in name for k in keep)
+    return "F32" if dense else "Q8_0"
 
 
 def test_a_decode_step_reads_every_weight_and_the_embedding_only_when_tied(

@@ -19,10 +19,16 @@ import numpy as np
 import torch
 
 from baton.engine.loader.errors import ModelLoadError
-from baton.engine.loader.gguf import qk_heads, unpermute_qk
+from baton.engine.loader.gguf import EXPERTS_MARK, qk_heads, unpermute_qk
 from baton.engine.loader.gguf_reader import GGUFTensor
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.gguf_linear import EMBEDDING, LM_HEAD, PROJECTIONS, type_counts
+from baton.engine.models.gguf_linear import (
+    EMBEDDING,
+    EXPERT_PROJECTIONS,
+    LM_HEAD,
+    PROJECTIONS,
+    type_counts,
+)
 from baton.kernels.quant_formats import FORMATS, QuantWeight, repack
 from baton.kernels.quant_linear import available_isas, repack_native
 
@@ -88,9 +94,10 @@ def keep_quantized(
     takes in ``dtype``). The LM head (``output.weight``, or the embedding when tied) is kept
     when its type has a kernel, and so is an untied embedding (``EMBEDDING``); the model looks
     up a kept embedding's rows in its blocks (a tied one's in the head's), so it is not loaded
-    dense. A mixture-of-experts model's experts are dequantised (logged as a warning with the
-    memory they take). Logs what was kept. Missing tensors are left for the checkpoint's check
-    to report.
+    dense. A mixture-of-experts model's routed experts are kept per expert where their types
+    have a kernel (``_keep_experts``); other expert tensors (and Qwen2-MoE's shared expert)
+    are dequantised, logged as a warning with the memory they take. Logs what was kept.
+    Missing tensors are left for the checkpoint's check to report.
 
     Raises:
         ModelLoadError: no linear weight has a kernel type (naming the types found), or a
@@ -146,21 +153,76 @@ def keep_quantized(
             f"{', '.join(FORMATS)} quantised, but this file's linear weights are "
             f"{', '.join(linear_types) or 'absent'}; use quantization=None to load it dequantised"
         )
+    for layer in range(config.num_layers):
+        if config.moe_layer(layer):
+            kept, stacked = _keep_experts(path, tensors, layer, config.num_experts)
+            quantized.update(kept)
+            skip.update(stacked)
     dense_embedding = None if EMBEDDING in skip else tensors.get(EMBEDDING)
     _log(path, quantized, fallback, dense_embedding, dtype)
-    experts = [
-        t for name, t in tensors.items() if ".mlp.experts." in name or ".mlp.shared_expert" in name
+    dense_experts = [
+        t
+        for name, t in tensors.items()
+        if (".mlp.experts." in name or ".mlp.shared_expert" in name)
+        and name not in skip
+        and t.tensor_type.name not in _FLOAT_TYPES
     ]
-    if any(t.tensor_type.name not in _FLOAT_TYPES for t in experts):
+    if dense_experts:
         logger.warning(
-            "%s: the quantised kernel does not multiply mixture-of-experts weights yet; %d "
-            "expert tensors dequantised to %s: %.1f MiB",
+            "%s: %d expert tensors have types the quantised kernel does not multiply (%s); "
+            "dequantised to %s: %.1f MiB",
             path,
-            len(experts),
+            len(dense_experts),
+            ", ".join(sorted({t.tensor_type.name for t in dense_experts})),
             str(dtype).removeprefix("torch."),
-            _dense_bytes(experts, dtype) / 2**20,
+            _dense_bytes(dense_experts, dtype) / 2**20,
         )
     return quantized, frozenset(skip)
+
+
+def _keep_experts(
+    path: Path, tensors: Mapping[str, GGUFTensor], layer: int, num_experts: int
+) -> tuple[dict[str, QuantWeight], set[str]]:
+    """Layer ``layer``'s routed experts as kernel weights, one ``gate_up`` (gate | up, or the
+    two parts where their types differ) and one ``down`` per expert, cut from llama.cpp's
+    stacked ``[experts, rows, row_bytes]`` tensors; and the stacked tensors' names for the
+    dense loader to skip. Nothing when a projection has no kernel type (then they are
+    dequantised, as ``keep_quantized`` logs).
+
+    Raises:
+        ModelLoadError: a stacked tensor that is not one block row set per expert.
+    """
+    prefix = f"model.layers.{layer}.mlp.experts.{EXPERTS_MARK}."
+    leaves = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+    found = [tensors.get(prefix + leaf) for leaf in leaves]
+    stacked = {leaf: t for leaf, t in zip(leaves, found, strict=True) if t is not None}
+    if len(stacked) != len(leaves) or any(
+        t.tensor_type.name not in FORMATS for t in stacked.values()
+    ):
+        return {}, set()
+    for tensor in stacked.values():
+        if tensor.data.ndim != 3 or tensor.data.shape[0] != num_experts:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) holds "
+                f"{tuple(tensor.data.shape)} bytes, expected [{num_experts} experts, rows, "
+                "row bytes]"
+            )
+    kept: dict[str, QuantWeight] = {}
+    for e in range(num_experts):
+        expert = f"model.layers.{layer}.mlp.experts.{e}."
+        for fused, parts in EXPERT_PROJECTIONS:
+            kinds = {stacked[part].tensor_type.name for part in parts}
+            raws = [np.asarray(stacked[part].data[e]) for part in parts]
+            if len(kinds) == 1:
+                raw = raws[0] if len(raws) == 1 else np.concatenate(raws)
+                kept[expert + fused] = _repack(path, raw, kinds.pop(), expert + fused)
+                continue
+            for part, raw in zip(parts, raws, strict=True):
+                kind = stacked[part].tensor_type.name
+                kept[expert + part] = _repack(path, raw, kind, expert + part)
+    for tensor in stacked.values():
+        tensor.release_pages()
+    return kept, {prefix + leaf for leaf in leaves}
 
 
 def _log(

@@ -143,8 +143,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         reduce: Callable[[torch.Tensor], torch.Tensor] | None,
         quant: tuple[QuantParts | None, ...] | None,
         quant_activations: str,
+        experts: tuple[tuple[QuantParts, QuantParts], ...] | None = None,
     ) -> DecoderLayer:
-        """Gemma block ``index``, windowed as ``config.layer_window`` says."""
+        """Gemma block ``index``, windowed as ``config.layer_window`` says (no experts)."""
         window = self.config.layer_window(index)
         return GemmaDecoderLayer(config, reduce, quant, quant_activations, window)
 

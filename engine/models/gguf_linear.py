@@ -13,6 +13,7 @@ embedding's rows in its blocks (a tied one in the head's), and holds no dense co
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from baton.kernels.quant_formats import QuantWeight
@@ -28,6 +29,13 @@ PROJECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     ("mlp.down_proj.weight", ("mlp.down_proj.weight",)),
 )
+# A mixture-of-experts layer's experts, each kept as its own kernel weights under
+# ``mlp.experts.{e}.`` + the fused name (gate | up when they share a type, else the parts).
+EXPERT_PROJECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gate_up_proj.weight", ("gate_proj.weight", "up_proj.weight")),
+    ("down_proj.weight", ("down_proj.weight",)),
+)
+_EXPERT_NAME = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.\d+)\.(.+)$")
 LM_HEAD = "lm_head.weight"
 # An untied embedding kept in its blocks (lookups decode its rows); a tied one is the LM head's.
 EMBEDDING = "model.embed_tokens.weight"
@@ -46,27 +54,68 @@ def layer_projections(
         ValueError: a projection has some of its parts quantised and not the others.
     """
     prefix = f"model.layers.{layer}."
-    out: list[QuantParts | None] = []
-    for fused, parts in PROJECTIONS:
-        if prefix + fused in quantized:
-            out.append((quantized[prefix + fused],))
-            continue
-        held = [prefix + p for p in parts if prefix + p in quantized]
-        if held and len(held) != len(parts):
-            raise ValueError(
-                f"{prefix}{fused}: parts {held} are quantised and the others are not; a "
-                "projection is quantised whole or not at all"
-            )
-        out.append(tuple(quantized[name] for name in held) if held else None)
-    return tuple(out)
+    return tuple(_parts(quantized, prefix, fused, parts) for fused, parts in PROJECTIONS)
+
+
+def _parts(
+    quantized: Mapping[str, QuantWeight],
+    prefix: str,
+    fused: str,
+    parts: tuple[str, ...],
+) -> QuantParts | None:
+    """The kernel weights of projection ``prefix + fused``: the fused weight, or its parts in
+    row order, or None where it is dense.
+
+    Raises:
+        ValueError: some of its parts are quantised and not the others.
+    """
+    if prefix + fused in quantized:
+        return (quantized[prefix + fused],)
+    held = [prefix + p for p in parts if prefix + p in quantized]
+    if held and len(held) != len(parts):
+        raise ValueError(
+            f"{prefix}{fused}: parts {held} are quantised and the others are not; a "
+            "projection is quantised whole or not at all"
+        )
+    return tuple(quantized[name] for name in held) if held else None
+
+
+def expert_projections(
+    quantized: Mapping[str, QuantWeight], layer: int, num_experts: int
+) -> tuple[tuple[QuantParts, QuantParts], ...] | None:
+    """Layer ``layer``'s experts as kernel weights, ``(gate_up, down)`` per expert, or None
+    where they are dense.
+
+    Raises:
+        ValueError: some experts or parts are quantised and not the others.
+    """
+    out = []
+    for e in range(num_experts):
+        prefix = f"model.layers.{layer}.mlp.experts.{e}."
+        pair = [_parts(quantized, prefix, fused, parts) for fused, parts in EXPERT_PROJECTIONS]
+        out.append(pair)
+    kept = [pair for pair in out if None not in pair]
+    if not kept and all(p is None for pair in out for p in pair):
+        return None
+    if len(kept) != num_experts:
+        raise ValueError(
+            f"model.layers.{layer}: some experts' projections are quantised and others are not"
+        )
+    return tuple((gate_up, down) for gate_up, down in kept)  # type: ignore[misc]
 
 
 def covered_weights(quantized: Mapping[str, QuantWeight]) -> dict[str, tuple[str, ...]]:
     """Each key of ``quantized`` -> the Hugging Face weight names it stands for (a fused
-    name's parts; any other name itself). Pure function."""
+    name's parts, an expert's too; any other name itself). Pure function."""
     fused = dict(PROJECTIONS)
+    expert_fused = dict(EXPERT_PROJECTIONS)
     out: dict[str, tuple[str, ...]] = {}
     for name in quantized:
+        if match := _EXPERT_NAME.match(name):
+            prefix, leaf = match.groups()
+            parts = expert_fused.get(leaf)
+            out[name] = (name,) if parts is None else tuple(f"{prefix}.{p}" for p in parts)
+            continue
         layer = ".".join(name.split(".")[:3])  # model.layers.{i}
         leaf = name[len(layer) + 1 :]
         parts = fused.get(leaf) if name.startswith("model.layers.") else None

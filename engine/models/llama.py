@@ -16,11 +16,12 @@ from baton.engine.models.gguf_linear import (
     LM_HEAD,
     PROJECTIONS,
     QuantParts,
+    expert_projections,
     layer_projections,
 )
 from baton.engine.models.kv_cache import KVCache
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
-from baton.engine.models.moe import SparseMoeBlock, load_experts
+from baton.engine.models.moe import SparseMoeBlock
 from baton.engine.models.packed import (
     PackedWeight,
     pack_and_release,
@@ -36,6 +37,7 @@ from baton.engine.models.quant import (
     quantize_int8,
 )
 from baton.engine.models.sharding import shard_config
+from baton.engine.models.weight_loading import load_decoder_weights
 from baton.kernels.quant_formats import QuantWeight
 from baton.kernels.quant_linear import QuantProjection, dequantize_rows_native
 from baton.kernels.silu_mul import silu_mul
@@ -50,7 +52,8 @@ class DecoderLayer(nn.Module):
     o, gate_up, down) its GGUF-quantised kernel weights (``models/gguf_linear.py``) or None;
     a quantised projection's module gets no dense weight at all (an empty one: a call that
     reached it would fail), only its bias. ``window``: the layer's attention window
-    (``ModelConfig.layer_window``; None: every earlier token).
+    (``ModelConfig.layer_window``; None: every earlier token). ``experts``: an MoE layer's
+    experts in their GGUF blocks (``gguf_linear.expert_projections``), or None.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class DecoderLayer(nn.Module):
         quant_activations: str = "float32",
         moe: bool = False,
         window: int | None = None,
+        experts: tuple[tuple[QuantParts, QuantParts], ...] | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -103,6 +107,8 @@ class DecoderLayer(nn.Module):
                 c.shared_expert_intermediate_size,
                 biased=c.arch.expert_bias,
                 swiglu=None if c.swiglu_limit is None else (c.swiglu_alpha, c.swiglu_limit),
+                quant=experts,
+                quant_activations=quant_activations,
             )
             # The projections in the order of ``int8`` and ``packed`` (a plain tuple: the
             # modules are registered above).
@@ -323,6 +329,9 @@ class LlamaForCausalLM(nn.Module):
                 reduce,
                 layer_projections(quantized, i) if quantized else None,
                 quant_activations,
+                expert_projections(quantized, i, config.num_experts)
+                if quantized and config.moe_layer(i)
+                else None,
             )
             for i in range(config.num_layers)
         )
@@ -376,9 +385,11 @@ class LlamaForCausalLM(nn.Module):
         reduce: Callable[[torch.Tensor], torch.Tensor] | None,
         quant: tuple[QuantParts | None, ...] | None,
         quant_activations: str,
+        experts: tuple[tuple[QuantParts, QuantParts], ...] | None = None,
     ) -> DecoderLayer:
-        """Decoder layer ``index`` of this model (``config``: the rank's shard shape); a
-        subclass with another block overrides it (``models/gemma.py``)."""
+        """Decoder layer ``index`` of this model (``config``: the rank's shard shape; ``quant``,
+        ``experts``: its GGUF-quantised projections and experts); a subclass with another
+        block overrides it (``models/gemma.py``)."""
         return DecoderLayer(
             config,
             reduce,
@@ -386,6 +397,7 @@ class LlamaForCausalLM(nn.Module):
             quant_activations,
             moe=self.config.moe_layer(index),
             window=self.config.layer_window(index),
+            experts=experts,
         )
 
     def quantize_int8(self) -> None:
@@ -456,7 +468,8 @@ class LlamaForCausalLM(nn.Module):
     def gguf_quantized(self) -> bool:
         """Whether any linear weight is held in GGUF blocks (``quantized``)."""
         return self.lm_head_quant is not None or any(
-            layer.quant is not None for layer in self.layers
+            layer.quant is not None or (layer.mlp is not None and layer.mlp.quant_calls is not None)
+            for layer in self.layers
         )
 
     def _refuse_if_gguf(self, what: str) -> None:
@@ -542,73 +555,10 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copies Hugging Face-named weights in, fusing QKV and gate/up; the weights of linears
-        built GGUF-quantised (``quantized``) are not taken (nor expected).
+        built GGUF-quantised (``quantized``) are not taken (nor expected)
+        (``weight_loading.load_decoder_weights``).
 
         Raises:
             ValueError: naming any missing, unexpected or wrongly shaped weight.
         """
-        remaining = dict(weights)
-
-        def take(name: str) -> torch.Tensor:
-            if name not in remaining:
-                raise ValueError(f"checkpoint is missing weight {name!r}")
-            return remaining.pop(name)
-
-        def check(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if param.shape != value.shape:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
-                )
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            check(param, value, name)
-            param.copy_(value)
-
-        with torch.no_grad():
-            embedding = take("model.embed_tokens.weight") if self.embed_quant is None else None
-            remaining.pop("model.embed_tokens.weight", None)  # in blocks: lookups decode them
-            if embedding is None:
-                pass
-            elif self.embed_tokens.weight.is_meta:  # built for quantised weights: no copy
-                check(self.embed_tokens.weight, embedding, "embed_tokens")
-                self.embed_tokens.weight = nn.Parameter(
-                    embedding.to(self.embed_tokens.weight.dtype).contiguous(), requires_grad=False
-                )
-            else:
-                put(self.embed_tokens.weight, embedding, "embed_tokens")
-            put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
-            if self.lm_head is not None and self.lm_head_quant is None:
-                put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
-            else:
-                remaining.pop("lm_head.weight", None)
-            for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p)
-                put(
-                    layer.post_attention_layernorm.weight,
-                    take(p + "post_attention_layernorm.weight"),
-                    p,
-                )
-                quant = layer.quant or (None,) * len(PROJECTIONS)
-                projections = PROJECTIONS[: len(layer._linears)]  # an MoE layer: qkv and o
-                for linear, (fused, parts), q in zip(
-                    layer._linears, projections, quant[: len(projections)], strict=True
-                ):
-                    if q is None:
-                        dense = [take(p + part) for part in parts]
-                        put(linear.weight, torch.cat(dense), p + fused)
-                if layer.mlp is not None:
-                    load_experts(layer.mlp, p, take, put)
-                for leaf, param in layer.extra_weights().items():
-                    put(param, take(p + leaf), p + leaf)
-                if layer.q_norm is not None and layer.k_norm is not None:
-                    for norm, n in ((layer.q_norm, "q"), (layer.k_norm, "k")):
-                        name = f"{p}self_attn.{n}_norm.weight"
-                        put(norm.weight, take(name), name)
-                if layer.qkv_proj.bias is not None:
-                    bias = [take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
-                    put(layer.qkv_proj.bias, torch.cat(bias), p + "self_attn.qkv bias")
-        # Rotary inverse-frequency buffers are derived from the config.
-        extra = [k for k in remaining if not k.endswith("rotary_emb.inv_freq")]
-        if extra:
-            raise ValueError(f"checkpoint has unexpected weights: {sorted(extra)[:5]}")
+        load_decoder_weights(self, weights)

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.engine.models.gguf_linear import QuantParts
 from baton.engine.models.packed import PackedWeight, pack_and_release, pack_linear, packed_linear
+from baton.kernels.quant_linear import QuantProjection
 from baton.kernels.silu_mul import silu_mul
 
 
@@ -105,9 +107,24 @@ class SparseMoeBlock(nn.Module):
         shared_ff: int = 0,
         biased: bool = False,
         swiglu: tuple[float, float] | None = None,
+        quant: tuple[tuple[QuantParts, QuantParts], ...] | None = None,
+        quant_activations: str = "float32",
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden, num_experts, bias=biased)
+        # The experts in their GGUF blocks, (gate_up, down) kernel calls per expert: then the
+        # stacked dense weights are empty (never allocated at full size).
+        self.quant_calls: tuple[tuple[QuantProjection, QuantProjection], ...] | None = (
+            None
+            if quant is None
+            else tuple(
+                (
+                    QuantProjection(gate_up, activations=quant_activations),
+                    QuantProjection(down, activations=quant_activations),
+                )
+                for gate_up, down in quant
+            )
+        )
         self.swiglu = swiglu
         self.gate_up_bias = (
             nn.Parameter(torch.zeros(num_experts, 2 * ff), requires_grad=False) if biased else None
@@ -119,8 +136,15 @@ class SparseMoeBlock(nn.Module):
         self.shared_gate_up = nn.Linear(hidden, 2 * shared_ff, bias=False) if shared_ff else None
         self.shared_down = nn.Linear(shared_ff, hidden, bias=False) if shared_ff else None
         self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_ff else None
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ff, hidden), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(num_experts, hidden, ff), requires_grad=False)
+        dense = quant is None
+        self.gate_up = nn.Parameter(
+            torch.empty((num_experts, 2 * ff, hidden) if dense else (num_experts, 0, 0)),
+            requires_grad=False,
+        )
+        self.down = nn.Parameter(
+            torch.empty((num_experts, hidden, ff) if dense else (num_experts, 0, 0)),
+            requires_grad=False,
+        )
         self.top_k = top_k
         self.renormalize = renormalize
         self.num_experts = num_experts
@@ -137,6 +161,9 @@ class SparseMoeBlock(nn.Module):
         Raises:
             ValueError: as ``pack_linear`` (not a CPU weight of a dtype oneDNN packs).
         """
+        if self.quant_calls is not None:  # the experts stay on the GGUF kernel
+            self.gate_packed = pack_and_release(self.gate)
+            return
         n = self.gate_up.shape[0]
         gate_up_bias = [None] * n if self.gate_up_bias is None else list(self.gate_up_bias)
         down_bias = [None] * n if self.down_bias is None else list(self.down_bias)
@@ -160,6 +187,8 @@ class SparseMoeBlock(nn.Module):
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         gate_up_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
         down_bias = None if self.down_bias is None else self.down_bias[e]
+        if self.quant_calls is not None:
+            return self._quant_expert(e, rows, gate_up_bias, down_bias)
         if self.packed is not None:
             gate_up, down = self.packed[e]
             gate, up = packed_linear(rows, gate_up).chunk(2, dim=-1)
@@ -170,6 +199,23 @@ class SparseMoeBlock(nn.Module):
         if self.packed is not None:
             return packed_linear(act, down).float()
         return F.linear(act, self.down[e], down_bias).float()
+
+    def _quant_expert(
+        self,
+        e: int,
+        rows: torch.Tensor,
+        gate_up_bias: torch.Tensor | None,
+        down_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Expert ``e`` on the GGUF kernel (``QuantProjection``), its biases added after."""
+        assert self.quant_calls is not None
+        gate_up_call, down_call = self.quant_calls[e]
+        h = gate_up_call(rows)
+        gate, up = (h if gate_up_bias is None else h + gate_up_bias).chunk(2, dim=-1)
+        swiglu = self.swiglu
+        act = silu_mul(gate, up) if swiglu is None else clamped_swiglu(gate, up, *swiglu)
+        out = down_call(act.contiguous())
+        return (out if down_bias is None else out + down_bias).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for ``x`` ``[T, hidden]``."""
@@ -206,10 +252,11 @@ def load_experts(
     put(mlp.gate.weight, take(prefix + "mlp.gate.weight"), prefix + "mlp.gate.weight")
     n = mlp.gate_up.shape[0]
     e = [f"{prefix}mlp.experts.{i}." for i in range(n)]
-    for kind, gate_up_param, down_param in (
-        ("weight", mlp.gate_up, mlp.down),
+    kinds = (
+        ("weight", mlp.gate_up if mlp.quant_calls is None else None, mlp.down),
         ("bias", mlp.gate_up_bias, mlp.down_bias),
-    ):
+    )
+    for kind, gate_up_param, down_param in kinds:
         if gate_up_param is None or down_param is None:
             continue
         gate_up = [torch.cat([take(f"{x}gate_proj.{kind}"), take(f"{x}up_proj.{kind}")]) for x in e]
