@@ -1,4 +1,5 @@
-"""Random-weight Llama GGUF files of real model shapes (Llama-3.2-1B, Llama-3.1-8B), for the
+"""Random-weight Llama GGUF files of real model shapes (Llama-3.2-1B, Llama-3.1-8B; two
+scaled-down mixtures of experts in Mixtral's layout), for the
 benchmarks whose speed is bound by reading the weights: quantised decode, baton against
 llama.cpp. Nothing is downloaded: the tokenizer is the default model's (SmolLM2's 49,152 BPE
 tokens), padded with never-produced control tokens to the shape's vocabulary (128,256), so that
@@ -44,6 +45,11 @@ class LlamaShape:
     tied: bool
     rope_theta: float = 500000.0
     context: int = 8192
+    # A mixture of experts (Mixtral's layout: llama.cpp's "llama" with an expert count): each
+    # layer's MLP is ``experts`` SwiGLU experts of width ``intermediate``, ``experts_used`` a
+    # token; 0 experts: a dense MLP.
+    experts: int = 0
+    experts_used: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -62,10 +68,21 @@ class LlamaShape:
                 (b + "attn_v.weight", (kv, h)),
                 (b + "attn_output.weight", (h, h)),
                 (b + "ffn_norm.weight", (h,)),
-                (b + "ffn_gate.weight", (self.intermediate, h)),
-                (b + "ffn_up.weight", (self.intermediate, h)),
-                (b + "ffn_down.weight", (h, self.intermediate)),
             ]
+            ff, e = self.intermediate, self.experts
+            if e:
+                out += [
+                    (b + "ffn_gate_inp.weight", (e, h)),
+                    (b + "ffn_gate_exps.weight", (e, ff, h)),
+                    (b + "ffn_up_exps.weight", (e, ff, h)),
+                    (b + "ffn_down_exps.weight", (e, h, ff)),
+                ]
+            else:
+                out += [
+                    (b + "ffn_gate.weight", (ff, h)),
+                    (b + "ffn_up.weight", (ff, h)),
+                    (b + "ffn_down.weight", (h, ff)),
+                ]
         out.append(("output_norm.weight", (h,)))
         if not self.tied:
             out.append(("output.weight", (self.vocab, h)))
@@ -78,6 +95,10 @@ class LlamaShape:
 SHAPES: dict[str, LlamaShape] = {
     "llama-1b": LlamaShape(2048, 16, 32, 8, 8192, 128256, tied=True),
     "llama-8b": LlamaShape(4096, 32, 32, 8, 14336, 128256, tied=False),
+    # bench/moe_decode.py's scaled-down MoE shapes: Mixtral's 8 wide experts (top 2) and
+    # Qwen3-MoE's many narrow ones (64 of width 256 here, top 8).
+    "mixtral-mini": LlamaShape(1024, 8, 16, 4, 2816, 49152, tied=False, experts=8, experts_used=2),
+    "qwen3moe-mini": LlamaShape(1024, 8, 16, 4, 256, 49152, tied=False, experts=64, experts_used=8),
 }
 
 
@@ -113,6 +134,9 @@ def write_random_gguf(path: Path, shape: LlamaShape, seed: int = 0) -> Path:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_vocab_size(shape.vocab)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
     writer.add_file_type(1)  # mostly F16
     _copy_tokenizer(writer, default_model_path(), shape.vocab)
     tensors = shape.tensors()
@@ -131,9 +155,10 @@ def write_random_gguf(path: Path, shape: LlamaShape, seed: int = 0) -> Path:
             continue
         # Row blocks keep the float32 draw small (an 8B embedding is 2 GB in float32).
         data = np.empty(dims, np.float16)
-        for r in range(0, dims[0], 4096):
-            block = rng.standard_normal((min(4096, dims[0] - r), dims[1]), np.float32)
-            data[r : r + len(block)] = block * np.float32(0.02)
+        rows = data.reshape(-1, dims[-1])
+        for r in range(0, len(rows), 4096):
+            block = rng.standard_normal((min(4096, len(rows) - r), dims[-1]), np.float32)
+            rows[r : r + len(block)] = block * np.float32(0.02)
         writer.write_tensor_data(data)
     writer.close()
     return path

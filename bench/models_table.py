@@ -161,7 +161,7 @@ def render(results: dict[str, str], commit: str, cpu: str) -> str:
             f"| {a.name} | {', '.join(a.hf_classes)} | {a.gguf_name}"
             + (" (with an expert count)" if experts and a.gguf_name == "llama" else "")
             + f" | {tp} | {graphs}"
-            + f" | {'attention only; experts dequantised' if experts else 'every linear'}"
+            + f" | {'every linear and routed expert' if experts else 'every linear'}"
             + f" | {'refused (experts)' if experts else 'yes'} |"
         )
     lines += [
