@@ -24,14 +24,25 @@ OUTPUT = "output.weight"
 
 def weight_bytes_per_token(path: str | Path) -> int:
     """Bytes of weights a batch-1 decode step of the GGUF model at ``path`` reads (its blocks
-    as the file holds them; the kernel's repacked layout is within a few percent of that).
+    as the file holds them; the kernel's repacked layout is within a few percent of that). A
+    mixture of experts reads ``expert_used_count`` of its ``expert_count`` experts a layer:
+    that share of its stacked expert tensors (``*_exps``).
 
     Raises:
         ModelLoadError: the file is not a readable GGUF file.
     """
-    tensors = read_gguf(Path(path)).tensors
-    tied = not any(t.name == OUTPUT for t in tensors)
-    return sum(t.n_bytes for t in tensors if t.name != EMBEDDING or tied)
+    gguf = read_gguf(Path(path))
+    arch = gguf.metadata.get("general.architecture")
+    experts = int(gguf.metadata.get(f"{arch}.expert_count") or 0)
+    used = int(gguf.metadata.get(f"{arch}.expert_used_count") or 0)
+    tied = not any(t.name == OUTPUT for t in gguf.tensors)
+    total = 0.0
+    for t in gguf.tensors:
+        if t.name == EMBEDDING and not tied:
+            continue
+        share = used / experts if experts and "_exps." in t.name else 1.0
+        total += t.n_bytes * share
+    return int(total)
 
 
 def memory_bandwidth(threads: int, mib: int = 512, trials: int = 5) -> dict[str, float]:

@@ -420,6 +420,21 @@ def test_a_decode_step_reads_every_weight_and_the_embedding_only_when_tied(
         assert weight_bytes_per_token(path) == sum(tensors.values()) - embedding
 
 
+def test_an_moe_decode_step_reads_its_share_of_the_experts(tokenizer, tmp_path: Path) -> None:
+    """Mixtral (4 experts, top 2, untied): a batch-1 step reads half of each stacked expert
+    tensor and everything else but the embedding."""
+    from baton.bench.memory_bandwidth import weight_bytes_per_token
+    from baton.engine.loader.gguf import read_gguf
+
+    folder = build_tiny_model_dir(tmp_path / "mixtral", tokenizer, "mixtral")
+    path = gguf_from_hf_dir(folder, tmp_path / "m.gguf", mini_tokenizer_metadata(), _moe_type)
+    tensors = {t.name: t.n_bytes for t in read_gguf(path).tensors}
+    experts = sum(n for name, n in tensors.items() if "_exps." in name)
+    assert experts > 0
+    rest = sum(tensors.values()) - experts - tensors["token_embd.weight"]
+    assert weight_bytes_per_token(path) == rest + experts // 2
+
+
 def test_memory_bandwidth_measures_and_restores_the_threads() -> None:
     from baton.bench.memory_bandwidth import memory_bandwidth
 
