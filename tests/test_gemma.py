@@ -186,3 +186,19 @@ def test_packed_and_int8_weights_through_gemmas_block(folder):
     fake.lm_head_int8 = int8.lm_head_int8
     out, ref = _logits(int8, ids, torch.float32), _logits(fake, ids, torch.float32)
     assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_eager_attention_in_query_blocks_equals_whole(monkeypatch):
+    """A long prompt's soft-capped or sink attention runs a block of queries at a time (its
+    float32 scores bounded): the same values as in one piece."""
+    from baton.engine.models import attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 37, 16, generator=gen)
+    k, v = torch.randn(2, 2, 37, 16, generator=gen), torch.randn(2, 2, 37, 16, generator=gen)
+    mask = torch.ones(37, 37, dtype=torch.bool).tril()[None, None]
+    sinks = torch.randn(4, generator=gen)
+    whole = attention.eager_attention(q, k, v, mask, 0.25, softcap=3.0, sinks=sinks)
+    monkeypatch.setattr(attention, "EAGER_SCORES_MAX", 2 * 4 * 37 * 5)  # blocks of 5 queries
+    blocked = attention.eager_attention(q, k, v, mask, 0.25, softcap=3.0, sinks=sinks)
+    assert torch.allclose(blocked, whole, atol=1e-6)

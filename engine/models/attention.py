@@ -391,6 +391,33 @@ def eager_attention(
     if group > 1:
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
+    b, heads, q_len, _ = queries.shape
+    rows = max(1, EAGER_SCORES_MAX // max(1, b * heads * keys.shape[2]))
+    if q_len <= rows:
+        return _eager_block(queries, keys, values, mask, scale, softcap, sinks)
+    # A long prompt's float32 scores would be [B, heads, Q, S]: a block of queries at a time.
+    blocks = []
+    for start in range(0, q_len, rows):
+        part = None if mask is None else mask[..., start : start + rows, :]
+        block = queries[:, :, start : start + rows]
+        blocks.append(_eager_block(block, keys, values, part, scale, softcap, sinks))
+    return torch.cat(blocks, dim=2)
+
+
+# Scores the eager path holds at once (float32 elements): 64 Mi = 256 MiB.
+EAGER_SCORES_MAX = 1 << 26
+
+
+def _eager_block(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``eager_attention`` of a block of queries, keys already one per query head."""
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
