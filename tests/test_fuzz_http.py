@@ -226,6 +226,7 @@ REFUSED_FIELDS = (
     "guided_grammar",
     "guided_decoding_backend",
     "guided_whitespace_pattern",
+    "whitespace_pattern",
     "use_beam_search",
 )
 # Values of any type or range for a field: wrong types, negatives, huge, NaN.

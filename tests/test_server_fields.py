@@ -114,6 +114,11 @@ SPELLINGS: dict[str, tuple[dict[str, Any], Callable[[str], None]]] = {
         {"guided_json": FILM, "guided_whitespace_pattern": r"[ \n\t]*"},
         film,
     ),
+    # Outlines' vLLM client: the schema as guided_json, the pattern at the top level.
+    "outlines-whitespace-pattern": (
+        {"guided_json": FILM, "whitespace_pattern": r"[ \n]?"},
+        film,
+    ),
     "same-constraint-twice": (
         {"guided_json": FILM, "response_format": {"type": "json_object", "schema": FILM}},
         film,
@@ -292,6 +297,12 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         {"guided_json": FILM, "guided_whitespace_pattern": "("},
         "guided_whitespace_pattern",
         "regex",
+    ),
+    (
+        "completions",
+        {"guided_json": FILM, "whitespace_pattern": "[ ]?", "guided_whitespace_pattern": " ?"},
+        "whitespace_pattern",
+        "different whitespace",
     ),
     ("completions", {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "different"),
     (

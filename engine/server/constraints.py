@@ -4,9 +4,9 @@ A request may spell its constraint as OpenAI's ``response_format`` (``json_schem
 ``json_object``, or ``json_object`` with a ``schema`` key, which is then enforced), baton's
 ``structured_outputs`` field, or vLLM's older ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar`` fields (with ``guided_decoding_backend`` and
-``guided_whitespace_pattern`` as options). Several fields asking for the same constraint are
-one constraint; different ones are a 400. Tool calls are added on top by
-``baton.engine.server.tools``.
+``guided_whitespace_pattern``, or a top-level ``whitespace_pattern``, as options). Several
+fields asking for the same constraint are one constraint; different ones are a 400. Tool
+calls are added on top by ``baton.engine.server.tools``.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def _whitespace(pattern: str, param: str) -> str:
 
 def _options(req: ChatCompletionRequest | CompletionRequest, backend: str) -> dict[str, Any]:
     """Backend and whitespace options from vLLM's guided_decoding_backend and
-    guided_whitespace_pattern."""
+    guided_whitespace_pattern (or the top-level whitespace_pattern outlines' client sends)."""
     options: dict[str, Any] = {"backend": backend}
     if req.guided_decoding_backend:
         name, *flags = req.guided_decoding_backend.split(":")
@@ -167,10 +167,19 @@ def _options(req: ChatCompletionRequest | CompletionRequest, backend: str) -> di
                     "guided_decoding_backend",
                 )
             options.update(_BACKEND_FLAGS[flag])
-    if req.guided_whitespace_pattern is not None:
-        options["whitespace"] = _whitespace(
-            req.guided_whitespace_pattern, "guided_whitespace_pattern"
+    patterns = {
+        name: value
+        for name in ("guided_whitespace_pattern", "whitespace_pattern")
+        if (value := getattr(req, name)) is not None
+    }
+    if len(set(patterns.values())) > 1:
+        raise bad_request(
+            "guided_whitespace_pattern and whitespace_pattern ask for different whitespace; "
+            "send one",
+            "whitespace_pattern",
         )
+    for name, value in patterns.items():
+        options["whitespace"] = _whitespace(value, name)
     return options
 
 

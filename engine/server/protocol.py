@@ -113,6 +113,8 @@ class _GenerationRequest(_Body):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # Outlines' vLLM client sends the whitespace pattern at the top level.
+    whitespace_pattern: str | None = None
     # Extras beyond OpenAI's API (vLLM's names).
     top_k: int | None = None
     min_p: float | None = None
