@@ -99,6 +99,13 @@ def check_device(device: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+# Reasoning parsers (vLLM's names) -> the tokens that open and close the model's thoughts.
+REASONING_PARSERS: dict[str, tuple[str, str]] = {
+    "qwen3": ("<think>", "</think>"),
+    "deepseek_r1": ("<think>", "</think>"),
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one engine instance.
@@ -235,6 +242,11 @@ class EngineConfig:
             update and the next schedule (``core/fill_thread.py``). True (default); False keeps
             the whole fill on the engine thread after the update (for measurements). Not used
             where drafts are on: drafting reads the grammars while scheduling.
+        reasoning_parser: how the model marks its reasoning (vLLM's ``--reasoning-parser``
+            names): "qwen3" or "deepseek_r1", both ``<think> ... </think>`` (which must be
+            single tokens of the model's vocabulary). A structured request's grammar then
+            holds from the token after ``</think>``, never over the thoughts, and
+            ``SamplingParams.max_reasoning_tokens`` bounds them. None (default): no reasoning.
     """
 
     model: str | None = None
@@ -272,6 +284,7 @@ class EngineConfig:
     structured_drafts: bool | None = None
     enforce_eager: bool = False
     grammar_fill_thread: bool = True
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -395,6 +408,11 @@ class EngineConfig:
                 f"(one step planned ahead at most), got {self.max_concurrent_batches}"
             )
         self._check_speculative()
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser {self.reasoning_parser!r} is not supported; expected one of "
+                f"{', '.join(REASONING_PARSERS)}"
+            )
         enabled = self._resolve_async()
         object.__setattr__(self, "async_scheduling", enabled)
         if self.executor is None:

@@ -36,6 +36,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # With the engine's reasoning parser: thinking tokens allowed before a structured answer;
+    # then the end-of-think token is forced and the grammar begins. None: unbounded.
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence (list, a single string) for the two tuple fields.
@@ -56,6 +59,9 @@ class SamplingParams:
             raise bad("max_tokens", "None or an int >= 1")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an int >= 0")
+        budget = self.max_reasoning_tokens
+        if budget is not None and (not _is_int(budget) or budget < 0):
+            raise bad("max_reasoning_tokens", "None or an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"

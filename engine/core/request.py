@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from baton.engine.sampling_params import SamplingParams
 from baton.grammar.backend import GrammarMatcher
 from baton.grammar.compile_service import CompileHandle
+from baton.grammar.reasoning import ReasoningSpec
 from baton.grammar.spec import StructuredOutputsParams
 
 
@@ -22,6 +23,8 @@ class StructuredState:
     backend: str | None = None
     fallback_reason: str | None = None
     compile_seconds: float = 0.0
+    # The reasoning before the grammar holds (engine's reasoning parser), or None.
+    reasoning: ReasoningSpec | None = None
 
 
 class RequestStatus(enum.Enum):

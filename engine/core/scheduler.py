@@ -85,7 +85,9 @@ class Scheduler:
         if spec is not None:
             if self.structured is None:
                 raise ValueError("this engine has no structured-output support")
-            request.structured = self.structured.start(spec)
+            request.structured = self.structured.start(
+                spec, request.prompt_token_ids, request.sampling_params.max_reasoning_tokens
+            )
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -25,12 +25,15 @@ from baton.grammar.backend import (
     filled_now,
 )
 from baton.grammar.compile_service import CompilePoolConfig, CompileResult, CompileService
+from baton.grammar.reasoning import ReasoningMatcher, ReasoningSpec, fill_thinking_row
 from baton.grammar.spec import StructuredOutputsParams, allowed_backends
 from baton.grammar.validation import DEFAULT_MAX_DEPTH, check_enforceable, validate_spec
 
 logger = logging.getLogger(__name__)
 
 _VALIDATED_CACHE_SIZE = 1024
+# The fill group of the requests that are thinking (``grammar/reasoning.py``): no backend's.
+_THINKING = "(thinking)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,9 @@ class StructuredOutputManager:
             1 when the model's worker process needs every core.
         compile_pool: compile worker processes, queue bound and memory cap.
         cache_bytes: size budget of the compiled-grammar cache (see ``CompileService``).
+        reasoning: the token ids that open and close the model's thoughts (the engine's
+            reasoning parser), or None: a grammar holds from a request's first token.
+        eos_token_ids: the model's ends of sequence (not allowed while a request thinks).
     """
 
     def __init__(
@@ -99,8 +105,14 @@ class StructuredOutputManager:
         fill_threads: int = 2,
         compile_pool: CompilePoolConfig | None = None,
         cache_bytes: int = 1 << 30,
+        reasoning: tuple[int, int] | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.vocab_size = vocab_size
+        # The model's (start, end) of thoughts (token ids; EngineConfig.reasoning_parser), and
+        # the ends of sequence a thinking request may not stop on.
+        self.reasoning = reasoning
+        self.eos_token_ids = eos_token_ids
         recipes = {
             "xgrammar": BackendRecipe(
                 "xgrammar",
@@ -168,13 +180,33 @@ class StructuredOutputManager:
         if not self.service.has_room(spec):
             raise self.service.refuse()
 
-    def start(self, spec: StructuredOutputsParams) -> StructuredState:
-        """Starts compiling; the request waits for the result.
+    def start(
+        self,
+        spec: StructuredOutputsParams,
+        prompt_token_ids: Sequence[int] = (),
+        max_reasoning_tokens: int | None = None,
+    ) -> StructuredState:
+        """Starts compiling; the request waits for the result. With a reasoning parser the
+        request's matcher lets it think first (``grammar/reasoning.py``): from its first
+        token unless ``prompt_token_ids`` closed the thoughts already (a chat template with
+        thinking off), at most ``max_reasoning_tokens`` thinking tokens.
 
         Raises:
             CompileQueueFull: as ``check_room``.
         """
-        return StructuredState(spec=spec, handle=self.service.submit(spec))
+        reasoning = None
+        if self.reasoning is not None:
+            start, end = self.reasoning
+            ids = list(prompt_token_ids)
+            last_end = max((i for i, t in enumerate(ids) if t == end), default=-1)
+            last_start = max((i for i, t in enumerate(ids) if t == start), default=-1)
+            reasoning = ReasoningSpec(
+                end,
+                last_end <= last_start or last_end < 0,
+                max_reasoning_tokens,
+                self.eos_token_ids,
+            )
+        return StructuredState(spec=spec, handle=self.service.submit(spec), reasoning=reasoning)
 
     def poll(self, state: StructuredState) -> CompileResult | None:
         """None while compiling; the result once done (a matcher is then ready on success)."""
@@ -190,7 +222,10 @@ class StructuredOutputManager:
         state.compile_seconds = result.seconds
         if result.grammar is not None:
             try:
-                state.matcher = result.grammar.new_matcher()
+                matcher = result.grammar.new_matcher()
+                if state.reasoning is not None:
+                    matcher = ReasoningMatcher(matcher, state.reasoning, self.vocab_size)
+                state.matcher = matcher
             except Exception as exc:  # noqa: BLE001 - a backend bug fails this request only
                 logger.exception("creating a %s matcher failed", result.backend)
                 return dataclasses.replace(
@@ -276,9 +311,15 @@ class StructuredOutputManager:
         for name, group_reqs, matchers, group_rows in _by_backend(reqs, rows):
             error: BaseException | None = None
             try:
-                call = self.service.backend(name).plan_fill(
-                    matchers, bitmask, group_rows, off_thread=filler is not None
-                )
+                if name == _THINKING:  # every token but the ends, or the end of thoughts
+                    for matcher, row in zip(matchers, group_rows, strict=True):
+                        assert isinstance(matcher, ReasoningMatcher)
+                        fill_thinking_row(matcher, bitmask, row)
+                    call = filled_now
+                else:
+                    call = self.service.backend(name).plan_fill(
+                        matchers, bitmask, group_rows, off_thread=filler is not None
+                    )
             except Exception as exc:  # noqa: BLE001 - filled row by row in _finish_fill
                 error, call = exc, filled_now
             calls.append(call)
@@ -409,15 +450,18 @@ def _by_backend(
     states = [req.structured for req in reqs]
     names = [state.backend for state in states]
     first = names[0]
-    if names.count(first) == len(names):
+    if names.count(first) == len(names) and all(state.reasoning is None for state in states):
         # Every request on one backend, the usual case: no per-request grouping (a step
         # fills every structured row, so this runs once per step on the engine thread).
         return [(first, list(reqs), [state.matcher for state in states], list(rows))]
     by_backend: dict[str, tuple[list[Request], list[GrammarMatcher], list[int]]] = {}
     for req, state, row in zip(reqs, states, rows, strict=True):
-        group = by_backend.setdefault(state.backend, ([], [], []))
+        name, matcher = state.backend, state.matcher
+        if isinstance(matcher, ReasoningMatcher):  # thinking: filled here; else its grammar's
+            name, matcher = (_THINKING, matcher) if matcher.thinking else (name, matcher.inner)
+        group = by_backend.setdefault(name, ([], [], []))
         group[0].append(req)
-        group[1].append(state.matcher)
+        group[1].append(matcher)
         group[2].append(row)
     ordered = sorted(by_backend.items(), key=lambda item: -len(item[1][0]))
     return [(name, *group) for name, group in ordered]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from baton.engine.config import EngineConfig
+from baton.engine.config import REASONING_PARSERS, EngineConfig
 from baton.engine.core.async_scheduler import AsyncScheduler
 from baton.engine.core.draft_policy import DraftPolicy
 from baton.engine.core.drafter import Drafter
@@ -95,7 +95,10 @@ class LLMEngine:
                 max_queued=config.grammar_compile_queue_size,
             ),
             cache_bytes=config.grammar_cache_bytes,
+            reasoning=reasoning_token_ids(self.tokenizer, config.reasoning_parser),
+            eos_token_ids=tuple(self.eos_token_ids),
         )
+        self.reasoning_parser = config.reasoning_parser
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         drafter = Drafter(spec, self.tokenizer) if spec is not None else None
         policy = DraftPolicy(spec.num_speculative_tokens) if spec and spec.adaptive else None
@@ -188,6 +191,17 @@ class LLMEngine:
                 raise ValueError(
                     f"{name} {value!r} is too small: the sampler keeps it in float32, "
                     f"where positive values below {_MIN_FLOAT32:.3g} round to 0"
+                )
+        if params.max_reasoning_tokens is not None:
+            if self.reasoning_parser is None:
+                raise ValueError(
+                    "max_reasoning_tokens needs a reasoning model: start the engine with "
+                    "reasoning_parser (e.g. 'qwen3')"
+                )
+            if params.structured_outputs is None:
+                raise ValueError(
+                    "max_reasoning_tokens bounds the thoughts before a structured answer; "
+                    "this request has no structured_outputs"
                 )
         vocab = self.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
@@ -400,3 +414,24 @@ def prompt_from_dict(prompt: Mapping[str, Any]) -> str | Sequence[int]:
     if given[0] == "prompt_token_ids" and not isinstance(value, (list, tuple)):
         raise ValueError(f"'prompt_token_ids' must be a list of ints, got {type(value).__name__}")
     return value
+
+
+def reasoning_token_ids(tokenizer: Tokenizer, parser: str | None) -> tuple[int, int] | None:
+    """The ids of the tokens that open and close the model's thoughts for ``parser``
+    (``config.REASONING_PARSERS``), or None without a parser.
+
+    Raises:
+        ValueError: the tokenizer does not have both as single tokens.
+    """
+    if parser is None:
+        return None
+    ids = []
+    for text in REASONING_PARSERS[parser]:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(
+                f"reasoning_parser {parser!r} needs {text!r} as one token of the model's "
+                f"vocabulary; this tokenizer encodes it as {len(encoded)} tokens"
+            )
+        ids.append(encoded[0])
+    return ids[0], ids[1]

@@ -1,0 +1,193 @@
+"""Reasoning before a structured answer (``EngineConfig.reasoning_parser``): the grammar holds
+from the token after ``</think>``, never over the thoughts; ``max_reasoning_tokens`` forces the
+end of thoughts, so a random-weight model's answer is a valid object every time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from conftest import build_tiny_model_dir
+
+from baton.engine import LLM, SamplingParams
+from baton.grammar.backend import GrammarMatcher, allocate_bitmask
+from baton.grammar.reasoning import ReasoningMatcher, ReasoningSpec
+from baton.grammar.spec import StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory, tokenizer) -> Path:
+    """The tiny Llama with <think> and </think> added as special tokens (the last ids) and
+    its embedding grown to cover them."""
+    from safetensors.torch import load_file, save_file
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    folder = build_tiny_model_dir(tmp_path_factory.mktemp("think"), tokenizer, "llama")
+    backend = Backend.from_file(str(folder / "tokenizer.json"))
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<think>", "</think>")]
+    )
+    backend.save(str(folder / "tokenizer.json"))
+    vocab = backend.get_vocab_size()
+    tensors = load_file(str(folder / "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"]
+    extra = 0.1 * torch.randn(vocab - embed.shape[0], embed.shape[1])
+    tensors["model.embed_tokens.weight"] = torch.cat([embed, extra])
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+    return folder
+
+
+def _answer(llm: LLM, prompt: str, seed: int, budget: int | None) -> tuple[list[int], Any]:
+    """(token ids, the object after </think>) of one JSON request with ``budget``."""
+    spec = StructuredOutputsParams(json=SCHEMA)
+    params = SamplingParams(
+        max_tokens=120,
+        temperature=1.0,
+        seed=seed,
+        structured_outputs=spec,
+        max_reasoning_tokens=budget,
+    )
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    ids = list(out.outputs[0].token_ids)
+    return ids, out.outputs[0]
+
+
+def test_a_budget_of_16_ends_with_a_valid_object_for_every_seed(thinking_model):
+    """50 seeds at temperature 1 on random weights: the thoughts take at most 16 tokens, then
+    </think> (forced where the model did not write it), then an object that validates."""
+    llm = LLM(str(thinking_model), dtype="float32", max_model_len=256, reasoning_parser="qwen3")
+    try:
+        end = llm.get_tokenizer().encode("</think>", add_special_tokens=False)[0]
+        thought_lengths = []
+        for seed in range(50):
+            ids, completion = _answer(llm, "Think, then answer in JSON:", seed, 16)
+            assert end in ids, seed
+            cut = ids.index(end)
+            assert cut <= 16, (seed, cut)
+            thought_lengths.append(cut)
+            answer = llm.get_tokenizer().decode(ids[cut + 1 :])
+            jsonschema.validate(json.loads(answer), SCHEMA)
+            assert completion.finish_reason == "stop", seed
+    finally:
+        llm.shutdown()
+    # Random weights think freely: most runs spend the budget, and thoughts are not JSON.
+    assert max(thought_lengths) == 16 and sum(thought_lengths) > 0
+
+
+def test_a_prompt_that_closed_its_thoughts_is_constrained_from_the_first_token(
+    thinking_model,
+):
+    """Thinking switched off by the chat template (``<think></think>`` in the prompt): the
+    grammar holds from the first generated token."""
+    llm = LLM(str(thinking_model), dtype="float32", max_model_len=256, reasoning_parser="qwen3")
+    try:
+        for seed in range(5):
+            ids, completion = _answer(llm, "Answer:<think>\n\n</think>\n\n", seed, None)
+            jsonschema.validate(json.loads(completion.text), SCHEMA)
+    finally:
+        llm.shutdown()
+
+
+def test_bad_reasoning_settings_are_clear_errors(thinking_model, tiny_model_dir):
+    with pytest.raises(ValueError, match="reasoning_parser 'nope' is not supported"):
+        LLM(str(thinking_model), reasoning_parser="nope")
+    with pytest.raises(ValueError, match="needs '<think>' as one token"):
+        LLM(str(tiny_model_dir), dtype="float32", max_model_len=64, reasoning_parser="qwen3")
+    with pytest.raises(ValueError, match="max_reasoning_tokens must be None or an int >= 0"):
+        SamplingParams(max_reasoning_tokens=-1)
+    llm = LLM(str(thinking_model), dtype="float32", max_model_len=256)
+    try:
+        spec = StructuredOutputsParams(json=SCHEMA)
+        with pytest.raises(ValueError, match="needs a reasoning model"):
+            llm.generate(["x"], SamplingParams(structured_outputs=spec, max_reasoning_tokens=4))
+    finally:
+        llm.shutdown()
+    llm = LLM(str(thinking_model), dtype="float32", max_model_len=256, reasoning_parser="qwen3")
+    try:
+        with pytest.raises(ValueError, match="has no structured_outputs"):
+            llm.generate(["x"], SamplingParams(max_reasoning_tokens=4))
+    finally:
+        llm.shutdown()
+
+
+class _Digits(GrammarMatcher):
+    """A grammar of digits (ids 0-9) ending with EOS (id 11): a stand-in inner matcher."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def accept_tokens(self, tokens):
+        for t in tokens:
+            if self.is_terminated() or not (t < 10 or (t == 11 and self.seen)):
+                return False
+            self.seen.append(t)
+        return True
+
+    def validate_tokens(self, tokens):
+        n = 0
+        for t in tokens:
+            if not self.accept_tokens([t]):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
+    def rollback(self, num_tokens):
+        del self.seen[len(self.seen) - num_tokens :]
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row].zero_()
+        bitmask[row, 0] = 0x3FF | ((1 << 11) if self.seen else 0)
+
+    def is_terminated(self):
+        return bool(self.seen) and self.seen[-1] == 11
+
+    def reset(self):
+        self.seen.clear()
+
+    def jump_forward_string(self):
+        return ""
+
+
+def test_reasoning_matcher_switches_rolls_back_and_spends_its_budget():
+    """Vocabulary of 40: </think> is 30, EOS 11. Thoughts allow all but EOS; 30 hands over
+    to the digits; a rollback across the switch goes back to thinking; the budget leaves only
+    30."""
+    spec = ReasoningSpec(end_token_id=30, thinking=True, max_tokens=3, banned=(11,))
+    m = ReasoningMatcher(_Digits(), spec, vocab_size=40)
+    bitmask = allocate_bitmask(1, 40)
+    m.fill_bitmask(bitmask, 0)
+    allowed = [t for t in range(40) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+    assert allowed == [t for t in range(40) if t != 11]
+    assert not m.accept_tokens([11])  # no end of sequence while thinking
+    assert m.accept_tokens([20, 21, 22])
+    assert m.budget_spent and not m.accept_tokens([23])  # only </think> now
+    m.fill_bitmask(bitmask, 0)
+    assert bitmask[0].tolist() == [1 << 30, 0]
+    assert m.validate_tokens([30, 5, 6, 39]) == 3  # 39 is no digit
+    assert m.thinking and m.num_thinking_tokens == 3  # validate changed nothing
+    assert m.accept_tokens([30, 5, 6]) and not m.thinking and m.inner.seen == [5, 6]
+    m.rollback(3)  # 6, 5 and </think>
+    assert m.thinking and m.inner.seen == [] and m.num_thinking_tokens == 3
+    m.rollback(1)
+    assert m.num_thinking_tokens == 2 and not m.budget_spent
+    assert m.accept_tokens([24, 30, 7, 11]) and m.is_terminated()
+    m.reset()
+    assert m.thinking and m.num_thinking_tokens == 0 and not m.inner.seen
