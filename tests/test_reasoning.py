@@ -191,3 +191,78 @@ def test_reasoning_matcher_switches_rolls_back_and_spends_its_budget():
     assert m.accept_tokens([24, 30, 7, 11]) and m.is_terminated()
     m.reset()
     assert m.thinking and m.num_thinking_tokens == 0 and not m.inner.seen
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(thinking_model):
+    """``baton serve --reasoning-parser qwen3``'s app on the thinking model."""
+    from conftest import serve_in_thread
+
+    from baton.engine.entrypoints.async_llm import AsyncLLM
+    from baton.engine.server.app import build_app
+    from baton.engine.server.config import ServerConfig
+
+    engine = AsyncLLM.from_engine_args(
+        str(thinking_model),
+        dtype="float32",
+        max_num_seqs=4,
+        max_model_len=256,
+        reasoning_parser="qwen3",
+    )
+    config = ServerConfig(served_model_name="thinker", reasoning_parser="qwen3")
+    try:
+        with serve_in_thread(build_app(engine, config)) as base:
+            yield base
+    finally:
+        engine.shutdown()
+
+
+def _chat_body(seed: int) -> dict[str, Any]:
+    """A JSON-schema chat request with 8 reasoning tokens at most, sampled with ``seed``."""
+    return {
+        "model": "thinker",
+        "messages": [{"role": "user", "content": "A name and a flag, as JSON."}],
+        "max_tokens": 100,
+        "temperature": 1.0,
+        "seed": seed,
+        "max_reasoning_tokens": 8,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": SCHEMA},
+        },
+    }
+
+
+def test_the_server_returns_the_thoughts_as_reasoning_content(reasoning_server):
+    """message.reasoning_content holds the thoughts (at most 8 tokens, then </think>), content
+    the validated object; usage counts the reasoning tokens; streamed, the deltas add up to
+    the same message."""
+    import httpx
+
+    for seed in range(5):
+        url = f"{reasoning_server}/v1/chat/completions"
+        reply = httpx.post(url, json=_chat_body(seed), timeout=120)
+        assert reply.status_code == 200, reply.text
+        message = reply.json()["choices"][0]["message"]
+        assert isinstance(message["reasoning_content"], str)
+        assert message["reasoning"] == message["reasoning_content"]
+        jsonschema.validate(json.loads(message["content"]), SCHEMA)
+        spent = reply.json()["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        assert 1 <= spent <= 9
+        body = {"stream": True, "stream_options": {"include_usage": True}}
+        parts = {"reasoning_content": "", "content": ""}
+        usage = None
+        with httpx.stream("POST", url, json=_chat_body(seed) | body, timeout=120) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    for key in parts:
+                        parts[key] += choice["delta"].get(key) or ""
+        assert parts == {
+            "reasoning_content": message["reasoning_content"],
+            "content": message["content"],
+        }
+        assert usage["completion_tokens_details"]["reasoning_tokens"] == spent

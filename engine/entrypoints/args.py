@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from baton.engine.config import DTYPE_AUTO, GGUF_ACTIVATIONS, QUANTIZATIONS, EngineConfig
+from baton.engine.config import (
+    DTYPE_AUTO,
+    GGUF_ACTIVATIONS,
+    QUANTIZATIONS,
+    REASONING_PARSERS,
+    EngineConfig,
+)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = (DTYPE_AUTO, *DTYPES)
@@ -127,6 +133,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         "4}' (method: grammar, ngram or auto); implies synchronous scheduling",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="the model thinks in <think> ... </think> (vLLM's parser names): structured "
+        "output holds after the thoughts, and the server returns them as reasoning_content",
+    )
+    parser.add_argument(
         "--no-structured-drafts",
         action="store_true",
         help="serve structured requests without speculative decoding where the engine would "
@@ -196,6 +209,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         engine_args["structured_drafts"] = False
     if getattr(args, "speculative_config", None) is not None:
         engine_args["speculative_config"] = args.speculative_config
+    if getattr(args, "reasoning_parser", None) is not None:
+        engine_args["reasoning_parser"] = args.reasoning_parser
     for flag, field in (
         ("grammar_compile_timeout", "grammar_compile_timeout_s"),
         ("grammar_compile_workers", "grammar_compile_workers"),

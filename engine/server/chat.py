@@ -34,6 +34,7 @@ from baton.engine.server.generation import (
 from baton.engine.server.logprobs import chat_logprobs
 from baton.engine.server.params import chat_sampling_params, check_model
 from baton.engine.server.protocol import ChatCompletionRequest
+from baton.engine.server.reasoning import ReasoningDeltas, ReasoningSplitter
 from baton.engine.server.state import get_state
 from baton.engine.server.tool_output import ToolCallDeltas, finish_reason, tool_message
 from baton.engine.server.tools import ToolPlan, prepare_messages, tool_plan
@@ -100,14 +101,23 @@ def _response(
     created: int,
     model: str,
     tools: ToolPlan | None,
+    splitter: ReasoningSplitter | None = None,
 ) -> dict[str, Any]:
     top_n = body.top_logprobs or 0
     choices = []
+    thinks = splitter is not None and splitter.thinks_first(out.prompt_token_ids)
+    reasoning_tokens = 0
     for c in out.outputs:
+        reasoning, text = None, c.text
+        if splitter is not None:
+            reasoning, text = splitter.split(c.text, c.token_ids, thinks)
+            reasoning_tokens += splitter.reasoning_tokens(c.token_ids, thinks)
         if tools is not None and tools.mode != "none":
-            message, reason = tool_message(c.text, c.finish_reason, tools.fmt)
+            message, reason = tool_message(text or "", c.finish_reason, tools.fmt)
         else:
-            message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            message, reason = {"role": "assistant", "content": text}, c.finish_reason
+        if reasoning is not None:  # both names: vLLM's and the newer clients'
+            message["reasoning_content"] = message["reasoning"] = reasoning
         choices.append(
             {
                 "index": c.index,
@@ -118,13 +128,16 @@ def _response(
             }
         )
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    counts = usage(len(out.prompt_token_ids), completion_tokens)
+    if splitter is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(len(out.prompt_token_ids), completion_tokens),
+        "usage": counts,
     }
 
 
@@ -135,8 +148,10 @@ async def _stream(
     created: int,
     model: str,
     tools: ToolPlan | None,
+    splitter: ReasoningSplitter | None = None,
 ) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    thoughts: list[ReasoningDeltas] | None = None
     top_n = body.top_logprobs or 0
 
     chunk = sse_chunker(request_id, "chat.completion.chunk", created, model, include_usage)
@@ -157,6 +172,9 @@ async def _stream(
     try:
         async for out in stream:
             last = out
+            if splitter is not None and thoughts is None:
+                thinks = splitter.thinks_first(out.prompt_token_ids)
+                thoughts = [ReasoningDeltas(splitter, thinks) for _ in range(body.n)]
             error = completion_error([out])
             if error is not None:
                 yield sse(error_body(error, "server_error"))
@@ -167,6 +185,8 @@ async def _stream(
                 if not text and not ids and not c.finished:
                     continue
                 delta: dict[str, Any] = {"content": text} if text else {}
+                if thoughts is not None:
+                    delta = thoughts[c.index].delta(c.text, c.token_ids)
                 reason = c.finish_reason
                 if calls is not None:
                     deltas = calls[c.index]
@@ -190,7 +210,12 @@ async def _stream(
         yield sse(error_body(str(exc), "server_error"))
     if include_usage and last is not None:
         completion_tokens = sum(len(c.token_ids) for c in last.outputs)
-        yield chunk([], usage=usage(len(last.prompt_token_ids), completion_tokens))
+        counts = usage(len(last.prompt_token_ids), completion_tokens)
+        if splitter is not None:
+            thinks = splitter.thinks_first(last.prompt_token_ids)
+            spent = sum(splitter.reasoning_tokens(c.token_ids, thinks) for c in last.outputs)
+            counts["completion_tokens_details"] = {"reasoning_tokens": spent}
+        yield chunk([], usage=counts)
     yield SSE_DONE
 
 
@@ -208,6 +233,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     created = int(time.time())
     model = body.model or state.config.served_model_name
     param = constraint.param if constraint is not None else None
+    parser = state.config.reasoning_parser
+    splitter = None if parser is None else ReasoningSplitter(state.engine.get_tokenizer(), parser)
     streams = await start_requests(state, [prompt], params, request_id, param)
     if body.stream:
         if params.structured_outputs is not None:
@@ -216,11 +243,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             except ClientDisconnected:
                 return Response(status_code=499)
         return SSEResponse(
-            _stream(streams[0], body, request_id, created, model, tools),
+            _stream(streams[0], body, request_id, created, model, tools, splitter),
             lambda: close_all(streams),
         )
     try:
         (out,) = await collect_unary(request, streams, param)
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(_response(out, body, request_id, created, model, tools))
+    return JSONResponse(_response(out, body, request_id, created, model, tools, splitter))

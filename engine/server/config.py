@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baton.engine.config import REASONING_PARSERS
 from baton.grammar.spec import BACKENDS
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -20,6 +21,8 @@ class ServerConfig:
         structured_outputs_backend: backend of structured requests that name none
             ("auto", "xgrammar", "outlines" or "guidance").
         max_n: largest ``n`` (completions per prompt) one request may ask for.
+        reasoning_parser: the engine's reasoning parser (``EngineConfig.reasoning_parser``):
+            chat answers then carry the model's thoughts as ``reasoning_content``.
 
     Raises:
         ValueError: naming the field that is out of range.
@@ -30,6 +33,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     structured_outputs_backend: str = "auto"
     max_n: int = 64
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -42,6 +46,11 @@ class ServerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
+            )
         if self.structured_outputs_backend not in BACKENDS:
             raise ValueError(
                 f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "

@@ -53,6 +53,7 @@ def _common_kwargs(
         "repetition_penalty",
         "presence_penalty",
         "frequency_penalty",
+        "max_reasoning_tokens",
     ):
         value = getattr(req, name)
         if value is not None:

@@ -124,6 +124,8 @@ class _GenerationRequest(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # With the server's reasoning parser: thinking tokens before a structured answer.
+    max_reasoning_tokens: int | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):

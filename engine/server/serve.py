@@ -134,6 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,
         structured_outputs_backend=args.structured_outputs_backend,
+        reasoning_parser=getattr(args, "reasoning_parser", None),
     )
     engine: ServingEngine
     dp_config = data_parallel_config(args)
