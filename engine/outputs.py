@@ -76,3 +76,6 @@ class RequestOutput:
     # preferred one did not (auto mode), if it did not.
     structured_output_backend: str | None = None
     structured_output_fallback_reason: str | None = None
+    # A lenient structured request (allow_unenforced, json_schema.strict false): what its
+    # backend did not enforce; None where everything was.
+    structured_output_unenforced: str | None = None

@@ -149,6 +149,8 @@ class EngineCoreOutput(NamedTuple):
     # Which structured-output backend served the request, and why not the preferred one.
     structured_backend: str | None = None
     structured_fallback_reason: str | None = None
+    # A lenient spec's keywords its backend did not enforce (None: all enforced).
+    structured_unenforced: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -356,6 +356,51 @@ def test_auto_falls_back_where_one_backend_cannot_compile(default_model_server: 
         assert out["finish_reason"] == "length" and out["text"].startswith("{")
 
 
+# uniqueItems: no backend enforces it.
+UNIQUE_TAGS = {
+    "type": "object",
+    "properties": {
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 5},
+            "uniqueItems": True,
+            "maxItems": 3,
+        }
+    },
+    "required": ["tags"],
+    "additionalProperties": False,
+}
+
+
+def test_strict_false_drops_only_what_no_backend_enforces(default_model_server: str) -> None:
+    """json_schema.strict false: the schema's enforceable part holds, the answer names what
+    was not enforced, and /metrics counts it; strict true (or absent) is today's clear 400."""
+
+    def send(strict: bool | None) -> httpx.Response:
+        fmt: dict[str, Any] = {"name": "tags", "schema": UNIQUE_TAGS}
+        if strict is not None:
+            fmt["strict"] = strict
+        body = CHAT | {"response_format": {"type": "json_schema", "json_schema": fmt}}
+        return httpx.post(f"{default_model_server}/v1/chat/completions", json=body, timeout=120)
+
+    for strict in (True, None):
+        refused = send(strict)
+        assert refused.status_code == 400 and "uniqueItems" in refused.text, strict
+    before = httpx.get(f"{default_model_server}/metrics", timeout=30).text
+    reply = send(False)
+    assert reply.status_code == 200, reply.text
+    assert "uniqueItems" in reply.json()["structured_outputs_unenforced"]
+    (choice,) = reply.json()["choices"]
+    if choice["finish_reason"] == "stop":
+        lenient = {**UNIQUE_TAGS, "properties": {"tags": {**UNIQUE_TAGS["properties"]["tags"]}}}
+        del lenient["properties"]["tags"]["uniqueItems"]
+        jsonschema.validate(json.loads(choice["message"]["content"]), lenient)
+    after = httpx.get(f"{default_model_server}/metrics", timeout=30).text
+    name = "baton_structured_unenforced_requests_total"
+    count = lambda text: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # noqa: E731
+    assert count(after) == count(before) + 1
+
+
 @pytest.mark.parametrize("endpoint", PATHS)
 def test_fields_that_change_nothing_are_accepted(default_model_server: str, endpoint: str) -> None:
     harmless = {

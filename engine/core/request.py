@@ -25,6 +25,8 @@ class StructuredState:
     compile_seconds: float = 0.0
     # The reasoning before the grammar holds (engine's reasoning parser), or None.
     reasoning: ReasoningSpec | None = None
+    # A lenient spec (allow_unenforced): what its backend does not enforce, or None.
+    unenforced: str | None = None
 
 
 class RequestStatus(enum.Enum):

@@ -543,6 +543,7 @@ class Scheduler:
             None,
             structured.backend if structured else None,
             structured.fallback_reason if structured else None,
+            structured.unenforced if structured else None,
         )
 
     def _reject_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:

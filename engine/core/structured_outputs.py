@@ -226,6 +226,11 @@ class StructuredOutputManager:
                 if state.reasoning is not None:
                     matcher = ReasoningMatcher(matcher, state.reasoning, self.vocab_size)
                 state.matcher = matcher
+                if state.spec.allow_unenforced:
+                    strict = dataclasses.replace(state.spec, allow_unenforced=False)
+                    reason = self.service.backend(result.backend).unsupported_reason(strict)
+                    # The reason without its hint to the caller (who set it already).
+                    state.unenforced = reason and reason.split(" (set allow_unenforced")[0]
             except Exception as exc:  # noqa: BLE001 - a backend bug fails this request only
                 logger.exception("creating a %s matcher failed", result.backend)
                 return dataclasses.replace(

@@ -30,6 +30,7 @@ class _Parent:
     arrival_time: float = 0.0
     structured_backend: str | None = None
     structured_fallback_reason: str | None = None
+    structured_unenforced: str | None = None
     # Only the finished output is wanted (offline generate): no output per step, and text is
     # decoded once at the end unless stop strings must be watched token by token.
     final_only: bool = False
@@ -129,6 +130,7 @@ class OutputProcessor:
             if out.structured_backend is not None:
                 parent.structured_backend = out.structured_backend
                 parent.structured_fallback_reason = out.structured_fallback_reason
+                parent.structured_unenforced = out.structured_unenforced
             try:
                 if self._apply(child, out, now, parent.final_only and not parent.params.stop):
                     to_abort.append(out.request_id)
@@ -227,6 +229,7 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens,
             structured_output_backend=parent.structured_backend,
             structured_output_fallback_reason=parent.structured_fallback_reason,
+            structured_output_unenforced=parent.structured_unenforced,
         )
 
 

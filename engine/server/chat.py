@@ -131,7 +131,7 @@ def _response(
     counts = usage(len(out.prompt_token_ids), completion_tokens)
     if splitter is not None:
         counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return {
+    response = {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
@@ -139,6 +139,9 @@ def _response(
         "choices": choices,
         "usage": counts,
     }
+    if out.structured_output_unenforced is not None:  # a lenient schema: what was dropped
+        response["structured_outputs_unenforced"] = out.structured_output_unenforced
+    return response
 
 
 async def _stream(

@@ -82,7 +82,7 @@ def _response(
                     "stop_reason": c.stop_reason,
                 }
             )
-    return {
+    response = {
         "id": request_id,
         "object": "text_completion",
         "created": created,
@@ -90,6 +90,10 @@ def _response(
         "choices": choices,
         "usage": _usage(outputs),
     }
+    unenforced = {o.structured_output_unenforced for o in outputs} - {None}
+    if unenforced:  # a lenient schema: what was dropped
+        response["structured_outputs_unenforced"] = "; ".join(sorted(unenforced))
+    return response
 
 
 async def _stream(

@@ -91,7 +91,8 @@ def from_response_format(
     fmt: ResponseFormat, options: dict[str, Any]
 ) -> StructuredOutputsParams | None:
     """OpenAI's ``response_format`` as a constraint (None for ``{"type": "text"}``). A
-    ``schema`` key beside ``json_object`` makes it that schema, not just any object.
+    ``schema`` key beside ``json_object`` makes it that schema, not just any object;
+    ``json_schema.strict: false`` makes it lenient (``allow_unenforced``).
 
     Raises:
         APIError: 400 for an unknown type, a json_schema format without a schema, or two
@@ -121,6 +122,10 @@ def from_response_format(
             "response_format of type json_schema needs json_schema.schema (a JSON schema)",
             "response_format.json_schema",
         )
+    # strict false (OpenAI's best effort): keywords no backend enforces are dropped, and the
+    # answer says which; strict true or absent: such a schema is a 400 naming them.
+    if fmt.json_schema is not None and fmt.json_schema.strict is False:
+        options = {**options, "allow_unenforced": True}
     return _spec(param, json=schema, **options)
 
 

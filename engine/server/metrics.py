@@ -281,6 +281,11 @@ class ServerMetrics:
         self.structured_requests = Counter(
             f"{PREFIX}structured_requests_total", "Generations with a structured-output constraint."
         )
+        self.lenient_requests = Counter(
+            f"{PREFIX}structured_unenforced_requests_total",
+            "Lenient structured generations (json_schema.strict false) whose backend left some "
+            "keywords unenforced.",
+        )
         self.generations = Counter(f"{PREFIX}generations_total", "Generations run (any outcome).")
         self.ttft = Histogram(
             f"{PREFIX}time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
@@ -307,6 +312,8 @@ class ServerMetrics:
                 self.structured_requests.inc()
             if output is None:
                 return
+            if output.structured_output_unenforced is not None:
+                self.lenient_requests.inc()
             self.prompt_tokens.inc(len(output.prompt_token_ids))
             self.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
             ttft = output.metrics.time_to_first_token
@@ -333,6 +340,7 @@ class ServerMetrics:
                 self.prompt_tokens,
                 self.generation_tokens,
                 self.structured_requests,
+                self.lenient_requests,
             ):
                 lines += metric.render()
             name = f"{PREFIX}structured_fraction"
