@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -167,3 +168,22 @@ def _all_but(banned: tuple[int, ...], vocab_size: int) -> torch.Tensor:
             word = int(row[t // 32]) & 0xFFFFFFFF & ~(1 << (t % 32))
             row[t // 32] = word - (1 << 32) if word >= 1 << 31 else word
     return row
+
+
+def reasoning_token_ids(tokenizer: Any, start: str, end: str) -> tuple[int, int]:
+    """The ids of ``start`` and ``end`` (e.g. ``<think>``, ``</think>``), each one token of
+    ``tokenizer``'s vocabulary (anything with ``encode(text, add_special_tokens=False)``).
+
+    Raises:
+        ValueError: either is not a single token.
+    """
+    ids = []
+    for text in (start, end):
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(
+                f"the reasoning parser needs {text!r} as one token of the model's vocabulary; "
+                f"this tokenizer encodes it as {len(encoded)} tokens"
+            )
+        ids.append(encoded[0])
+    return ids[0], ids[1]

@@ -43,6 +43,7 @@ from baton.grammar.compile_service import (
     CompileQueueFull,
     default_compile_workers,
 )
+from baton.grammar.reasoning import reasoning_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,9 @@ class LLMEngine:
                 max_queued=config.grammar_compile_queue_size,
             ),
             cache_bytes=config.grammar_cache_bytes,
-            reasoning=reasoning_token_ids(self.tokenizer, config.reasoning_parser),
+            reasoning=None
+            if config.reasoning_parser is None
+            else reasoning_token_ids(self.tokenizer, *REASONING_PARSERS[config.reasoning_parser]),
             eos_token_ids=tuple(self.eos_token_ids),
         )
         self.reasoning_parser = config.reasoning_parser
@@ -414,24 +417,3 @@ def prompt_from_dict(prompt: Mapping[str, Any]) -> str | Sequence[int]:
     if given[0] == "prompt_token_ids" and not isinstance(value, (list, tuple)):
         raise ValueError(f"'prompt_token_ids' must be a list of ints, got {type(value).__name__}")
     return value
-
-
-def reasoning_token_ids(tokenizer: Tokenizer, parser: str | None) -> tuple[int, int] | None:
-    """The ids of the tokens that open and close the model's thoughts for ``parser``
-    (``config.REASONING_PARSERS``), or None without a parser.
-
-    Raises:
-        ValueError: the tokenizer does not have both as single tokens.
-    """
-    if parser is None:
-        return None
-    ids = []
-    for text in REASONING_PARSERS[parser]:
-        encoded = tokenizer.encode(text, add_special_tokens=False)
-        if len(encoded) != 1:
-            raise ValueError(
-                f"reasoning_parser {parser!r} needs {text!r} as one token of the model's "
-                f"vocabulary; this tokenizer encodes it as {len(encoded)} tokens"
-            )
-        ids.append(encoded[0])
-    return ids[0], ids[1]

@@ -7,22 +7,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from baton.engine.config import REASONING_PARSERS
-from baton.engine.processing.llm_engine import reasoning_token_ids
 from baton.engine.tokenizer import Tokenizer
+from baton.grammar.reasoning import reasoning_token_ids
 
 
 class ReasoningSplitter:
     """Cuts completions of ``parser``'s model at its end-of-think token.
 
     Raises:
-        ValueError: the tokenizer lacks the parser's tokens (as ``reasoning_token_ids``).
+        ValueError: the tokenizer lacks the parser's tokens (``reasoning_token_ids``).
     """
 
     def __init__(self, tokenizer: Tokenizer, parser: str) -> None:
-        ids = reasoning_token_ids(tokenizer, parser)
-        assert ids is not None
-        self.start_id, self.end_id = ids
         self.start_text, self.end_text = REASONING_PARSERS[parser]
+        self.start_id, self.end_id = reasoning_token_ids(tokenizer, self.start_text, self.end_text)
         self.tokenizer = tokenizer
 
     def thinks_first(self, prompt_token_ids: Sequence[int]) -> bool:
