@@ -1,7 +1,8 @@
 """``build_app``: the FastAPI application of the OpenAI-compatible server.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` (503 when the engine cannot serve), ``GET /metrics`` (Prometheus text).
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /health`` (503 when the engine
+cannot serve), ``GET /metrics`` (Prometheus text).
 The app does not own the engine: whoever built it shuts it down. Behind a data-parallel
 front end, ``/health`` lists every replica (503 only when none can serve) and ``/metrics``
 adds per-replica series.
@@ -15,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from baton.engine.entrypoints.serving import ServingEngine
-from baton.engine.server import chat, completions
+from baton.engine.server import chat, completions, tokenize
 from baton.engine.server.config import ServerConfig
 from baton.engine.server.errors import APIError, install_error_handlers
 from baton.engine.server.metrics import ServerMetrics
@@ -35,6 +36,7 @@ def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
     install_error_handlers(app, metrics.reject)
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(tokenize.router)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
