@@ -316,6 +316,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str | list[int]:
         """Render ``messages`` with the chat template, as transformers' ``apply_chat_template``.
@@ -328,9 +329,11 @@ class Tokenizer:
         ``ValueError`` when there is no template or no message, when ``continue_final_message``
         comes with ``add_generation_prompt`` or the template does not write the last message's
         text, ``TypeError`` for a message that is not a dict and ``jinja2.TemplateError`` when
-        the template rejects the chat.
+        the template rejects the chat. ``chat_template``: a template to use instead of the
+        tokenizer's own (``baton serve --chat-template``).
         """
-        if self.chat_template is None:
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
             raise ValueError("this tokenizer has no chat template")
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
@@ -344,7 +347,7 @@ class Tokenizer:
         variables: dict[str, Any] = {"tools": None, "documents": None}
         variables.update(self.special_tokens_map())
         variables.update(kwargs)
-        text = _compile_chat_template(self.chat_template).render(
+        text = _compile_chat_template(template).render(
             messages=chat, add_generation_prompt=add_generation_prompt, **variables
         )
         if continue_final_message:

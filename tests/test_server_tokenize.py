@@ -52,3 +52,36 @@ def test_bad_tokenize_requests_are_clear_errors(
 ) -> None:
     r = httpx.post(f"{default_model_server}{path}", json=body)
     assert r.status_code == status and word in r.text, r.text
+
+
+def test_the_server_chat_template_replaces_the_models(tokenizer, tmp_path) -> None:
+    """``baton serve --chat-template FILE``: conversations render with that template (the
+    tokenize endpoint shows it); a template file that does not parse is refused at startup."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from baton.engine.server.app import build_app
+    from baton.engine.server.config import ServerConfig
+    from baton.engine.server.serve import chat_template_text
+
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<<assistant>> {% endif %}"
+    )
+    text = chat_template_text(str(template))
+    engine = SimpleNamespace(get_tokenizer=lambda: tokenizer, max_model_len=64)
+    config = ServerConfig(served_model_name=MODEL, chat_template=text)
+    with TestClient(build_app(engine, config)) as client:  # type: ignore[arg-type]
+        r = client.post("/tokenize", json={"messages": MESSAGES})
+    assert r.status_code == 200, r.text
+    want = tokenizer.encode("<<user>> Name a colour.\n<<assistant>> ", add_special_tokens=False)
+    assert r.json()["tokens"] == want
+    assert chat_template_text("{{ messages }}") == "{{ messages }}"
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        chat_template_text(str(broken))
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        chat_template_text(str(tmp_path / "missing.jinja"))

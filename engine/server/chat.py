@@ -44,10 +44,14 @@ router = APIRouter()
 
 
 def render_chat(
-    tokenizer: Tokenizer, body: ChatCompletionRequest, tools: ToolPlan | None = None
+    tokenizer: Tokenizer,
+    body: ChatCompletionRequest,
+    tools: ToolPlan | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
-    """The prompt token ids of the conversation, rendered with the model's chat template
-    (with the tools, earlier calls and tool results as ``prepare_messages`` lays them out).
+    """The prompt token ids of the conversation, rendered with the model's chat template, or
+    ``chat_template`` where given (the server's ``--chat-template``), with the tools, earlier
+    calls and tool results as ``prepare_messages`` lays them out.
 
     Raises:
         APIError: 400 for non-text content parts, malformed tool calls, a conversation the
@@ -74,13 +78,15 @@ def render_chat(
         message = m.model_dump(exclude_none=True)
         message["content"] = content or ""
         messages.append(message)
-    messages, variables = prepare_messages(messages, tools, tokenizer.chat_template)
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    messages, variables = prepare_messages(messages, tools, template)
     try:
         ids = tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=body.add_generation_prompt,
             tokenize=True,
             continue_final_message=body.continue_final_message,
+            chat_template=template,
             **{**variables, **(body.chat_template_kwargs or {})},
         )
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
@@ -231,7 +237,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params, constraint = chat_sampling_params(
         body, state.config, tools, defaults=state.engine.sampling_defaults()
     )
-    prompt = render_chat(state.engine.get_tokenizer(), body, tools)
+    prompt = render_chat(state.engine.get_tokenizer(), body, tools, state.config.chat_template)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or state.config.served_model_name

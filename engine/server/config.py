@@ -23,6 +23,8 @@ class ServerConfig:
         max_n: largest ``n`` (completions per prompt) one request may ask for.
         reasoning_parser: the engine's reasoning parser (``EngineConfig.reasoning_parser``):
             chat answers then carry the model's thoughts as ``reasoning_content``.
+        chat_template: a Jinja chat template used instead of the tokenizer's (``baton serve
+            --chat-template``); None: the tokenizer's.
 
     Raises:
         ValueError: naming the field that is out of range.
@@ -34,6 +36,7 @@ class ServerConfig:
     structured_outputs_backend: str = "auto"
     max_n: int = 64
     reasoning_parser: str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name:

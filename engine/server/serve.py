@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 from baton.engine.entrypoints.args import add_engine_args, config_from_args
 from baton.engine.entrypoints.dp_config import DataParallelConfig
 from baton.engine.entrypoints.serving import ServingEngine
@@ -59,6 +61,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=BACKENDS,
         default="auto",
         help="backend of structured requests that name none",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file (or the template itself) used instead of the model's",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -135,6 +142,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         structured_outputs_backend=args.structured_outputs_backend,
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        chat_template=chat_template_text(args.chat_template),
     )
     engine: ServingEngine
     dp_config = data_parallel_config(args)
@@ -209,3 +217,29 @@ def _stop_signals_absorbed() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """``--chat-template``'s template: the file's text where ``value`` names a file, else the
+    value itself when it reads as a Jinja template.
+
+    Raises:
+        ValueError: neither a readable file nor template text.
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value}: cannot read it ({exc})") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template {value}: not a valid Jinja template ({exc})") from None
+    return text

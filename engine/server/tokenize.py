@@ -64,7 +64,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs,
         )
-        ids = render_chat(tokenizer, chat)
+        ids = render_chat(tokenizer, chat, chat_template=state.config.chat_template)
     else:
         assert body.prompt is not None
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
