@@ -78,13 +78,15 @@ def test_a_budget_of_16_ends_with_a_valid_object_for_every_seed(thinking_model):
         thought_lengths = []
         for seed in range(50):
             ids, completion = _answer(llm, "Think, then answer in JSON:", seed, 16)
-            assert end in ids, seed
+            # Everything a failure needs to be understood.
+            seen = (seed, completion.finish_reason, completion.stop_reason, ids)
+            assert end in ids, seen
             cut = ids.index(end)
-            assert cut <= 16, (seed, cut)
+            assert cut <= 16, seen
             thought_lengths.append(cut)
             answer = llm.get_tokenizer().decode(ids[cut + 1 :])
+            assert completion.finish_reason == "stop", (*seen, answer)
             jsonschema.validate(json.loads(answer), SCHEMA)
-            assert completion.finish_reason == "stop", seed
     finally:
         llm.shutdown()
     # Random weights think freely: most runs spend the budget, and thoughts are not JSON.
