@@ -98,3 +98,27 @@ def json_object(model: str, prompt: str, schema: dict[str, Any], max_tokens: int
     value = json.loads(completion.text)
     jsonschema.validate(value, schema)
     return value
+
+
+def prefill_logits(model: Any, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
+    """The logits of every position of ``ids`` prefilled at once into fresh blocks of 4 (from
+    block 3 on), under the model's sliding window."""
+    from baton.engine.models.attention import AttentionMetadata
+    from baton.engine.models.kv_cache import allocate_kv_cache
+
+    n, block = ids.numel(), 4
+    kv = allocate_kv_cache(model.config, 32, block, dtype)
+    meta = AttentionMetadata.build(
+        torch.tensor([n]),
+        torch.tensor([n]),
+        torch.tensor([list(range(3, 3 + -(-n // block)))]),
+        block,
+        sliding_window=model.config.sliding_window,
+    )
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(n), kv, meta))
+
+
+def random_prompt(vocab: int, n: int = 40) -> torch.Tensor:
+    """``n`` token ids below ``vocab``, the same every run."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1))

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import build_tiny_model_dir
+from engine_testing import prefill_logits, random_prompt
 
 from baton.engine.loader import load_checkpoint
 from baton.engine.models.attention import AttentionMetadata
@@ -47,24 +48,6 @@ def _model(folder: Path, dtype: torch.dtype = torch.float32, **changes: Any) -> 
     return model
 
 
-def _logits(model: GemmaForCausalLM, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    n = ids.numel()
-    kv = allocate_kv_cache(model.config, 32, BLOCK, dtype)
-    meta = AttentionMetadata.build(
-        torch.tensor([n]),
-        torch.tensor([n]),
-        torch.tensor([list(range(3, 3 + -(-n // BLOCK)))]),
-        BLOCK,
-        sliding_window=model.config.sliding_window,
-    )
-    with torch.no_grad():
-        return model.compute_logits(model(ids, torch.arange(n), kv, meta))
-
-
-def _prompt(vocab: int, n: int = 40) -> torch.Tensor:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1))
-
-
 def test_config_reads_gemma_fields(folder):
     config = load_checkpoint(folder).config
     assert config.sliding_window == 8 and config.hidden_act == "gelu_pytorch_tanh"
@@ -81,10 +64,10 @@ def test_config_reads_gemma_fields(folder):
 
 def test_logits_equal_transformers_float32(folder):
     model = _model(folder)
-    ids = _prompt(model.config.vocab_size)
+    ids = random_prompt(model.config.vocab_size)
     with torch.no_grad():
         ref = _hf(folder)(ids[None]).logits[0]
-    out = _logits(model, ids, torch.float32)
+    out = prefill_logits(model, ids, torch.float32)
     assert (out - ref).abs().max().item() <= 1e-4
 
 
@@ -95,11 +78,11 @@ def test_logits_within_tolerance_bfloat16(folder):
     at most twice transformers' own bfloat16 distance from them (measured on these models:
     gemma2 0.22 against 0.14, gemma3 0.77 against 0.85; Llama's are equal)."""
     model = _model(folder, torch.bfloat16)
-    ids = _prompt(model.config.vocab_size)
+    ids = random_prompt(model.config.vocab_size)
     with torch.no_grad():
         exact = _hf(folder)(ids[None]).logits[0]
         ref = _hf(folder, torch.bfloat16)(ids[None]).logits[0].float()
-    out = _logits(model, ids, torch.bfloat16)
+    out = prefill_logits(model, ids, torch.bfloat16)
     assert (out - exact).abs().max().item() <= 2 * (ref - exact).abs().max().item()
 
 
@@ -126,18 +109,20 @@ FEATURES = {
 
 def test_each_gemma_feature_changes_the_logits(folder):
     model = _model(folder)
-    ids = _prompt(model.config.vocab_size)
-    base = _logits(model, ids, torch.float32)
+    ids = random_prompt(model.config.vocab_size)
+    base = prefill_logits(model, ids, torch.float32)
     name = "gemma2" if model.config.architecture == "gemma2" else "gemma3"
     for feature in FEATURES[name]:
-        other = _logits(_model(folder, **_without(model.config, feature)), ids, torch.float32)
+        other = prefill_logits(
+            _model(folder, **_without(model.config, feature)), ids, torch.float32
+        )
         assert (other - base).abs().max().item() > 1e-2, feature
 
 
 def test_decode_past_the_window_equals_full_recompute(folder):
     model = _model(folder)
     hf = _hf(folder)
-    seq = _prompt(model.config.vocab_size, 5).tolist()
+    seq = random_prompt(model.config.vocab_size, 5).tolist()
     blocks = [9, 2, 14, 5, 11, 3, 8, 1, 12, 6]
     kv = allocate_kv_cache(model.config, 16, BLOCK, torch.float32)
     window = model.config.sliding_window
@@ -169,12 +154,12 @@ def test_packed_and_int8_weights_through_gemmas_block(folder):
     from baton.engine.models.packed import packing_available
     from baton.engine.models.quant import quantize_int8
 
-    ids = _prompt(load_checkpoint(folder).config.vocab_size)
+    ids = random_prompt(load_checkpoint(folder).config.vocab_size)
     if packing_available(torch.float32):
         packed = _model(folder)
         packed.pack_weights()
-        ref = _logits(_model(folder), ids, torch.float32)
-        assert (_logits(packed, ids, torch.float32) - ref).abs().max().item() <= 1e-4
+        ref = prefill_logits(_model(folder), ids, torch.float32)
+        assert (prefill_logits(packed, ids, torch.float32) - ref).abs().max().item() <= 1e-4
     int8 = _model(folder)
     int8.quantize_int8()
     fake = _model(folder)  # the int8 values as dense weights, the same int8 LM head
@@ -184,7 +169,7 @@ def test_packed_and_int8_weights_through_gemmas_block(folder):
                 q = quantize_int8(linear.weight, torch.float32)
                 linear.weight.copy_(q.qweight.float() * q.scales[:, None])
     fake.lm_head_int8 = int8.lm_head_int8
-    out, ref = _logits(int8, ids, torch.float32), _logits(fake, ids, torch.float32)
+    out, ref = prefill_logits(int8, ids, torch.float32), prefill_logits(fake, ids, torch.float32)
     assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 

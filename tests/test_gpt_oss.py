@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import build_tiny_model_dir
+from engine_testing import prefill_logits, random_prompt
 
 from baton.engine.loader import ModelLoadError, load_checkpoint
 from baton.engine.loader.gpt_oss import dequantize_mxfp4
@@ -47,24 +48,6 @@ def _model(folder: Path, **changes: Any) -> LlamaForCausalLM:
     return model
 
 
-def _logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    n = ids.numel()
-    kv = allocate_kv_cache(model.config, 32, BLOCK, torch.float32)
-    meta = AttentionMetadata.build(
-        torch.tensor([n]),
-        torch.tensor([n]),
-        torch.tensor([list(range(3, 3 + -(-n // BLOCK)))]),
-        BLOCK,
-        sliding_window=model.config.sliding_window,
-    )
-    with torch.no_grad():
-        return model.compute_logits(model(ids, torch.arange(n), kv, meta))
-
-
-def _prompt(vocab: int, n: int = 40) -> torch.Tensor:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1))
-
-
 def test_config_reads_gpt_oss_fields(folder):
     config = load_checkpoint(folder).config
     assert config.architecture == "gpt_oss" and config.is_moe
@@ -81,10 +64,10 @@ def test_config_reads_gpt_oss_fields(folder):
 
 def test_logits_equal_transformers(folder):
     model = _model(folder)
-    ids = _prompt(model.config.vocab_size)
+    ids = random_prompt(model.config.vocab_size)
     with torch.no_grad():
         ref = _hf(folder)(ids[None]).logits[0]
-    assert (_logits(model, ids) - ref).abs().max().item() <= 1e-4
+    assert (prefill_logits(model, ids) - ref).abs().max().item() <= 1e-4
 
 
 FEATURES: dict[str, dict[str, Any]] = {
@@ -97,8 +80,8 @@ FEATURES: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("feature", [*FEATURES, "sinks"])
 def test_each_feature_changes_the_logits(folder, feature):
     model = _model(folder)
-    ids = _prompt(model.config.vocab_size)
-    base = _logits(model, ids)
+    ids = random_prompt(model.config.vocab_size)
+    base = prefill_logits(model, ids)
     if feature == "sinks":
         other = _model(folder)
         for layer in other.layers:
@@ -106,13 +89,13 @@ def test_each_feature_changes_the_logits(folder, feature):
             layer.sinks.fill_(float("-inf"))  # a sink of weight 0
     else:
         other = _model(folder, **FEATURES[feature])
-    assert (_logits(other, ids) - base).abs().max().item() > 1e-2, feature
+    assert (prefill_logits(other, ids) - base).abs().max().item() > 1e-2, feature
 
 
 def test_decode_past_the_window_equals_full_recompute(folder):
     model = _model(folder)
     hf = _hf(folder)
-    seq = _prompt(model.config.vocab_size, 5).tolist()
+    seq = random_prompt(model.config.vocab_size, 5).tolist()
     blocks = torch.tensor([[9, 2, 14, 5, 11, 3, 8, 1, 12, 6]])
     kv = allocate_kv_cache(model.config, 16, BLOCK, torch.float32)
     for step in range(16):
@@ -136,10 +119,10 @@ def test_packed_experts_compute_the_unpacked_logits(folder):
     if not packing_available(torch.float32):
         pytest.skip("oneDNN packing is not available on this CPU")
     model = _model(folder)
-    ids = _prompt(model.config.vocab_size)
-    ref = _logits(model, ids)
+    ids = random_prompt(model.config.vocab_size)
+    ref = prefill_logits(model, ids)
     model.pack_weights()
-    assert (_logits(model, ids) - ref).abs().max().item() <= 1e-4
+    assert (prefill_logits(model, ids) - ref).abs().max().item() <= 1e-4
 
 
 def _mxfp4(weight: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +207,10 @@ def test_mxfp4_through_llama_cpp_converter(mxfp4_folder, tmp_path):
     order): baton reads that GGUF to the folder's config and weights exactly."""
     import subprocess
 
-    from engine_testing import assert_same_checkpoint, llama_cpp_convert
+    from engine_testing import (
+        assert_same_checkpoint,
+        llama_cpp_convert,
+    )
 
     from baton.bench.llama_cpp_build import converter
     from baton.engine.loader.gguf import read_gguf

@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.engine.models.attention import AttentionMetadata, paged_attention, sdpa_backends
+from baton.engine.models.attention import AttentionMetadata, sdpa_backends
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.gguf_linear import QuantParts
 from baton.engine.models.kv_cache import KVCache
-from baton.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
-from baton.engine.models.llama import DecoderLayer, LlamaForCausalLM, fused_linear
+from baton.engine.models.layers import RMSNorm, RotaryEmbedding
+from baton.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from baton.kernels.quant_formats import QuantWeight
 
 
@@ -68,46 +68,15 @@ class GemmaDecoderLayer(DecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One block over ``x + residual`` (``x`` alone for the first block); returns ``(mlp
         output after its norm, residual stream)``, summed by the next block's norm."""
-        t = x.shape[0]
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
-        sizes = (self.q_size, self.kv_size, self.kv_size)
-        if self._plain:
-            q, k, v = fused_linear(h, self.qkv_proj, sizes)
-        else:
-            q, k, v = self._project(0, h).split(sizes, dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(k.shape)
-        q, k = apply_rope(q, k, *rope)
-        attn = paged_attention(
-            q,
-            k,
-            v,
-            kv[0],
-            kv[1],
-            meta,
-            self.scale,
-            token_order=self.quant is not None,
-            windowed=self.windowed,
-            softcap=self.softcap,
-        ).reshape(t, self.q_size)
-        out = self._project(1, attn)
-        out = out if self.reduce is None else self.reduce(out)
+        out = self.attention(h, rope, kv, meta)
         h, residual = self.pre_feedforward_layernorm.forward_add(
             self.post_attention_layernorm(out), residual
         )
-        sizes = (self.intermediate_size, self.intermediate_size)
-        if self._plain:
-            assert self.gate_up_proj is not None
-            gate, up = fused_linear(h, self.gate_up_proj, sizes)
-        else:
-            gate, up = self._project(2, h).split(sizes, dim=-1)
+        gate, up = self.gate_up(h)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         out = self._project(3, act * up)
         out = out if self.reduce is None else self.reduce(out)

@@ -85,6 +85,8 @@ class DecoderLayer(nn.Module):
         qkv = self.q_size + 2 * self.kv_size
         self.qkv_proj = _linear(c.hidden_size, qkv, c.attention_bias, q[0] is not None)
         self.o_proj = _linear(self.q_size, c.hidden_size, c.o_bias, q[1] is not None)
+        # Scores soft-capped before the softmax (Gemma 2's block sets it), or None.
+        self.softcap: float | None = None
         # gpt-oss: each head's sink logit, which joins its softmax (``paged_attention``).
         self.sinks = (
             nn.Parameter(torch.zeros(c.num_heads), requires_grad=False)
@@ -194,12 +196,31 @@ class DecoderLayer(nn.Module):
         Returns ``(mlp output, residual stream)``: the next block, or the final norm, adds
         them, inside its norm (one fused kernel on CUDA).
         """
-        t = x.shape[0]
-        sizes = (self.q_size, self.kv_size, self.kv_size)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
+        out = self.attention(h, rope, kv, meta)
+        h, residual = self.post_attention_layernorm.forward_add(out, residual)
+        if self.mlp is not None:
+            out = self.mlp(h)
+            return (out if self.reduce is None else self.reduce(out)), residual
+        gate, up = self.gate_up(h)
+        out = self._project(3, silu_mul(gate, up))  # silu_mul: one kernel on CUDA
+        return (out if self.reduce is None else self.reduce(out)), residual
+
+    def attention(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The attention half of the block on the normed ``h`` ``[T, hidden]``: q/k/v (q and
+        k normed per head where the model says so), RoPE, paged attention (this layer's window,
+        ``softcap`` and sinks) and o_proj, summed over the ranks under tensor parallelism."""
+        t = h.shape[0]
+        sizes = (self.q_size, self.kv_size, self.kv_size)
         if self._plain:
             q, k, v = fused_linear(h, self.qkv_proj, sizes)
         else:
@@ -223,23 +244,21 @@ class DecoderLayer(nn.Module):
             self.scale,
             token_order=self.quant is not None,
             windowed=self.windowed,
+            softcap=self.softcap,
             sinks=self.sinks,
         ).reshape(t, self.q_size)
         out = self._project(1, attn)
-        out = out if self.reduce is None else self.reduce(out)
-        h, residual = self.post_attention_layernorm.forward_add(out, residual)
-        if self.mlp is not None:
-            out = self.mlp(h)
-            return (out if self.reduce is None else self.reduce(out)), residual
+        return out if self.reduce is None else self.reduce(out)
+
+    def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense MLP's gate and up projections of ``h``."""
         sizes = (self.intermediate_size, self.intermediate_size)
         if self._plain:
             assert self.gate_up_proj is not None
             gate, up = fused_linear(h, self.gate_up_proj, sizes)
-        else:
-            gate, up = self._project(2, h).split(sizes, dim=-1)
-        act = silu_mul(gate, up)  # one kernel on CUDA
-        out = self._project(3, act)
-        return (out if self.reduce is None else self.reduce(out)), residual
+            return gate, up
+        gate, up = self._project(2, h).split(sizes, dim=-1)
+        return gate, up
 
 
 def _linear(in_features: int, out_features: int, bias: bool, quantized: bool) -> nn.Linear:
