@@ -207,6 +207,15 @@ class EngineConfig:
             it, a 2-core machine decoded 3-8x slower on 2 threads than on 1). Changes are
             logged at INFO; ``stats()`` shows ``cpu_threads``. False: the thread count stays
             as set.
+        batch_invariant: a request's tokens the same bits whatever else its steps compute
+            (the batch, its prompt's chunking, the prefix cache, drafts, the thread count),
+            in float32 and bfloat16, on the CPU: a packed GEMM that reduces a lone row in
+            another order than a row among others (probed per weight shape at load,
+            ``models/row_invariance.py``) gets lone rows padded to two, and prefill is
+            attended token by token in the decode kernel's order. False: neither, which is
+            faster only for long prompts on the CPU (a 1000-token prompt of the default
+            model prefilled 19% faster in dense bfloat16, 8% with quantization="gguf").
+            Not yet for sliding-window, soft-capped or sink attention, nor on CUDA.
         tensor_parallel_size: worker processes the model is cut over, one shard of every
             layer each (heads, MLP and vocabulary split; all-reduces through
             ``torch.distributed``, gloo on the CPU). Needs the "mp" executor (None picks it)
@@ -273,6 +282,7 @@ class EngineConfig:
     quantization: str | None = None
     gguf_activations: str = "int8"
     adapt_cpu_threads: bool = True
+    batch_invariant: bool = True
     tensor_parallel_size: int = 1
     # Why ``dtype`` is what it is; set at construction.
     dtype_reason: str = field(default="", init=False, compare=False)

@@ -137,8 +137,10 @@ def build_tiny_model_dir(
     arch: str = "llama",
     seed: int = TINY_SEED,
     rope_scaling: dict[str, Any] | None = None,
+    shape: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a tiny random-weight ``arch`` model ("llama": tied, no bias; "qwen2": q/k/v bias,
+    """Write a tiny random-weight ``arch`` model ("llama": tied, no bias, ``shape`` overriding
+    ``TINY_SHAPE``'s entries; "qwen2": q/k/v bias,
     untied lm_head; "qwen3": per-head q/k norms, tied; "mixtral", "qwen3_moe": experts) as a
     Hugging Face folder with
     ``tokenizer``'s files, and return the folder. ``rope_scaling`` (llama, qwen3): an HF-style
@@ -171,7 +173,7 @@ def build_tiny_model_dir(
             rope_theta=100000.0,
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
             tie_word_embeddings=True,
-            **TINY_SHAPE,
+            **{**TINY_SHAPE, **(shape or {})},
             **special,
         )
         model = LlamaForCausalLM(config)

@@ -90,3 +90,57 @@ def test_packing_is_once_and_never_with_int8():
     # int8 weights replace packing (quantization="int8"): one kernel for every step.
     with pytest.raises(ValueError, match="int8 replaces packing"):
         model.quantize_int8()
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)], ids=str
+)
+@pytest.mark.parametrize("shape", [(96, 40), (64, 1280), (576, 1536), (40, 2100)])
+def test_a_packed_row_gets_the_same_bits_alone_at_any_row_count_and_thread_count(shape, dtype):
+    """What ``batch_invariant`` promises of every packed GEMM: a lone row (padded where the
+    probe saw oneDNN's one-row kernel differ, as it does here past 1024 input features) and
+    the same row among 2-300 others, on one thread and two, are equal bit for bit."""
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(out_features)
+    weight = (0.05 * torch.randn(shape, generator=gen)).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    packed = pack_linear(weight, bias)
+    x = torch.randn(300, in_features, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            lone = torch.cat([packed_linear(x[i : i + 1].clone(), packed) for i in range(12)])
+            for rows in (2, 5, 33, 300):
+                batch = packed_linear(x[:rows], packed)
+                n = min(rows, 12)
+                assert torch.equal(batch[:n], lone[:n]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_probe_pads_what_differs_alone_and_warns_where_padding_cannot_help(caplog):
+    from baton.engine.models.row_invariance import probe_rows
+
+    weight = torch.randn(24, 8, generator=torch.Generator().manual_seed(3))
+
+    def exact(x: torch.Tensor) -> torch.Tensor:
+        # Each output its own sum over one row's products (no GEMM kernel choice).
+        return (x[:, None, :] * weight[None]).sum(-1)
+
+    def lone_differs(x: torch.Tensor) -> torch.Tensor:
+        return exact(x) + 1e-3 if x.shape[0] == 1 else exact(x)
+
+    def count_differs(x: torch.Tensor) -> torch.Tensor:
+        return exact(x) + 1e-3 * x.shape[0]
+
+    threads = torch.get_num_threads()
+    probe = probe_rows(lone_differs, 8, 24, torch.float32, key=("test", "lone"))
+    assert probe.lone_row_differs and not probe.rows_differ
+    assert not caplog.records
+    probe = probe_rows(count_differs, 8, 24, torch.float32, key=("test", "count"))
+    assert probe.rows_differ
+    assert "other bits at other row counts" in caplog.text
+    same = probe_rows(exact, 8, 24, torch.float32, key=("test", "exact"))
+    assert not same.lone_row_differs and not same.rows_differ
+    assert torch.get_num_threads() == threads

@@ -159,6 +159,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         "other processes keep the cores busy",
     )
     parser.add_argument(
+        "--no-batch-invariant",
+        action="store_true",
+        help="on a CPU, let a request's tokens depend on its batch for faster long prompts "
+        "(padded attention for prefill; lone rows not padded); see EngineConfig.batch_invariant",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action="store_true",
         help="on CUDA, run every step op by op instead of replaying the decode CUDA graphs "
@@ -199,6 +205,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         engine_args["gguf_activations"] = args.gguf_activations
     if getattr(args, "no_adapt_cpu_threads", False):
         engine_args["adapt_cpu_threads"] = False
+    if getattr(args, "no_batch_invariant", False):
+        engine_args["batch_invariant"] = False
     if getattr(args, "enforce_eager", False):
         engine_args["enforce_eager"] = True
     if args.no_async_scheduling:

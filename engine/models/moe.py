@@ -154,30 +154,34 @@ class SparseMoeBlock(nn.Module):
         self.gate_packed: PackedWeight | None = None
         self.shared_packed: tuple[PackedWeight, ...] | None = None  # gate_up, down, gate
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, batch_invariant: bool = True) -> None:
         """Packs the router and every expert for oneDNN (``models/packed.py``: the dense
-        layers' CPU kernels) and releases the stacked weights, which no step uses from then on.
+        layers' CPU kernels; ``batch_invariant`` as ``pack_linear``) and releases the stacked
+        weights, which no step uses from then on.
 
         Raises:
             ValueError: as ``pack_linear`` (not a CPU weight of a dtype oneDNN packs).
         """
         if self.quant_calls is not None:  # the experts stay on the GGUF kernel
-            self.gate_packed = pack_and_release(self.gate)
+            self.gate_packed = pack_and_release(self.gate, batch_invariant)
             return
         n = self.gate_up.shape[0]
         gate_up_bias = [None] * n if self.gate_up_bias is None else list(self.gate_up_bias)
         down_bias = [None] * n if self.down_bias is None else list(self.down_bias)
         self.packed = tuple(
-            (pack_linear(gate_up, gate_up_b), pack_linear(down, down_b))
+            (
+                pack_linear(gate_up, gate_up_b, batch_invariant),
+                pack_linear(down, down_b, batch_invariant),
+            )
             for gate_up, down, gate_up_b, down_b in zip(
                 self.gate_up, self.down, gate_up_bias, down_bias, strict=True
             )
         )
-        self.gate_packed = pack_and_release(self.gate)
+        self.gate_packed = pack_and_release(self.gate, batch_invariant)
         if self.shared_gate_up is not None:
             assert self.shared_down is not None and self.shared_gate is not None
             self.shared_packed = tuple(
-                pack_and_release(lin)
+                pack_and_release(lin, batch_invariant)
                 for lin in (self.shared_gate_up, self.shared_down, self.shared_gate)
             )
         empty = self.gate_up.new_empty(0)

@@ -16,10 +16,12 @@ dtype there, bfloat16 the default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+
+from baton.engine.models.row_invariance import probe_rows, with_zero_row
 
 # The row count oneDNN is told to expect when it picks the packed layout; the layout serves
 # any row count (measured at 1-64 rows: hints 1, 16 and 64 within noise of each other on the
@@ -35,10 +37,14 @@ class PackedWeight:
     Attributes:
         weight: the packed ``[out, in]`` weight (an opaque oneDNN tensor).
         bias: ``[out]`` in the weight's dtype, or None.
+        pad_lone_row: a one-row input is multiplied as the first of two rows, because a
+            lone row takes a kernel that reduces it in another order here
+            (``row_invariance.py``).
     """
 
     weight: torch.Tensor
     bias: torch.Tensor | None
+    pad_lone_row: bool = False
 
 
 def packing_available(dtype: torch.dtype) -> bool:
@@ -51,9 +57,13 @@ def packing_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+def pack_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, batch_invariant: bool = True
+) -> PackedWeight:
     """``weight`` ``[out, in]`` (and ``bias``) packed for ``packed_linear``; the inputs are
-    not changed.
+    not changed. ``batch_invariant``: probe whether the packed GEMM gives a lone row the bits
+    it gives the row among others (``row_invariance.probe_rows``, a few GEMMs per shape once
+    per process) and pad lone rows where it does not.
 
     Raises:
         ValueError: ``weight`` is not a 2-D CPU tensor of a dtype ``packing_available``
@@ -65,21 +75,39 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
             "(2-D CPU float32, or bfloat16 where the CPU has it)"
         )
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT_ROWS)
-    return PackedWeight(packed, None if bias is None else bias.detach().contiguous())
+    unpadded = PackedWeight(packed, None if bias is None else bias.detach().contiguous())
+    if not batch_invariant:
+        return unpadded
+    out_features, in_features = weight.shape
+    probe = probe_rows(
+        lambda x: _onednn_linear(x, unpadded),
+        in_features,
+        out_features,
+        weight.dtype,
+        key=("onednn-packed", bias is not None),
+    )
+    return replace(unpadded, pad_lone_row=probe.lone_row_differs)
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]`` of the weight's dtype."""
+    if weight.pad_lone_row and x.shape[0] == 1:
+        return _onednn_linear(with_zero_row(x), weight)[:1]
+    return _onednn_linear(x, weight)
+
+
+def _onednn_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight.weight, weight.bias, "none", [], "")
 
 
-def pack_and_release(linear: nn.Linear) -> PackedWeight:
-    """``linear``'s weight and bias packed (``pack_linear``); the module's dense weight is
-    replaced by an empty one, so a call that still reached it would fail instead of running.
+def pack_and_release(linear: nn.Linear, batch_invariant: bool = True) -> PackedWeight:
+    """``linear``'s weight and bias packed (``pack_linear``, ``batch_invariant`` as there);
+    the module's dense weight is replaced by an empty one, so a call that still reached it
+    would fail instead of running.
 
     Raises:
         ValueError: as ``pack_linear``.
     """
-    packed = pack_linear(linear.weight, linear.bias)
+    packed = pack_linear(linear.weight, linear.bias, batch_invariant)
     linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
     return packed

@@ -98,6 +98,7 @@ def setup_model(
         device=config.device,
         quantization=config.quantization,
         gguf_activations=config.gguf_activations,
+        batch_invariant=config.batch_invariant,
         tensor_parallel_size=config.tensor_parallel_size,
         adapt_threads=config.adapt_cpu_threads and config.device == "cpu",
         cuda_graphs=config.device.startswith("cuda") and not config.enforce_eager,

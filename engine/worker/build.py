@@ -52,18 +52,25 @@ class RunnerSpec:
     adapt_threads: bool = False
     # Capture the decode forward as CUDA graphs at startup (CUDA; worker/cuda_graphs.py).
     cuda_graphs: bool = False
+    # A request's tokens the same whatever its batch (EngineConfig.batch_invariant): lone
+    # rows padded where a packed GEMM needs it, prefill attended token by token (CPU).
+    batch_invariant: bool = True
     # Speculative decoding: draft tokens per request and step at most (the worker process's
     # shared bitmask and token buffers hold 1 + this many rows per request).
     max_drafts: int = 0
 
 
-def add_cpu_kernels(model: LlamaForCausalLM, quantization: str | None) -> None:
+def add_cpu_kernels(
+    model: LlamaForCausalLM, quantization: str | None, batch_invariant: bool = True
+) -> None:
     """What a model gets once its weights are loaded in its final dtype and device: with
     ``quantization="int8"`` every linear as int8 weight-only (``quantize_int8``, for every
     step; dense projection weights released); with "gguf" nothing (the model was built with
     its GGUF-quantised linears, and a linear dequantised at load stays a plain one);
     otherwise, on a CPU, its linears packed for oneDNN where ``packing_available``. Nothing
-    else on CUDA.
+    else on CUDA. ``batch_invariant`` (``EngineConfig.batch_invariant``): packed lone rows
+    padded where needed and prefill attended token by token
+    (``LlamaForCausalLM.set_batch_invariant``); False: neither.
 
     Raises:
         ValueError: an unknown ``quantization``, "int8" for a model the int8 kernel cannot
@@ -71,6 +78,7 @@ def add_cpu_kernels(model: LlamaForCausalLM, quantization: str | None) -> None:
             for a model without GGUF-quantised weights or not on the CPU, or a model with them
             and another ``quantization``.
     """
+    model.set_batch_invariant(batch_invariant)
     if quantization == "gguf":
         if not model.gguf_quantized:
             raise ValueError(
@@ -92,7 +100,7 @@ def add_cpu_kernels(model: LlamaForCausalLM, quantization: str | None) -> None:
         raise ValueError(f"unknown quantization {quantization!r}; known: None, 'int8', 'gguf'")
     weight = model.embed_tokens.weight
     if weight.device.type == "cpu" and packing_available(weight.dtype):
-        model.pack_weights()
+        model.pack_weights(batch_invariant)
 
 
 @contextlib.contextmanager
@@ -144,7 +152,7 @@ def build_runner(
     model.eval()
     device = torch.device(spec.device)
     model.to(device)
-    add_cpu_kernels(model, spec.quantization)
+    add_cpu_kernels(model, spec.quantization, spec.batch_invariant)
     caches = allocate_kv_cache(
         model.local_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
     )
