@@ -108,6 +108,8 @@ BENCHMARKS = {
     "data_parallel": "replicas on Ray vs one engine; grammar affinity and the compile cache",
     "open_objects": "xgrammar (objects closed) vs guidance (open): the model's outputs",
     "moe_decode": "mixture-of-experts decode step vs dense models of the same active / total size",
+    "invariance": "same request alone and under other loads and settings: identical tokens?",
+    "invariance_cost": "free and JSON tok/s of batch invariance against a base commit",
 }
 
 
