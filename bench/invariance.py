@@ -12,11 +12,15 @@ reference, and the first token where the others differ:
   async        async scheduling in the model worker process (``executor="mp"``)
   ngram drafts n-gram speculative decoding (``speculative_config``)
   1 thread     one torch thread
+  grammar drafts  with ``--json`` only: grammar-forced drafts (``structured_drafts``)
 
 for each dtype asked for (bfloat16 forced where the machine's default is float32), and each
-``--engine-args`` variant (e.g. ``quantization=int8``). Writes JSON and a plot.
+``--engine-args`` variant (e.g. ``quantization=int8``). With ``--json`` every request, the
+reference included, is constrained to ``bench/peers.py``'s schema (grammar drafts off but in
+their own setting). Writes JSON and a plot.
 
     baton bench invariance [--dtypes float32,bfloat16] [--max-tokens 64] [--settings a,b]
+        [--json]
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from baton.bench.common import RESULTS_DIR, csv_of, write_results
-from baton.engine import LLM, SamplingParams
+from baton.bench.peers import SCHEMA
+from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 
 TOPICS = (
     "the sea", "a cat", "mountains", "coffee", "rain", "trains", "chess", "music",
@@ -42,19 +47,29 @@ STRANGERS = (
     * 4
 )
 SETTINGS = ("batch", "strangers", "chunked", "warm cache", "async", "ngram drafts", "1 thread")
+JSON_SETTINGS = (*SETTINGS, "grammar drafts")
 
 
 def prompts() -> list[str]:
     return [f"Write a short paragraph about {t}." for t in TOPICS]
 
 
-def params(max_tokens: int, sampled: bool) -> list[SamplingParams]:
+def params(
+    max_tokens: int, sampled: bool, schema: dict[str, Any] | None = None
+) -> list[SamplingParams]:
     """Greedy, or temperature 0.8 with a seed per request (sampling is a pure function of
-    seed, position and logits, so only the logits can make it differ)."""
+    seed, position and logits, so only the logits can make it differ); constrained to
+    ``schema`` when given."""
+    structured = None if schema is None else StructuredOutputsParams(json=schema)
     if not sampled:
-        return [SamplingParams(max_tokens=max_tokens, temperature=0.0)] * len(TOPICS)
+        greedy = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, structured_outputs=structured
+        )
+        return [greedy] * len(TOPICS)
     return [
-        SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1000 + i)
+        SamplingParams(
+            max_tokens=max_tokens, temperature=0.8, seed=1000 + i, structured_outputs=structured
+        )
         for i in range(len(TOPICS))
     ]
 
@@ -90,12 +105,18 @@ def run_setting(
         llm = _engine(dtype, extra, speculative_config={"method": "ngram"})
     elif name == "1 thread":
         llm = _engine(dtype, extra, worker_threads=1, executor="mp")
+    elif name == "grammar drafts":
+        llm = _engine(dtype, extra, structured_drafts=True)
     else:
         llm = _engine(dtype, extra)
     try:
         if name == "strangers":
             mixed = [t for pair in zip(texts, STRANGERS, strict=True) for t in pair]
-            other = SamplingParams(max_tokens=sps[0].max_tokens, temperature=0.0)
+            other = SamplingParams(
+                max_tokens=sps[0].max_tokens,
+                temperature=0.0,
+                structured_outputs=sps[0].structured_outputs,
+            )
             mixed_sps = [p for sp in sps for p in (sp, other)]
             return _tokens(llm, mixed, mixed_sps)[::2]
         if name == "warm cache":
@@ -121,12 +142,13 @@ def run(
     variants: Sequence[dict[str, Any]],
     settings: Sequence[str],
     max_tokens: int,
+    schema: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     rows = []
     for dtype in dtypes:
         for extra in variants:
             for sampled in (False, True):
-                sps = params(max_tokens, sampled)
+                sps = params(max_tokens, sampled, schema)
                 llm = _engine(dtype, extra)
                 try:
                     reference = [
@@ -136,6 +158,7 @@ def run(
                     llm.shutdown()
                 for name in settings:
                     row = {
+                        "json": schema is not None,
                         "dtype": dtype,
                         "engine_args": extra,
                         "sampling": "seeded" if sampled else "greedy",
@@ -196,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="baton bench invariance", description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", type=csv_of(str), default=("float32", "bfloat16"))
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--settings", type=csv_of(str), default=SETTINGS)
+    p.add_argument("--settings", type=csv_of(str), default=None, help="default: every one")
+    p.add_argument("--json", action="store_true", help="constrain every request to a schema")
     p.add_argument(
         "--engine-args",
         action="append",
@@ -206,10 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "invariance.json")
     a = p.parse_args(argv)
-    unknown = set(a.settings) - set(SETTINGS)
-    if unknown:
-        p.error(f"unknown settings {sorted(unknown)}; expected some of {list(SETTINGS)}")
-    result = run(a.dtypes, a.engine_args or [{}], a.settings, a.max_tokens)
+    known = JSON_SETTINGS if a.json else SETTINGS
+    settings = a.settings or known
+    if unknown := set(settings) - set(known):
+        p.error(f"unknown settings {sorted(unknown)}; expected some of {list(known)}")
+    schema = SCHEMA if a.json else None
+    result = run(a.dtypes, a.engine_args or [{}], settings, a.max_tokens, schema)
     write_results(result, a.out, plot)
     return 0
 

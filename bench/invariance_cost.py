@@ -129,7 +129,9 @@ def _run_side(side: str, dtype: str, args: argparse.Namespace, shim: Path) -> di
     cmd += ["--concurrency", ",".join(map(str, args.concurrency))]
     if side == "not invariant":
         cmd.append("--not-invariant")
-    done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {side} side ({dtype}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -197,7 +199,7 @@ def plot(result: dict[str, Any], out: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", required=True, help="git ref of the base side")
+    p.add_argument("--base", help="git ref of the base side (required)")
     p.add_argument("--new", default="HEAD", help="git ref of the batch-invariant side")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--rounds", type=int, default=3)
@@ -214,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.side_process:
         print(json.dumps(_measure(args)))
         return 0
+    if args.base is None:
+        p.error("--base REF is required")
     from baton.bench.common import write_results
 
     result = run(args)
