@@ -175,6 +175,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def readme_table(result: dict[str, Any]) -> str:
+    """The README's section body: tokens/s per side and the ratio, per dtype and cell."""
+    run, cfg = result.get("run", {}), result["config"]
+    commits = result["commits"]
+    head = (
+        f"The default model, peers prompts and schema, {cfg['max_tokens']} tokens a request "
+        f"(c1: {cfg['requests_at_1']} requests one after another; c16: 16 at once), median of "
+        f"{cfg['rounds']} rounds in alternating order; base {commits['base'][:7]}, "
+        f"batch-invariant {commits['new'][:7]} (not invariant: the same with "
+        f"batch_invariant=False); {run.get('cpu', '?')}, "
+        f"{str(run.get('date', '?'))[:10]}. Goal: invariant / base >= 0.95 in every cell "
+        f"({'met' if result['goal']['invariant / base >= 0.95 in every cell'] else 'missed'}, "
+        f"worst {result['goal']['worst']:.3f})."
+    )
+    lines = [
+        "| dtype | cell | base tok/s | invariant tok/s | not invariant tok/s | invariant / base |",
+        "|---|---|---|---|---|---|",
+    ]
+    for dtype, cells in result["tok_s_median"].items():
+        for cell, v in cells.items():
+            lines.append(
+                f"| {dtype} | {cell} | {v['base']:.1f} | {v['invariant']:.1f} | "
+                f"{v['not invariant']:.1f} | {v['invariant / base']:.3f} |"
+            )
+    return head + "\n\n" + "\n".join(lines)
+
+
 def plot(result: dict[str, Any], out: Path) -> None:
     from baton.bench.plotting import pyplot
 

@@ -19,6 +19,8 @@ from typing import Any
 from baton.bench.forward import RESULTS
 from baton.bench.gguf_decode import readme_table as gguf_decode_table
 from baton.bench.gpu_report import gpu_check_table
+from baton.bench.invariance import readme_table as invariance_table
+from baton.bench.invariance_cost import readme_table as invariance_cost_table
 from baton.bench.moe_decode import readme_table as moe_decode_table
 from baton.bench.quant_linear import readme_table as quant_linear_table
 from baton.bench.readme_engine_tables import engine_sim_table, engine_table, spec_table
@@ -158,6 +160,26 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
         "Against llama.cpp's llama-server: SmolLM2-135M Q4_1",
         "baton bench serve_peers",
         serve_peers_table,
+    ),
+    (
+        "invariance.json",
+        "Same request, same tokens (free requests)",
+        "baton bench invariance --dtypes bfloat16,float32 --engine-args '' "
+        "--engine-args quantization=gguf",
+        invariance_table,
+    ),
+    (
+        "invariance_json.json",
+        "Same request, same tokens (JSON-schema requests, grammar drafts)",
+        "baton bench invariance --json --dtypes bfloat16,float32 --engine-args '' "
+        "--engine-args quantization=gguf",
+        invariance_table,
+    ),
+    (
+        "invariance_cost.json",
+        "What batch invariance costs",
+        "baton bench invariance_cost --base 811f7ef",
+        invariance_cost_table,
     ),
     ("spec.json", "Speculative decoding", "baton bench spec", spec_table),
     (
