@@ -215,7 +215,8 @@ class EngineConfig:
             attended token by token in the decode kernel's order. False: neither, which is
             faster only for long prompts on the CPU (a 1000-token prompt of the default
             model prefilled 19% faster in dense bfloat16, 8% with quantization="gguf").
-            Not yet for sliding-window, soft-capped or sink attention, nor on CUDA.
+            Sliding windows, soft-capped scores and attention sinks take the same kernels.
+            Not on CUDA yet (its GEMMs and attention are chosen per shape by the libraries).
         tensor_parallel_size: worker processes the model is cut over, one shard of every
             layer each (heads, MLP and vocabulary split; all-reduces through
             ``torch.distributed``, gloo on the CPU). Needs the "mp" executor (None picks it)

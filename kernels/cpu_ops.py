@@ -167,17 +167,24 @@ def paged_decode_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     isa: str | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_decode_attention_torch``'s value (``kernels/paged_attention.py``: one query
     token per sequence over its blocks) in one C++ call (``csrc/decode_attention.h``), float32
     math in one fixed order per (sequence, head): a row's result does not depend on the other
     sequences, their lengths, the thread count or the instruction set (``isa``, one of
     `decode_isas`; default the widest). Reads the lengths and block ids on the host (CPU
-    tensors).
+    tensors). ``window`` W: a sequence of length L attends to positions [L - W, L) only (the
+    blocks before are not read); ``softcap`` c: scores become ``c * tanh(score / c)`` before
+    the softmax (Gemma 2); ``sinks`` ``[heads]``: one logit per query head that joins the
+    softmax as a key without a value (gpt-oss).
 
     Raises:
         RuntimeError: tensors `paged_decode_fits` refuses, a length outside [1, the table's
-            capacity], a used block id outside the cache, no extension or no AVX2.
+            capacity], a block id the window reads outside the cache, a window below 1, a
+            softcap not above 0, sinks not one per query head, no extension or no AVX2.
         ValueError: ``isa`` is not one of `decode_isas`.
     """
     code = decode_isa_code(isa, "paged_decode_cpu")
@@ -189,6 +196,19 @@ def paged_decode_cpu(
         seq_lens.long(),
         float(scale),
         code,
+        *_mods(window, softcap, sinks),
+    )
+
+
+def _mods(
+    window: int | None, softcap: float | None, sinks: torch.Tensor | None
+) -> tuple[int, float, torch.Tensor | None]:
+    """The C++ calls' (window, softcap, sinks): 0 for none; sinks as float32. A window of 0
+    or less, or a cap of 0 or less, is refused there, not taken as none."""
+    return (
+        -1 if window is not None and window <= 0 else (window or 0),
+        -1.0 if softcap is not None and softcap <= 0 else (softcap or 0.0),
+        None if sinks is None else sinks.detach().float().contiguous(),
     )
 
 
@@ -201,13 +221,17 @@ def paged_prefill_cpu(
     token_lens: torch.Tensor,
     scale: float,
     isa: str | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of prefill (or mixed) tokens ``q`` ``[T, H, D]`` over their sequences'
     blocks: token i reads row ``token_seqs[i]`` of ``block_tables`` and positions
     ``[0, token_lens[i])`` (causal), each token computed exactly as `paged_decode_cpu`
-    computes a decode step of that length (the same bits: a token's result does not depend
-    on how its prompt was chunked, on the other tokens or on the thread count). Takes what
-    `paged_decode_fits` takes.
+    computes a decode step of that length with the same ``window``, ``softcap`` and
+    ``sinks`` (the same bits: a token's result does not depend on how its prompt was
+    chunked, on the other tokens or on the thread count). Takes what `paged_decode_fits`
+    takes.
 
     Raises:
         RuntimeError: tensors `paged_decode_fits` refuses, a sequence index or length out of
@@ -224,4 +248,5 @@ def paged_prefill_cpu(
         token_lens.long(),
         float(scale),
         code,
+        *_mods(window, softcap, sinks),
     )

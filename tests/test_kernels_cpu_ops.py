@@ -216,3 +216,74 @@ def test_paged_prefill_gives_each_token_the_bits_of_a_decode_step(dtype: torch.d
         cpu_ops.paged_prefill_cpu(q, kc, vc, tables, seqs + 3, lens, 0.125)
     with pytest.raises(RuntimeError, match="token_lens"):
         cpu_ops.paged_prefill_cpu(q, kc, vc, tables, seqs, lens * 0, 0.125)
+
+
+def _eager_reference(q, kc, vc, tables, lens, scale, window, softcap, sinks):
+    """``eager_attention`` (models/attention.py) over each row's gathered keys: the masked
+    torch path these kernels replace on the CPU; float32."""
+    from baton.engine.models.attention import eager_attention
+
+    outs = []
+    bs = kc.shape[1]
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        slots = torch.tensor([int(tables[b, t // bs]) * bs + t % bs for t in range(n)])
+        keys = kc.flatten(0, 1)[slots].float().permute(1, 0, 2)[None]  # [1, kvh, n, d]
+        values = vc.flatten(0, 1)[slots].float().permute(1, 0, 2)[None]
+        mask = torch.ones(1, 1, 1, n, dtype=torch.bool)
+        if window is not None:
+            mask[..., : max(0, n - window)] = False
+        out = eager_attention(q[b : b + 1, :, None].float(), keys, values, mask, scale,
+                              softcap, sinks)  # fmt: skip
+        outs.append(out[0, :, 0])
+    return torch.stack(outs)
+
+
+MODS = [
+    {"window": 20},
+    {"softcap": 1.5},
+    {"sinks": torch.linspace(-2.0, 3.0, 9)},
+    {"window": 5, "softcap": 30.0, "sinks": torch.linspace(1.0, -1.0, 9)},
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mods", MODS, ids=lambda m: "+".join(m))
+def test_windows_soft_caps_and_sinks_match_the_eager_path(dtype: torch.dtype, mods) -> None:
+    """Decode with a sliding window (Mistral, Gemma, gpt-oss), soft-capped scores (Gemma 2)
+    and sink logits (gpt-oss): the eager torch path's values within float32 rounding (the
+    kernel's tanh is Cephes' polynomial), and prefill tokens each the bits of a decode step
+    of their length. The blocks before a window are never read: they hold a bad id here."""
+    q, kc, vc, tables, lens = _decode_case(dtype, seed=5)
+    scale = 0.3 if "softcap" in mods else 0.125  # scores large enough for the cap to bend
+    clean = tables
+    if "window" in mods:  # a window's early blocks may be back in the pool
+        tables = tables.clone()
+        for b in range(len(lens)):
+            tables[b, : max(0, int(lens[b]) - mods["window"]) // 16] = 10**6
+    out = cpu_ops.paged_decode_cpu(q, kc, vc, tables, lens, scale, **mods)
+    ref = _eager_reference(q, kc, vc, clean, lens, scale, mods.get("window"),
+                           mods.get("softcap"), mods.get("sinks"))  # fmt: skip
+    tol = 2e-5 if dtype == torch.float32 else 2**-8
+    assert ((out.float() - ref).abs() <= tol * (1 + ref.abs())).all()
+    # Prefill: a run of sequence 3's last 40 positions, each as a decode step.
+    seq, tables = 3, clean
+    token_lens = torch.arange(int(lens[seq]) - 39, int(lens[seq]) + 1)
+    qs = torch.randn(40, 9, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
+    seqs = torch.full((40,), seq)
+    pre = cpu_ops.paged_prefill_cpu(qs, kc, vc, tables, seqs, token_lens, scale, **mods)
+    for i in (0, 17, 39):
+        one = cpu_ops.paged_decode_cpu(
+            qs[i : i + 1], kc, vc, tables[seq : seq + 1], token_lens[i : i + 1], scale, **mods
+        )
+        assert torch.equal(pre[i], one[0]), i
+
+
+def test_bad_windows_caps_and_sinks_are_named() -> None:
+    q, kc, vc, tables, lens = _decode_case(torch.float32, batch=2)
+    with pytest.raises(RuntimeError, match="window"):
+        cpu_ops.paged_decode_cpu(q, kc, vc, tables, lens, 0.125, window=0)
+    with pytest.raises(RuntimeError, match="softcap"):
+        cpu_ops.paged_decode_cpu(q, kc, vc, tables, lens, 0.125, softcap=-1.0)
+    with pytest.raises(RuntimeError, match="sinks"):
+        cpu_ops.paged_decode_cpu(q, kc, vc, tables, lens, 0.125, sinks=torch.zeros(4))

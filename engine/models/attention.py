@@ -267,15 +267,17 @@ def paged_attention(
 
         token_order: on the CPU, attend prefill and mixed steps token by token, each token as
             a decode step of its length (``paged_prefill_cpu``: its result then does not
-            depend on its prompt's chunking or the batch) instead of the padded SDPA. Costs
-            more on long prompts (default model, 1000 tokens: +8% gguf, +19% dense bfloat16):
-            the models that are batch-invariant otherwise (GGUF kernels) ask for it.
+            depend on its prompt's chunking or the batch) instead of the padded SDPA or the
+            eager path. Costs more on long prompts (default model, 1000 tokens: +8% gguf,
+            +19% dense bfloat16, measured 2026-12-05): ``EngineConfig.batch_invariant``.
+            Pure-decode CPU steps take the same kernel's decode call whatever this says.
         windowed: this layer keeps to ``meta.sliding_window`` (False: a layer that sees every
             earlier token, Gemma's global ones).
         softcap: scores soft-capped to ``softcap * tanh(score / softcap)`` before the softmax
-            (Gemma 2); None: not. Then the masked eager path below attends.
+            (Gemma 2); None: not. Off the CPU kernels the masked eager path below attends.
         sinks: ``[num_heads]`` logits, one per head, that join each query's softmax as an
-            extra key with no value (gpt-oss); None: none. Then the eager path attends too.
+            extra key with no value (gpt-oss); None: none. Off the CPU kernels the eager
+            path attends too.
 
     Returns:
         ``[T, num_heads, head_dim]`` attention output for the flat tokens.
@@ -284,9 +286,21 @@ def paged_attention(
     flat_k = key_cache.view(-1, num_kv_heads, head_dim)
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     kv_write_(flat_k, flat_v, k, v, meta.slot_mapping)  # one kernel on CUDA
-    # A window or a cap: only the masked path below computes them.
     windowed = windowed and meta.sliding_window is not None
     plain = not windowed and softcap is None and sinks is None
+    cpu = paged_decode_fits(q, key_cache, value_cache)
+    # What the CPU kernels apply beside plain causal attention (each a no-op when None).
+    mods = {
+        "window": meta.sliding_window if windowed else None,
+        "softcap": softcap,
+        "sinks": sinks,
+    }
+    if cpu and meta.query_index is None:
+        # Pure decode on the CPU: one C++ call over the blocks in place, one fixed order per
+        # (sequence, head) whatever the batch (the gather + padded SDPA below was 8-10 ops).
+        return paged_decode_cpu(
+            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale, **mods
+        )
     if meta.kv_index is None or (meta.query_index is None and q.is_cuda and HAS_TRITON and plain):
         if not plain:
             raise ValueError(
@@ -297,22 +311,19 @@ def paged_attention(
         return paged_decode_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale
         )
-
-    if meta.query_index is None and plain and paged_decode_fits(q, key_cache, value_cache):
-        # Pure decode on the CPU: one C++ call over the blocks in place, one fixed order per
-        # (sequence, head) whatever the batch (the gather + padded SDPA below was 8-10 ops).
-        return paged_decode_cpu(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
-    if (
-        token_order
-        and plain
-        and meta.token_lens is not None
-        and paged_decode_fits(q, key_cache, value_cache)
-    ):
+    if token_order and cpu and meta.token_lens is not None:
         # Prefill or mixed on the CPU: each token as a decode step of its length computes it,
         # so its result does not depend on the chunking of its prompt or on the batch.
         assert meta.token_seqs is not None
         return paged_prefill_cpu(
-            q, key_cache, value_cache, meta.block_tables, meta.token_seqs, meta.token_lens, scale
+            q,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.token_seqs,
+            meta.token_lens,
+            scale,
+            **mods,
         )
     b, qlen = meta.num_seqs, meta.max_query_len
     num_heads = q.shape[1]

@@ -72,7 +72,8 @@ class DecoderLayer(nn.Module):
         self.windowed = window is not None
         # On the CPU, attend prefill token by token in the decode kernel's order, so that a
         # token's result does not depend on its prompt's chunking or the batch
-        # (``paged_attention(token_order=True)``); ``LlamaForCausalLM.set_batch_invariant``.
+        # (``paged_attention(token_order=True)``, windows, soft caps and sinks included);
+        # ``LlamaForCausalLM.set_batch_invariant``.
         self.token_order = True
         self.quant_activations = quant_activations
         self.reduce = reduce

@@ -9,9 +9,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &cpuops::rope, "rotary embedding of one tensor of heads (see rope.py)",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode", &cpuops::paged_decode, "paged decode attention (see cpu_ops.py)",
+        py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("isa"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_prefill", &cpuops::paged_prefill,
         "paged attention of prefill tokens, each as a decode step (see cpu_ops.py)",
+        py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("token_seqs"), py::arg("token_lens"), py::arg("scale"), py::arg("isa"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("isa_supported", &cpuops::isa_supported, "whether this CPU runs instruction set code (0: AVX2 "
         "and FMA, 1: AVX-512 F/BW/VL too)");

@@ -248,6 +248,25 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& key_cache,
   TORCH_CHECK(q.size(2) % 16 == 0, "the head dim must be a multiple of 16, got ", q.size(2));
 }
 
+// The Mods of a call: window (0: none, else >= 1), softcap (0: none, else > 0) and sinks
+// (none, or float32 [heads] contiguous), checked here; `sinks` must outlive the Mods.
+template <typename Mods>
+Mods checked_mods(int64_t window, double softcap, const c10::optional<at::Tensor>& sinks,
+                  int64_t heads) {
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
+  TORCH_CHECK(softcap >= 0.0, "softcap must be 0 (none) or positive, got ", softcap);
+  Mods mods;
+  mods.window = window;
+  mods.softcap = static_cast<float>(softcap);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                    sinks->size(0) == heads && sinks->is_contiguous(),
+                "sinks must be a contiguous float32 [heads] tensor");
+    mods.sinks = sinks->data_ptr<float>();
+  }
+  return mods;
+}
+
 // fn(q, key cache, value cache, out) with the typed data pointers of q's dtype.
 template <typename F>
 void with_typed(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
@@ -260,11 +279,14 @@ void with_typed(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
 }
 
 // q [B, H, D] (contiguous), caches [N, block_size, KVH, D] (contiguous), block_tables int64
-// [B, max_blocks], seq_lens int64 [B] (each in [1, max_blocks * block_size], block ids in
-// [0, N): checked here) -> [B, H, D] in q's dtype; float32 math.
+// [B, max_blocks], seq_lens int64 [B] (each in [1, max_blocks * block_size], the block ids
+// the window reads in [0, N): checked here) -> [B, H, D] in q's dtype; float32 math. window,
+// softcap, sinks: decode_attention.h's Mods.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
                         const at::Tensor& value_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, double scale, int64_t isa) {
+                        const at::Tensor& seq_lens, double scale, int64_t isa,
+                        int64_t window = 0, double softcap = 0.0,
+                        const c10::optional<at::Tensor>& sinks = c10::nullopt) {
   check_attention_inputs(q, key_cache, value_cache, isa, "[B, H, D]");
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), kvh = key_cache.size(2);
@@ -276,9 +298,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t width = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  const auto m512 = checked_mods<avx512::Mods>(window, softcap, sinks, heads);
+  const auto m2 = checked_mods<avx2::Mods>(window, softcap, sinks, heads);
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "seq_lens[", b, "] out of range");
-    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
+    for (int64_t j = avx2::first_key(lp[b], m2) / bs; j < (lp[b] + bs - 1) / bs; ++j)
       TORCH_CHECK(tp[b * width + j] >= 0 && tp[b * width + j] < blocks, "block id out of range");
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
@@ -287,9 +311,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
   with_typed(q, key_cache, value_cache, out, [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
     if (isa == 1)
-      avx512::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs);
+      avx512::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs, m512);
     else
-      avx2::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs);
+      avx2::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs, m2);
   });
   return out;
 }
@@ -298,11 +322,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
 // Prefill/mixed tokens: q [T, H, D] (contiguous), caches as paged_decode's, block_tables int64
 // [B, max_blocks], token_seqs int64 [T] (each token's row of the tables, in [0, B)),
 // token_lens int64 [T] (the positions each attends to, in [1, capacity]; checked here) ->
-// [T, H, D] in q's dtype; each token's rows the bits a decode step of that length gives.
+// [T, H, D] in q's dtype; each token's rows the bits a decode step of that length gives
+// (with the same window, softcap and sinks).
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables,
                          const at::Tensor& token_seqs, const at::Tensor& token_lens,
-                         double scale, int64_t isa) {
+                         double scale, int64_t isa, int64_t window = 0, double softcap = 0.0,
+                         const c10::optional<at::Tensor>& sinks = c10::nullopt) {
   check_attention_inputs(q, key_cache, value_cache, isa, "[T, H, D]");
   const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t blocks = key_cache.size(0), bs = key_cache.size(1), kvh = key_cache.size(2);
@@ -317,10 +343,12 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* sp = seqs.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  const auto m512 = checked_mods<avx512::Mods>(window, softcap, sinks, heads);
+  const auto m2 = checked_mods<avx2::Mods>(window, softcap, sinks, heads);
   for (int64_t i = 0; i < tokens; ++i) {
     TORCH_CHECK(sp[i] >= 0 && sp[i] < batch, "token_seqs[", i, "] out of range");
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= width * bs, "token_lens[", i, "] out of range");
-    for (int64_t j = 0; j < (lp[i] + bs - 1) / bs; ++j)
+    for (int64_t j = avx2::first_key(lp[i], m2) / bs; j < (lp[i] + bs - 1) / bs; ++j)
       TORCH_CHECK(tp[sp[i] * width + j] >= 0 && tp[sp[i] * width + j] < blocks,
                   "block id out of range");
   }
@@ -331,9 +359,10 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
   with_typed(q, key_cache, value_cache, out, [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
     if (isa == 1)
-      avx512::run_prefill<T>(qp, kp, vp, tp, width, sp, lp, sc, op, tokens, group, kvh, d, bs);
+      avx512::run_prefill<T>(qp, kp, vp, tp, width, sp, lp, sc, op, tokens, group, kvh, d, bs,
+                             m512);
     else
-      avx2::run_prefill<T>(qp, kp, vp, tp, width, sp, lp, sc, op, tokens, group, kvh, d, bs);
+      avx2::run_prefill<T>(qp, kp, vp, tp, width, sp, lp, sc, op, tokens, group, kvh, d, bs, m2);
   });
   return out;
 }

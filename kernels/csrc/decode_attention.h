@@ -10,6 +10,10 @@
 //   total = 8 lanes over t (lane t mod 8, t rising), then the tree 4, 2, 1;
 //   out_i = (fma over t rising of p_t * v_t,i) / total.
 // (Eight scores are reduced at once by sum_tree8, the same tree as sum_tree's.)
+// Optional, the same way everywhere (`Mods`): a window W attends to positions
+// [max(0, len - W), len) only; a soft cap c replaces each scaled score by c * tanh8(score / c)
+// before the maximum; a sink logit s per query head joins the maximum and adds exp8(s - top)
+// to the total after its tree (a key without a value: gpt-oss).
 // Every lane's sequence of operations is the same whatever the batch, the other sequences,
 // the thread count or the instruction set (the AVX-512 build runs the same lane operations in
 // one register where the AVX2 build uses two; exp8 and the sum of p are AVX2 code in both):
@@ -36,11 +40,55 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// tanh(x), 8 lanes: Cephes' tanhf, x + x^3 P(x^2) below |x| = 0.625 and
+// 1 - 2 / (1 + e^(2|x|)) (as (1 - e) / (1 + e), e = exp8(-2|x|)) above, the sign put back.
+// Only AVX2/FMA operations: the same bits in both builds.
+static inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+  const __m256 e = exp8(_mm256_mul_ps(ax, _mm256_set1_ps(-2.0f)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 large = _mm256_or_ps(
+      _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)), sign);
+  const __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
+  return _mm256_blendv_ps(large, small, is_small);
+}
+
+// What a model changes in attention (the header's last paragraph): window 0 is none, softcap
+// 0 is none, sinks null is none (else one float logit per query head).
+struct Mods {
+  int64_t window = 0;
+  float softcap = 0.0f;
+  const float* sinks = nullptr;
+};
+
+// The first position a query row of length len attends to.
+static inline int64_t first_key(int64_t len, const Mods& mods) {
+  return mods.window > 0 ? std::max<int64_t>(0, len - mods.window) : 0;
+}
+
+// scores[0, len) (padded to a multiple of 8 with room) soft-capped in place.
+static inline void soft_cap(float* scores, int64_t len, float cap) {
+  const __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.0f / cap);
+  for (int64_t t = 0; t < len; t += 8) {
+    const __m256 s = _mm256_loadu_ps(scores + t);
+    _mm256_storeu_ps(scores + t, _mm256_mul_ps(c, tanh8(_mm256_mul_ps(s, inv))));
+  }
+}
+
 // scores[0, len) -> exp(scores - max) in place (padded to a multiple of 8 with room); returns
-// their sum.
-static inline float softmax_numerators(float* scores, int64_t len) {
+// their sum, plus exp(sink - max) where there is a sink (`sink` not null; it joins the max).
+static inline float softmax_numerators(float* scores, int64_t len, const float* sink) {
   float top = scores[0];
   for (int64_t t = 1; t < len; ++t) top = std::max(top, scores[t]);
+  if (sink != nullptr) top = std::max(top, *sink);
   const __m256 vtop = _mm256_set1_ps(top);
   __m256 total = _mm256_setzero_ps();
   for (int64_t t = 0; t < len; t += 8) {
@@ -54,7 +102,10 @@ static inline float softmax_numerators(float* scores, int64_t len) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
+  float sum = _mm_cvtss_f32(s);
+  if (sink != nullptr)
+    sum += _mm256_cvtss_f32(exp8(_mm256_set1_ps(*sink - top)));
+  return sum;
 }
 
 // Eight (per-lane) sums at once, each by sum_tree's tree (lanes l + 8, + 4, + 2, + 1), as one
@@ -116,43 +167,47 @@ static void weighted_values(int64_t width, const float* const* values, int64_t c
     weighted_values_w<T, 1, H>(values, c0, p, ld, len, total, out, d);
 }
 
-// One (sequence, kv head) pair's key and value rows for positions [0, len), in position
+// One (sequence, kv head) pair's key and value rows for positions [from, to), in position
 // order, as float32: the cache's own rows, or (bfloat16) widened once into `widened` for all
-// the query rows that read them. rows[0, len) are keys, rows[len, 2 len) values.
+// the query rows that read them. With n = to - from, rows[0, n) are keys, rows[n, 2 n)
+// values. Blocks before `from` are never read (a window's may be back in the pool).
 template <typename T>
-static void gather_rows(const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t kvh,
-                        int64_t g, int64_t d, int64_t bs, std::vector<float>& widened,
-                        std::vector<const float*>& rows) {
-  const int64_t chunks = d / 16;
+static void gather_rows(const T* kc, const T* vc, const int64_t* table, int64_t from, int64_t to,
+                        int64_t kvh, int64_t g, int64_t d, int64_t bs,
+                        std::vector<float>& widened, std::vector<const float*>& rows) {
+  const int64_t chunks = d / 16, len = to - from;
   rows.resize(2 * len);
   if constexpr (std::is_same_v<T, float>) {
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t t = from + i;
       const int64_t at = ((table[t / bs] * bs + t % bs) * kvh + g) * d;
-      rows[t] = kc + at;
-      rows[len + t] = vc + at;
+      rows[i] = kc + at;
+      rows[len + i] = vc + at;
     }
   } else {
     widened.resize(2 * len * d);
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t t = from + i;
       const int64_t at = ((table[t / bs] * bs + t % bs) * kvh + g) * d;
-      float* kw = widened.data() + t * d;
-      float* vw = widened.data() + (len + t) * d;
+      float* kw = widened.data() + i * d;
+      float* vw = widened.data() + (len + i) * d;
       for (int64_t c = 0; c < chunks; ++c) {
         vstore(kw + 16 * c, load16(kc + at + 16 * c));
         vstore(vw + 16 * c, load16(vc + at + 16 * c));
       }
-      rows[t] = kw;
-      rows[len + t] = vw;
+      rows[i] = kw;
+      rows[len + i] = vw;
     }
   }
 }
 
 // One query token's `group` heads (q / out [group, d] of T) over keys[0, len) and
-// values[0, len): the order the header describes. work: scratch.
+// values[0, len) (the positions its window keeps): the order the header describes. sinks:
+// the group's sink logits, or null. work: scratch.
 template <typename T>
 static void attend(const T* q, const float* const* keys, const float* const* values,
-                   int64_t len, float scale, T* out, int64_t group, int64_t d,
-                   std::vector<float>& work) {
+                   int64_t len, float scale, T* out, int64_t group, int64_t d, float softcap,
+                   const float* sinks, std::vector<float>& work) {
   const int64_t padded = (len + 7) / 8 * 8, chunks = d / 16;
   work.assign(group * d + group * padded, 0.0f);
   float* qf = work.data();
@@ -178,7 +233,8 @@ static void attend(const T* q, const float* const* keys, const float* const* val
       for (int64_t c = 0; c < chunks; ++c) a = vfma(vload(qh + 16 * c), vload(keys[t] + 16 * c), a);
       sh[t] = sum_tree(a) * scale;
     }
-    totals[h] = softmax_numerators(sh, len);
+    if (softcap > 0.0f) soft_cap(sh, len, softcap);
+    totals[h] = softmax_numerators(sh, len, sinks == nullptr ? nullptr : sinks + h);
   }
   // Two heads at a time share each row of values (the last one alone if group is odd).
   for (int64_t h = 0; h < group; h += 2)
@@ -196,16 +252,18 @@ static void attend(const T* q, const float* const* keys, const float* const* val
 template <typename T>
 static void run_decode(const T* qp, const T* kp, const T* vp, const int64_t* tables,
                        int64_t width, const int64_t* lens, float scale, T* op, int64_t batch,
-                       int64_t group, int64_t kvh, int64_t d, int64_t bs) {
+                       int64_t group, int64_t kvh, int64_t d, int64_t bs, const Mods& mods) {
   at::parallel_for(0, batch * kvh, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> work, widened;
     std::vector<const float*> rows;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / kvh, g = i % kvh;
       const int64_t at = (b * kvh + g) * group * d;  // q and out rows of this pair's heads
-      gather_rows<T>(kp, vp, tables + b * width, lens[b], kvh, g, d, bs, widened, rows);
-      attend<T>(qp + at, rows.data(), rows.data() + lens[b], lens[b], scale, op + at, group, d,
-                work);
+      const int64_t from = first_key(lens[b], mods), n = lens[b] - from;
+      gather_rows<T>(kp, vp, tables + b * width, from, lens[b], kvh, g, d, bs, widened, rows);
+      const float* sinks = mods.sinks == nullptr ? nullptr : mods.sinks + g * group;
+      attend<T>(qp + at, rows.data(), rows.data() + n, n, scale, op + at, group, d,
+                mods.softcap, sinks, work);
     }
   });
 }
@@ -220,7 +278,7 @@ template <typename T>
 static void run_prefill(const T* qp, const T* kp, const T* vp, const int64_t* tables,
                         int64_t width, const int64_t* seqs, const int64_t* lens, float scale,
                         T* op, int64_t tokens, int64_t group, int64_t kvh, int64_t d,
-                        int64_t bs) {
+                        int64_t bs, const Mods& mods) {
   std::vector<int64_t> starts;  // runs: same sequence, consecutive tokens
   for (int64_t i = 0; i < tokens; ++i)
     if (i == 0 || seqs[i] != seqs[i - 1] || i - starts.back() == kPrefillRun) starts.push_back(i);
@@ -232,14 +290,20 @@ static void run_prefill(const T* qp, const T* kp, const T* vp, const int64_t* ta
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t run = i / kvh, g = i % kvh;
       const int64_t first = starts[run], end = starts[run + 1];
-      int64_t longest = 0;
-      for (int64_t j = first; j < end; ++j) longest = std::max(longest, lens[j]);
-      gather_rows<T>(kp, vp, tables + seqs[first] * width, longest, kvh, g, d, bs, widened,
-                     rows);
+      int64_t longest = 0, from = lens[first];
+      for (int64_t j = first; j < end; ++j) {
+        longest = std::max(longest, lens[j]);
+        from = std::min(from, first_key(lens[j], mods));
+      }
+      const int64_t n = longest - from;
+      gather_rows<T>(kp, vp, tables + seqs[first] * width, from, longest, kvh, g, d, bs,
+                     widened, rows);
+      const float* sinks = mods.sinks == nullptr ? nullptr : mods.sinks + g * group;
       for (int64_t j = first; j < end; ++j) {
         const int64_t at = (j * kvh + g) * group * d;
-        attend<T>(qp + at, rows.data(), rows.data() + longest, lens[j], scale, op + at, group,
-                  d, work);
+        const int64_t skip = first_key(lens[j], mods) - from;
+        attend<T>(qp + at, rows.data() + skip, rows.data() + n + skip, lens[j] - from - skip,
+                  scale, op + at, group, d, mods.softcap, sinks, work);
       }
     }
   });
