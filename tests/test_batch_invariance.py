@@ -12,7 +12,9 @@ and settings must give identical token ids, greedy and seeded, in float32 and bf
 The model is a tiny random Llama whose down projection reads 1280 features: on the AMD EPYC
 this was written on, oneDNN reduces a lone row of that width in another order than a row among
 others (``models/row_invariance.py``), and random weights make greedy picks close calls, so a
-changed bit shows as a changed token (checked: with ``batch_invariant=False`` this test fails).
+changed bit shows as a changed token (checked: with ``batch_invariant=False`` this test fails
+in bfloat16). Tiny Gemma 2 and gpt-oss models do the same for sliding windows, soft caps and
+attention sinks (both fail with ``batch_invariant=False``, checked).
 """
 
 from __future__ import annotations
@@ -90,15 +92,17 @@ def dtype(request: pytest.FixtureRequest) -> Iterator[str]:
     yield request.param
 
 
-def test_a_request_gets_its_alone_tokens_under_every_load_and_setting(
-    wide_mlp_dir: Path, dtype: str
+def _assert_alone_tokens(
+    folder: Path, dtype: str, settings: tuple[tuple[str, dict[str, Any]], ...]
 ) -> None:
+    """Each probe alone on a fresh engine, then all of them among strangers on an engine per
+    setting, twice (the second time from the prefix cache): identical token ids."""
     prompts, params = _probes()
     strangers, stranger_params = _strangers()
     runs: dict[str, list[list[int]]] = {}
 
     def build(**args: Any) -> LLM:
-        return LLM(str(wide_mlp_dir), dtype=dtype, **{**ENGINE_ARGS, **args})
+        return LLM(str(folder), dtype=dtype, **{**ENGINE_ARGS, **args})
 
     alone = build(executor="uni", async_scheduling=False, worker_threads=2)
     try:
@@ -114,20 +118,6 @@ def test_a_request_gets_its_alone_tokens_under_every_load_and_setting(
         tokens = _tokens(llm, mixed_prompts, mixed_params)
         return [tokens[i] for i in probe_at]
 
-    ngram = {"method": "ngram", "num_speculative_tokens": 3}
-    settings = (
-        ("chunked, drafts, 1 thread", {
-            "executor": "uni", "async_scheduling": False, "worker_threads": 1,
-            "max_num_batched_tokens": 16, "speculative_config": ngram,
-        }),
-        ("mp executor, async, 2 threads", {
-            "executor": "mp", "async_scheduling": True, "worker_threads": 2,
-        }),
-        ("mp executor, async, drafts, chunked, 1 thread", {
-            "executor": "mp", "async_scheduling": True, "worker_threads": 1,
-            "max_num_batched_tokens": 16, "speculative_config": ngram,
-        }),
-    )  # fmt: skip
     for name, args in settings:
         llm = build(**args)
         try:
@@ -144,3 +134,41 @@ def test_a_request_gets_its_alone_tokens_under_every_load_and_setting(
             if ref != got
         ]
         assert not differing, f"{dtype}, {name}: (request, first differing token) {differing}"
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+CHUNKED_DRAFTS_1_THREAD = {
+    "executor": "uni", "async_scheduling": False, "worker_threads": 1,
+    "max_num_batched_tokens": 16, "speculative_config": NGRAM,
+}  # fmt: skip
+
+
+def test_a_request_gets_its_alone_tokens_under_every_load_and_setting(
+    wide_mlp_dir: Path, dtype: str
+) -> None:
+    settings = (
+        ("chunked, drafts, 1 thread", CHUNKED_DRAFTS_1_THREAD),
+        ("mp executor, async, 2 threads", {
+            "executor": "mp", "async_scheduling": True, "worker_threads": 2,
+        }),
+        ("mp executor, async, drafts, chunked, 1 thread", {
+            "executor": "mp", "async_scheduling": True, "worker_threads": 1,
+            "max_num_batched_tokens": 16, "speculative_config": NGRAM,
+        }),
+    )  # fmt: skip
+    _assert_alone_tokens(wide_mlp_dir, dtype, settings)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
+def test_windows_soft_caps_and_sinks_keep_a_request_alone_tokens(
+    arch: str, tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer
+) -> None:
+    """Gemma 2 (a window of 8 on every other layer, soft-capped scores and logits) and gpt-oss
+    (windows, attention sinks, experts) in bfloat16: prompts far past the window, chunked,
+    with drafts, among strangers, on one thread."""
+    folder, _ = built_once_per_run(
+        tmp_path_factory, f"tiny_{arch}", lambda f: build_tiny_model_dir(f, tokenizer, arch)
+    )
+    _assert_alone_tokens(
+        folder, "bfloat16", (("chunked, drafts, 1 thread", CHUNKED_DRAFTS_1_THREAD),)
+    )
