@@ -22,7 +22,7 @@ ENGINE_ROOMS: dict[str, set[str]] = {
     "core": {"shared", "executor.base"},  # the interface only, never an implementation
     "executor": {"shared", "executor", "worker", "models"},
     "worker": {"shared", "worker", "models"},
-    "models": {"shared", "models", "worker.device_buffers"},
+    "models": {"shared", "models"},
     "loader": {"shared", "loader", "models"},
     "processing": {"shared", "processing", "core", "executor", "worker", "loader"},
     "entrypoints": {"shared", "entrypoints", "processing", "loader", "server"},

@@ -23,7 +23,7 @@ from baton.engine.processing.llm_engine import LLMEngine
 from baton.engine.scheduler_output import SchedulerOutput
 from baton.engine.sync_check import SyncChecker, SyncCheckError
 from baton.engine.worker import model_runner as mr
-from baton.engine.worker.device_buffers import DeviceIO, HostCopy, stage_to_device
+from baton.engine.worker.device_buffers import DeviceIO, HostCopy
 from baton.engine.worker.request_states import RequestStates
 from baton.engine.worker.runner_values import ForwardOutput
 from baton.sampler.metadata import SamplingMetadata
@@ -272,11 +272,6 @@ def test_cpu_staging_is_free_views_and_waits_for_nothing():
     assert isinstance(io.mark(), float)
     with io.on_stream():
         pass
-
-
-def test_staging_refuses_mixed_dtypes():
-    with pytest.raises(ValueError, match="one dtype"):
-        stage_to_device([np.zeros(2, np.int64), np.zeros(2, np.float32)], torch.device("cpu"))
 
 
 def test_host_copy_without_event_returns_its_tensors():

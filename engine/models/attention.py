@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from baton.engine.worker.device_buffers import stage_to_device
 from baton.kernels.cpu_ops import paged_decode_cpu, paged_decode_fits, paged_prefill_cpu
 from baton.kernels.kv_write import kv_write_
 from baton.kernels.paged_attention import HAS_TRITON, paged_decode_attention
@@ -122,8 +121,9 @@ class AttentionMetadata:
                 order; unused entries may hold any valid block id.
             block_size: tokens per cache block.
             device: where the metadata is used; None = the CPU.
-            stage: how host arrays reach ``device`` (the model runner's `DeviceIO.to_device`,
-                through its pinned staging buffer); None: `stage_to_device`.
+            stage: how host arrays reach ``device`` (the model runner passes its
+                `DeviceIO.to_device`, through its pinned staging buffer); None: views on the
+                CPU, plain copies elsewhere (for tests and benchmarks).
             sliding_window: the model's attention window W (None: full causal attention): a
                 query at position p sees keys p - W + 1 .. p.
 
@@ -163,7 +163,7 @@ class AttentionMetadata:
         arrays = [slot_mapping, query_index, s, ctx_lens, q, used_tables, token_seq, token_pos + 1]
         if stage is None:
             target = torch.device("cpu") if device is None else torch.device(device)
-            staged = stage_to_device(arrays, target)
+            staged = [torch.from_numpy(a).to(target) for a in arrays]
         else:
             staged = stage(arrays)
         slots_d, query_d, seq_d, ctx_d, q_d, tables_d, token_seq_d, token_len_d = staged

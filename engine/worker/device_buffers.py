@@ -37,28 +37,6 @@ which specialises (and compiles) a kernel for pointers divisible by 16 or not, s
 tensor alike whatever the sizes before it in the region."""
 
 
-def stage_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """The host arrays (one dtype) as tensors of the same shapes on ``device``, in one copy.
-
-    On the CPU: views of the arrays, no copy. Elsewhere: packed into one pinned buffer and
-    copied with ``non_blocking=True`` on the current stream, so the host never waits.
-
-    Raises:
-        ValueError: if the arrays do not share one dtype.
-    """
-    dtypes = {a.dtype for a in arrays}
-    if len(dtypes) > 1:
-        raise ValueError(f"arrays to stage must share one dtype, got {sorted(map(str, dtypes))}")
-    if device.type == "cpu":
-        return [torch.from_numpy(a) for a in arrays]
-    if not arrays:
-        return []
-    flat = np.concatenate([a.reshape(-1) for a in arrays])
-    staged = torch.from_numpy(flat).pin_memory().to(device, non_blocking=True)
-    parts = staged.split([a.size for a in arrays])
-    return [p.view(a.shape) for p, a in zip(parts, arrays, strict=True)]
-
-
 class Fence(Protocol):
     """What `StagingRing` needs of an event recorded after a copy (``torch.cuda.Event``)."""
 
