@@ -194,6 +194,9 @@ static inline float sum8_tree(__m256 s) {
 }
 static inline __m256 halves_sum(V16 v) { return _mm256_add_ps(v.a, v.b); }
 static inline float sum_tree(V16 v) { return sum8_tree(halves_sum(v)); }
+// Query heads that share each key or value row load (decode_attention.h): 16 ymm registers
+// hold one head's eight scores' accumulators; more would spill.
+constexpr int kScoreHeads = 1, kValueHeads = 2;
 #include "decode_attention.h"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -213,6 +216,8 @@ static inline __m256 halves_sum(V16 v) {  // lanes l + 8
   return _mm256_add_ps(lo, hi);
 }
 static inline float sum_tree(V16 v) { return avx2::sum8_tree(halves_sum(v)); }
+// 32 zmm registers: three heads' eight scores (24 accumulators), four heads' values (16).
+constexpr int kScoreHeads = 3, kValueHeads = 4;
 #include "decode_attention.h"
 }  // namespace avx512
 #pragma GCC pop_options

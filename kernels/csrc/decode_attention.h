@@ -14,6 +14,8 @@
 // [max(0, len - W), len) only; a soft cap c replaces each scaled score by c * tanh8(score / c)
 // before the maximum; a sink logit s per query head joins the maximum and adds exp8(s - top)
 // to the total after its tree (a key without a value: gpt-oss).
+// How many heads share a key or value row load (kScoreHeads, kValueHeads: set per build by the
+// includer) changes which registers hold what, never a lane's operations.
 // Every lane's sequence of operations is the same whatever the batch, the other sequences,
 // the thread count or the instruction set (the AVX-512 build runs the same lane operations in
 // one register where the AVX2 build uses two; exp8 and the sum of p are AVX2 code in both):
@@ -154,7 +156,7 @@ static inline void weighted_values_w(const float* const* values, int64_t c0, con
 }
 
 template <typename T, int H>
-static void weighted_values(int64_t width, const float* const* values, int64_t c0,
+static void weighted_values_h(int64_t width, const float* const* values, int64_t c0,
                             const float* p, int64_t ld, int64_t len, const float* total, T* out,
                             int64_t d) {
   if (width == 4)
@@ -165,6 +167,64 @@ static void weighted_values(int64_t width, const float* const* values, int64_t c
     weighted_values_w<T, 2, H>(values, c0, p, ld, len, total, out, d);
   else
     weighted_values_w<T, 1, H>(values, c0, p, ld, len, total, out, d);
+}
+
+// weighted_values_h for `heads` (1 to kValueHeads) heads.
+template <typename T>
+static void weighted_values(int64_t heads, int64_t width, const float* const* values, int64_t c0,
+                            const float* p, int64_t ld, int64_t len, const float* total, T* out,
+                            int64_t d) {
+  if (kValueHeads >= 4 && heads == 4)
+    weighted_values_h<T, (kValueHeads >= 4 ? 4 : 1)>(width, values, c0, p, ld, len, total, out, d);
+  else if (kValueHeads >= 3 && heads == 3)
+    weighted_values_h<T, (kValueHeads >= 3 ? 3 : 1)>(width, values, c0, p, ld, len, total, out, d);
+  else if (heads == 2)
+    weighted_values_h<T, 2>(width, values, c0, p, ld, len, total, out, d);
+  else
+    weighted_values_h<T, 1>(width, values, c0, p, ld, len, total, out, d);
+}
+
+// Scores of H heads (q rows `d` apart, scores `ld` apart) over keys[0, len), the order the
+// header describes; each key row is loaded once for the H heads.
+template <int H>
+static void head_scores_h(const float* q, const float* const* keys, int64_t len, int64_t d,
+                          float scale, float* scores, int64_t ld) {
+  const int64_t chunks = d / 16;
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {
+    V16 a[H][8];
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < 8; ++j) a[h][j] = vzero();
+    for (int64_t c = 0; c < chunks; ++c) {
+      V16 qc[H];
+      for (int h = 0; h < H; ++h) qc[h] = vload(q + h * d + 16 * c);
+      for (int j = 0; j < 8; ++j) {
+        const V16 k = vload(keys[t + j] + 16 * c);
+        for (int h = 0; h < H; ++h) a[h][j] = vfma(qc[h], k, a[h][j]);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      float* sh = scores + h * ld;
+      sum_tree8(a[h], sh + t);
+      for (int j = 0; j < 8; ++j) sh[t + j] *= scale;
+    }
+  }
+  for (; t < len; ++t)
+    for (int h = 0; h < H; ++h) {
+      V16 a = vzero();
+      for (int64_t c = 0; c < chunks; ++c) a = vfma(vload(q + h * d + 16 * c), vload(keys[t] + 16 * c), a);
+      scores[h * ld + t] = sum_tree(a) * scale;
+    }
+}
+
+static void head_scores(int64_t heads, const float* q, const float* const* keys, int64_t len,
+                        int64_t d, float scale, float* scores, int64_t ld) {
+  if (kScoreHeads >= 3 && heads == 3)
+    head_scores_h<(kScoreHeads >= 3 ? 3 : 1)>(q, keys, len, d, scale, scores, ld);
+  else if (kScoreHeads >= 2 && heads == 2)
+    head_scores_h<(kScoreHeads >= 2 ? 2 : 1)>(q, keys, len, d, scale, scores, ld);
+  else
+    head_scores_h<1>(q, keys, len, d, scale, scores, ld);
 }
 
 // One (sequence, kv head) pair's key and value rows for positions [from, to), in position
@@ -214,39 +274,24 @@ static void attend(const T* q, const float* const* keys, const float* const* val
   float* scores = qf + group * d;
   for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(q[i]);
   std::vector<float> totals(group);
+  for (int64_t h0 = 0; h0 < group; h0 += kScoreHeads) {
+    const int64_t heads = std::min<int64_t>(kScoreHeads, group - h0);
+    head_scores(heads, qf + h0 * d, keys, len, d, scale, scores + h0 * padded, padded);
+  }
   for (int64_t h = 0; h < group; ++h) {
-    const float* qh = qf + h * d;
     float* sh = scores + h * padded;
-    int64_t t = 0;
-    for (; t + 8 <= len; t += 8) {
-      V16 a[8];
-      for (int j = 0; j < 8; ++j) a[j] = vzero();
-      for (int64_t c = 0; c < chunks; ++c) {
-        const V16 qc = vload(qh + 16 * c);
-        for (int j = 0; j < 8; ++j) a[j] = vfma(qc, vload(keys[t + j] + 16 * c), a[j]);
-      }
-      sum_tree8(a, sh + t);
-      for (int j = 0; j < 8; ++j) sh[t + j] *= scale;
-    }
-    for (; t < len; ++t) {
-      V16 a = vzero();
-      for (int64_t c = 0; c < chunks; ++c) a = vfma(vload(qh + 16 * c), vload(keys[t] + 16 * c), a);
-      sh[t] = sum_tree(a) * scale;
-    }
     if (softcap > 0.0f) soft_cap(sh, len, softcap);
     totals[h] = softmax_numerators(sh, len, sinks == nullptr ? nullptr : sinks + h);
   }
-  // Two heads at a time share each row of values (the last one alone if group is odd).
-  for (int64_t h = 0; h < group; h += 2)
+  // kValueHeads heads at a time share each row of values.
+  for (int64_t h = 0; h < group; h += kValueHeads) {
+    const int64_t heads = std::min<int64_t>(kValueHeads, group - h);
     for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
       const int64_t width = std::min<int64_t>(4, chunks - c0);
-      if (h + 1 < group)
-        weighted_values<T, 2>(width, values, c0, scores + h * padded, padded, len,
-                              totals.data() + h, out + h * d, d);
-      else
-        weighted_values<T, 1>(width, values, c0, scores + h * padded, padded, len,
-                              totals.data() + h, out + h * d, d);
+      weighted_values<T>(heads, width, values, c0, scores + h * padded, padded, len,
+                         totals.data() + h, out + h * d, d);
     }
+  }
 }
 
 template <typename T>
