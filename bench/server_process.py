@@ -41,7 +41,7 @@ def serve_command(
 ) -> list[str]:
     """The command line of a ``baton serve`` on loopback ``port``; ``extra`` comes last so
     that it overrides the options before it."""
-    cmd = [sys.executable, "-m", "baton.engine.entrypoints.cli", "serve", "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "baton.engine.cli.main", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--log-level", "warning"]
     if dtype is not None:
         cmd += ["--dtype", dtype]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from baton.engine.cli.main import build_parser
+from baton.engine.cli.main import main as cli_main
 from baton.engine.config import EngineConfig
 from baton.engine.entrypoints.args import config_from_args
-from baton.engine.entrypoints.cli import build_parser
-from baton.engine.entrypoints.cli import main as cli_main
 
 ROW_KEYS = {
     "regime",
@@ -114,6 +114,6 @@ def test_cli_passes_bench_flags_through_and_rejects_unknown_ones() -> None:
 
 
 def test_cli_import_does_not_load_bench() -> None:
-    code = "import sys, baton.engine.entrypoints.cli; print('baton.bench' in sys.modules)"
+    code = "import sys, baton.engine.cli.main; print('baton.bench' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -23,7 +23,7 @@ from baton.bench.peers import (
     summarize,
 )
 from baton.bench.peers_report import compute_ratios, evaluate_goals
-from baton.engine.entrypoints.cli import main as cli_main
+from baton.engine.cli.main import main as cli_main
 
 ROW_KEYS = {
     "engine",

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import torch
 
-from baton.engine.entrypoints.cli import main
+from baton.engine.cli.main import main
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,8 @@ ENGINE_ROOMS: dict[str, set[str]] = {
     "models": {"shared", "models"},
     "loader": {"shared", "loader", "models"},
     "processing": {"shared", "processing", "core", "executor", "worker", "loader"},
-    "entrypoints": {"shared", "entrypoints", "processing", "loader", "server"},
+    "cli": {"shared", "cli", "entrypoints", "server"},
+    "entrypoints": {"shared", "entrypoints", "processing", "loader"},
     "server": {"shared", "server", "entrypoints", "loader"},
 }
 # What each top-level package may import of baton.
