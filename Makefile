@@ -57,7 +57,7 @@ AVX2_ONLY_TESTS := tests/test_config_dtype.py tests/test_packed_weights.py tests
 	tests/test_kernels_quant_linear.py tests/test_kernels_quant_linear_int8.py \
 	tests/test_gguf_int8_activations.py tests/test_gguf_quantized.py \
 	tests/test_kernels_quant_projection.py tests/test_kernels_cpu_ops.py tests/test_cpu_decode.py \
-	tests/test_batch_invariance.py tests/test_packed_weights.py
+	tests/test_batch_invariance.py
 test-avx2-only: $(STAMP)
 	PYTHONPATH=tests/avx2_only ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 \
 		$(VENV)/bin/pytest -q -rs -n 2 --dist loadfile --max-worker-restart 0 $(AVX2_ONLY_TESTS)
