@@ -88,8 +88,15 @@ static inline void soft_cap(float* scores, int64_t len, float cap) {
 // scores[0, len) -> exp(scores - max) in place (padded to a multiple of 8 with room); returns
 // their sum, plus exp(sink - max) where there is a sink (`sink` not null; it joins the max).
 static inline float softmax_numerators(float* scores, int64_t len, const float* sink) {
-  float top = scores[0];
-  for (int64_t t = 1; t < len; ++t) top = std::max(top, scores[t]);
+  // The maximum in 8 lanes, then across them: max is exact, so any order gives its bits.
+  __m256 m = _mm256_set1_ps(scores[0]);
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(scores + t));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, m);
+  float top = lanes[0];
+  for (int l = 1; l < 8; ++l) top = std::max(top, lanes[l]);
+  for (; t < len; ++t) top = std::max(top, scores[t]);
   if (sink != nullptr) top = std::max(top, *sink);
   const __m256 vtop = _mm256_set1_ps(top);
   __m256 total = _mm256_setzero_ps();
@@ -269,7 +276,8 @@ static void attend(const T* q, const float* const* keys, const float* const* val
                    int64_t len, float scale, T* out, int64_t group, int64_t d, float softcap,
                    const float* sinks, std::vector<float>& work) {
   const int64_t padded = (len + 7) / 8 * 8, chunks = d / 16;
-  work.assign(group * d + group * padded, 0.0f);
+  // Not cleared: every score read is written first (the lanes past len are masked or unused).
+  work.resize(group * d + group * padded);
   float* qf = work.data();
   float* scores = qf + group * d;
   for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(q[i]);
