@@ -213,9 +213,9 @@ class EngineConfig:
             another order than a row among others (probed per weight shape at load,
             ``models/row_invariance.py``) gets lone rows padded to two, and prefill is
             attended token by token in the decode kernel's order. False: neither, which is
-            faster only for long prompts on the CPU (a 1000-token prompt of the default
-            model prefilled at 858 against 780 tokens/s in bfloat16, 629 against 601 in
-            float32; ``bench/results/invariance_cost.json``).
+            faster, if at all, only for long prompts on the CPU (a 1000-token prompt of the
+            default model took 4-6% longer token by token in dense bfloat16, measured
+            in-process on the AMD EPYC at 5f8d41b; ``bench invariance_cost``'s prefill cell).
             Sliding windows, soft-capped scores and attention sinks take the same kernels.
             Not on CUDA yet (its GEMMs and attention are chosen per shape by the libraries).
         tensor_parallel_size: worker processes the model is cut over, one shard of every

@@ -268,9 +268,8 @@ def paged_attention(
         token_order: on the CPU, attend prefill and mixed steps token by token, each token as
             a decode step of its length (``paged_prefill_cpu``: its result then does not
             depend on its prompt's chunking or the batch) instead of the padded SDPA or the
-            eager path. Costs more on long prompts (default model, 1000 tokens, dense: 10%
-            longer in bfloat16, 5% in float32, ``bench/results/invariance_cost.json``):
-            ``EngineConfig.batch_invariant``.
+            eager path. May cost a few percent on long prompts
+            (``EngineConfig.batch_invariant``).
             Pure-decode CPU steps take the same kernel's decode call whatever this says.
         windowed: this layer keeps to ``meta.sliding_window`` (False: a layer that sees every
             earlier token, Gemma's global ones).

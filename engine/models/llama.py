@@ -492,9 +492,8 @@ class LlamaForCausalLM(nn.Module):
     def set_batch_invariant(self, on: bool) -> None:
         """Whether the CPU attends prefill and mixed steps token by token, in the order a
         decode step of each token's length would (``paged_attention(token_order=True)``; the
-        default), or through the padded SDPA (faster on long prompts: a 1000-token prompt of
-        the default model took 10% longer token by token in bfloat16, 5% in float32,
-        ``bench/results/invariance_cost.json``). Lone rows' padding is ``pack_weights``'s."""
+        default), or through the padded SDPA (at most a few percent faster on long prompts:
+        ``EngineConfig.batch_invariant``). Lone rows' padding is ``pack_weights``'s."""
         for layer in self.layers:
             layer.token_order = on
 
