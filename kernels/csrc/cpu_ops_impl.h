@@ -174,6 +174,20 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 
 }  // namespace
 
+// What a model changes in attention (decode_attention.h's header): window 0 is none, softcap
+// 0 is none, sinks null is none (else one float logit per query head). Plain data, shared by
+// both instruction-set builds.
+struct Mods {
+  int64_t window = 0;
+  float softcap = 0.0f;
+  const float* sinks = nullptr;
+};
+
+// The first position a query row of length len attends to.
+static inline int64_t first_key(int64_t len, const Mods& mods) {
+  return mods.window > 0 ? std::max<int64_t>(0, len - mods.window) : 0;
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
@@ -255,7 +269,6 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& key_cache,
 
 // The Mods of a call: window (0: none, else >= 1), softcap (0: none, else > 0) and sinks
 // (none, or float32 [heads] contiguous), checked here; `sinks` must outlive the Mods.
-template <typename Mods>
 Mods checked_mods(int64_t window, double softcap, const c10::optional<at::Tensor>& sinks,
                   int64_t heads) {
   TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
@@ -303,11 +316,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t width = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  const auto m512 = checked_mods<avx512::Mods>(window, softcap, sinks, heads);
-  const auto m2 = checked_mods<avx2::Mods>(window, softcap, sinks, heads);
+  const Mods mods = checked_mods(window, softcap, sinks, heads);
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "seq_lens[", b, "] out of range");
-    for (int64_t j = avx2::first_key(lp[b], m2) / bs; j < (lp[b] + bs - 1) / bs; ++j)
+    for (int64_t j = first_key(lp[b], mods) / bs; j < (lp[b] + bs - 1) / bs; ++j)
       TORCH_CHECK(tp[b * width + j] >= 0 && tp[b * width + j] < blocks, "block id out of range");
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
@@ -316,9 +328,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
   with_typed(q, key_cache, value_cache, out, [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
     if (isa == 1)
-      avx512::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs, m512);
+      avx512::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs, mods);
     else
-      avx2::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs, m2);
+      avx2::run_decode<T>(qp, kp, vp, tp, width, lp, sc, op, batch, group, kvh, d, bs, mods);
   });
   return out;
 }
@@ -348,12 +360,11 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* sp = seqs.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  const auto m512 = checked_mods<avx512::Mods>(window, softcap, sinks, heads);
-  const auto m2 = checked_mods<avx2::Mods>(window, softcap, sinks, heads);
+  const Mods mods = checked_mods(window, softcap, sinks, heads);
   for (int64_t i = 0; i < tokens; ++i) {
     TORCH_CHECK(sp[i] >= 0 && sp[i] < batch, "token_seqs[", i, "] out of range");
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= width * bs, "token_lens[", i, "] out of range");
-    for (int64_t j = avx2::first_key(lp[i], m2) / bs; j < (lp[i] + bs - 1) / bs; ++j)
+    for (int64_t j = first_key(lp[i], mods) / bs; j < (lp[i] + bs - 1) / bs; ++j)
       TORCH_CHECK(tp[sp[i] * width + j] >= 0 && tp[sp[i] * width + j] < blocks,
                   "block id out of range");
   }
@@ -365,9 +376,9 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
     using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
     if (isa == 1)
       avx512::run_prefill<T>(qp, kp, vp, tp, width, sp, lp, sc, op, tokens, group, kvh, d, bs,
-                             m512);
+                             mods);
     else
-      avx2::run_prefill<T>(qp, kp, vp, tp, width, sp, lp, sc, op, tokens, group, kvh, d, bs, m2);
+      avx2::run_prefill<T>(qp, kp, vp, tp, width, sp, lp, sc, op, tokens, group, kvh, d, bs, mods);
   });
   return out;
 }

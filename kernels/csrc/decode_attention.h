@@ -10,9 +10,9 @@
 //   total = 8 lanes over t (lane t mod 8, t rising), then the tree 4, 2, 1;
 //   out_i = (fma over t rising of p_t * v_t,i) / total.
 // (Eight scores are reduced at once by sum_tree8, the same tree as sum_tree's.)
-// Optional, the same way everywhere (`Mods`): a window W attends to positions
-// [max(0, len - W), len) only; a soft cap c replaces each scaled score by c * tanh8(score / c)
-// before the maximum; a sink logit s per query head joins the maximum and adds exp8(s - top)
+// Optional, the same way everywhere (`Mods` and `first_key`, defined once by the includer for
+// both builds): a window W attends to positions [max(0, len - W), len) only; a soft cap c
+// replaces each scaled score by c * tanh8(score / c) before the maximum; a sink logit s per query head joins the maximum and adds exp8(s - top)
 // to the total after its tree (a key without a value: gpt-oss).
 // How many heads share a key or value row load (kScoreHeads, kValueHeads: set per build by the
 // includer) changes which registers hold what, never a lane's operations.
@@ -61,19 +61,6 @@ static inline __m256 tanh8(__m256 x) {
       _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)), sign);
   const __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
   return _mm256_blendv_ps(large, small, is_small);
-}
-
-// What a model changes in attention (the header's last paragraph): window 0 is none, softcap
-// 0 is none, sinks null is none (else one float logit per query head).
-struct Mods {
-  int64_t window = 0;
-  float softcap = 0.0f;
-  const float* sinks = nullptr;
-};
-
-// The first position a query row of length len attends to.
-static inline int64_t first_key(int64_t len, const Mods& mods) {
-  return mods.window > 0 ? std::max<int64_t>(0, len - mods.window) : 0;
 }
 
 // scores[0, len) (padded to a multiple of 8 with room) soft-capped in place.
