@@ -8,8 +8,9 @@ Each configuration runs in a fresh interpreter (so its peak RSS is its own), ``-
 torch threads (default 1), the in-process executor, configurations interleaved and their
 order reversed every other repeat: the engine's start time (load, build, pack or repack),
 greedy decode tok/s at batch 1 and at batch 16 (``--steps`` tokens per request, after a
-warm-up), the peak RSS (``ru_maxrss``) and the RSS after the imports, and the load average
-when it started. For the configurations that keep the GGUF blocks it also reports the
+warm-up), the peak RSS (``ru_maxrss``) and the RSS after the imports, the memory on
+transparent huge pages at the end (``AnonHugePages``; where the GGUF blocks are kept, their
+buffers ask for them: ``kernels/huge_pages.py``), and the load average when it started. For the configurations that keep the GGUF blocks it also reports the
 bandwidth a batch-1 step reads the weights at (the file's bytes a step reads, times b1 tok/s)
 against this machine's copy and read bandwidth with the same threads
 (``bench/memory_bandwidth.py``). Writes JSON.
@@ -66,6 +67,12 @@ for batch in BATCHES:
     out[f"b{batch}_tok_s"] = tokens / (time.perf_counter() - t)
 out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 out["quantization"] = llm.engine.stats()["quantization"]
+try:  # memory on transparent huge pages (kernels/huge_pages.py), Linux only
+    with open("/proc/self/smaps_rollup") as f:
+        huge = [line.split()[1] for line in f if line.startswith("AnonHugePages:")]
+    out["anon_huge_mib"] = int(huge[0]) / 1024
+except (OSError, IndexError):
+    out["anon_huge_mib"] = None
 llm.shutdown()
 print(json.dumps(out))
 """.replace("BATCHES", repr(BATCHES))
@@ -99,13 +106,19 @@ def run_config(
     return json.loads(lines[-1])
 
 
+def _huge(rows: list[dict[str, Any]]) -> str:
+    values = [r["anon_huge_mib"] for r in rows if r.get("anon_huge_mib") is not None]
+    return f"{min(values):.0f}" if values else "-"
+
+
 def _table(rows: dict[str, list[dict[str, Any]]], result: dict[str, Any] | None = None) -> str:
     bandwidth = (result or {}).get("memory_bandwidth")
     weight_bytes = (result or {}).get("weight_bytes_per_token")
     lines = [
         "| dtype:quantization | start s (min) | b1 tok/s (best) | b16 tok/s (best) | "
-        "peak RSS MiB (after imports) | b1 weights GB/s (of copy, of read) | load avg |",
-        "|---|---|---|---|---|---|---|",
+        "peak RSS MiB (after imports) | on huge pages MiB | b1 weights GB/s (of copy, of read) "
+        "| load avg |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, rs in rows.items():
         best_b1 = max(r["b1_tok_s"] for r in rs)
@@ -120,7 +133,7 @@ def _table(rows: dict[str, list[dict[str, Any]]], result: dict[str, Any] | None 
             f"| {name} | {min(r['start_s'] for r in rs):.2f} | "
             f"{best_b1:.1f} | {max(r['b16_tok_s'] for r in rs):.1f} | "
             f"{max(r['peak_rss_mib'] for r in rs):.0f} "
-            f"({max(r['rss_imports_mib'] for r in rs):.0f}) | {reads} | "
+            f"({max(r['rss_imports_mib'] for r in rs):.0f}) | {_huge(rs)} | {reads} | "
             + ", ".join(f"{r['load_avg']:.1f}" for r in rs)
             + " |"
         )

@@ -55,6 +55,11 @@ class BlockFormat:
     block_weights: int
     sections: tuple[Section, ...]
 
+    def packed_nbytes(self, n: int, k: int) -> int:
+        """Bytes of a ``[n, k]`` weight in the packed layout (``n`` padded to whole tiles)."""
+        tile = sum(k // s.unit_weights * TILE * s.width * s.dtype.itemsize for s in self.sections)
+        return -(-n // TILE) * tile
+
 
 _F16, _U8, _I8 = np.dtype(np.float16), np.dtype(np.uint8), np.dtype(np.int8)
 

@@ -60,6 +60,7 @@ import torch
 
 from baton.kernels.checks import check_tensor
 from baton.kernels.cpp_build import load_extension
+from baton.kernels.huge_pages import huge_page_zeros
 from baton.kernels.quant_formats import (
     FORMATS,
     QuantWeight,
@@ -292,7 +293,8 @@ class QuantProjection:
 
 def repack_native(raw: np.ndarray, format: str) -> QuantWeight:
     """``quant_formats.repack(raw, format)`` (the same bytes) in one pass of C++ on torch's
-    intra-op threads: what a loader calls. Compiles the extension on first use.
+    intra-op threads, into memory advised for huge pages (``huge_pages.huge_page_zeros``):
+    what a loader calls. Compiles the extension on first use.
 
     Raises:
         ValueError: as ``quant_formats.repack``.
@@ -304,7 +306,10 @@ def repack_native(raw: np.ndarray, format: str) -> QuantWeight:
     with warnings.catch_warnings():  # a read-only memory map: the C++ side only reads it
         warnings.simplefilter("ignore", UserWarning)
         src = torch.from_numpy(np.ascontiguousarray(raw))
-    return QuantWeight(format, n, k, _extension().repack(src, fmt.code, n, k))
+    # On huge pages: a decode step streams the weight (kernels/huge_pages.py says why).
+    out = huge_page_zeros(fmt.packed_nbytes(n, k))
+    _extension().repack_into(src, fmt.code, n, k, out)
+    return QuantWeight(format, n, k, out)
 
 
 def dequantize_rows_native(weight: QuantWeight, rows: torch.Tensor) -> torch.Tensor:

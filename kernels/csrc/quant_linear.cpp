@@ -514,22 +514,24 @@ int64_t parallel_threads_used(int64_t n) {
   return std::count(seen.begin(), seen.end(), 1);
 }
 
-// quant_formats.repack's bytes, from raw GGUF blocks [n, row_bytes] (checked by the wrapper).
-at::Tensor repack(const at::Tensor& raw, int64_t format, int64_t n, int64_t k) {
+// quant_formats.repack's bytes, from raw GGUF blocks [n, row_bytes] (checked by the wrapper),
+// written into out: zero-filled uint8 of the packed size (padding bytes are not written).
+void repack_into(const at::Tensor& raw, int64_t format, int64_t n, int64_t k, at::Tensor out) {
   TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "unknown format ", format);
   const Layout L{static_cast<int>(format), k / 32};
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
                   raw.size(0) == n && n > 0 && k > 0 && k % L.block_weights() == 0,
               "raw must be contiguous uint8 [n, row_bytes] of whole blocks");
   const int64_t ntiles = (n + kTile - 1) / kTile;
-  at::Tensor out = at::zeros({ntiles * L.tile_bytes()}, raw.options());
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 1 && out.scalar_type() == at::kByte &&
+                  out.is_contiguous() && out.numel() == ntiles * L.tile_bytes(),
+              "out must be contiguous uint8 of the packed size ", ntiles * L.tile_bytes());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t row_bytes = raw.size(1);
   at::parallel_for(0, ntiles, 16, [&](int64_t t0, int64_t t1) {
     repack_tiles(L, src, n, row_bytes, dst, t0, t1);
   });
-  return out;
 }
 
 }  // namespace
@@ -549,6 +551,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads_used", &parallel_threads_used,
         "threads an at::parallel_for over n items ran on (1 when built without OpenMP)");
   m.def("isa_supported", &isa_supported, "whether this CPU runs the instruction set code");
-  m.def("repack", &repack, "GGUF blocks -> the kernel's layout (see quant_formats.py)",
+  m.def("repack_into", &repack_into,
+        "GGUF blocks -> the kernel's layout, written into out (see quant_formats.py)",
         py::call_guard<py::gil_scoped_release>());
 }

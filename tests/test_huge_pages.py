@@ -1,0 +1,70 @@
+"""kernels/huge_pages.py: weight buffers advised for transparent huge pages."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from baton.kernels.huge_pages import HUGE_PAGE, huge_page_share, huge_page_zeros
+from baton.kernels.quant_formats import FORMATS, repack
+from baton.kernels.quant_linear import available_isas, repack_native
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = THP.read_text()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, HUGE_PAGE - 1, HUGE_PAGE, 3 * HUGE_PAGE + 4097])
+def test_zeros_of_the_size_asked_and_writable(nbytes: int) -> None:
+    t = huge_page_zeros(nbytes)
+    assert t.dtype == torch.uint8 and t.dim() == 1 and t.numel() == nbytes and t.is_contiguous()
+    assert not t.any()
+    t.fill_(1)
+    assert int(t.sum()) == nbytes
+
+
+def test_large_buffers_start_on_a_huge_page_boundary() -> None:
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("this platform has no MADV_HUGEPAGE")
+    for nbytes in (HUGE_PAGE, 5 * HUGE_PAGE + 123):
+        assert huge_page_zeros(nbytes).data_ptr() % HUGE_PAGE == 0
+
+
+def test_negative_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        huge_page_zeros(-1)
+
+
+def test_the_kernel_grants_huge_pages_where_asked() -> None:
+    if not hasattr(mmap, "MADV_HUGEPAGE") or _thp_mode() not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages not granted on request here ({_thp_mode()})")
+    t = huge_page_zeros(8 * HUGE_PAGE)
+    t.fill_(1)  # resident only once written
+    plain = torch.ones(8 * HUGE_PAGE, dtype=torch.uint8)
+    assert huge_page_share(t) > 0.0
+    if _thp_mode() == "madvise":
+        assert huge_page_share(plain) == 0.0
+
+
+@pytest.mark.skipif(not available_isas(), reason="the C++ kernels need an x86-64 CPU")
+def test_native_repack_of_a_large_weight_writes_the_numpy_bytes_on_huge_page_memory() -> None:
+    fmt = FORMATS["Q4_0"]
+    n, k = 2048 + 3, 2048  # > 2 MiB packed, and a partial last tile (its padding stays zero)
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(n, k // fmt.block_weights * fmt.block_bytes), dtype=np.uint8)
+    expected = repack(raw, "Q4_0").data
+    got = repack_native(raw, "Q4_0").data
+    assert got.numel() == fmt.packed_nbytes(n, k) == expected.numel() > HUGE_PAGE
+    assert torch.equal(got, expected)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert got.data_ptr() % HUGE_PAGE == 0
