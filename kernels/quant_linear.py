@@ -291,10 +291,11 @@ class QuantProjection:
         return _extension().quant_linear_parts(x, *self._args)
 
 
-def repack_native(raw: np.ndarray, format: str) -> QuantWeight:
+def repack_native(raw: np.ndarray, format: str, huge_pages: bool = True) -> QuantWeight:
     """``quant_formats.repack(raw, format)`` (the same bytes) in one pass of C++ on torch's
-    intra-op threads, into memory advised for huge pages (``huge_pages.huge_page_zeros``):
-    what a loader calls. Compiles the extension on first use.
+    intra-op threads: what a loader calls. With ``huge_pages`` (for weights this process
+    multiplies) into memory advised for huge pages (``huge_pages.huge_page_zeros``), else
+    plain memory (weights another process will copy). Compiles the extension on first use.
 
     Raises:
         ValueError: as ``quant_formats.repack``.
@@ -307,7 +308,8 @@ def repack_native(raw: np.ndarray, format: str) -> QuantWeight:
         warnings.simplefilter("ignore", UserWarning)
         src = torch.from_numpy(np.ascontiguousarray(raw))
     # On huge pages: a decode step streams the weight (kernels/huge_pages.py says why).
-    out = huge_page_zeros(fmt.packed_nbytes(n, k))
+    size = fmt.packed_nbytes(n, k)
+    out = huge_page_zeros(size) if huge_pages else torch.zeros(size, dtype=torch.uint8)
     _extension().repack_into(src, fmt.code, n, k, out)
     return QuantWeight(format, n, k, out)
 

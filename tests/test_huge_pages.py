@@ -68,3 +68,27 @@ def test_native_repack_of_a_large_weight_writes_the_numpy_bytes_on_huge_page_mem
     assert torch.equal(got, expected)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         assert got.data_ptr() % HUGE_PAGE == 0
+
+
+def test_shared_buffer_release_frees_whole_pages_of_a_range_and_keeps_the_rest() -> None:
+    from baton.engine.worker.shared_memory import SharedBuffer, TensorLayout, pack_layouts
+
+    page = mmap.PAGESIZE
+    layouts, total = pack_layouts(
+        {"a": (torch.uint8, (3 * page + 100,)), "b": (torch.uint8, (5 * page,))}
+    )
+    buf = SharedBuffer.create(total, "baton-test")
+    a, b = buf.tensor(layouts["a"]), buf.tensor(layouts["b"])
+    a.fill_(1)
+    b.fill_(2)
+    buf.release(layouts["b"])
+    if hasattr(mmap, "MADV_REMOVE"):  # b's whole pages read back as zeros
+        start = layouts["b"].offset
+        first = -(-start // page) * page - start
+        last = (start + layouts["b"].nbytes) // page * page - start
+        assert not b[first:last].any()
+        assert bool((b[:first] == 2).all()) and bool((b[last:] == 2).all())
+    assert bool((a == 1).all())  # a's bytes, its last page shared with b's first included
+    with pytest.raises(ValueError, match="past the buffer's end"):
+        buf.release(TensorLayout(layouts["b"].offset, torch.uint8, (total,)))
+    buf.close()

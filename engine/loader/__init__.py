@@ -69,6 +69,7 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     shard: ShardSpec | None = None,
     keep_quantized: bool = False,
+    huge_pages: bool = True,
 ) -> Checkpoint:
     """Load a model: ``None`` -> the default model; a ``*.gguf`` file -> the GGUF loader; a
     directory with config.json -> the Hugging Face loader. Weights come back in ``dtype``.
@@ -80,7 +81,9 @@ def load_checkpoint(
     cannot load (a ``shard.size`` that does not fit the model included), ``TypeError`` for a bad
     argument type. ``keep_quantized`` (``quantization="gguf"``): a GGUF file's block-quantised
     linear weights stay in their blocks (``Checkpoint.quantized``, see ``gguf.load_gguf``);
-    anything but a GGUF file is then a ``ModelLoadError``.
+    anything but a GGUF file is then a ``ModelLoadError``; ``huge_pages``: those weights on
+    memory advised for huge pages (False where another process will copy them and multiply
+    the copy: ``kernels/huge_pages.py``).
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
@@ -95,7 +98,7 @@ def load_checkpoint(
     if _is_gguf(resolved):
         from baton.engine.loader.gguf import load_gguf
 
-        return load_gguf(resolved, dtype, shard, keep_quantized)
+        return load_gguf(resolved, dtype, shard, keep_quantized, huge_pages)
     if resolved.is_dir():
         from baton.engine.loader.hf import load_hf
 

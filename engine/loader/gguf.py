@@ -314,6 +314,7 @@ def load_gguf(
     dtype: torch.dtype = torch.float32,
     shard: ShardSpec | None = None,
     keep_quantized: bool = False,
+    huge_pages: bool = True,
 ) -> Checkpoint:
     """Load a GGUF file of an architecture in ``models/architectures.py`` as a ``Checkpoint``
     with weights in ``dtype``.
@@ -324,10 +325,12 @@ def load_gguf(
     for bit). With ``keep_quantized`` (``quantization="gguf"``) the linear weights of a type
     the quantised kernel multiplies are not dequantised but repacked from the file's blocks
     into ``Checkpoint.quantized`` (``gguf_quant.keep_quantized``; logs what it kept and what it
-    dequantised instead). Raises ``ModelLoadError`` naming the path for an unreadable file, an
-    unsupported architecture, tokenizer or tensor type, missing or misshapen tensors, a
-    ``shard.size`` that does not fit the model, and with ``keep_quantized`` a ``shard`` or a
-    file without any linear of a type the kernel multiplies.
+    dequantised instead), on memory advised for huge pages unless ``huge_pages`` is False
+    (weights another process will copy: ``kernels/huge_pages.py``). Raises ``ModelLoadError``
+    naming the path for an unreadable file, an unsupported architecture, tokenizer or tensor
+    type, missing or misshapen tensors, a ``shard.size`` that does not fit the model, and with
+    ``keep_quantized`` a ``shard`` or a file without any linear of a type the kernel
+    multiplies.
     """
     reader = read_gguf(path)
     metadata = gguf_metadata(reader, path)
@@ -351,7 +354,7 @@ def load_gguf(
     if keep_quantized:
         from baton.engine.loader.gguf_quant import keep_quantized as keep
 
-        quantized, kept = keep(path, {hf: t for t, hf in named}, config, dtype)
+        quantized, kept = keep(path, {hf: t for t, hf in named}, config, dtype, huge_pages)
     weights: dict[str, torch.Tensor] = {}
     for tensor, hf_name in named:
         if hf_name in kept:

@@ -52,11 +52,11 @@ def _raw_rows(path: Path, tensor: GGUFTensor, config: ModelConfig) -> np.ndarray
     return raw if heads is None else unpermute_qk(raw, heads)
 
 
-def _repack(path: Path, raw: np.ndarray, kind: str, name: str) -> QuantWeight:
+def _repack(path: Path, raw: np.ndarray, kind: str, name: str, huge_pages: bool) -> QuantWeight:
     # The C++ repack (the same bytes) where the kernel runs: numpy's took 8 of the 1B-shape
     # Q4_K_M file's 13.6 s load.
     try:
-        return repack_native(raw, kind) if available_isas() else repack(raw, kind)
+        return repack_native(raw, kind, huge_pages) if available_isas() else repack(raw, kind)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: cannot repack {name} ({kind}): {exc}") from exc
 
@@ -67,7 +67,7 @@ def _dense_bytes(tensors: list[GGUFTensor], dtype: torch.dtype) -> int:
 
 
 def _keep_group(
-    path: Path, config: ModelConfig, name: str, parts: dict[str, GGUFTensor]
+    path: Path, config: ModelConfig, name: str, parts: dict[str, GGUFTensor], huge_pages: bool
 ) -> dict[str, QuantWeight]:
     """A projection's parts (HF name -> tensor, in row order) as kernel weights: one fused
     weight ``name`` when they share a type, else one per part."""
@@ -75,16 +75,23 @@ def _keep_group(
     raws = {hf: _raw_rows(path, t, config) for hf, t in parts.items()}
     if len(kinds) == 1:
         raw = next(iter(raws.values())) if len(raws) == 1 else np.concatenate(list(raws.values()))
-        kept = {name: _repack(path, raw, kinds.pop(), name)}
+        kept = {name: _repack(path, raw, kinds.pop(), name, huge_pages)}
     else:
-        kept = {hf: _repack(path, raws[hf], t.tensor_type.name, hf) for hf, t in parts.items()}
+        kept = {
+            hf: _repack(path, raws[hf], t.tensor_type.name, hf, huge_pages)
+            for hf, t in parts.items()
+        }
     for t in parts.values():  # copied: the file's pages need not stay resident beside them
         t.release_pages()
     return kept
 
 
 def keep_quantized(
-    path: Path, tensors: Mapping[str, GGUFTensor], config: ModelConfig, dtype: torch.dtype
+    path: Path,
+    tensors: Mapping[str, GGUFTensor],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    huge_pages: bool = True,
 ) -> tuple[dict[str, QuantWeight], frozenset[str]]:
     """The linear weights of ``tensors`` (by Hugging Face name) kept quantised, named as
     ``models/gguf_linear.py`` says, and the Hugging Face names the dense loader must skip.
@@ -97,7 +104,9 @@ def keep_quantized(
     dense. A mixture-of-experts model's routed experts are kept per expert where their types
     have a kernel (``_keep_experts``); other expert tensors (and Qwen2-MoE's shared expert)
     are dequantised, logged as a warning with the memory they take. Logs what was kept.
-    Missing tensors are left for the checkpoint's check to report.
+    Missing tensors are left for the checkpoint's check to report. ``huge_pages``: the
+    repacked weights in memory advised for huge pages (``kernels/huge_pages.py``), for a
+    process that multiplies them; else plain memory.
 
     Raises:
         ModelLoadError: no linear weight has a kernel type (naming the types found), or a
@@ -117,7 +126,7 @@ def keep_quantized(
             continue  # reported as missing by the checkpoint's check
         kinds = {t.tensor_type.name for t in group.values()}
         if kinds <= FORMATS.keys():
-            quantized.update(_keep_group(path, config, name, group))
+            quantized.update(_keep_group(path, config, name, group, huge_pages))
             skip.update(group)
         elif not kinds <= _FLOAT_TYPES:
             fallback.append((name, list(group.values())))
@@ -125,7 +134,7 @@ def keep_quantized(
     head = tensors.get(head_name)
     if head is not None and head.tensor_type.name in FORMATS:
         quantized[LM_HEAD] = _repack(
-            path, _raw_rows(path, head, config), head.tensor_type.name, LM_HEAD
+            path, _raw_rows(path, head, config), head.tensor_type.name, LM_HEAD, huge_pages
         )
         head.release_pages()
         # the model looks up a tied embedding's rows in the head's blocks: not loaded dense
@@ -135,7 +144,11 @@ def keep_quantized(
     embedding = tensors.get(EMBEDDING)
     if head_name == LM_HEAD and embedding is not None and embedding.tensor_type.name in FORMATS:
         quantized[EMBEDDING] = _repack(
-            path, _raw_rows(path, embedding, config), embedding.tensor_type.name, EMBEDDING
+            path,
+            _raw_rows(path, embedding, config),
+            embedding.tensor_type.name,
+            EMBEDDING,
+            huge_pages,
         )
         embedding.release_pages()
         skip.add(EMBEDDING)
@@ -155,7 +168,7 @@ def keep_quantized(
         )
     for layer in range(config.num_layers):
         if config.moe_layer(layer):
-            kept, stacked = _keep_experts(path, tensors, layer, config.num_experts)
+            kept, stacked = _keep_experts(path, tensors, layer, config.num_experts, huge_pages)
             quantized.update(kept)
             skip.update(stacked)
     dense_embedding = None if EMBEDDING in skip else tensors.get(EMBEDDING)
@@ -181,7 +194,11 @@ def keep_quantized(
 
 
 def _keep_experts(
-    path: Path, tensors: Mapping[str, GGUFTensor], layer: int, num_experts: int
+    path: Path,
+    tensors: Mapping[str, GGUFTensor],
+    layer: int,
+    num_experts: int,
+    huge_pages: bool,
 ) -> tuple[dict[str, QuantWeight], set[str]]:
     """Layer ``layer``'s routed experts as kernel weights, one ``gate_up`` (gate | up, or the
     two parts where their types differ) and one ``down`` per expert, cut from llama.cpp's
@@ -215,11 +232,11 @@ def _keep_experts(
             raws = [np.asarray(stacked[part].data[e]) for part in parts]
             if len(kinds) == 1:
                 raw = raws[0] if len(raws) == 1 else np.concatenate(raws)
-                kept[expert + fused] = _repack(path, raw, kinds.pop(), expert + fused)
+                kept[expert + fused] = _repack(path, raw, kinds.pop(), expert + fused, huge_pages)
                 continue
             for part, raw in zip(parts, raws, strict=True):
                 kind = stacked[part].tensor_type.name
-                kept[expert + part] = _repack(path, raw, kind, expert + part)
+                kept[expert + part] = _repack(path, raw, kind, expert + part, huge_pages)
     for tensor in stacked.values():
         tensor.release_pages()
     return kept, {prefix + leaf for leaf in leaves}

@@ -75,8 +75,12 @@ def setup_model(
     if sharded:
         ckpt = _load_shard(config, 0)
     else:
+        # Under the mp executor the worker copies the weights onto huge pages itself.
         ckpt = checkpoint or load_checkpoint(
-            config.model, dtype=config.dtype, keep_quantized=config.quantization == "gguf"
+            config.model,
+            dtype=config.dtype,
+            keep_quantized=config.quantization == "gguf",
+            huge_pages=config.executor != "mp",
         )
     c = ckpt.config
     max_model_len = _max_model_len(config, ckpt)

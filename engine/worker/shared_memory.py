@@ -93,6 +93,26 @@ class SharedBuffer:
         """The quantised weight at ``layout``: its bytes a view of the shared memory."""
         return QuantWeight(layout.format, layout.n, layout.k, self.tensor(layout.data))
 
+    def release(self, layout: TensorLayout) -> None:
+        """Frees the memory behind the whole pages of ``layout``'s range (``MADV_REMOVE``: the
+        file's pages go, for every process that maps it; a later read sees zeros). For a
+        tensor copied elsewhere whose bytes no one reads here any more. A no-op where the
+        platform has no such advice or the buffer is closed.
+
+        Raises:
+            ValueError: the range lies past the buffer's end.
+        """
+        end = layout.offset + layout.nbytes
+        if end > self.nbytes:
+            raise ValueError(f"tensor at {layout.offset}..{end} lies past the buffer's end")
+        advice = getattr(mmap, "MADV_REMOVE", None)
+        if self._map is None or advice is None:
+            return
+        lo = -(-layout.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        hi = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo:
+            self._map.madvise(advice, lo, hi - lo)
+
     def close(self) -> None:
         """Closes the descriptor; the mapping stays valid while tensors view it."""
         if self.fd >= 0:

@@ -41,6 +41,8 @@ from baton.engine.worker.runner_values import ForwardOutput
 from baton.engine.worker.shared_memory import QuantLayout, SharedBuffer, TensorLayout
 from baton.engine.worker.step_broadcast import BroadcastLayout, StepReader
 from baton.engine.worker.tp_runner import join_group
+from baton.kernels.huge_pages import huge_page_zeros
+from baton.kernels.quant_formats import QuantWeight
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,18 @@ class _FailedStep:
     message: str
 
 
+def _on_huge_pages(mem: SharedBuffer, layout: QuantLayout) -> QuantWeight:
+    """The quantised weight at ``layout`` copied into this process's memory advised for huge
+    pages (``kernels/huge_pages.py``: a decode step streams it; shared memory gets none where
+    ``shmem_enabled`` is "never", the common default), its shared pages then released, so the
+    weight is held once."""
+    shared = mem.quant_weight(layout)
+    data = huge_page_zeros(shared.data.numel())
+    data.copy_(shared.data)
+    mem.release(layout.data)
+    return QuantWeight(layout.format, layout.n, layout.k, data)
+
+
 def serve(conn: Connection) -> int:
     """The worker's whole life: init, then steps until "shutdown" or the connection closes.
     Returns the process exit code. A failure to start is sent as ("error", traceback)."""
@@ -98,7 +112,7 @@ def serve(conn: Connection) -> int:
             torch.set_num_threads(init.spec.num_threads)
         weights_mem = SharedBuffer(init.weights_fd, init.weights_nbytes)
         weights = {name: weights_mem.tensor(lay) for name, lay in init.weights.items()}
-        quantized = {name: weights_mem.quant_weight(q) for name, q in init.quantized.items()}
+        quantized = {name: _on_huge_pages(weights_mem, q) for name, q in init.quantized.items()}
         io = SharedBuffer(init.io_fd, init.io_nbytes)
         bitmasks, sampled = io.tensor(init.bitmasks), io.tensor(init.sampled)
         tp = None
