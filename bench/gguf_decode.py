@@ -10,10 +10,11 @@ order reversed every other repeat: the engine's start time (load, build, pack or
 greedy decode tok/s at batch 1 and at batch 16 (``--steps`` tokens per request, after a
 warm-up), the peak RSS (``ru_maxrss``) and the RSS after the imports, the memory on
 transparent huge pages at the end (``AnonHugePages``; where the GGUF blocks are kept, their
-buffers ask for them: ``kernels/huge_pages.py``), and the load average when it started. For the configurations that keep the GGUF blocks it also reports the
-bandwidth a batch-1 step reads the weights at (the file's bytes a step reads, times b1 tok/s)
-against this machine's copy and read bandwidth with the same threads
-(``bench/memory_bandwidth.py``). Writes JSON.
+buffers ask for them: ``kernels/huge_pages.py``), and the load average when it started.
+For the configurations that keep the GGUF blocks it also reports the bandwidth a batch-1
+step reads the weights at (the file's bytes a step reads, times b1 tok/s) against this
+machine's copy and read bandwidth with the same threads (``bench/memory_bandwidth.py``).
+Writes JSON.
 
     baton bench gguf_decode [--model PATH] [--steps 32] [--repeats 2]
         [--configs bfloat16:none,bfloat16:gguf,bfloat16:gguf:torch-ops,...] [--threads 1]

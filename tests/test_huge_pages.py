@@ -92,3 +92,40 @@ def test_shared_buffer_release_frees_whole_pages_of_a_range_and_keeps_the_rest()
     with pytest.raises(ValueError, match="past the buffer's end"):
         buf.release(TensorLayout(layouts["b"].offset, torch.uint8, (total,)))
     buf.close()
+
+
+def test_page_mover_moves_largest_first_in_slices_and_releases_each_once() -> None:
+    from baton.engine.worker import weight_pages
+    from baton.engine.worker.weight_pages import WeightPageMover
+
+    small = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    big = (torch.arange(2 * weight_pages.SLICE_BYTES + 5) % 251).to(torch.uint8)
+    expected = {id(small): small.clone(), id(big): big.clone()}
+    holders = {"small": small, "big": big}  # other holders of the same tensor objects
+    released: list[str] = []
+    mover = WeightPageMover(
+        [(small, lambda: released.append("small")), (big, lambda: released.append("big"))]
+    )
+    old_big = big.data_ptr()
+    assert mover.pending == 2
+    mover.move_slice()
+    mover.move_slice()
+    assert big.data_ptr() == old_big and not released  # two of big's three slices
+    mover.move_slice()
+    assert big.data_ptr() != old_big and released == ["big"] and mover.pending == 1
+    mover.move_slice()
+    assert released == ["big", "small"] and mover.pending == 0 and mover.moved == 2
+    mover.move_slice()  # nothing left: a no-op
+    for t in holders.values():
+        assert torch.equal(t, expected[id(t)])
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert big.data_ptr() % HUGE_PAGE == 0
+
+
+def test_page_mover_refuses_what_it_cannot_move() -> None:
+    from baton.engine.worker.weight_pages import WeightPageMover
+
+    with pytest.raises(ValueError, match="contiguous 1-D uint8"):
+        WeightPageMover([(torch.zeros(4, 4, dtype=torch.uint8), lambda: None)])
+    with pytest.raises(ValueError, match="contiguous 1-D uint8"):
+        WeightPageMover([(torch.zeros(4), lambda: None)])

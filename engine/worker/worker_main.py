@@ -19,6 +19,7 @@ engine process however that ends.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import signal
@@ -41,8 +42,7 @@ from baton.engine.worker.runner_values import ForwardOutput
 from baton.engine.worker.shared_memory import QuantLayout, SharedBuffer, TensorLayout
 from baton.engine.worker.step_broadcast import BroadcastLayout, StepReader
 from baton.engine.worker.tp_runner import join_group
-from baton.kernels.huge_pages import huge_page_zeros
-from baton.kernels.quant_formats import QuantWeight
+from baton.engine.worker.weight_pages import WeightPageMover
 
 
 @dataclass(frozen=True)
@@ -90,18 +90,6 @@ class _FailedStep:
     message: str
 
 
-def _on_huge_pages(mem: SharedBuffer, layout: QuantLayout) -> QuantWeight:
-    """The quantised weight at ``layout`` copied into this process's memory advised for huge
-    pages (``kernels/huge_pages.py``: a decode step streams it; shared memory gets none where
-    ``shmem_enabled`` is "never", the common default), its shared pages then released, so the
-    weight is held once."""
-    shared = mem.quant_weight(layout)
-    data = huge_page_zeros(shared.data.numel())
-    data.copy_(shared.data)
-    mem.release(layout.data)
-    return QuantWeight(layout.format, layout.n, layout.k, data)
-
-
 def serve(conn: Connection) -> int:
     """The worker's whole life: init, then steps until "shutdown" or the connection closes.
     Returns the process exit code. A failure to start is sent as ("error", traceback)."""
@@ -112,7 +100,14 @@ def serve(conn: Connection) -> int:
             torch.set_num_threads(init.spec.num_threads)
         weights_mem = SharedBuffer(init.weights_fd, init.weights_nbytes)
         weights = {name: weights_mem.tensor(lay) for name, lay in init.weights.items()}
-        quantized = {name: _on_huge_pages(weights_mem, q) for name, q in init.quantized.items()}
+        quantized = {name: weights_mem.quant_weight(q) for name, q in init.quantized.items()}
+        # moved onto huge pages once ready, while idle (weight_pages.py says why)
+        mover = WeightPageMover(
+            [
+                (quantized[name].data, functools.partial(weights_mem.release, q.data))
+                for name, q in init.quantized.items()
+            ]
+        )
         io = SharedBuffer(init.io_fd, init.io_nbytes)
         bitmasks, sampled = io.tensor(init.bitmasks), io.tensor(init.sampled)
         tp = None
@@ -139,7 +134,7 @@ def serve(conn: Connection) -> int:
             # and dropping a thread for it was slower than sharing. Only others count.
             parent = (os.getppid(),)
             governor = ThreadGovernor(read=lambda: read_cpu(partners=parent))
-        _run_steps(conn, runner, bitmasks, sampled, reader, init.rank == 0, governor)
+        _run_steps(conn, runner, bitmasks, sampled, reader, init.rank == 0, governor, mover)
     except Exception:  # noqa: BLE001 - a tensor-parallel step failed: reported, then exit
         conn.send(("error", traceback.format_exc()))
         return 1
@@ -154,11 +149,13 @@ def _run_steps(
     reader: StepReader | None = None,
     driver: bool = True,
     governor: ThreadGovernor | None = None,
+    mover: WeightPageMover | None = None,
 ) -> None:
     """Serves steps until "shutdown" or the connection closes. With tensor parallelism
     (``runner.model.tp`` set) a failed step raises instead of failing its requests: the other
     ranks could not go on without this one. ``governor`` adjusts the torch threads before
-    each forward."""
+    each forward. ``mover``'s weights move a slice at a time while no message waits (between
+    messages: no step is running)."""
     tp = runner.model.tp
     outbox: queue.SimpleQueue[Reply | None] = queue.SimpleQueue()
     sender = threading.Thread(target=_send_replies, args=(conn, outbox), daemon=True)
@@ -168,6 +165,8 @@ def _run_steps(
     try:
         while True:
             try:
+                while mover is not None and mover.pending and not conn.poll(0):
+                    mover.move_slice()
                 message = conn.recv()
             except (EOFError, OSError):
                 break  # the engine is gone
