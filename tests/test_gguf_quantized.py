@@ -202,6 +202,56 @@ def test_engine_greedy_tokens_equal_dequantised_and_worker_process(quant_gguf: P
     assert _generate(quant_gguf, executor="mp", quantization="gguf") == dense
 
 
+def test_weights_move_to_new_pages_in_idle_time_and_give_the_same_tokens(quant_gguf: Path) -> None:
+    """An engine starts on the weights as repacked and moves them (onto huge-page memory,
+    ``worker/weight_pages.py``) a slice at a time in ``idle_work``, never while a request is
+    unfinished; the tokens are the same before, during and after. ``LLM`` finishes the moves
+    before it returns."""
+    from baton.engine.processing.llm_engine import LLMEngine
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = _generate(quant_gguf, executor="uni", quantization="gguf")
+    ckpt = load_checkpoint(quant_gguf, keep_quantized=True, huge_pages=False)
+    before = {name: q.data.data_ptr() for name, q in ckpt.quantized.items()}
+    config = EngineConfig(
+        model=str(quant_gguf),
+        dtype=torch.float32,
+        num_kv_blocks=64,
+        executor="uni",
+        quantization="gguf",
+    )
+    engine = LLMEngine(config, ckpt)
+    try:
+        engine.add_request("a", PROMPTS[0], params)
+        assert not engine.idle_work()  # a request is unfinished: nothing moves
+        assert all(q.data.data_ptr() == before[n] for n, q in ckpt.quantized.items())
+        tokens = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens.append(list(out.outputs[0].token_ids))
+        assert tokens == expected[:1]
+        slices = 0
+        while engine.idle_work():
+            slices += 1
+        assert slices >= len(before) - 1
+        assert all(q.data.data_ptr() != before[n] for n, q in ckpt.quantized.items())
+        engine.add_request("b", PROMPTS[0], params)
+        tokens = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens.append(list(out.outputs[0].token_ids))
+        assert tokens == expected[:1]
+    finally:
+        engine.shutdown()
+    llm = LLM(str(quant_gguf), dtype=torch.float32, num_kv_blocks=64, quantization="gguf")
+    try:
+        assert not llm.engine.idle_work()  # moved before LLM() returned
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_gets_the_same_bits_alone_and_in_a_batch(
     quant_gguf: Path, dtype: torch.dtype

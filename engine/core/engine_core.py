@@ -107,6 +107,11 @@ class EngineCore:
         Reads only flags, so any thread may call it."""
         return self._dead or self.executor.failure()
 
+    def idle_work(self) -> bool:
+        """One slice of the executor's idle-time work (``Executor.idle_work``); whether any
+        remains. Call only while no step is in flight."""
+        return self.executor.idle_work()
+
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running (a step in flight is the caller's to know of)."""
         return self.scheduler.has_unfinished_requests()

@@ -317,7 +317,10 @@ class AsyncLLM:
         try:
             while True:
                 idle = not engine.has_unfinished_requests()
-                if self._handle_commands(engine, tracked, block=idle):
+                # Deferred work (weights onto huge pages) a slice at a time while idle, a
+                # command check between slices: a request waits for one slice at most.
+                more = idle and engine.idle_work()
+                if self._handle_commands(engine, tracked, block=idle and not more):
                     break
                 if engine.has_unfinished_requests():
                     self._dispatch(engine, tracked, engine.step())

@@ -55,6 +55,10 @@ class LLM:
     def _start(self, config: EngineConfig, checkpoint: Checkpoint | None) -> None:
         self.config = config
         self.engine = LLMEngine(config, checkpoint)
+        # Offline use has no idle time to defer to: the GGUF weights move onto huge pages now
+        # (worker/weight_pages.py; a server moves them while idle, after it is ready).
+        while self.engine.idle_work():
+            pass
         self._ids = itertools.count()
 
     @classmethod

@@ -71,5 +71,12 @@ class Executor(ABC):
         while it can. Reads only flags, so any thread may call it."""
         return None
 
+    def idle_work(self) -> bool:
+        """Runs one short slice of work deferred to idle time, if any (moving GGUF weights onto
+        huge pages: ``worker/weight_pages.py``); call only between steps, with none in
+        flight. Returns whether any remains. None by default (a worker process does its own
+        in its idle time)."""
+        return False
+
     def shutdown(self) -> None:  # noqa: B027 - most executors hold nothing to release
         """Releases the executor's resources; idempotent."""

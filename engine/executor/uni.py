@@ -19,6 +19,7 @@ from baton.engine.worker.cpu_threads import ThreadGovernor, ThreadState
 from baton.engine.worker.device_buffers import DeviceIO
 from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.worker.runner_values import ForwardOutput, SampledTokens
+from baton.engine.worker.weight_pages import WeightPageMover
 
 # Start and end marks of a piece of device work (see ``DeviceIO.mark``).
 _Span = tuple[torch.cuda.Event | float, torch.cuda.Event | float]
@@ -33,7 +34,8 @@ class UniExecutor(Executor):
     guard, where any host read of a device value is reported. Device time comes from the
     host clock on the CPU and from CUDA events on CUDA, read when an output is collected.
     On the CPU a ``governor`` (``worker/cpu_threads.py``; built only for device "cpu") may
-    change the torch thread count before each forward.
+    change the torch thread count before each forward. ``mover``'s weights move onto huge
+    pages in ``idle_work``.
     """
 
     def __init__(
@@ -41,9 +43,11 @@ class UniExecutor(Executor):
         runner: ModelRunner,
         checker: SyncChecker | None = None,
         governor: ThreadGovernor | None = None,
+        mover: WeightPageMover | None = None,
     ) -> None:
         self.runner = runner
         self._governor = governor
+        self._mover = mover
         self._io: DeviceIO = runner.io
         self._pending: deque[tuple[ForwardOutput, _Span]] = deque()
         self._device_s = 0.0
@@ -53,6 +57,12 @@ class UniExecutor(Executor):
         # On the CPU the runner's calls are the device's work, not a wait for it; on CUDA
         # they only queue work, so a host read inside them is a real sync and stays reported.
         return self._checker.allow() if self._io.is_host else contextlib.nullcontext()
+
+    def idle_work(self) -> bool:
+        if self._mover is None or not self._mover.pending:
+            return False
+        self._mover.move_slice()
+        return self._mover.pending > 0
 
     def execute_model(self, so: SchedulerOutput) -> None:
         if self._governor is not None:

@@ -362,6 +362,14 @@ class LLMEngine:
         stats.update(self.structured.service.stats())
         return stats
 
+    def idle_work(self) -> bool:
+        """One short slice of work deferred to idle time (moving the GGUF weights onto huge
+        pages, ``worker/weight_pages.py``), if any; whether any remains. For a caller with no
+        request unfinished (no step in flight)."""
+        if self.has_unfinished_requests():
+            return False
+        return self.core.idle_work()
+
     def failure(self) -> str | None:
         """Why this engine can no longer run steps (e.g. the model worker died), or None
         while it can. Reads only flags, so any thread may call it."""

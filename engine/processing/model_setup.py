@@ -28,6 +28,7 @@ from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
 from baton.engine.worker.build import RunnerSpec, build_runner
 from baton.engine.worker.cpu_threads import ThreadGovernor
+from baton.engine.worker.weight_pages import WeightPageMover
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,13 @@ def setup_model(
     if sharded:
         ckpt = _load_shard(config, 0)
     else:
-        # Under the mp executor the worker copies the weights onto huge pages itself.
+        # Repacked onto plain pages: the executor moves them onto huge pages in idle time
+        # (worker/weight_pages.py says why), so the load does not wait for that.
         ckpt = checkpoint or load_checkpoint(
             config.model,
             dtype=config.dtype,
             keep_quantized=config.quantization == "gguf",
-            huge_pages=config.executor != "mp",
+            huge_pages=False,
         )
     c = ckpt.config
     max_model_len = _max_model_len(config, ckpt)
@@ -122,7 +124,10 @@ def setup_model(
     else:
         governor = ThreadGovernor() if spec.adapt_threads else None
         runner = build_runner(spec, ckpt.weights, quantized=ckpt.quantized)
-        executor = UniExecutor(runner, checker, governor)
+        # The runner holds these very tensor objects: moving one re-points it everywhere; its
+        # old pages go with their last reference.
+        mover = WeightPageMover([(q.data, _nothing) for q in ckpt.quantized.values()])
+        executor = UniExecutor(runner, checker, governor, mover)
     return ModelSetup(
         str(ckpt.path),
         c.vocab_size,
@@ -136,6 +141,10 @@ def setup_model(
         ckpt.quantized_types(),
         c.sliding_window if not c.full_attention_layers else None,
     )
+
+
+def _nothing() -> None:
+    pass
 
 
 def _load_shard(config: EngineConfig, rank: int) -> Checkpoint:
