@@ -3,10 +3,8 @@
 Why: a batch-1 CPU decode step reads every weight once, in order. On 4 KiB pages that is a
 TLB miss every 4 KiB, and the hardware prefetchers stop at each page's end; on 2 MiB pages
 neither happens. Measured on the 1B-shape Q4_K_M model kept in its blocks (AMD EPYC Genoa, 2
-threads, the 64 one-row projections and the LM head of a step, interleaved rounds, medians):
-29.6 -> 25.8 ms a step with the repacked weights copied to huge pages (/work/scratch/huge54.py
-in the sitting that added this; ``bench/gguf_decode.py`` has the engine-level comparison).
-llama.cpp gets the same from the page cache's large folios of its memory-mapped file.
+threads, a step's 64 one-row projections and its LM head, 25 interleaved rounds, medians):
+29.6 ms a step on 4 KiB pages, 25.8 ms with the same bytes copied to huge pages.
 
 Linux only grants huge pages to memory that asks (``madvise(MADV_HUGEPAGE)`` where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is "madvise", the common default) and only for
