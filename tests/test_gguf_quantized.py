@@ -205,14 +205,12 @@ def test_engine_greedy_tokens_equal_dequantised_and_worker_process(quant_gguf: P
 def test_weights_move_to_new_pages_in_idle_time_and_give_the_same_tokens(quant_gguf: Path) -> None:
     """An engine starts on the weights as repacked and moves them (onto huge-page memory,
     ``worker/weight_pages.py``) a slice at a time in ``idle_work``, never while a request is
-    unfinished; the tokens are the same before, during and after. ``LLM`` finishes the moves
-    before it returns."""
+    unfinished; the tokens are the same before and after. ``LLM`` finishes the moves before it
+    returns; a caller's checkpoint (which may back another engine) is never moved."""
     from baton.engine.processing.llm_engine import LLMEngine
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = _generate(quant_gguf, executor="uni", quantization="gguf")
-    ckpt = load_checkpoint(quant_gguf, keep_quantized=True, huge_pages=False)
-    before = {name: q.data.data_ptr() for name, q in ckpt.quantized.items()}
     config = EngineConfig(
         model=str(quant_gguf),
         dtype=torch.float32,
@@ -220,29 +218,39 @@ def test_weights_move_to_new_pages_in_idle_time_and_give_the_same_tokens(quant_g
         executor="uni",
         quantization="gguf",
     )
-    engine = LLMEngine(config, ckpt)
-    try:
-        engine.add_request("a", PROMPTS[0], params)
-        assert not engine.idle_work()  # a request is unfinished: nothing moves
-        assert all(q.data.data_ptr() == before[n] for n, q in ckpt.quantized.items())
+
+    def run(engine: LLMEngine, request_id: str) -> list[list[int]]:
+        engine.add_request(request_id, PROMPTS[0], params)
         tokens = []
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     tokens.append(list(out.outputs[0].token_ids))
-        assert tokens == expected[:1]
+        return tokens
+
+    engine = LLMEngine(config)
+    try:
+        head = engine.core.executor.runner.model.lm_head_quant.data  # type: ignore[attr-defined]
+        before = head.data_ptr()
+        engine.add_request("a", PROMPTS[0], params)
+        assert not engine.idle_work()  # a request is unfinished: nothing moves
+        assert head.data_ptr() == before
+        engine.abort_request("a")
+        assert run(engine, "b") == expected[:1]
         slices = 0
         while engine.idle_work():
             slices += 1
-        assert slices >= len(before) - 1
-        assert all(q.data.data_ptr() != before[n] for n, q in ckpt.quantized.items())
-        engine.add_request("b", PROMPTS[0], params)
-        tokens = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    tokens.append(list(out.outputs[0].token_ids))
-        assert tokens == expected[:1]
+        assert slices >= 1 and head.data_ptr() != before
+        assert run(engine, "c") == expected[:1]
+    finally:
+        engine.shutdown()
+    ckpt = load_checkpoint(quant_gguf, keep_quantized=True, huge_pages=False)
+    pointers = [q.data.data_ptr() for q in ckpt.quantized.values()]
+    engine = LLMEngine(config, ckpt)
+    try:
+        assert not engine.idle_work()
+        assert run(engine, "d") == expected[:1]
+        assert [q.data.data_ptr() for q in ckpt.quantized.values()] == pointers
     finally:
         engine.shutdown()
     llm = LLM(str(quant_gguf), dtype=torch.float32, num_kv_blocks=64, quantization="gguf")

@@ -125,8 +125,10 @@ def setup_model(
         governor = ThreadGovernor() if spec.adapt_threads else None
         runner = build_runner(spec, ckpt.weights, quantized=ckpt.quantized)
         # The runner holds these very tensor objects: moving one re-points it everywhere; its
-        # old pages go with their last reference.
-        mover = WeightPageMover([(q.data, _nothing) for q in ckpt.quantized.values()])
+        # old pages go with their last reference. Only weights this engine loaded itself: a
+        # caller's checkpoint may back another engine, whose steps a move must not race.
+        owned = {} if checkpoint is not None else ckpt.quantized
+        mover = WeightPageMover([(q.data, _nothing) for q in owned.values()])
         executor = UniExecutor(runner, checker, governor, mover)
     return ModelSetup(
         str(ckpt.path),
