@@ -74,7 +74,7 @@ class Executor(ABC):
     def idle_work(self) -> bool:
         """Runs one short slice of work deferred to idle time, if any (moving GGUF weights onto
         huge pages: ``worker/weight_pages.py``); call only between steps, with none in
-        flight. Returns whether any remains. None by default (a worker process does its own
+        flight. Returns whether any remains. Nothing by default (a worker process does its own
         in its idle time)."""
         return False
 

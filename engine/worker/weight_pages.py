@@ -1,18 +1,20 @@
-"""A worker's GGUF-kept weights moved onto huge pages while it is idle.
+"""An engine's GGUF-kept weights moved onto huge pages while it is idle.
 
 Why: a batch-1 CPU decode step streams every weight, and on 2 MiB pages it streams them
-faster (``kernels/huge_pages.py``). The worker receives its weights in shared memory, which
-gets no huge pages where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` is "never" (the
-common default). Copying them onto huge pages before the worker says it is ready cost load
-time: on the sandbox VM (whose free memory the host reclaims, so each fresh huge page faults
-in the host) serving the 1B-shape Q4_K_M file became ready in 7.0-8.0 s instead of 4.1-4.8.
-So the worker starts on the shared pages and moves the weights afterwards, a slice at a time,
-whenever no message waits: a step never waits for more than one slice.
+faster (``kernels/huge_pages.py``). Faulting fresh huge pages in can be slow: on the sandbox
+VM (whose host reclaims free memory, so each fresh 2 MiB page faults in the host) repacking
+the 1B-shape Q4_K_M file straight onto huge pages made ``LLM()`` take 3.8-4.9 s instead of
+2.0-3.5 s, and a server took 6.4-7.3 s to be ready where it takes 4.9 s with the moves
+deferred. So the loader repacks onto plain pages (a worker process gets its weights in shared
+memory, which gets no huge pages where ``shmem_enabled`` is "never", the common default), and
+the weights move afterwards, a slice at a time, while the engine or worker has nothing else
+to do: a step never waits for more than one slice.
 
 A moved weight's tensor is re-pointed in place (``Tensor.set_``), between steps (the CPU
 kernels have returned; nothing holds its old address), so every holder of the tensor object
 (the model's projections, the fused decode layers) reads the new pages from the next step
-on, the same bytes. Then its shared pages are released: the weight is held once.
+on, the same bytes. Then its old pages are released (a worker's shared ones by its callback;
+in the engine's process they go with their last reference): the weight is held once.
 """
 
 from __future__ import annotations
