@@ -4,17 +4,17 @@ A forward in a thread of the engine process would be starved by the GIL
 (measured: 18 ms -> over 2 s while the engine thread runs Python), so on the
 CPU the model runs in a worker process (``worker/worker_main.py``), started as a fresh
 interpreter that never imports the user's ``__main__`` (``worker_process.py``). The engine
-sends control messages through a socket (the step's ``SchedulerOutput``, which holds no
-tensors, then a "sample" message); weights, bitmasks and sampled tokens lie in shared memory
-that the worker maps through inherited descriptors, the bitmasks and tokens double-buffered
-because two steps can be in flight. The worker answers each "sample" with one message, in
-order, and the engine reads it in ``get_output()`` only.
+sends typed control messages through a socket (``worker/messages.py``: ``Execute`` with the
+step's ``SchedulerOutput``, which holds no tensors, then ``Sample``); weights, bitmasks and
+sampled tokens lie in shared memory that the worker maps through inherited descriptors, the
+bitmasks and tokens double-buffered because two steps can be in flight. The worker answers
+each ``Sample`` with one ``Reply``, in order, and the engine reads it in ``get_output()`` only.
 
 With ``spec.tensor_parallel_size`` N > 1 there are N workers, one per rank, each given only
 its shard of the weights (``models/sharding.py``) in its own shared buffer, joining one
-``torch.distributed`` group through a TCP store this process hosts on loopback. Each "execute"
+``torch.distributed`` group through a TCP store this process hosts on loopback. Each ``Execute``
 is written once into a shared ring that every rank reads (``worker/step_broadcast.py``); every
-rank gets "sample", but only rank 0 reads the bitmask, samples and answers. A rank that dies
+rank gets ``Sample``, but only rank 0 reads the bitmask, samples and answers. A rank that dies
 ends the executor, as the single worker does.
 """
 
@@ -26,7 +26,6 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +37,15 @@ from baton.engine.scheduler_output import GrammarOutput, ModelRunnerOutput, Sche
 from baton.engine.sync_check import SyncChecker
 from baton.engine.worker.build import RunnerSpec
 from baton.engine.worker.cpu_threads import ThreadState
+from baton.engine.worker.messages import (
+    Execute,
+    Failed,
+    Ready,
+    Rung,
+    Sample,
+    WorkerCommand,
+    failure_text,
+)
 from baton.engine.worker.runner_values import runner_output
 from baton.engine.worker.shared_memory import (
     QuantLayout,
@@ -230,7 +238,7 @@ class MultiprocExecutor(Executor):
                     f"{self._rank_name(rank)}not ready after {_START_TIMEOUT_S:.0f} s"
                 )
         try:
-            kind, detail = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError) as exc:
             worker.stop()
             ended = worker.exit_description() or "still running"
@@ -238,8 +246,8 @@ class MultiprocExecutor(Executor):
             self._start_failed(
                 f"{self._rank_name(rank)}it ended without a reason ({ended}; {reason})"
             )
-        if kind != "ready":
-            self._start_failed(f"{self._rank_name(rank)}\n{detail}")
+        if not isinstance(message, Ready):
+            self._start_failed(f"{self._rank_name(rank)}\n{failure_text(message)}")
 
     def _rank_name(self, rank: int) -> str:
         return f"rank {rank}: " if len(self._workers) > 1 else ""
@@ -268,13 +276,13 @@ class MultiprocExecutor(Executor):
 
     # ----------------------------------------------------------------- steps
     def execute_model(self, so: SchedulerOutput) -> None:
-        message = ("execute", so)
+        message = Execute(so)
         if self._ring is None:
             self._send(self._conn, message)
             return
         seq = self._ring.publish(message)
         for worker in self._workers:
-            self._send(worker.conn, message if seq is None else ("bcast", seq))
+            self._send(worker.conn, message if seq is None else Rung(seq))
 
     def sample_tokens(self, step_id: int, grammar: GrammarOutput | None) -> AsyncOutput:
         slot = self._slot
@@ -286,15 +294,15 @@ class MultiprocExecutor(Executor):
             if grammar.bitmask.data_ptr() != target.data_ptr():  # not filled in place
                 target.copy_(grammar.bitmask[: grammar.num_rows])
             request_ids, row_counts = grammar.request_ids, grammar.row_counts
-        self._send(self._conn, ("sample", step_id, slot, request_ids, row_counts))
+        self._send(self._conn, Sample(step_id, slot, request_ids, row_counts))
         for worker in self._workers[1:]:  # the bitmask is rank 0's only
-            self._send(worker.conn, ("sample", step_id, slot, (), ()))
+            self._send(worker.conn, Sample(step_id, slot))
         return _MpOutput(self, step_id)
 
     def bitmask_buffer(self) -> torch.Tensor:
         return self._bitmasks[self._slot]
 
-    def _send(self, conn: Connection, message: tuple[Any, ...]) -> None:
+    def _send(self, conn: Connection, message: WorkerCommand) -> None:
         if self._dead is not None:
             raise ExecutorError(self._dead)
         try:
@@ -312,11 +320,11 @@ class MultiprocExecutor(Executor):
                         if any(not w.is_alive() for w in self._workers):
                             self._died("the model worker process died")
                         continue
-                    reply: Reply | tuple[str, str] = self._conn.recv()
+                    reply: Reply | Failed = self._conn.recv()
                 except (EOFError, OSError) as exc:
                     self._died(f"the model worker process died: {type(exc).__name__} {exc}")
                 if not isinstance(reply, Reply):  # a tensor-parallel step failed: fatal
-                    self._died(f"the model worker process failed:\n{reply[1]}")
+                    self._died(f"the model worker process failed:\n{failure_text(reply)}")
                 self._replies[reply.step_id] = reply
             reply = self._replies.pop(step_id)
             self._device_s = reply.device_seconds

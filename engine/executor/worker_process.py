@@ -21,6 +21,8 @@ import sys
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
+from baton.engine.worker.messages import Shutdown
+
 # Runs in the fresh interpreter. An import failure is sent to the engine as the reason. After
 # serving it leaves with os._exit: tearing down an interpreter that imported torch took ~0.6 s,
 # which every engine shutdown waited for, and nothing is left to finalise (the shared buffers
@@ -28,12 +30,19 @@ from multiprocessing.connection import Connection
 _BOOTSTRAP = """\
 import os, sys, json, traceback
 from multiprocessing.connection import Connection
+
+from baton.engine.worker.messages import Shutdown
 conn = Connection(int(sys.argv[1]))
 try:
     sys.path[:0] = json.loads(sys.argv[2])
     from baton.engine.worker.worker_main import serve
 except BaseException:
-    conn.send(("error", "cannot import the model worker:\\n" + traceback.format_exc()))
+    why = "cannot import the model worker:\\n" + traceback.format_exc()
+    try:
+        from baton.engine.worker.messages import Failed
+        conn.send(Failed(why))
+    except BaseException:
+        conn.send(("error", why))
     raise SystemExit(1)
 code = serve(conn)
 sys.stdout.flush()
@@ -94,7 +103,7 @@ class WorkerProcess:
         """Asks the worker to stop, then ends it if it does not; idempotent."""
         if self._proc.poll() is None:
             with contextlib.suppress(OSError, EOFError, BrokenPipeError, ValueError):
-                self.conn.send(("shutdown",))
+                self.conn.send(Shutdown())
             try:
                 self._proc.wait(_STOP_S)
             except subprocess.TimeoutExpired:

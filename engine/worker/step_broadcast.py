@@ -4,7 +4,7 @@ and every tensor-parallel rank reads it from there.
 A ring of ``slots`` fixed-size slots in one shared buffer, each with a header (sequence number,
 length), plus one progress word per reader (the last sequence number it has read). The writer
 pickles a message once and copies it into the next slot, then rings each reader with a few
-bytes on its socket (``("bcast", seq)``), which also orders the message among the others on
+bytes on its socket (``messages.Rung(seq)``), which also orders the message among the others on
 that socket. A message that does not fit a slot, or whose slot some reader has not read yet,
 is not written: the writer says so, and the caller sends it through the sockets instead. So the
 writer never waits for a reader.

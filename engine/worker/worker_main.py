@@ -3,13 +3,13 @@
 It is started as a fresh interpreter that imports this module only (never the user's
 ``__main__``, see ``executor/worker_process.py``). The engine sends one "init" message (the
 runner spec, where the weights, bitmasks and sampled tokens lie in the inherited shared
-buffers), then per step an "execute" message (the ``SchedulerOutput``) and a "sample" message.
-Each "sample" is answered with one ``Reply``, in order, from a sender thread, so neither side
-can block on a full socket while the other blocks on its own send.
+buffers), then per step an ``Execute`` (the ``SchedulerOutput``) and a ``Sample``
+(``messages.py``). Each ``Sample`` is answered with one ``Reply``, in order, from a sender
+thread, so neither side can block on a full socket while the other blocks on its own send.
 
 Under tensor parallelism there is one worker per rank: each joins the process group and builds
-its shard; the engine writes each "execute" once into a shared ring (``step_broadcast.py``) and
-rings every rank with ``("bcast", seq)``; every rank gets "sample", only rank 0 gets the
+its shard; the engine writes each ``Execute`` once into a shared ring (``step_broadcast.py``)
+and rings every rank with ``Rung(seq)``; every rank gets ``Sample``, only rank 0 gets the
 grammar bitmask and answers. A failed step would leave the other ranks waiting in a collective,
 so there a step failure ends the worker (the engine then fails every request with the reason).
 The worker ignores SIGINT
@@ -37,6 +37,15 @@ from baton.engine.gc_heap import freeze_startup_heap
 from baton.engine.scheduler_output import GrammarOutput, Logprobs, SchedulerOutput, bitmask_rows
 from baton.engine.worker.build import RunnerSpec, build_runner
 from baton.engine.worker.cpu_threads import ThreadGovernor, ThreadState, read_cpu
+from baton.engine.worker.messages import (
+    Execute,
+    Failed,
+    Ready,
+    Rung,
+    Sample,
+    Shutdown,
+    WorkerCommand,
+)
 from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.worker.runner_values import ForwardOutput
 from baton.engine.worker.shared_memory import QuantLayout, SharedBuffer, TensorLayout
@@ -68,7 +77,7 @@ class WorkerInit:
 
 @dataclass(frozen=True)
 class Reply:
-    """The worker's answer to one "sample" message."""
+    """The worker's answer to one ``Sample``."""
 
     step_id: int
     slot: int
@@ -91,8 +100,8 @@ class _FailedStep:
 
 
 def serve(conn: Connection) -> int:
-    """The worker's whole life: init, then steps until "shutdown" or the connection closes.
-    Returns the process exit code. A failure to start is sent as ("error", traceback)."""
+    """The worker's whole life: init, then steps until ``Shutdown`` or the connection closes.
+    Returns the process exit code. A failure to start is sent as ``Failed(traceback)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         init: WorkerInit = conn.recv()
@@ -123,9 +132,9 @@ def serve(conn: Connection) -> int:
         del weights, quantized
         freeze_startup_heap()  # this process's step loop runs for its whole life
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
-        conn.send(("error", traceback.format_exc()))
+        conn.send(Failed(traceback.format_exc()))
         return 1
-    conn.send(("ready", None))
+    conn.send(Ready())
     try:
         governor = None
         if init.spec.adapt_threads:  # set only for device "cpu"
@@ -136,7 +145,7 @@ def serve(conn: Connection) -> int:
             governor = ThreadGovernor(read=lambda: read_cpu(partners=parent))
         _run_steps(conn, runner, bitmasks, sampled, reader, init.rank == 0, governor, mover)
     except Exception:  # noqa: BLE001 - a tensor-parallel step failed: reported, then exit
-        conn.send(("error", traceback.format_exc()))
+        conn.send(Failed(traceback.format_exc()))
         return 1
     return 0
 
@@ -151,7 +160,7 @@ def _run_steps(
     governor: ThreadGovernor | None = None,
     mover: WeightPageMover | None = None,
 ) -> None:
-    """Serves steps until "shutdown" or the connection closes. With tensor parallelism
+    """Serves steps until ``Shutdown`` or the connection closes. With tensor parallelism
     (``runner.model.tp`` set) a failed step raises instead of failing its requests: the other
     ranks could not go on without this one. ``governor`` adjusts the torch threads before
     each forward. ``mover``'s weights move a slice at a time while no message waits (between
@@ -167,15 +176,14 @@ def _run_steps(
             try:
                 while mover is not None and mover.pending and not conn.poll(0):
                     mover.move_slice()
-                message = conn.recv()
+                message: WorkerCommand = conn.recv()
             except (EOFError, OSError):
                 break  # the engine is gone
-            if message[0] == "bcast" and reader is not None:
-                message = reader.read(message[1])
-            kind = message[0]
+            if isinstance(message, Rung) and reader is not None:
+                message = reader.read(message.seq)
             t0 = time.perf_counter()
-            if kind == "execute":
-                so: SchedulerOutput = message[1]
+            if isinstance(message, Execute):
+                so: SchedulerOutput = message.so
                 if governor is not None:
                     governor.before_step()
                 try:
@@ -186,8 +194,9 @@ def _run_steps(
                     text = f"model step failed:\n{traceback.format_exc()}"
                     pending.append(_FailedStep(tuple(so.num_scheduled_tokens), text))
                 busy += time.perf_counter() - t0
-            elif kind == "sample":
-                _, step_id, slot, grammar_ids, row_counts = message
+            elif isinstance(message, Sample):
+                step_id, slot = message.step_id, message.slot
+                grammar_ids, row_counts = message.grammar_ids, message.row_counts
                 out = sampled if driver else None
                 grammar = None
                 if grammar_ids:  # the bitmask lies in the slot's shared buffer
@@ -205,7 +214,7 @@ def _run_steps(
                             reply, device_seconds=busy, collective_seconds=comm, threads=threads
                         )
                     )
-            elif kind == "shutdown":
+            elif isinstance(message, Shutdown):
                 break
     finally:
         outbox.put(None)
