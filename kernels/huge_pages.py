@@ -47,28 +47,3 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
     with contextlib.suppress(OSError):  # THP compiled out: small pages, as any allocation
         mapping.madvise(advice, start, nbytes // HUGE_PAGE * HUGE_PAGE)
     return whole[start : start + nbytes]
-
-
-def huge_page_share(tensor: torch.Tensor) -> float:
-    """The share of ``tensor``'s bytes the process's page tables map with huge pages (Linux,
-    ``/proc/self/smaps``: the ``AnonHugePages`` of the mappings it lies in, over their size;
-    so an estimate where a mapping holds more than the tensor). 0.0 where unknown."""
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    try:
-        with open("/proc/self/smaps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return 0.0
-    huge = size = 0
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo < end and start < hi
-            if inside:
-                size += hi - lo
-        elif inside and head == "AnonHugePages:":
-            huge += int(line.split()[1]) * 1024
-    return huge / size if size else 0.0
