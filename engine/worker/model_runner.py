@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from baton.engine.models.attention import AttentionMetadata
-from baton.engine.models.kv_cache import KVCache
+from baton.engine.models.kv_cache import KVCache, copy_kv_blocks
 from baton.engine.models.llama import LlamaForCausalLM
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import (
@@ -185,6 +185,8 @@ class ModelRunner:
         )
 
     def _apply_changes(self, so: SchedulerOutput) -> None:
+        if so.kv_block_copies:
+            copy_kv_blocks(self.kv_caches, so.kv_block_copies)
         st = self.states
         for rid in so.finished_request_ids:
             st.remove(rid)
