@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from baton.engine.entrypoints.async_llm import EngineDeadError
 from baton.engine.outputs import CompletionOutput, RequestOutput
-from baton.engine.server.errors import bad_request, error_body
+from baton.engine.server.errors import APIError, bad_request, error_body
 from baton.engine.server.generation import (
     SSE_DONE,
     ClientDisconnected,
@@ -37,7 +37,7 @@ from baton.engine.server.protocol import ChatCompletionRequest
 from baton.engine.server.reasoning import ReasoningDeltas, ReasoningSplitter
 from baton.engine.server.state import get_state
 from baton.engine.server.tool_output import ToolCallDeltas, finish_reason, tool_message
-from baton.engine.server.tools import ToolPlan, prepare_messages, tool_plan
+from baton.engine.server.tools import ToolPlan, name_the_tool, prepare_messages, tool_plan
 from baton.engine.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -119,7 +119,7 @@ def _response(
             reasoning, text = splitter.split(c.text, c.token_ids, thinks)
             reasoning_tokens += splitter.reasoning_tokens(c.token_ids, thinks)
         if tools is not None and tools.mode != "none":
-            message, reason = tool_message(text or "", c.finish_reason, tools.fmt)
+            message, reason = tool_message(text or "", c.finish_reason, tools.fmt, tools.functions)
         else:
             message, reason = {"role": "assistant", "content": text}, c.finish_reason
         if reasoning is not None:  # both names: vLLM's and the newer clients'
@@ -173,7 +173,7 @@ async def _stream(
     )
     trackers = [DeltaTracker() for _ in range(body.n)]
     calls = (
-        [ToolCallDeltas(tools.fmt) for _ in range(body.n)]
+        [ToolCallDeltas(tools.fmt, tools.functions) for _ in range(body.n)]
         if tools is not None and tools.mode != "none"
         else None
     )
@@ -233,7 +233,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     """OpenAI's chat completions (see the module docs of ``baton.engine.server``)."""
     state = get_state(request)
     check_model(body.model, state.config)
-    tools = tool_plan(body)
+    tools = tool_plan(body, state.tool_call_format)
     params, constraint = chat_sampling_params(
         body, state.config, tools, defaults=state.engine.sampling_defaults()
     )
@@ -244,19 +244,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     param = constraint.param if constraint is not None else None
     parser = state.config.reasoning_parser
     splitter = None if parser is None else ReasoningSplitter(state.engine.get_tokenizer(), parser)
-    streams = await start_requests(state, [prompt], params, request_id, param)
-    if body.stream:
-        if params.structured_outputs is not None:
-            try:
-                await check_first_output(request, streams, param)
-            except ClientDisconnected:
-                return Response(status_code=499)
-        return SSEResponse(
-            _stream(streams[0], body, request_id, created, model, tools, splitter),
-            lambda: close_all(streams),
-        )
     try:
+        streams = await start_requests(state, [prompt], params, request_id, param)
+        if body.stream:
+            if params.structured_outputs is not None:
+                await check_first_output(request, streams, param)
+            return SSEResponse(
+                _stream(streams[0], body, request_id, created, model, tools, splitter),
+                lambda: close_all(streams),
+            )
         (out,) = await collect_unary(request, streams, param)
     except ClientDisconnected:
         return Response(status_code=499)
+    except APIError as exc:  # a tool's schema the grammar cannot hold: say which tool
+        raise name_the_tool(exc, tools) from None
     return JSONResponse(_response(out, body, request_id, created, model, tools, splitter))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from baton.engine.config import REASONING_PARSERS
 from baton.grammar.spec import BACKENDS
+from baton.grammar.tool_formats import TOOL_CALL_FORMATS
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -25,6 +26,9 @@ class ServerConfig:
             chat answers then carry the model's thoughts as ``reasoning_content``.
         chat_template: a Jinja chat template used instead of the tokenizer's (``baton serve
             --chat-template``); None: the tokenizer's.
+        tool_call_parser: the models' tool-call syntax, by vLLM's parser name
+            (``TOOL_CALL_FORMATS``: ``baton serve --tool-call-parser``); None: the one the
+            chat template writes, else Hermes'.
 
     Raises:
         ValueError: naming the field that is out of range.
@@ -37,6 +41,7 @@ class ServerConfig:
     max_n: int = 64
     reasoning_parser: str | None = None
     chat_template: str | None = None
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -53,6 +58,11 @@ class ServerConfig:
             raise ValueError(
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                 f"got {self.reasoning_parser!r}"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_FORMATS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, "
+                f"got {self.tool_call_parser!r}"
             )
         if self.structured_outputs_backend not in BACKENDS:
             raise ValueError(

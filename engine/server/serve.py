@@ -19,6 +19,7 @@ from baton.engine.entrypoints.dp_config import DataParallelConfig
 from baton.engine.entrypoints.serving import ServingEngine
 from baton.engine.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 from baton.grammar.spec import BACKENDS
+from baton.grammar.tool_formats import TOOL_CALL_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--chat-template",
         default=None,
         help="a Jinja chat template file (or the template itself) used instead of the model's",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=tuple(TOOL_CALL_FORMATS),
+        default=None,
+        help="the model's tool-call syntax (vLLM's parser names); default: the one the chat "
+        "template writes, else hermes",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -143,6 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
         structured_outputs_backend=args.structured_outputs_backend,
         reasoning_parser=getattr(args, "reasoning_parser", None),
         chat_template=chat_template_text(args.chat_template),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
     )
     engine: ServingEngine
     dp_config = data_parallel_config(args)

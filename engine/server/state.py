@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -9,6 +10,7 @@ from fastapi import Request
 from baton.engine.entrypoints.serving import ServingEngine
 from baton.engine.server.config import ServerConfig
 from baton.engine.server.metrics import ServerMetrics
+from baton.grammar.tool_formats import ToolCallFormat, choose_tool_call_format
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,14 @@ class ServerState:
     engine: ServingEngine
     config: ServerConfig
     metrics: ServerMetrics
+
+    @functools.cached_property
+    def tool_call_format(self) -> ToolCallFormat:
+        """The syntax the model writes tool calls in: ``config.tool_call_parser``'s, else the
+        one the chat template (the server's, else the tokenizer's) writes, else Hermes'
+        (``choose_tool_call_format``). Found on first use, then kept."""
+        template = self.config.chat_template or self.engine.get_tokenizer().chat_template
+        return choose_tool_call_format(self.config.tool_call_parser, template)
 
 
 def get_state(request: Request) -> ServerState:
