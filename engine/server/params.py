@@ -58,7 +58,29 @@ def _common_kwargs(
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
+    if req.logit_bias:
+        kwargs["logit_bias"] = parse_logit_bias(req.logit_bias)
     return kwargs
+
+
+def parse_logit_bias(raw: Mapping[str, Any]) -> dict[int, Any]:
+    """A body's ``logit_bias`` with its keys as token ids; the values are checked by
+    ``SamplingParams`` (numbers in [-100, 100]), the ids against the vocabulary by the engine.
+
+    Raises:
+        APIError: 400 naming ``logit_bias`` for a key that is not a token id (a decimal
+            integer string).
+    """
+    out: dict[int, Any] = {}
+    for key, bias in raw.items():
+        # Past 18 digits no id fits a vocabulary (and int() refuses thousands of digits).
+        if not (key.isascii() and key.isdigit()) or len(key) > 18:
+            raise bad_request(
+                f"logit_bias keys must be token ids (decimal integers >= 0), got {key!r}",
+                "logit_bias",
+            )
+        out[int(key)] = bias
+    return out
 
 
 def _build(kwargs: dict[str, Any]) -> SamplingParams:
