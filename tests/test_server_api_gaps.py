@@ -1,7 +1,8 @@
 """The small API gaps of issue 55 against ``baton serve`` on the default model: ``logit_bias``
 (greedy follows a +100 bias and leaves a -100 one, the grammar still holds over a bias, a
-request's tokens do not depend on its batch, bad maps are 400s naming the field); plus the
-pure parsing and checks behind them."""
+request's tokens do not depend on its batch, bad maps are 400s naming the field) and the
+server-wide reasoning budget (``baton serve --max-reasoning-tokens``; its end-to-end test is in
+test_reasoning.py, beside the thinking model); plus the pure parsing and checks behind them."""
 
 from __future__ import annotations
 
@@ -14,9 +15,17 @@ import jsonschema
 import pytest
 from conftest import DEFAULT_SERVED_MODEL as MODEL
 
+from baton.engine.cli.main import build_parser
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.server.config import ServerConfig
 from baton.engine.server.errors import APIError
-from baton.engine.server.params import parse_logit_bias
+from baton.engine.server.params import (
+    chat_sampling_params,
+    completion_sampling_params,
+    parse_logit_bias,
+)
+from baton.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from baton.engine.server.serve import run_serve
 
 PROMPT = "The three primary colours are"
 FILM = {
@@ -188,3 +197,36 @@ def test_an_empty_logit_bias_changes_nothing(default_model_server: str) -> None:
     base = default_model_server
     text = _complete(base)["choices"][0]["text"]
     assert _complete(base, logit_bias={})["choices"][0]["text"] == text
+
+
+# ------------------------------------------------- the server's default reasoning budget
+
+
+def _chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], **fields)
+
+
+def test_the_servers_default_budget_fills_structured_requests_only() -> None:
+    config = ServerConfig(served_model_name="m", reasoning_parser="qwen3", max_reasoning_tokens=5)
+    structured = {"response_format": {"type": "json_schema", "json_schema": {"schema": FILM}}}
+    params, _ = chat_sampling_params(_chat(**structured), config)
+    assert params.max_reasoning_tokens == 5
+    params, _ = chat_sampling_params(_chat(**structured, max_reasoning_tokens=9), config)
+    assert params.max_reasoning_tokens == 9
+    # The engine refuses a budget without a constraint: a free request gets none.
+    assert chat_sampling_params(_chat(), config)[0].max_reasoning_tokens is None
+    completion = CompletionRequest(prompt="x", structured_outputs={"regex": "[a-z]+"})
+    assert completion_sampling_params(completion, config)[0].max_reasoning_tokens == 5
+    plain = ServerConfig(served_model_name="m", reasoning_parser="qwen3")
+    assert chat_sampling_params(_chat(**structured), plain)[0].max_reasoning_tokens is None
+
+
+def test_max_reasoning_tokens_flag_reaches_the_server_config() -> None:
+    args = build_parser().parse_args(["serve", "--max-reasoning-tokens", "5"])
+    assert args.max_reasoning_tokens == 5
+    # Refused before any model is loaded: a budget needs a reasoning parser.
+    with pytest.raises(ValueError, match="needs reasoning_parser"):
+        run_serve(args)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="max_reasoning_tokens must be"):
+            ServerConfig(served_model_name="m", reasoning_parser="qwen3", max_reasoning_tokens=bad)

@@ -25,6 +25,9 @@ class ServerConfig:
             chat answers then carry the model's thoughts as ``reasoning_content``.
         chat_template: a Jinja chat template used instead of the tokenizer's (``baton serve
             --chat-template``); None: the tokenizer's.
+        max_reasoning_tokens: the thinking budget of a structured request that gives no
+            ``max_reasoning_tokens`` (``baton serve --max-reasoning-tokens``); needs
+            ``reasoning_parser``. None: such requests think unbounded.
 
     Raises:
         ValueError: naming the field that is out of range.
@@ -37,6 +40,7 @@ class ServerConfig:
     max_n: int = 64
     reasoning_parser: str | None = None
     chat_template: str | None = None
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -54,6 +58,17 @@ class ServerConfig:
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                 f"got {self.reasoning_parser!r}"
             )
+        budget = self.max_reasoning_tokens
+        if budget is not None:
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                raise ValueError(
+                    f"max_reasoning_tokens must be None or an int >= 0, got {budget!r}"
+                )
+            if self.reasoning_parser is None:
+                raise ValueError(
+                    "max_reasoning_tokens bounds a reasoning model's thoughts: it needs "
+                    "reasoning_parser (--reasoning-parser)"
+                )
         if self.structured_outputs_backend not in BACKENDS:
             raise ValueError(
                 f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "

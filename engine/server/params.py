@@ -124,7 +124,7 @@ def chat_sampling_params(
     constraint = request_constraint(req, backend)
     if tools is not None:
         constraint = tool_constraint(tools, constraint, requested_backend(req, backend))
-    kwargs["structured_outputs"] = constraint.spec if constraint is not None else None
+    _set_constraint(kwargs, constraint, config)
     return _build(kwargs), constraint
 
 
@@ -148,8 +148,19 @@ def completion_sampling_params(
     if req.logprobs is not None:
         kwargs["logprobs"] = req.logprobs
     constraint = request_constraint(req, config.structured_outputs_backend)
-    kwargs["structured_outputs"] = constraint.spec if constraint is not None else None
+    _set_constraint(kwargs, constraint, config)
     return _build(kwargs), constraint
+
+
+def _set_constraint(
+    kwargs: dict[str, Any], constraint: Constraint | None, config: ServerConfig
+) -> None:
+    """The constraint's spec into ``kwargs``, with the server's default thinking budget
+    where the request is structured and gives none (a budget bounds the thoughts before a
+    structured answer: the engine refuses one without a constraint)."""
+    kwargs["structured_outputs"] = constraint.spec if constraint is not None else None
+    if constraint is not None and config.max_reasoning_tokens is not None:
+        kwargs.setdefault("max_reasoning_tokens", config.max_reasoning_tokens)
 
 
 def check_model(model: str | None, config: ServerConfig) -> None:

@@ -68,6 +68,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a Jinja chat template file (or the template itself) used instead of the model's",
     )
     p.add_argument(
+        "--max-reasoning-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --reasoning-parser: the thinking budget of a structured request that gives "
+        "no max_reasoning_tokens (default: unbounded)",
+    )
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -143,6 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
         structured_outputs_backend=args.structured_outputs_backend,
         reasoning_parser=getattr(args, "reasoning_parser", None),
         chat_template=chat_template_text(args.chat_template),
+        max_reasoning_tokens=getattr(args, "max_reasoning_tokens", None),
     )
     engine: ServingEngine
     dp_config = data_parallel_config(args)
