@@ -333,6 +333,8 @@ class ModelRunner:
         Runs after the grammar mask: a finite bias leaves a forbidden (-inf) token forbidden.
         Each row's sum is its own, so a request's tokens do not depend on its batch.
         """
+        if not self.states.biased_rows:  # the usual step: no host work at all
+            return
         biases = self.states.logit_bias
         parts = [
             (i, b) for i, row in enumerate(rows.state.tolist()) if (b := biases[row]) is not None
