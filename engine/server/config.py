@@ -29,6 +29,9 @@ class ServerConfig:
         tool_call_parser: the models' tool-call syntax, by vLLM's parser name
             (``TOOL_CALL_FORMATS``: ``baton serve --tool-call-parser``); None: the one the
             chat template writes, else Hermes'.
+        max_reasoning_tokens: the thinking budget of a structured request that gives no
+            ``max_reasoning_tokens`` (``baton serve --max-reasoning-tokens``); needs
+            ``reasoning_parser``. None: such requests think unbounded.
 
     Raises:
         ValueError: naming the field that is out of range.
@@ -42,6 +45,7 @@ class ServerConfig:
     reasoning_parser: str | None = None
     chat_template: str | None = None
     tool_call_parser: str | None = None
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -64,6 +68,17 @@ class ServerConfig:
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, "
                 f"got {self.tool_call_parser!r}"
             )
+        budget = self.max_reasoning_tokens
+        if budget is not None:
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                raise ValueError(
+                    f"max_reasoning_tokens must be None or an int >= 0, got {budget!r}"
+                )
+            if self.reasoning_parser is None:
+                raise ValueError(
+                    "max_reasoning_tokens bounds a reasoning model's thoughts: it needs "
+                    "reasoning_parser (--reasoning-parser)"
+                )
         if self.structured_outputs_backend not in BACKENDS:
             raise ValueError(
                 f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "

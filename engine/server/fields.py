@@ -58,7 +58,6 @@ def _one(v: Any) -> bool:
 
 # Refused fields: why, and the values that ask for nothing (null always does).
 _CHAT_REFUSED: dict[str, tuple[str, Any]] = {
-    "logit_bias": ("logit_bias is not supported", _empty),
     "functions": ("functions (the legacy form of tools) is not supported; use tools", _empty),
     "function_call": ("function_call is not supported; use tool_choice", _is("none")),
     "audio": ("audio output is not supported", _empty),
@@ -72,7 +71,6 @@ _CHAT_REFUSED: dict[str, tuple[str, Any]] = {
     "echo": ("echo is not supported", _is(False)),
 }
 _COMPLETION_REFUSED: dict[str, tuple[str, Any]] = {
-    "logit_bias": ("logit_bias is not supported", _empty),
     "echo": ("echo is not supported", _is(False)),
     "suffix": ("suffix is not supported", _empty),
     "prompt_logprobs": ("prompt_logprobs is not supported", lambda v: False),

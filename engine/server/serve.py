@@ -76,6 +76,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "template writes, else hermes",
     )
     p.add_argument(
+        "--max-reasoning-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --reasoning-parser: the thinking budget of a structured request that gives "
+        "no max_reasoning_tokens (default: unbounded)",
+    )
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -152,6 +160,7 @@ def run_serve(args: argparse.Namespace) -> int:
         reasoning_parser=getattr(args, "reasoning_parser", None),
         chat_template=chat_template_text(args.chat_template),
         tool_call_parser=getattr(args, "tool_call_parser", None),
+        max_reasoning_tokens=getattr(args, "max_reasoning_tokens", None),
     )
     engine: ServingEngine
     dp_config = data_parallel_config(args)
