@@ -102,6 +102,18 @@ def _share_weights(
     return buf, layouts, quant_layouts
 
 
+def _step_io_layouts(spec: RunnerSpec) -> tuple[dict[str, TensorLayout], int]:
+    """Where the double-buffered bitmasks and sampled tokens lie in the step I/O buffer: a
+    logits row per request and one more per draft (speculative decoding), per slot."""
+    rows = spec.max_num_seqs * (1 + spec.max_drafts)
+    return pack_layouts(
+        {
+            "bitmasks": (torch.int32, (_SLOTS, rows, bitmask_width(spec.model_config.vocab_size))),
+            "sampled": (torch.int64, (_SLOTS, rows)),
+        }
+    )
+
+
 class MultiprocExecutor(Executor):
     """Runs the model runner in a worker process (one per tensor-parallel rank); every call
     returns at once.
@@ -131,16 +143,6 @@ class MultiprocExecutor(Executor):
             raise ValueError(
                 f"GGUF-quantised weights cannot be cut into {size} tensor-parallel shards yet"
             )
-        vocab = spec.model_config.vocab_size
-        # A logits row per request, and one more per draft (speculative decoding).
-        rows = spec.max_num_seqs * (1 + spec.max_drafts)
-        words = bitmask_width(vocab)
-        io_layouts, io_total = pack_layouts(
-            {
-                "bitmasks": (torch.int32, (_SLOTS, rows, words)),
-                "sampled": (torch.int64, (_SLOTS, rows)),
-            }
-        )
         self._slot = 0
         self._device_s = 0.0
         self._collective_s = 0.0
@@ -150,6 +152,43 @@ class MultiprocExecutor(Executor):
         self._workers: list[WorkerProcess] = []
         self._store: dist.TCPStore | None = None
         self._ring: StepBroadcaster | None = None
+        io_layouts, io_total = _step_io_layouts(spec)
+        io, rank_weights = self._share_memory(spec, weights, quantized, io_total)
+        self._bitmasks = io.tensor(io_layouts["bitmasks"])
+        self._bitmasks.fill_(-1)
+        self._sampled = io.tensor(io_layouts["sampled"])
+        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+        try:
+            for rank, (buf, layouts, quant_layouts) in enumerate(rank_weights):
+                self._start_worker(spec, rank, buf, layouts, quant_layouts, io, io_layouts)
+        finally:
+            for buf in [io, *(buf for buf, _, _ in rank_weights)]:
+                buf.close()
+            if self._ring is not None:
+                self._ring.close()
+            # Unmaps the weights here: their pages live on in the workers' mappings only.
+            rank_weights.clear()
+        self._conn = self._workers[0].conn
+        for rank, worker in enumerate(self._workers):
+            self._wait_ready(worker, rank)
+
+    def _share_memory(
+        self,
+        spec: RunnerSpec,
+        weights: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]],
+        quantized: Mapping[str, QuantWeight] | None,
+        io_total: int,
+    ) -> tuple[
+        SharedBuffer, list[tuple[SharedBuffer, dict[str, TensorLayout], dict[str, QuantLayout]]]
+    ]:
+        """The step I/O buffer and each rank's weights in a shared buffer of its own; with
+        several ranks also the step ring and the TCP store they meet through (``_ring``,
+        ``_store``). Closes what it made before raising.
+
+        Raises:
+            ExecutorError: shared memory (or the store) could not be set up.
+        """
+        size = spec.tensor_parallel_size
         shared: list[SharedBuffer] = []
         try:
             io = SharedBuffer.create(io_total, "baton-step-io")
@@ -181,51 +220,52 @@ class MultiprocExecutor(Executor):
             for buf in shared:
                 buf.close()
             raise ExecutorError(f"cannot set up the model workers' shared memory: {exc}") from exc
-        self._bitmasks = io.tensor(io_layouts["bitmasks"])
-        self._bitmasks.fill_(-1)
-        self._sampled = io.tensor(io_layouts["sampled"])
-        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+        return io, rank_weights
+
+    def _start_worker(
+        self,
+        spec: RunnerSpec,
+        rank: int,
+        buf: SharedBuffer,
+        layouts: dict[str, TensorLayout],
+        quant_layouts: dict[str, QuantLayout],
+        io: SharedBuffer,
+        io_layouts: dict[str, TensorLayout],
+    ) -> None:
+        """Starts rank ``rank``'s worker process (appended to ``_workers``) and sends it its
+        ``WorkerInit``; closes this process's descriptor of the rank's weights.
+
+        Raises:
+            ExecutorError: the process could not be started or reached.
+        """
+        init = WorkerInit(
+            spec=spec,
+            weights_fd=buf.fd,
+            weights_nbytes=buf.nbytes,
+            weights=layouts,
+            quantized=quant_layouts,
+            io_fd=io.fd,
+            io_nbytes=io.nbytes,
+            bitmasks=io_layouts["bitmasks"],
+            sampled=io_layouts["sampled"],
+            rank=rank,
+            store_port=0 if self._store is None else self._store.port,
+            broadcast=None if self._ring is None else self._ring.layout,
+        )
+        fds = [buf.fd, io.fd] + ([] if self._ring is None else [self._ring.layout.fd])
         try:
-            for rank, (buf, layouts, quant_layouts) in enumerate(rank_weights):
-                init = WorkerInit(
-                    spec=spec,
-                    weights_fd=buf.fd,
-                    weights_nbytes=buf.nbytes,
-                    weights=layouts,
-                    quantized=quant_layouts,
-                    io_fd=io.fd,
-                    io_nbytes=io.nbytes,
-                    bitmasks=io_layouts["bitmasks"],
-                    sampled=io_layouts["sampled"],
-                    rank=rank,
-                    store_port=0 if self._store is None else self._store.port,
-                    broadcast=None if self._ring is None else self._ring.layout,
-                )
-                fds = [buf.fd, io.fd] + ([] if self._ring is None else [self._ring.layout.fd])
-                try:
-                    worker = WorkerProcess(fds)
-                except OSError as exc:
-                    self.shutdown()
-                    raise ExecutorError(f"cannot start the model worker process: {exc}") from exc
-                self._workers.append(worker)
-                # The worker holds its own copy of the descriptor now; its weights' pages live
-                # on in its mapping only.
-                buf.close()
-                try:
-                    worker.conn.send(init)
-                except (OSError, EOFError, BrokenPipeError) as exc:
-                    self._start_failed(f"cannot reach it: {exc}")
-        finally:
-            for buf in shared:
-                buf.close()
-            if self._ring is not None:
-                self._ring.close()
-            # Unmaps the weights here: their pages live on in the workers' mappings only.
-            shared.clear()
-            rank_weights.clear()
-        self._conn = self._workers[0].conn
-        for rank, worker in enumerate(self._workers):
-            self._wait_ready(worker, rank)
+            worker = WorkerProcess(fds)
+        except OSError as exc:
+            self.shutdown()
+            raise ExecutorError(f"cannot start the model worker process: {exc}") from exc
+        self._workers.append(worker)
+        # The worker holds its own copy of the descriptor now; its weights' pages live on in
+        # its mapping only.
+        buf.close()
+        try:
+            worker.conn.send(init)
+        except (OSError, EOFError, BrokenPipeError) as exc:
+            self._start_failed(f"cannot reach it: {exc}")
 
     def _wait_ready(self, worker: WorkerProcess, rank: int) -> None:
         conn = worker.conn
