@@ -1,8 +1,10 @@
 """vLLM's metric names on ``/metrics`` (checked with a strict text-format parser: families
-declared once, labels escaped, histograms cumulative) against baton's own series."""
+declared once, labels escaped, histograms cumulative) against baton's own series, and
+``echo`` on ``/v1/completions``."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -218,3 +220,35 @@ def test_model_name_label_is_escaped() -> None:
     assert value(fams, "vllm:inter_token_latency_seconds_count") == 2
     assert value(fams, "vllm:inter_token_latency_seconds_sum") == pytest.approx(0.04)
 
+
+def test_echo_prepends_the_prompt(default_model_server: str, default_model_engine: Any) -> None:
+    base = default_model_server
+    plain = complete(base, max_tokens=4)["choices"][0]["text"]
+    echoed = complete(base, max_tokens=4, echo=True)
+    assert echoed["choices"][0]["text"] == PROMPT + plain
+    assert echoed["usage"]["completion_tokens"] == 4
+    ids = default_model_engine.get_tokenizer().encode(PROMPT, add_special_tokens=False)
+    by_ids = complete(base, max_tokens=4, echo=True, prompt=[ids, ids])
+    assert [c["text"] for c in by_ids["choices"]] == [PROMPT + plain] * 2
+
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 4, "echo": True}
+    with httpx.stream(
+        "POST", f"{base}/v1/completions", json=body | {"stream": True}, timeout=120
+    ) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+    assert texts[0].startswith(PROMPT)
+    assert "".join(texts) == PROMPT + plain
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_is_a_400(default_model_server: str, stream: bool) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1}
+    r = httpx.post(
+        f"{default_model_server}/v1/completions", json=body | {"stream": stream}, timeout=60
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "echo" and "logprobs" in error["message"], error
