@@ -85,12 +85,16 @@ class Histogram:
                 self._counts[i] += times
 
     def render(
-        self, const_labels: Mapping[str, str] | None = None, name: str | None = None
+        self,
+        const_labels: Mapping[str, str] | None = None,
+        name: str | None = None,
+        help_text: str | None = None,
     ) -> list[str]:
-        """The family's lines, under ``name`` if given (one set of data under two names)."""
+        """The family's lines, under ``name`` and ``help_text`` if given (one set of data
+        under two names)."""
         name = name or self.name
         const = dict(const_labels or {})
-        lines = family_header(name, "histogram", self.help)
+        lines = family_header(name, "histogram", help_text or self.help)
         for upper, n in zip(self.buckets, self._counts, strict=True):
             lines.append(f"{name}_bucket{format_labels({**const, 'le': format_value(upper)})} {n}")
         lines.append(f"{name}_bucket{format_labels({**const, 'le': '+Inf'})} {self.count}")

@@ -149,7 +149,12 @@ class VllmMetrics:
         lines += self.success.render(self.labels)
         lines += self.ttft.render(self.labels)
         lines += self.inter_token.render(self.labels)
-        lines += self.inter_token.render(self.labels, name=f"{PREFIX}time_per_output_token_seconds")
+        lines += self.inter_token.render(
+            self.labels,
+            name=f"{PREFIX}time_per_output_token_seconds",
+            help_text="Histogram of time per output token in seconds. Older name of "
+            "vllm:inter_token_latency_seconds (the same data).",
+        )
         lines += self.e2e.render(self.labels)
         lines += self.prompt_len.render(self.labels)
         lines += self.generation_len.render(self.labels)
