@@ -70,3 +70,15 @@ def test_final_only_still_watches_stop_strings(tokenizer):
     assert aborted == ["r"] and delivered < len(tokens)  # found while generating
     assert len(outs) == 1 and outs[0].outputs[0].text == "one two three"
     assert outs[0].outputs[0].finish_reason == "stop"
+
+
+def test_parallel_completions_end_when_the_last_one_does(tokenizer):
+    """With n > 1 the prompt's metrics carry its last completion's end (for the e2e latency
+    histogram on /metrics), and none while one still runs."""
+    processor = OutputProcessor(tokenizer)
+    first, second = processor.add_request("p", None, [1, 2], SamplingParams(n=2, max_tokens=4))
+    (out,), _ = processor.process([EngineCoreOutput(first, [5], finish_reason="length")])
+    assert not out.finished and out.metrics.finished_time is None
+    (out,), _ = processor.process([EngineCoreOutput(second, [6, 7], finish_reason="stop")])
+    assert out.finished and out.metrics.finished_time is not None
+    assert out.metrics.finished_time >= out.metrics.last_token_time >= out.metrics.arrival_time

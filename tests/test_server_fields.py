@@ -264,7 +264,7 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         "guided_json",
         "cannot accept any value",
     ),
-    ("completions", {"echo": True}, "echo", "echo"),
+    ("completions", {"echo": True, "logprobs": 0}, "echo", "logprobs"),
     ("chat", {"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
     ("completions", {"suffix": "x"}, "suffix", "suffix"),
     ("completions", {"best_of": 3}, "best_of", "best_of"),

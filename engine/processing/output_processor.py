@@ -236,10 +236,13 @@ class OutputProcessor:
 def _merge_metrics(ms: list[RequestMetrics]) -> RequestMetrics:
     firsts = [m.first_token_time for m in ms if m.first_token_time is not None]
     lasts = [m.last_token_time for m in ms if m.last_token_time is not None]
+    ends = [m.finished_time for m in ms]
     return RequestMetrics(
         arrival_time=min(m.arrival_time for m in ms),
         first_token_time=min(firsts) if firsts else None,
         last_token_time=max(lasts) if lasts else None,
+        # The request ends with its last completion (e2e latency).
+        finished_time=None if None in ends else max(e for e in ends if e is not None),
         num_generation_tokens=max(m.num_generation_tokens for m in ms),
         num_cached_tokens=ms[0].num_cached_tokens,
     )

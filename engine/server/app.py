@@ -30,7 +30,7 @@ def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
     """An app serving ``engine`` (an ``AsyncLLM`` or a ``DataParallelLLM``) under ``config``
     (API key, body limit, model name)."""
     app = FastAPI(title="baton", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(config.served_model_name, engine.max_model_len)
     app.state.baton = ServerState(engine, config, metrics)
     created = int(time.time())
     install_error_handlers(app, metrics.reject)

@@ -32,7 +32,7 @@ from baton.engine.server.generation import (
 from baton.engine.server.logprobs import completion_logprobs
 from baton.engine.server.params import check_model, completion_sampling_params
 from baton.engine.server.protocol import CompletionRequest
-from baton.engine.server.state import get_state
+from baton.engine.server.state import ServerState, get_state
 
 router = APIRouter()
 
@@ -53,6 +53,33 @@ def prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Pr
     return list(prompt)  # type: ignore[arg-type]
 
 
+def echo_texts(state: ServerState, body: CompletionRequest, prompts: list[Prompt]) -> list[str]:
+    """What ``echo`` puts before each prompt's choices: the prompt string, or its token ids
+    decoded (special tokens kept, as ``/detokenize``); empty strings without ``echo``.
+
+    Raises:
+        APIError: 400 naming ``echo`` when ``logprobs`` is asked for too (echo's logprobs are
+            the prompt's, which baton does not compute); 400 naming ``prompt`` for a token
+            id outside the vocabulary.
+    """
+    if not body.echo:
+        return [""] * len(prompts)
+    if body.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs is not supported: it needs the prompt's logprobs, which "
+            "baton does not compute; drop echo or logprobs",
+            "echo",
+        )
+    tokenizer = state.engine.get_tokenizer()
+    try:
+        return [
+            p if isinstance(p, str) else tokenizer.decode(list(p), skip_special_tokens=False)
+            for p in prompts
+        ]
+    except ValueError as exc:
+        raise bad_request(f"prompt: {exc}", "prompt") from exc
+
+
 def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
     return usage(
         sum(len(o.prompt_token_ids) for o in outputs),
@@ -66,6 +93,7 @@ def _response(
     request_id: str,
     created: int,
     model: str,
+    echo: list[str],
 ) -> dict[str, Any]:
     choices = []
     for p, out in enumerate(outputs):
@@ -76,7 +104,7 @@ def _response(
             choices.append(
                 {
                     "index": p * body.n + c.index,
-                    "text": c.text,
+                    "text": echo[p] + c.text,
                     "logprobs": logprobs,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
@@ -102,10 +130,13 @@ async def _stream(
     request_id: str,
     created: int,
     model: str,
+    echo: list[str],
 ) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     n = body.n
     trackers = [DeltaTracker() for _ in range(len(streams) * n)]
+    # Choices whose first chunk (which carries the echoed prompt) is not sent yet.
+    unstarted = set(range(len(streams) * n))
 
     chunk = sse_chunker(request_id, "text_completion", created, model, include_usage)
 
@@ -127,8 +158,12 @@ async def _stream(
                 logprobs = None
                 if body.logprobs is not None:
                     logprobs = completion_logprobs(ids, entries, body.logprobs, offset)
+                index = p * n + c.index
+                if index in unstarted:
+                    unstarted.discard(index)
+                    text = echo[p] + text
                 choice: dict[str, Any] = {
-                    "index": p * n + c.index,
+                    "index": index,
                     "text": text,
                     "logprobs": logprobs,
                     "finish_reason": c.finish_reason,
@@ -154,6 +189,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         body, state.config, defaults=state.engine.sampling_defaults()
     )
     prompts = prompts_of(body.prompt)
+    echo = echo_texts(state, body, prompts)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or state.config.served_model_name
@@ -166,10 +202,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             except ClientDisconnected:
                 return Response(status_code=499)
         return SSEResponse(
-            _stream(streams, body, request_id, created, model), lambda: close_all(streams)
+            _stream(streams, body, request_id, created, model, echo), lambda: close_all(streams)
         )
     try:
         outputs = await collect_unary(request, streams, param)
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(_response(outputs, body, request_id, created, model))
+    return JSONResponse(_response(outputs, body, request_id, created, model, echo))

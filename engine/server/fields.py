@@ -71,7 +71,6 @@ _CHAT_REFUSED: dict[str, tuple[str, Any]] = {
     "echo": ("echo is not supported", _is(False)),
 }
 _COMPLETION_REFUSED: dict[str, tuple[str, Any]] = {
-    "echo": ("echo is not supported", _is(False)),
     "suffix": ("suffix is not supported", _empty),
     "prompt_logprobs": ("prompt_logprobs is not supported", lambda v: False),
 }

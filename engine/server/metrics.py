@@ -2,102 +2,31 @@
 
 ``ServerMetrics`` keeps the per-request counters and histograms that the handlers update
 (on the server's event loop) and renders them together with the engine's gauges from
-``AsyncLLM.stats()``.
+``AsyncLLM.stats()``, then the same data under vLLM's names (``vllm_metrics``). The text
+format's primitives are in ``prometheus``.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from baton.engine.outputs import RequestOutput
+from baton.engine.server.prometheus import (
+    Counter,
+    Histogram,
+    family_header,
+    format_labels,
+    format_value,
+)
+from baton.engine.server.vllm_metrics import VllmMetrics
 from baton.grammar.compile_service import COMPILE_SECONDS_BUCKETS
 
 PREFIX = "baton_"
 REQUEST_STATUSES = ("finished", "aborted", "error", "rejected")
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _num(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
-
-
-def _labels(labels: Mapping[str, str]) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
-
-
-def _header(name: str, kind: str, help_text: str) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-
-
-class Counter:
-    """A monotonically increasing count, optionally split by one label."""
-
-    def __init__(self, name: str, help_text: str, label: str | None = None) -> None:
-        self.name, self.help, self.label = name, help_text, label
-        self._values: dict[str, float] = {}
-
-    def inc(self, amount: float = 1.0, label_value: str = "") -> None:
-        if amount < 0:
-            raise ValueError(f"counter {self.name} cannot decrease (got {amount})")
-        self._values[label_value] = self._values.get(label_value, 0.0) + amount
-
-    def value(self, label_value: str = "") -> float:
-        return self._values.get(label_value, 0.0)
-
-    def preset(self, label_values: Iterable[str]) -> None:
-        """Shows these label values at 0 before they first happen."""
-        for v in label_values:
-            self._values.setdefault(v, 0.0)
-
-    def render(self) -> list[str]:
-        lines = _header(self.name, "counter", self.help)
-        if not self._values:
-            lines.append(f"{self.name} 0")
-        for lv, v in sorted(self._values.items()):
-            labels = {self.label: lv} if self.label else {}
-            lines.append(f"{self.name}{_labels(labels)} {_num(v)}")
-        return lines
-
-
-class Histogram:
-    """Observations counted into cumulative ``le`` buckets, with their sum and count."""
-
-    def __init__(self, name: str, help_text: str, buckets: Iterable[float]) -> None:
-        self.name, self.help = name, help_text
-        self.buckets = tuple(sorted(buckets))
-        self._counts = [0] * len(self.buckets)
-        self.count = 0
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.count += 1
-        self.sum += value
-        for i, upper in enumerate(self.buckets):
-            if value <= upper:
-                self._counts[i] += 1
-
-    def render(self) -> list[str]:
-        lines = _header(self.name, "histogram", self.help)
-        for upper, n in zip(self.buckets, self._counts, strict=True):
-            lines.append(f'{self.name}_bucket{{le="{_num(upper)}"}} {n}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {_num(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
 
 
 # Engine gauges and counters taken from AsyncLLM.stats(): (stats key, metric, type, help).
@@ -246,18 +175,18 @@ _GRAMMAR_METRICS = (
 def _compile_histogram(stats: Mapping[str, float | int]) -> list[str]:
     """The compile-time histogram from the ``grammar_compile_seconds_*`` stats keys."""
     name = f"{PREFIX}grammar_compile_seconds"
-    lines = _header(
+    lines = family_header(
         name,
         "histogram",
         "Grammar compile time: its own run in a worker plus its rebuild (cache hits excluded).",
     )
     for bound in COMPILE_SECONDS_BUCKETS:
         n = float(stats.get(f"grammar_compile_seconds_le_{bound:g}", 0))
-        lines.append(f'{name}_bucket{{le="{_num(bound)}"}} {_num(n)}')
+        lines.append(f'{name}_bucket{{le="{format_value(bound)}"}} {format_value(n)}')
     count = float(stats.get("grammar_compile_seconds_count", 0))
-    lines.append(f'{name}_bucket{{le="+Inf"}} {_num(count)}')
-    lines.append(f"{name}_sum {_num(float(stats.get('grammar_compile_seconds_sum', 0.0)))}")
-    lines.append(f"{name}_count {_num(count)}")
+    lines.append(f'{name}_bucket{{le="+Inf"}} {format_value(count)}')
+    lines.append(f"{name}_sum {format_value(float(stats.get('grammar_compile_seconds_sum', 0.0)))}")
+    lines.append(f"{name}_count {format_value(count)}")
     return lines
 
 
@@ -265,11 +194,14 @@ class ServerMetrics:
     """Request-level metrics of one server plus the engine's, rendered for ``/metrics``.
 
     ``observe_request`` is called once per finished, aborted or failed generation;
-    ``reject`` once per request refused before it ran.
+    ``reject`` once per request refused before it ran. vLLM's names for the same data are
+    rendered too (``VllmMetrics``), labelled ``model_name``; ``max_model_len`` bounds their
+    token-count buckets.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 2048) -> None:
         self._lock = threading.Lock()
+        self.vllm = VllmMetrics(model_name, max_model_len)
         self.requests = Counter(
             f"{PREFIX}requests_total",
             "Requests by outcome (finished, aborted, error, rejected).",
@@ -311,6 +243,7 @@ class ServerMetrics:
             if structured:
                 self.structured_requests.inc()
             if output is None:
+                self.vllm.observe(status, None)
                 return
             if output.structured_output_unenforced is not None:
                 self.lenient_requests.inc()
@@ -322,6 +255,7 @@ class ServerMetrics:
             tpot = output.metrics.time_per_output_token
             if tpot is not None:
                 self.tpot.observe(tpot)
+            self.vllm.observe(status, output)
 
     def render(
         self,
@@ -346,21 +280,24 @@ class ServerMetrics:
             name = f"{PREFIX}structured_fraction"
             total = self.generations.value()
             fraction = self.structured_requests.value() / total if total else 0.0
-            lines += _header(name, "gauge", "Fraction of generations that were structured.")
-            lines.append(f"{name} {_num(fraction)}")
+            lines += family_header(name, "gauge", "Fraction of generations that were structured.")
+            lines.append(f"{name} {format_value(fraction)}")
             lines += self.ttft.render()
             lines += self.tpot.render()
+            vllm_lines = self.vllm.render(
+                self.prompt_tokens.value(), self.generation_tokens.value(), engine_stats
+            )
         for key, metric, kind, help_text in _ENGINE_METRICS:
             name = PREFIX + metric
-            lines += _header(name, kind, help_text)
-            lines.append(f"{name} {_num(float(engine_stats.get(key, 0)))}")
+            lines += family_header(name, kind, help_text)
+            lines.append(f"{name} {format_value(float(engine_stats.get(key, 0)))}")
         for key, metric, kind, help_text in _GRAMMAR_METRICS:
             name = PREFIX + metric
-            lines += _header(name, kind, help_text)
-            lines.append(f"{name} {_num(float(engine_stats.get(key, 0)))}")
+            lines += family_header(name, kind, help_text)
+            lines.append(f"{name} {format_value(float(engine_stats.get(key, 0)))}")
         lines += _compile_histogram(engine_stats)
         name = f"{PREFIX}model_compute_info"
-        lines += _header(
+        lines += family_header(
             name,
             "gauge",
             "How the model computes: dtype, why (dtype_reason), and the weight quantization "
@@ -371,12 +308,13 @@ class ServerMetrics:
             "dtype_reason": str(engine_stats.get("dtype_reason", "")),
             "quantization": str(engine_stats.get("quantization", "none")),
         }
-        lines.append(f"{name}{_labels(info)} 1")
+        lines.append(f"{name}{format_labels(info)} 1")
         name = f"{PREFIX}healthy"
-        lines += _header(name, "gauge", "1 while the engine can serve requests.")
+        lines += family_header(name, "gauge", "1 while the engine can serve requests.")
         lines.append(f"{name} {1 if healthy else 0}")
         if replicas:
             lines += _replica_lines(engine_stats, replicas)
+        lines += vllm_lines
         return "\n".join(lines) + "\n"
 
 
@@ -404,12 +342,12 @@ def _replica_lines(
     lines: list[str] = []
     for key, metric, kind, help_text in _REPLICA_METRICS:
         name = PREFIX + metric
-        lines += _header(name, kind, help_text)
+        lines += family_header(name, kind, help_text)
         for row in replicas:
-            label = _labels({"replica": str(row["replica"])})
-            lines.append(f"{name}{label} {_num(float(row.get(key, 0)))}")
+            label = format_labels({"replica": str(row["replica"])})
+            lines.append(f"{name}{label} {format_value(float(row.get(key, 0)))}")
     name = f"{PREFIX}dp_routed_by_affinity_total"
-    lines += _header(
+    lines += family_header(
         name,
         "counter",
         "Structured requests by grammar affinity: hit (sent to the replica holding the "
@@ -417,8 +355,8 @@ def _replica_lines(
     )
     for outcome in ("hit", "miss", "new"):
         value = float(engine_stats.get(f"dp_affinity_{outcome}", 0))
-        lines.append(f'{name}{{outcome="{outcome}"}} {_num(value)}')
+        lines.append(f'{name}{{outcome="{outcome}"}} {format_value(value)}')
     name = f"{PREFIX}dp_retried_requests_total"
-    lines += _header(name, "counter", "Requests sent again after their replica died.")
-    lines.append(f"{name} {_num(float(engine_stats.get('dp_retried_requests', 0)))}")
+    lines += family_header(name, "counter", "Requests sent again after their replica died.")
+    lines.append(f"{name} {format_value(float(engine_stats.get('dp_retried_requests', 0)))}")
     return lines

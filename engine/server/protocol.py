@@ -151,6 +151,8 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     best_of: int | None = None
+    # The prompt's text before each choice's text.
+    echo: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
