@@ -268,3 +268,57 @@ def test_the_server_returns_the_thoughts_as_reasoning_content(reasoning_server):
             "content": message["content"],
         }
         assert usage["completion_tokens_details"]["reasoning_tokens"] == spent
+
+
+def _responses_events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    import httpx
+
+    events = []
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=120) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+def test_responses_carry_the_thoughts_as_a_reasoning_item(reasoning_server):
+    """/v1/responses: a reasoning item with the thoughts before the message with the
+    validated object, reasoning tokens in usage; streamed, the reasoning and text deltas add
+    up to the same items, the reasoning item done before the message begins."""
+    import httpx
+
+    url = f"{reasoning_server}/v1/responses"
+    for seed in range(3):
+        chat = _chat_body(seed)
+        body = {
+            "model": "thinker",
+            "input": chat["messages"][0]["content"],
+            "max_output_tokens": 100,
+            "temperature": 1.0,
+            "seed": seed,
+            "max_reasoning_tokens": 8,
+            "text": {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}},
+        }
+        reply = httpx.post(url, json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        response = reply.json()
+        thought, message = response["output"]
+        assert thought["type"] == "reasoning" and thought["id"].startswith("rs_")
+        assert message["type"] == "message"
+        text = message["content"][0]["text"]
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert 1 <= response["usage"]["output_tokens_details"]["reasoning_tokens"] <= 9
+        events = _responses_events(url, body)
+        kinds = [e["type"] for e in events]
+        deltas = {
+            kind: "".join(e["delta"] for e in events if e["type"] == kind)
+            for kind in ("response.reasoning_text.delta", "response.output_text.delta")
+        }
+        assert deltas == {
+            "response.reasoning_text.delta": thought["content"][0]["text"],
+            "response.output_text.delta": text,
+        }
+        first_done = kinds.index("response.output_item.done")
+        assert first_done < kinds.index("response.content_part.added")
+        assert kinds[-1] == "response.completed"
+        assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]

@@ -1,14 +1,16 @@
-"""``ServerState``: what the route handlers share (engine, settings, metrics)."""
+"""``ServerState``: what the route handlers share (engine, settings, metrics, stored
+responses)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from baton.engine.entrypoints.serving import ServingEngine
 from baton.engine.server.config import ServerConfig
 from baton.engine.server.metrics import ServerMetrics
+from baton.engine.server.responses_store import ResponseStore
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,7 @@ class ServerState:
     engine: ServingEngine
     config: ServerConfig
     metrics: ServerMetrics
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
 
 def get_state(request: Request) -> ServerState:

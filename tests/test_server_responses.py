@@ -1,0 +1,353 @@
+"""``POST /v1/responses`` (OpenAI's Responses API) as clients use it: the official ``openai``
+client (``responses.create``, ``responses.parse``, ``responses.stream``, ``retrieve``),
+``instructor``'s RESPONSES_TOOLS mode, and raw bodies for the 400s and 404s, against
+``baton serve`` on the default model at temperature 0. Every structured answer and every
+call's arguments are validated with ``jsonschema``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from conftest import DEFAULT_SERVED_MODEL as MODEL
+from pydantic import BaseModel, Field
+
+from baton.engine.server.responses_input import chat_messages
+from baton.engine.server.responses_store import ResponseStore, StoredResponse
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MAX_TOKENS = 64  # a Weather object or a get_weather call takes ~40 tokens
+
+
+class Weather(BaseModel):
+    """The weather to look up."""
+
+    city: str = Field(max_length=12)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+SCHEMA = Weather.model_json_schema()
+FORMAT = {"type": "json_schema", "name": "weather", "schema": SCHEMA, "strict": True}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {**SCHEMA, "additionalProperties": False},
+    "strict": True,
+}
+ASK = "What is the weather in Paris, in celsius?"
+
+
+@pytest.fixture(scope="module")
+def client(default_model_server: str) -> openai.OpenAI:
+    return openai.OpenAI(api_key="none", base_url=f"{default_model_server}/v1", max_retries=0)
+
+
+# ----------------------------------------------------------------- create and parse
+
+
+def test_json_schema_format(client: openai.OpenAI) -> None:
+    r = client.responses.create(
+        model=MODEL,
+        instructions="Answer in JSON.",
+        input=ASK,
+        text={"format": FORMAT},
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    (part,) = item.content
+    assert part.type == "output_text" and part.annotations == []
+    jsonschema.validate(json.loads(part.text), SCHEMA)
+    assert r.instructions == "Answer in JSON." and r.model == MODEL
+    assert r.text.format.type == "json_schema" and r.temperature == 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_parse_into_a_pydantic_model(client: openai.OpenAI) -> None:
+    r = client.responses.parse(
+        model=MODEL,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": ASK}]}],
+        text_format=Weather,
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    assert isinstance(r.output_parsed, Weather)
+    jsonschema.validate(r.output_parsed.model_dump(), SCHEMA)
+
+
+def test_max_output_tokens_makes_it_incomplete_and_store_false_is_not_kept(
+    client: openai.OpenAI,
+) -> None:
+    r = client.responses.create(
+        model=MODEL, input=ASK, max_output_tokens=3, temperature=0, store=False
+    )
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
+    with pytest.raises(openai.NotFoundError, match=r.id):
+        client.responses.retrieve(r.id)
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+def test_stream_events_in_order(client: openai.OpenAI) -> None:
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input=ASK,
+            text={"format": FORMAT},
+            max_output_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 2
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert events[-4].text == text and final.output[0].content[0].text == text
+    assert final.status == "completed" and final.id == events[0].response.id
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_stream_helper_parses(client: openai.OpenAI) -> None:
+    with client.responses.stream(
+        model=MODEL, input=ASK, text_format=Weather, max_output_tokens=MAX_TOKENS, temperature=0
+    ) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert isinstance(final.output_parsed, Weather)
+    assert final.output[0].content[0].text == text
+
+
+def test_streamed_function_call(client: openai.OpenAI) -> None:
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input=ASK,
+            tools=[TOOL],
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert len(kinds) == 6 + len(deltas)
+    done, item = events[-3], events[-1].response.output[0]
+    assert done.arguments == "".join(deltas) == item.arguments and done.name == "get_weather"
+    assert item.type == "function_call" and item.call_id.startswith("call_")
+    jsonschema.validate(json.loads(item.arguments), TOOL["parameters"])
+
+
+# -------------------------------------------------------------- tools and chaining
+
+
+def test_required_tool_call_then_its_output_continues_the_conversation(
+    client: openai.OpenAI,
+) -> None:
+    first = client.responses.create(
+        model=MODEL,
+        input=ASK,
+        tools=[TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), TOOL["parameters"])
+    assert first.tool_choice == "required" and first.tools[0].name == "get_weather"
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "22 C"}
+    second = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[result],
+        tools=[TOOL],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert second.previous_response_id == first.id
+    # The second prompt holds the first one, the call and the result.
+    before = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens > before
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    assert items[1].call_id == call.call_id
+
+
+def test_previous_response_id_chains_and_retrieve(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=5)
+    again = client.responses.retrieve(first.id)
+    assert again.id == first.id and again.output[0].content[0].text == first.output_text
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, input="Once more.", max_output_tokens=5
+    )
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [(i.type, i.role) for i in items] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    with pytest.raises(openai.NotFoundError, match="resp_nope"):
+        client.responses.create(model=MODEL, previous_response_id="resp_nope", input="x")
+    with pytest.raises(openai.NotFoundError, match="resp_gone"):
+        client.responses.retrieve("resp_gone")
+
+
+def test_instructor_responses_tools(client: openai.OpenAI) -> None:
+    instructor = pytest.importorskip("instructor")
+    if not hasattr(instructor.Mode, "RESPONSES_TOOLS"):
+        pytest.skip("this instructor has no RESPONSES_TOOLS mode")
+    patched = instructor.from_openai(client, mode=instructor.Mode.RESPONSES_TOOLS)
+    weather = patched.create(
+        model=MODEL,
+        response_model=Weather,
+        messages=[{"role": "user", "content": ASK}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        max_retries=0,
+    )
+    assert isinstance(weather, Weather)
+    jsonschema.validate(weather.model_dump(), SCHEMA)
+
+
+# ---------------------------------------------------------------------- bad input
+
+BAD: list[tuple[dict[str, Any], str, str]] = [
+    ({"input": 5}, "input", "input"),
+    ({"temperature": "hot"}, "temperature", "temperature"),
+    ({"input": [{"type": "web_search_call"}]}, "input[0].type", "not supported"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        "input[0].content[0]",
+        "input_image",
+    ),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role", "robot"),
+    (
+        {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+        "input[0].call_id",
+        "",
+    ),
+    ({"input": []}, "input", "at least one"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type", "xml"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "schema"),
+    ({"text": {"format": "json"}}, "text.format", "object"),
+    (
+        {"text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
+        "text.format",
+        "text.format",
+    ),
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools[0].name", "name"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "f"}}, "tool_choice", "f"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort", "high"),
+    ({"max_output_tokens": -1}, "max_output_tokens", "max_output_tokens"),
+    ({"frobnicate": 1}, "frobnicate", "unknown field"),
+    ({"background": True}, "background", "background"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param", "word"), BAD, ids=lambda v: str(v)[:40])
+def test_bad_input_is_a_400_naming_the_field(
+    default_model_server: str, fields: dict[str, Any], param: str, word: str
+) -> None:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 1, **fields}
+    r = httpx.post(f"{default_model_server}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and word in error["message"], error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_that_cannot_compile_is_a_400_naming_text_format(
+    default_model_server: str, stream: bool
+) -> None:
+    schema = {"type": "integer", "minimum": 5, "maximum": 2}
+    body = {
+        "model": MODEL,
+        "input": "hi",
+        "stream": stream,
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": schema}},
+    }
+    r = httpx.post(f"{default_model_server}/v1/responses", json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "text.format", error
+    assert error["message"].startswith("text.format"), error
+
+
+def test_unknown_ids_are_a_404_naming_them(default_model_server: str) -> None:
+    for method, path in (("GET", ""), ("GET", "/input_items"), ("DELETE", "")):
+        r = httpx.request(method, f"{default_model_server}/v1/responses/resp_x{path}", timeout=30)
+        assert r.status_code == 404 and "resp_x" in r.json()["error"]["message"], r.text
+
+
+# ------------------------------------------------------------ units (no server)
+
+
+def test_store_evicts_the_least_recently_used() -> None:
+    store = ResponseStore(2)
+
+    def put(rid: str) -> None:
+        store.put(StoredResponse({"id": rid, "output": []}, ()))
+
+    put("a")
+    put("b")
+    assert store.get("a") is not None  # now b is the least recently used
+    put("c")
+    assert store.get("b") is None and store.get("a") is not None and len(store) == 2
+    with pytest.raises(ValueError, match="capacity"):
+        ResponseStore(0)
+
+
+def test_items_become_chat_messages() -> None:
+    items = [
+        {"type": "message", "role": "developer", "content": "be brief"},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "ok"}],
+        },
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+    ]
+    messages = chat_messages(items)
+    assert [m["role"] for m in messages] == ["system", "assistant", "tool"]
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]
+    assert messages[1]["content"] == "ok" and messages[2]["tool_call_id"] == "c1"
