@@ -130,6 +130,20 @@ def test_stream_events_in_order(client: openai.OpenAI) -> None:
     assert events[-4].text == text and final.output[0].content[0].text == text
     assert final.status == "completed" and final.id == events[0].response.id
     jsonschema.validate(json.loads(text), SCHEMA)
+    # A streamed response is stored too.
+    assert client.responses.retrieve(final.id).output[0].content[0].text == text
+
+
+def test_a_stream_cut_by_max_output_tokens_ends_incomplete(client: openai.OpenAI) -> None:
+    events = list(
+        client.responses.create(
+            model=MODEL, input=ASK, max_output_tokens=3, temperature=0, stream=True
+        )
+    )
+    assert events[-1].type == "response.incomplete"
+    final = events[-1].response
+    assert final.incomplete_details.reason == "max_output_tokens"
+    assert final.output[0].status == "incomplete" and final.usage.output_tokens == 3
 
 
 def test_stream_helper_parses(client: openai.OpenAI) -> None:
@@ -222,6 +236,9 @@ def test_previous_response_id_chains_and_retrieve(client: openai.OpenAI) -> None
         ("message", "assistant"),
         ("message", "user"),
     ]
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match=first.id):
+        client.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError, match="resp_nope"):
         client.responses.create(model=MODEL, previous_response_id="resp_nope", input="x")
     with pytest.raises(openai.NotFoundError, match="resp_gone"):
