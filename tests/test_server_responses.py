@@ -368,3 +368,48 @@ def test_items_become_chat_messages() -> None:
     assert [m["role"] for m in messages] == ["system", "assistant", "tool"]
     assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]
     assert messages[1]["content"] == "ok" and messages[2]["tool_call_id"] == "c1"
+
+
+def test_events_close_the_text_before_a_call_begins() -> None:
+    """Text, then a Hermes call, read from a growing completion (what a model calling under
+    tool_choice auto writes): the message item is done before the function_call item is
+    added, and the final response holds both, the deltas adding up to each."""
+    from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from baton.engine.sampling_params import SamplingParams
+    from baton.engine.server.chat_plan import ChatPlan
+    from baton.engine.server.protocol import ChatCompletionRequest, ResponsesRequest
+    from baton.engine.server.responses_output import ResponseContext
+    from baton.engine.server.responses_stream import ResponseEvents
+    from baton.engine.server.tools import tool_plan
+
+    chat = ChatCompletionRequest(
+        messages=[{"role": "user", "content": ASK}],
+        tools=[{"type": "function", "function": {"name": "get_weather"}}],
+    )
+    plan = ChatPlan([1, 2], SamplingParams(), None, tool_plan(chat), None)
+    body = ResponsesRequest(input=ASK, tools=[TOOL])
+    events = ResponseEvents(ResponseContext("resp_1", 0, MODEL, body, plan))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    full = "Let me look." + call
+    stream = events.start()
+    for end in range(1, len(full) + 1, 7):
+        reason = "stop" if end >= len(full) else None
+        c = CompletionOutput(0, full[:end], list(range(end)), None, None, finish_reason=reason)
+        out = RequestOutput("r", None, [1, 2], [c], reason is not None, RequestMetrics(0.0))
+        stream += events.update(out)
+    c = CompletionOutput(0, full, list(range(len(full))), None, None, finish_reason="stop")
+    stream += events.finish(RequestOutput("r", None, [1, 2], [c], True, RequestMetrics(0.0)))
+    data = [json.loads(e.split("data: ", 1)[1]) for e in stream]
+    kinds = [d["type"] for d in data]
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    message_done = kinds.index("response.output_item.done")
+    assert data[message_done]["item"]["type"] == "message"
+    assert message_done < kinds.index("response.function_call_arguments.delta")
+    text = "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta")
+    arguments = "".join(
+        d["delta"] for d in data if d["type"] == "response.function_call_arguments.delta"
+    )
+    message, function_call = data[-1]["response"]["output"]
+    assert text == message["content"][0]["text"] == "Let me look."
+    assert arguments == function_call["arguments"] and json.loads(arguments) == {"city": "Paris"}
+    assert kinds[-1] == "response.completed" and function_call["status"] == "completed"

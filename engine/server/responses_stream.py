@@ -121,14 +121,12 @@ class ResponseEvents:
             added["arguments"] = ""
         events.append(self.event("response.output_item.added", output_index=self._open, item=added))
         if item["type"] == "message":
-            events.append(self._part("response.content_part.added", output_text("")))
+            events.append(self._part("response.content_part.added", self._open, output_text("")))
         return events
 
-    def _part(self, kind: str, part: dict[str, Any]) -> str:
-        item = self.output[self._open or 0]
-        return self.event(
-            kind, item_id=item["id"], output_index=self._open, content_index=0, part=part
-        )
+    def _part(self, kind: str, index: int, part: dict[str, Any]) -> str:
+        item_id = self.output[index]["id"]
+        return self.event(kind, item_id=item_id, output_index=index, content_index=0, part=part)
 
     def _reasoning(self, delta: str) -> list[str]:
         events = []
@@ -196,15 +194,13 @@ class ResponseEvents:
         events = []
         where = {"item_id": item["id"], "output_index": index}
         if item["type"] == "message":
-            self._open = index  # for _part
             text = item["content"][0]["text"]
             events.append(
                 self.event(
                     "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
                 )
             )
-            events.append(self._part("response.content_part.done", item["content"][0]))
-            self._open = None
+            events.append(self._part("response.content_part.done", index, item["content"][0]))
         elif item["type"] == "function_call":
             events.append(
                 self.event(
