@@ -34,9 +34,10 @@ from baton.engine.server.generation import (
 )
 from baton.engine.server.params import check_model
 from baton.engine.server.protocol import ResponsesRequest
-from baton.engine.server.responses_input import chat_request, input_items, renamed
+from baton.engine.server.responses_input import chat_request, input_items, renamed, shown
 from baton.engine.server.responses_output import (
     ResponseContext,
+    json_text,
     new_id,
     output_items,
     response_object,
@@ -52,11 +53,15 @@ router = APIRouter()
 def _not_found(response_id: str, param: str | None) -> APIError:
     return APIError(
         404,
-        f"Response with id '{response_id}' not found: it was never stored (store: false), "
+        f"Response with id '{shown(response_id)}' not found: it was never stored (store: false), "
         "was deleted, or was evicted from the server's response store.",
         param=param,
         code="response_not_found",
     )
+
+
+def _json(data: dict[str, Any]) -> Response:
+    return Response(json_text(data), media_type="application/json")
 
 
 def _stored(store: ResponseStore, response_id: str, param: str | None) -> StoredResponse:
@@ -130,17 +135,17 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     response = response_object(ctx, status, output, response_usage(out, plan))
     if store is not None:
         store.put(StoredResponse(response, tuple(conversation)))
-    return JSONResponse(response)
+    return _json(response)
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request) -> JSONResponse:
+async def get_response(response_id: str, request: Request) -> Response:
     """A stored response, as it was answered; 404 naming the id when it is not stored."""
-    return JSONResponse(_stored(get_state(request).responses, response_id, None).response)
+    return _json(_stored(get_state(request).responses, response_id, None).response)
 
 
 @router.get("/v1/responses/{response_id}/input_items")
-async def list_input_items(response_id: str, request: Request, order: str = "desc") -> JSONResponse:
+async def list_input_items(response_id: str, request: Request, order: str = "desc") -> Response:
     """The conversation a stored response answered, as items (newest first unless
     ``order=asc``, as OpenAI's); 404 naming the id when it is not stored."""
     if order not in ("asc", "desc"):
@@ -148,7 +153,7 @@ async def list_input_items(response_id: str, request: Request, order: str = "des
     items = list(_stored(get_state(request).responses, response_id, None).input_items)
     if order == "desc":
         items.reverse()
-    return JSONResponse(
+    return _json(
         {
             "object": "list",
             "data": items,

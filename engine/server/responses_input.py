@@ -33,6 +33,12 @@ _PARAMS = {
 }
 
 
+def shown(name: str) -> str:
+    """``name`` as an error may quote it: lone surrogates (valid in JSON escapes, not in
+    UTF-8) written as backslash escapes."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -143,7 +149,7 @@ def response_format(text: dict[str, Any] | None) -> ResponseFormat | None:
         if key == "verbosity" and value not in (None, "medium"):
             raise bad_request("text.verbosity is not supported", "text.verbosity")
         if key not in ("format", "verbosity"):
-            raise bad_request(f"unknown field text.{key}", f"text.{key}")
+            raise bad_request(f"unknown field text.{shown(key)}", f"text.{shown(key)}")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -247,7 +253,7 @@ def check_reasoning(reasoning: dict[str, Any] | None) -> None:
         if key in ("summary", "generate_summary") and value is not None:
             raise bad_request("reasoning summaries are not supported", f"reasoning.{key}")
         if key not in ("effort", "summary", "generate_summary"):
-            raise bad_request(f"unknown field reasoning.{key}", f"reasoning.{key}")
+            raise bad_request(f"unknown field reasoning.{shown(key)}", f"reasoning.{shown(key)}")
 
 
 def chat_request(

@@ -4,6 +4,7 @@ part, ``function_call`` items), the usage, and the echo of the request's setting
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,18 @@ from typing import Any
 from baton.engine.outputs import RequestOutput
 from baton.engine.server.chat_plan import ChatPlan, assistant_reply
 from baton.engine.server.protocol import ResponsesRequest
+
+
+def json_text(data: Any) -> str:
+    """``data`` as compact JSON that encodes to UTF-8: non-ASCII text as it is, unless the
+    request echoed in it carried lone surrogates (valid as JSON escapes, not in UTF-8), which
+    are then sent back as the escapes they came as."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(data, ensure_ascii=True, separators=(",", ":"))
+    return text
 
 
 def new_id(prefix: str) -> str:

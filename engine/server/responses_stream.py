@@ -14,7 +14,6 @@ when the next one begins or the answer ends.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from baton.engine.outputs import CompletionOutput, RequestOutput
@@ -22,6 +21,7 @@ from baton.engine.server.responses_output import (
     ResponseContext,
     function_call_item,
     item_status,
+    json_text,
     message_item,
     new_id,
     output_text,
@@ -54,8 +54,7 @@ class ResponseEvents:
         """One event, numbered."""
         data = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
-        text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {kind}\ndata: {text}\n\n"
+        return f"event: {kind}\ndata: {json_text(data)}\n\n"
 
     def start(self) -> list[str]:
         """``response.created`` and ``response.in_progress``."""
