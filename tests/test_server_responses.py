@@ -413,3 +413,43 @@ def test_events_close_the_text_before_a_call_begins() -> None:
     assert text == message["content"][0]["text"] == "Let me look."
     assert arguments == function_call["arguments"] and json.loads(arguments) == {"city": "Paris"}
     assert kinds[-1] == "response.completed" and function_call["status"] == "completed"
+
+
+@pytest.mark.parametrize("failure", ["output", "engine"])
+def test_a_failure_inside_the_engine_ends_the_stream_with_an_error_event(failure: str) -> None:
+    import asyncio
+    from collections.abc import AsyncIterator
+
+    from baton.engine.entrypoints.async_llm import EngineDeadError
+    from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from baton.engine.sampling_params import SamplingParams
+    from baton.engine.server.chat_plan import ChatPlan
+    from baton.engine.server.protocol import ResponsesRequest
+    from baton.engine.server.responses import stream_events
+    from baton.engine.server.responses_output import ResponseContext
+    from baton.engine.server.responses_stream import ResponseEvents
+
+    async def outputs() -> AsyncIterator[RequestOutput]:
+        c = CompletionOutput(0, "Hel", [1], None, None)
+        yield RequestOutput("r", None, [1], [c], False, RequestMetrics(0.0))
+        if failure == "engine":
+            raise EngineDeadError("the engine has stopped")
+        c = CompletionOutput(0, "Hel", [1], None, None, finish_reason="error", error="boom")
+        yield RequestOutput("r", None, [1], [c], True, RequestMetrics(0.0))
+
+    async def run() -> list[str]:
+        plan = ChatPlan([1], SamplingParams(), None, None, None)
+        ctx = ResponseContext("resp_1", 0, MODEL, ResponsesRequest(input="hi"), plan)
+        return [e async for e in stream_events(outputs(), ResponseEvents(ctx), store, [])]
+
+    store = ResponseStore()
+    data = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(run())]
+    assert [d["type"] for d in data][:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert data[-1]["type"] == "error"
+    assert data[-1]["message"] == ("boom" if failure == "output" else "the engine has stopped")
+    assert store.get("resp_1") is None

@@ -19,13 +19,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from baton.engine.entrypoints.async_llm import EngineDeadError
+from baton.engine.outputs import RequestOutput
 from baton.engine.server.chat_plan import plan_chat
 from baton.engine.server.errors import APIError, bad_request
 from baton.engine.server.fields import check_extra_fields
 from baton.engine.server.generation import (
     ClientDisconnected,
     SSEResponse,
-    TrackedStream,
     check_first_output,
     close_all,
     collect_unary,
@@ -71,12 +71,15 @@ def _stored(store: ResponseStore, response_id: str, param: str | None) -> Stored
     return stored
 
 
-async def _stream(
-    stream: TrackedStream,
+async def stream_events(
+    stream: AsyncIterator[RequestOutput],
     events: ResponseEvents,
     store: ResponseStore | None,
     conversation: Sequence[dict[str, Any]],
 ) -> AsyncIterator[str]:
+    """The events of a streamed response (``stream``: its request's outputs); a failure
+    inside the engine ends them with an ``error`` event. The finished response is stored in
+    ``store`` (None: not stored) with the ``conversation`` it answered."""
     for event in events.start():
         yield event
     try:
@@ -124,7 +127,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                 await check_first_output(request, streams, plan.param)
             events = ResponseEvents(ctx)
             return SSEResponse(
-                _stream(streams[0], events, store, conversation), lambda: close_all(streams)
+                stream_events(streams[0], events, store, conversation), lambda: close_all(streams)
             )
         (out,) = await collect_unary(request, streams, plan.param)
     except APIError as exc:
