@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from baton.grammar.spec import StructuredOutputsParams
 
 _MAX_SEED = 2**63 - 1
+# OpenAI's range for a logit bias.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,10 @@ class SamplingParams:
     # With the engine's reasoning parser: thinking tokens allowed before a structured answer;
     # then the end-of-think token is forced and the grammar begins. None: unbounded.
     max_reasoning_tokens: int | None = None
+    # Added to the token's logit before sampling (OpenAI's logit_bias): given as a mapping
+    # token id -> bias in [-100, 100] (or such pairs), kept as pairs sorted by id. The grammar
+    # mask still holds: a biased token it forbids stays forbidden.
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept any sequence (list, a single string) for the two tuple fields.
@@ -47,6 +54,7 @@ class SamplingParams:
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -99,6 +107,20 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        ids = [t for t, _ in self.logit_bias]
+        for token_id, bias in self.logit_bias:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
+            if not _is_num(bias) or not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token_id}"
+                )
+        if len(set(ids)) != len(ids):
+            raise ValueError("logit_bias must give each token id once")
 
     @property
     def greedy(self) -> bool:
@@ -117,6 +139,24 @@ class SamplingParams:
     def effective_top_k(self) -> int:
         """top_k with -1 normalised to 0 (off)."""
         return max(self.top_k, 0)
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs sorted by id; values are checked later."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [tuple(item) for item in items]  # type: ignore[union-attr]
+    except TypeError:
+        raise ValueError(
+            f"logit_bias must be a mapping of token ids to biases, got {value!r}"
+        ) from None
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {value!r}")
+    return tuple(
+        sorted(pairs, key=lambda p: (0, p[0], "") if _is_int(p[0]) else (1, 0, repr(p[0])))
+    )
 
 
 def _is_int(v: object) -> bool:

@@ -65,6 +65,10 @@ class SchedulerOutput:
     # many tokens were planned past it (the most the runner may have recorded there). The
     # runner forgets what it recorded past the real count before this step's changes.
     rewound: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Prefix caching past a block boundary: (source, destination) KV blocks the runner copies,
+    # in order, before this step's forward (a new request's first tokens, from a cached block
+    # that starts with them).
+    kv_block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:

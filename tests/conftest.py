@@ -871,25 +871,55 @@ DEFAULT_SERVED_MODEL = "smol"
 
 
 @pytest.fixture(scope="module")
-def default_model_server(default_checkpoint: Checkpoint) -> Iterator[str]:
-    """``baton serve``'s app on the default model (no API key, served as "smol"), in a uvicorn
-    thread for the test module; yields its base URL. Module-scoped: a session-wide server
-    kept its engine (0.8 GB) resident in a worker for the rest of the run (issue 52), and
-    starting one from the loaded ``default_checkpoint`` takes seconds."""
+def default_model_engine(default_checkpoint: Checkpoint) -> Iterator[Any]:
+    """An ``AsyncLLM`` of the default model (8 sequences, 2048 tokens) for the test module,
+    shut down after it; the engine behind ``default_model_server``, for modules that serve it
+    under other settings too. Module-scoped: a session-wide engine (0.8 GB) stayed resident in
+    a worker for the rest of the run (issue 52), and starting one from the loaded
+    ``default_checkpoint`` takes seconds."""
     from baton.engine.entrypoints.async_llm import AsyncLLM
-    from baton.engine.server.app import build_app
-    from baton.engine.server.config import ServerConfig
 
     engine = AsyncLLM.from_engine_args(
         None, checkpoint=default_checkpoint, max_num_seqs=8, max_model_len=2048
     )
     try:
-        with serve_in_thread(
-            build_app(engine, ServerConfig(served_model_name=DEFAULT_SERVED_MODEL))
-        ) as base:
-            yield base
+        yield engine
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def default_model_server(default_model_engine: Any) -> Iterator[str]:
+    """``baton serve``'s app on the default model (no API key, served as "smol"), in a uvicorn
+    thread for the test module; yields its base URL."""
+    from baton.engine.server.app import build_app
+    from baton.engine.server.config import ServerConfig
+
+    config = ServerConfig(served_model_name=DEFAULT_SERVED_MODEL)
+    with serve_in_thread(build_app(default_model_engine, config)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def parser_servers(default_model_engine: Any) -> Iterator[dict[str, str]]:
+    """The base URL of an app per ``--tool-call-parser`` name (``TOOL_CALL_FORMATS``), all
+    on the module's ``default_model_engine`` (served as "smol")."""
+    from baton.engine.server.app import build_app
+    from baton.engine.server.config import ServerConfig
+    from baton.grammar.tool_formats import TOOL_CALL_FORMATS
+
+    with contextlib.ExitStack() as stack:
+        yield {
+            name: stack.enter_context(
+                serve_in_thread(
+                    build_app(
+                        default_model_engine,
+                        ServerConfig(served_model_name=DEFAULT_SERVED_MODEL, tool_call_parser=name),
+                    )
+                )
+            )
+            for name in TOOL_CALL_FORMATS
+        }
 
 
 def decode_after_prompts(

@@ -40,7 +40,8 @@ PROMPTS = [
 
 
 def mixed_requests(stop_ids: list[int]) -> list[tuple[str, SamplingParams]]:
-    """Free, JSON, regex and choice requests; greedy and seeded; every stop condition."""
+    """Free, JSON, regex and choice requests; greedy and seeded; every stop condition; a
+    logit_bias on a free and a JSON request."""
     so = StructuredOutputsParams
     params = [
         SamplingParams(max_tokens=12, temperature=0.0),
@@ -60,9 +61,21 @@ def mixed_requests(stop_ids: list[int]) -> list[tuple[str, SamplingParams]]:
             max_tokens=10, min_tokens=6, temperature=1.0, seed=9, stop_token_ids=stop_ids
         ),
         SamplingParams(
-            max_tokens=30, temperature=1.0, seed=13, top_k=20, top_p=0.9, repetition_penalty=1.2
+            max_tokens=30,
+            temperature=1.0,
+            seed=13,
+            top_k=20,
+            top_p=0.9,
+            repetition_penalty=1.2,
+            logit_bias={28: 3.0, 330: -2.0},
         ),
-        SamplingParams(max_tokens=40, temperature=0.7, seed=17, structured_outputs=so(json=SCHEMA)),
+        SamplingParams(
+            max_tokens=40,
+            temperature=0.7,
+            seed=17,
+            structured_outputs=so(json=SCHEMA),
+            logit_bias={90: 3.0},
+        ),
         SamplingParams(max_tokens=14, temperature=0.0, logprobs=2),
     ]
     return list(zip(PROMPTS, params, strict=True))

@@ -283,3 +283,32 @@ def test_failure_in_one_request_spares_the_others(llm, monkeypatch):
     assert len(outs[0].outputs[0].token_ids) == 8
     sched = llm.engine.core.scheduler
     assert not sched.has_unfinished_requests() and sched.kv.num_used_blocks == 0
+
+
+def test_prefix_cache_reuses_part_of_a_block_without_changing_tokens(llm, default_checkpoint):
+    """A prompt that shares 20 tokens with a finished one (one 16-token block and 4 tokens
+    of the next) starts from those 20, the 4 copied from the cached block, and gets the
+    tokens an engine without prefix caching gives. Without the copy its KV rows 16-19 are
+    another block's (zeros or stale) and the greedy tokens change (checked)."""
+    rng = torch.Generator().manual_seed(7)
+    shared = torch.randint(1000, 20000, (20,), generator=rng).tolist()
+    first = shared + torch.randint(1000, 20000, (15,), generator=rng).tolist()
+    second = shared + torch.randint(1000, 20000, (9,), generator=rng).tolist()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    plain = LLM.from_checkpoint(
+        default_checkpoint, dtype="float32", max_model_len=512, enable_prefix_caching=False
+    )
+    try:
+        alone = plain.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
+    finally:
+        plain.shutdown()
+    llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 20
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert out.outputs[0].logprobs == alone.outputs[0].logprobs  # the same KV, bit for bit
+    # the same prompt again: its own blocks hold all but its last prompt token
+    again = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == len(second) - 1
+    assert again.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert again.outputs[0].logprobs == alone.outputs[0].logprobs

@@ -187,6 +187,11 @@ COMMON_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "structured_outputs": STRUCTURED,
     "ignore_eos": st.booleans(),
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
+    "logit_bias": st.dictionaries(
+        st.one_of(st.integers(0, 49151).map(str), st.integers(-2, 10**20).map(str)),
+        st.one_of(st.floats(-100, 100), st.integers(-101, 101)),
+        max_size=3,
+    ),
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
 }

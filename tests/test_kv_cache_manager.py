@@ -134,21 +134,82 @@ def test_bad_arguments_raise() -> None:
 # --- prefix caching -------------------------------------------------------------------
 
 
-def test_shared_prefix_hits_full_blocks_only() -> None:
+def test_shared_prefix_hits_full_blocks_and_the_shared_part_of_the_next() -> None:
     kv = make(20)
-    shared = list(range(100, 100 + 2 * BS + 2))  # two full blocks + a partial one
+    shared = list(range(100, 100 + 2 * BS + 2))  # two full blocks + two tokens of a third
     a = shared + [1, 2, 3]
     assert admit(kv, "a", a)[0] == 0
+    assert kv.take_block_copies() == ()
     b = shared + [7, 8, 9, 10, 11]
     hit = kv.get_computed_blocks("b", b)
-    assert hit == 2 * BS  # the partial third block never hits, even with a common start
+    assert hit == 2 * BS + 2  # two blocks, and two tokens of a's third block
     new = kv.allocate_slots("b", len(b), hit)
     assert new is not None and len(new) == kv.num_blocks_needed(len(b)) - 2
     assert kv.get_block_ids("b")[:2] == kv.get_block_ids("a")[:2]
     assert kv.get_block_ids("b")[2:] == new
+    # b's third block is its own, filled from a's by a copy in the next step
+    assert kv.take_block_copies() == ((kv.get_block_ids("a")[2], new[0]),)
+    assert kv.take_block_copies() == ()
     assert kv.prefix_cache_queries == len(a) + len(b)
-    assert kv.prefix_cache_hits == 2 * BS
-    assert kv.prefix_cache_hit_rate == pytest.approx(2 * BS / (len(a) + len(b)))
+    assert kv.prefix_cache_hits == 2 * BS + 2
+    assert kv.prefix_cache_hit_rate == pytest.approx((2 * BS + 2) / (len(a) + len(b)))
+    kv.check_invariants()
+
+
+def test_partial_block_reuse_picks_the_longest_shared_start_and_leaves_a_token() -> None:
+    kv = make(30)
+    head = list(range(50, 50 + BS))  # one full block shared by all
+    admit(kv, "a", head + [1, 2, 9, 9])  # shares 2 with the prompt below
+    admit(kv, "b", head + [1, 2, 3, 9])  # shares 3: the longest
+    admit(kv, "c", head + [5, 2, 3, 4])  # another first token: not a candidate
+    kv.take_block_copies()  # b's own partial reuse of a's block
+    prompt = head + [1, 2, 3, 4, 8]
+    assert kv.get_computed_blocks("d", prompt) == BS + 3
+    assert kv.allocate_slots("d", len(prompt), BS + 3) is not None
+    assert kv.take_block_copies() == ((kv.get_block_ids("b")[1], kv.get_block_ids("d")[1]),)
+    # a prompt that ends inside the shared part keeps its last token to compute
+    assert kv.get_computed_blocks("e", head + [1, 2, 3]) == BS + 2
+    # the first block of a sequence has no parent: found by its first token alone
+    assert kv.get_computed_blocks("f", [50, 51, 99, 99, 99]) == 2
+    kv.check_invariants()
+
+
+def test_taking_only_full_blocks_copies_nothing_and_other_counts_are_refused() -> None:
+    kv = make(20)
+    admit(kv, "a", list(range(2 * BS)))
+    prompt = list(range(BS + 2)) + [99, 99]
+    assert kv.get_computed_blocks("b", prompt) == BS + 2
+    for bad in (BS + 1, 2 * BS):
+        with pytest.raises(ValueError, match="num_new_computed_tokens"):
+            kv.allocate_slots("b", len(prompt), bad)
+    assert kv.allocate_slots("b", len(prompt), BS) is not None
+    assert kv.take_block_copies() == ()
+    kv.check_invariants()
+
+
+def test_partial_lookup_goes_stale_when_its_block_is_evicted() -> None:
+    kv = make(4)  # three usable blocks
+    admit(kv, "a", list(range(2 * BS)))
+    kv.free("a")  # both blocks evictable
+    prompt = list(range(BS)) + [BS, 99, 99]
+    assert kv.get_computed_blocks("b", prompt) == BS + 1
+    assert kv.allocate_slots("x", 3 * BS) is not None  # evicts both cached blocks
+    with pytest.raises(ValueError, match="stale"):
+        kv.allocate_slots("b", len(prompt), BS + 1)
+    kv.free("x")
+    assert kv.get_computed_blocks("b", prompt) == 0
+    kv.check_invariants()
+
+
+def test_a_source_block_evicted_for_the_copy_itself_is_still_copied_first() -> None:
+    kv = make(3)  # two usable blocks
+    admit(kv, "a", list(range(2 * BS)))
+    kv.free("a")
+    prompt = list(range(BS)) + [BS, 99]
+    assert kv.get_computed_blocks("b", prompt) == BS + 1
+    new = kv.allocate_slots("b", len(prompt), BS + 1)
+    # the only free block was the source: copying it onto itself keeps its contents
+    assert new is not None and kv.take_block_copies() == ((new[0], new[0]),)
     kv.check_invariants()
 
 
@@ -157,8 +218,9 @@ def test_lookup_never_covers_last_token() -> None:
     prompt = list(range(3 * BS))  # exactly three full blocks
     admit(kv, "a", prompt)
     assert kv.num_cached_blocks == 3
-    # Same prompt: the last block would cover the last token, so only two blocks hit.
-    assert kv.get_computed_blocks("b", prompt) == 2 * BS
+    # Same prompt: the last block would cover the last token, so two blocks hit, and all
+    # but the last token of the third (copied from the cached one).
+    assert kv.get_computed_blocks("b", prompt) == 3 * BS - 1
     assert kv.get_computed_blocks("c", prompt + [99]) == 3 * BS
     assert kv.get_computed_blocks("d", prompt[:1]) == 0
     assert kv.get_computed_blocks("e", []) == 0
@@ -438,13 +500,13 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.computed[rid] = 0
 
     @precondition(lambda self: len(self.running) < len(self.tokens))
-    @rule(data=st.data(), lookahead=st.integers(0, 2), use_hits=st.booleans())
-    def admit(self, data: st.DataObject, lookahead: int, use_hits: bool) -> None:
+    @rule(data=st.data(), lookahead=st.integers(0, 2), use_hits=st.sampled_from([0, 1, 2]))
+    def admit(self, data: st.DataObject, lookahead: int, use_hits: int) -> None:
         rid = data.draw(st.sampled_from(sorted(set(self.tokens) - self.running)))
         tokens = self.tokens[rid]
         hit = self.kv.get_computed_blocks(rid, tokens)
-        assert hit % BS == 0 and hit < len(tokens)
-        take = hit if use_hits else 0
+        assert hit < len(tokens)
+        take = (0, hit // BS * BS, hit)[use_hits]  # none, full blocks only, or everything
         chunk = data.draw(st.integers(1, len(tokens) - take))
         free_before = self.kv.num_free_blocks
         new = self.kv.allocate_slots(rid, take + chunk + lookahead, take)
@@ -453,6 +515,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.kv.get_block_ids(rid) == []
             return
         self.running.add(rid)
+        # the step's copies run before its forward (the writes below)
+        for src, dst in self.kv.take_block_copies():
+            self.content[dst] = list(self.content[src])
         self._check_prefix(rid, take)
         self._write(rid, take, take + chunk)
         self.computed[rid] = take + chunk
@@ -551,7 +616,8 @@ def test_release_outside_window_frees_leading_blocks(prefix_caching: bool) -> No
     assert kv.num_used_blocks == 3
     kv.check_invariants()
     if prefix_caching:  # the released blocks are still found by a lookup
-        assert kv.get_computed_blocks("other", tokens) == 20
+        # five blocks, and three tokens of the sixth (the last one is left to compute)
+        assert kv.get_computed_blocks("other", tokens) == 23
     with pytest.raises(ValueError, match="released past its window|registered in the prefix"):
         kv.truncate("r", 8)
     kv.free("r")

@@ -38,17 +38,26 @@ PROMPTS = ["The capital of France is", "def quicksort(arr):", "Once upon a time"
 
 
 def _requests(with_json: bool = True) -> list[tuple[str, SamplingParams]]:
-    """Greedy, seeded, penalised, min_tokens, logprobs and (optionally) JSON requests."""
+    """Greedy, seeded, penalised, min_tokens, logprobs, logit_bias and (optionally) JSON
+    requests (with a bias too)."""
     so = StructuredOutputsParams
+    bias = {5: 4.0, 17: -3.0, 1000: 2.5}
     params = [
         SamplingParams(max_tokens=12, temperature=0.0),
         SamplingParams(max_tokens=16, temperature=1.0, seed=7, top_k=20, top_p=0.9),
-        SamplingParams(max_tokens=14, temperature=0.8, seed=3, repetition_penalty=1.3),
+        SamplingParams(
+            max_tokens=14, temperature=0.8, seed=3, repetition_penalty=1.3, logit_bias=bias
+        ),
         SamplingParams(max_tokens=10, min_tokens=6, temperature=1.0, seed=9, logprobs=2),
     ]
     if with_json:
         params.append(
-            SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=so(json=SCHEMA))
+            SamplingParams(
+                max_tokens=40,
+                temperature=0.0,
+                structured_outputs=so(json=SCHEMA),
+                logit_bias={**bias, 90: 100.0},
+            )
         )
     prompts = PROMPTS + ["A JSON person:"]
     return list(zip(prompts, params, strict=False))
@@ -163,7 +172,8 @@ class _GuardedExecutor(UniExecutor):
 @pytest.mark.slow
 def test_the_runner_reads_no_tensor_value_on_the_host(tiny_model_dir, monkeypatch):
     """On the CPU the sync checker flags reads of any tensor: with the runner outside allow(),
-    a whole run (prefill chunks, penalties, min_tokens, logprobs, grammar) reports nothing."""
+    a whole run (prefill chunks, penalties, min_tokens, logprobs, logit_bias, grammar) reports
+    nothing."""
     engine = _engine(tiny_model_dir, async_scheduling=False, max_num_batched_tokens=16)
     checker = SyncChecker("error")
     runner = engine.core.executor.runner

@@ -196,13 +196,9 @@ def test_reasoning_matcher_switches_rolls_back_and_spends_its_budget():
 
 
 @pytest.fixture(scope="module")
-def reasoning_server(thinking_model):
-    """``baton serve --reasoning-parser qwen3``'s app on the thinking model."""
-    from conftest import serve_in_thread
-
+def reasoning_engine(thinking_model):
+    """An ``AsyncLLM`` on the thinking model with the qwen3 reasoning parser."""
     from baton.engine.entrypoints.async_llm import AsyncLLM
-    from baton.engine.server.app import build_app
-    from baton.engine.server.config import ServerConfig
 
     engine = AsyncLLM.from_engine_args(
         str(thinking_model),
@@ -211,12 +207,27 @@ def reasoning_server(thinking_model):
         max_model_len=256,
         reasoning_parser="qwen3",
     )
-    config = ServerConfig(served_model_name="thinker", reasoning_parser="qwen3")
     try:
-        with serve_in_thread(build_app(engine, config)) as base:
-            yield base
+        yield engine
     finally:
         engine.shutdown()
+
+
+def _serve(engine, **settings):
+    from conftest import serve_in_thread
+
+    from baton.engine.server.app import build_app
+    from baton.engine.server.config import ServerConfig
+
+    config = ServerConfig(served_model_name="thinker", reasoning_parser="qwen3", **settings)
+    return serve_in_thread(build_app(engine, config))
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(reasoning_engine):
+    """``baton serve --reasoning-parser qwen3``'s app on the thinking model."""
+    with _serve(reasoning_engine) as base:
+        yield base
 
 
 def _chat_body(seed: int) -> dict[str, Any]:
@@ -281,6 +292,19 @@ def _responses_events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     return events
 
 
+def _responses_body(seed: int) -> dict[str, Any]:
+    """``_chat_body(seed)`` as a /v1/responses request (a JSON-schema text format)."""
+    return {
+        "model": "thinker",
+        "input": _chat_body(seed)["messages"][0]["content"],
+        "max_output_tokens": 100,
+        "temperature": 1.0,
+        "seed": seed,
+        "max_reasoning_tokens": 8,
+        "text": {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}},
+    }
+
+
 def test_responses_carry_the_thoughts_as_a_reasoning_item(reasoning_server):
     """/v1/responses: a reasoning item with the thoughts before the message with the
     validated object, reasoning tokens in usage; streamed, the reasoning and text deltas add
@@ -289,16 +313,7 @@ def test_responses_carry_the_thoughts_as_a_reasoning_item(reasoning_server):
 
     url = f"{reasoning_server}/v1/responses"
     for seed in range(3):
-        chat = _chat_body(seed)
-        body = {
-            "model": "thinker",
-            "input": chat["messages"][0]["content"],
-            "max_output_tokens": 100,
-            "temperature": 1.0,
-            "seed": seed,
-            "max_reasoning_tokens": 8,
-            "text": {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}},
-        }
+        body = _responses_body(seed)
         reply = httpx.post(url, json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         response = reply.json()
@@ -322,3 +337,51 @@ def test_responses_carry_the_thoughts_as_a_reasoning_item(reasoning_server):
         assert first_done < kinds.index("response.content_part.added")
         assert kinds[-1] == "response.completed"
         assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+
+
+def test_the_servers_default_budget_bounds_requests_that_give_none(reasoning_engine):
+    """``baton serve --max-reasoning-tokens 2``: a structured request without its own budget
+    thinks at most 2 tokens (then </think>) and answers a valid object, one with its own keeps
+    it; the same requests on a server without the default think longer (random weights think
+    freely)."""
+    import httpx
+
+    def spent(base: str, seed: int, answers: bool, **extra: Any) -> int:
+        body = {k: v for k, v in _chat_body(seed).items() if k != "max_reasoning_tokens"}
+        reply = httpx.post(f"{base}/v1/chat/completions", json=body | extra, timeout=120)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        if answers:
+            assert choice["finish_reason"] == "stop", choice
+            jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+        return reply.json()["usage"]["completion_tokens_details"]["reasoning_tokens"]
+
+    seeds = range(4)
+    with _serve(reasoning_engine, max_reasoning_tokens=2) as base:
+        assert all(spent(base, seed, True) <= 3 for seed in seeds)
+        assert max(spent(base, seed, True, max_reasoning_tokens=12) for seed in seeds) > 3
+    with _serve(reasoning_engine) as base:
+        # Unbounded thoughts may run out of tokens before any answer.
+        assert max(spent(base, seed, False, max_tokens=30) for seed in seeds) > 3
+
+
+def test_the_servers_default_budget_bounds_structured_responses(reasoning_engine):
+    """``baton serve --max-reasoning-tokens 2`` on /v1/responses as on chat: a structured
+    response without its own budget thinks at most 2 tokens (then </think>) and its message
+    is a valid object; one with its own budget (12) keeps it and thinks longer."""
+    import httpx
+
+    def spent(base: str, seed: int, **extra: Any) -> int:
+        body = {k: v for k, v in _responses_body(seed).items() if k != "max_reasoning_tokens"}
+        reply = httpx.post(f"{base}/v1/responses", json=body | extra, timeout=120)
+        assert reply.status_code == 200, reply.text
+        response = reply.json()
+        assert response["status"] == "completed", response
+        message = response["output"][-1]
+        jsonschema.validate(json.loads(message["content"][0]["text"]), SCHEMA)
+        return response["usage"]["output_tokens_details"]["reasoning_tokens"]
+
+    seeds = range(4)
+    with _serve(reasoning_engine, max_reasoning_tokens=2) as base:
+        assert all(spent(base, seed) <= 3 for seed in seeds)
+        assert max(spent(base, seed, max_reasoning_tokens=12) for seed in seeds) > 3

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from baton.engine.server.responses_input import chat_messages
 from baton.engine.server.responses_store import ResponseStore, StoredResponse
+from baton.grammar.tool_formats import TOOL_CALL_FORMATS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -296,6 +297,8 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"max_output_tokens": -1}, "max_output_tokens", "max_output_tokens"),
     ({"frobnicate": 1}, "frobnicate", "unknown field"),
     ({"background": True}, "background", "background"),
+    # The Responses API has no logit_bias (chat and completions do).
+    ({"logit_bias": {"1": 5}}, "logit_bias", "/v1/chat/completions"),
 ]
 
 
@@ -326,6 +329,94 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_text_format(
     error = r.json()["error"]
     assert error["param"] == "text.format", error
     assert error["message"].startswith("text.format"), error
+
+
+# ------------------------------------------------- the server's tool-call syntax
+
+
+def _sse_data(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(x[len("data: ") :]) for x in r.iter_lines() if x.startswith("data: ")]
+
+
+@pytest.mark.parametrize("parser", list(TOOL_CALL_FORMATS))
+def test_tools_run_in_the_servers_call_syntax_as_chat(
+    parser_servers: dict[str, str], parser: str
+) -> None:
+    """Under ``--tool-call-parser``, a named call is shown, forced and read back in that
+    syntax as chat's is: the chat request writes it in that syntax (its logprobs' tokens), and
+    the response has the same prompt (input tokens: the tools shown in that syntax), the same
+    generated tokens and arguments; streamed, the argument deltas add up to them."""
+    base = parser_servers[parser]
+    body = {
+        "model": MODEL,
+        "input": ASK,
+        "tools": [TOOL],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 96,  # a call in Qwen's XML takes ~50 tokens
+        "temperature": 0,
+    }
+    r = httpx.post(f"{base}/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    response = r.json()
+    (call,) = response["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather", call
+    jsonschema.validate(json.loads(call["arguments"]), TOOL["parameters"])
+    function = {k: TOOL[k] for k in ("name", "description", "parameters", "strict")}
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": ASK}],
+        "tools": [{"type": "function", "function": function}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 96,
+        "temperature": 0,
+        "logprobs": True,  # the tokens show the text the model wrote
+    }
+    r = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    fmt = TOOL_CALL_FORMATS[parser]
+    written = "".join(t["token"] for t in choice["logprobs"]["content"]).removesuffix("<|im_end|>")
+    assert written.startswith(fmt.block_begin + fmt.begin("get_weather")), written
+    (chat_call,) = choice["message"]["tool_calls"]
+    assert call["arguments"] == chat_call["function"]["arguments"]
+    usage = r.json()["usage"]
+    assert response["usage"]["input_tokens"] == usage["prompt_tokens"]
+    assert response["usage"]["output_tokens"] == usage["completion_tokens"]
+    events = _sse_data(f"{base}/v1/responses", body)
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == call["arguments"]
+    assert events[-1]["type"] == "response.completed"
+
+
+@pytest.mark.parametrize("parser", list(TOOL_CALL_FORMATS))
+def test_a_tool_schema_that_cannot_compile_is_a_400_naming_the_tool(
+    parser_servers: dict[str, str], parser: str
+) -> None:
+    """A property that must be absent where other names are allowed: xgrammar cannot build
+    it in any syntax; the 400 names ``tools`` and the tool (``tools[1]``, as the Responses
+    body lists it), streamed or not."""
+    impossible = {
+        "type": "object",
+        "properties": {"foo": {"type": "integer"}, "bar": False},
+        "required": ["foo"],
+        "additionalProperties": {"type": "integer"},
+    }
+    body = {
+        "model": MODEL,
+        "input": ASK,
+        "tools": [TOOL, {"type": "function", "name": "f", "parameters": impossible}],
+        "tool_choice": "required",
+        "max_output_tokens": 4,
+    }
+    for stream in (False, True):
+        url = f"{parser_servers[parser]}/v1/responses"
+        r = httpx.post(url, json=body | {"stream": stream}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "tools", error
+        assert error["message"].startswith("tools[1] (function 'f'): "), error
 
 
 def test_unknown_ids_are_a_404_naming_them(default_model_server: str) -> None:

@@ -2,7 +2,8 @@
 client, ``instructor``, ``langchain-openai``) against ``baton serve`` on the default model at
 temperature 0. Every call's arguments and every structured answer is validated with
 ``jsonschema``; a tool call is forced by the grammar, so even this small model makes valid
-ones."""
+ones. The other models' tool-call syntaxes (``--tool-call-parser``) are served by one app
+each on the same engine."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 from collections.abc import Iterable
 from typing import Any, Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -19,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from baton.engine.server.protocol import ChatCompletionRequest
 from baton.engine.server.tools import prepare_messages, tool_plan
+from baton.grammar.tool_formats import TOOL_CALL_FORMATS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -344,3 +347,112 @@ def test_langchain_with_structured_output(default_model_server: str, method: str
     weather = llm.with_structured_output(Weather, method=method).invoke(ASK[0]["content"])
     assert isinstance(weather, Weather)
     jsonschema.validate(weather.model_dump(), Weather.model_json_schema())
+
+
+# ------------------------------------------------ other models' syntax: --tool-call-parser
+
+PARSERS = list(TOOL_CALL_FORMATS)
+FORMAT_MAX_TOKENS = 96  # a get_weather call in Qwen's XML takes ~50 tokens
+
+
+def parser_client(servers: dict[str, str], parser: str) -> openai.OpenAI:
+    return openai.OpenAI(api_key="none", base_url=f"{servers[parser]}/v1", max_retries=0)
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_named_tool_choice_in_each_format(parser_servers: dict[str, str], parser: str) -> None:
+    r = parser_client(parser_servers, parser).chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER_TOOL, CLOCK_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=FORMAT_MAX_TOKENS,
+        temperature=0,
+        logprobs=True,  # the tokens show the text the model wrote
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    assert [name for name, _ in check_calls(choice.message)] == ["get_weather"]
+    fmt = TOOL_CALL_FORMATS[parser]
+    written = "".join(t.token for t in choice.logprobs.content).removesuffix("<|im_end|>")
+    assert written.startswith(fmt.block_begin + fmt.begin("get_weather")), written
+    assert written.endswith(fmt.end + fmt.block_end), written
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_required_streamed_in_each_format(parser_servers: dict[str, str], parser: str) -> None:
+    stream = parser_client(parser_servers, parser).chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER_TOOL, CLOCK_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=FORMAT_MAX_TOKENS,
+        temperature=0,
+        stream=True,
+    )
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                if d.id is not None:  # a call's first delta names it
+                    assert d.index not in calls and d.function.name
+                    calls[d.index] = {"name": d.function.name, "arguments": ""}
+                else:
+                    assert d.function.name is None
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            assert not choice.delta.content
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert list(calls) == [0]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_auto_in_each_format(parser_servers: dict[str, str], parser: str) -> None:
+    """Text (no call syntax left in it) or valid calls."""
+    r = parser_client(parser_servers, parser).chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER_TOOL, CLOCK_TOOL],
+        tool_choice="auto",
+        max_tokens=12,
+        temperature=0,
+    )
+    message = r.choices[0].message
+    if message.tool_calls:
+        check_calls(message)
+    else:
+        assert message.content and TOOL_CALL_FORMATS[parser].trigger not in message.content
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_tool_schema_that_cannot_compile_is_a_400(
+    parser_servers: dict[str, str], parser: str
+) -> None:
+    """A property that must be absent where other names are allowed: xgrammar cannot build
+    it in any format; the 400 names the field and the tool, streamed or not."""
+    impossible = {
+        "type": "object",
+        "properties": {"foo": {"type": "integer"}, "bar": False},
+        "required": ["foo"],
+        "additionalProperties": {"type": "integer"},
+    }
+    body = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": [
+            CLOCK_TOOL,
+            {"type": "function", "function": {"name": "f", "parameters": impossible}},
+        ],
+        "tool_choice": "required",
+        "max_tokens": 4,
+    }
+    for stream in (False, True):
+        url = f"{parser_servers[parser]}/v1/chat/completions"
+        r = httpx.post(url, json=body | {"stream": stream}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "tools" and "tools[1] (function 'f')" in error["message"], error

@@ -321,8 +321,9 @@ def test_rejection_rule_is_exact_on_a_small_vocabulary():
 
 def _requests(stop_ids: list[int]) -> list[tuple[str, SamplingParams]]:
     so = StructuredOutputsParams
+    # A logit_bias on draft positions: each position's row gets its request's bias.
     params = [
-        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=12, temperature=0.0, logit_bias={28: 6.0, 330: -4.0}),
         SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=so(json=SCHEMA)),
         SamplingParams(max_tokens=21, temperature=0.0, stop_token_ids=stop_ids),
         SamplingParams(max_tokens=24, temperature=1.0, seed=3, stop=["e"]),
@@ -334,7 +335,13 @@ def _requests(stop_ids: list[int]) -> list[tuple[str, SamplingParams]]:
         ),
         SamplingParams(max_tokens=17, temperature=0.0, min_tokens=9, stop_token_ids=stop_ids),
         SamplingParams(max_tokens=13, temperature=0.0, logprobs=1),
-        SamplingParams(max_tokens=40, temperature=0.8, seed=17, structured_outputs=so(json=SCHEMA)),
+        SamplingParams(
+            max_tokens=40,
+            temperature=0.8,
+            seed=17,
+            structured_outputs=so(json=SCHEMA),
+            logit_bias={90: 3.0, 28: 2.0},
+        ),
     ]
     return list(zip(PROMPTS, params, strict=True))
 

@@ -14,6 +14,10 @@ A usable block is in exactly one of three states:
 Allocation takes free blocks first and evicts the least recently freed cached block only
 when the free list is empty, so cached prefixes survive as long as memory allows. Every
 operation is O(1) per block touched.
+
+A cached block also records its parent's hash and its token ids, indexed by (parent, first
+token): a lookup whose next block is not cached can still find a cached sibling that starts
+with the same tokens and reuse that part of it (``children``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    # Set with the hash (cache_block): the parent block's hash and this block's token ids.
+    parent_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class BlockPool:
@@ -57,6 +64,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, KVCacheBlock] = OrderedDict()
         # One block per hash: a second block with the same contents stays unhashed.
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        # Cached blocks by (parent hash, first token id), in registration order.
+        self._children: dict[tuple[BlockHash | None, int], dict[int, KVCacheBlock]] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -86,6 +95,13 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block cached under ``block_hash``, or None. Changes nothing."""
         return self._cached.get(block_hash)
+
+    def children(self, parent_hash: BlockHash | None, first_token: int) -> list[KVCacheBlock]:
+        """The cached blocks (held or evictable) registered with ``cache_block`` under
+        ``parent_hash`` (None: a sequence's first block) whose first token id is
+        ``first_token``, oldest first. Changes nothing."""
+        found = self._children.get((parent_hash, first_token))
+        return list(found.values()) if found else []
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Adds one reference to each block, taking evictable ones out of the LRU.
@@ -119,9 +135,7 @@ class BlockPool:
                 block = self._free.popleft()
             else:
                 _, block = self._evictable.popitem(last=False)
-                assert block.block_hash is not None
-                del self._cached[block.block_hash]
-                block.block_hash = None
+                self._forget(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -146,8 +160,15 @@ class BlockPool:
                 else:
                     self._evictable[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
-        """Registers a held, unhashed block under ``block_hash``.
+    def cache_block(
+        self,
+        block: KVCacheBlock,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None = None,
+        token_ids: tuple[int, ...] = (),
+    ) -> bool:
+        """Registers a held, unhashed block under ``block_hash``; with its ``token_ids``
+        (non-empty) it is also listed by ``children`` under ``parent_hash``.
 
         Returns True if registered; False if another block is already cached under that hash
         (the existing mapping is kept and ``block`` stays unhashed, so it returns to the
@@ -165,7 +186,23 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if token_ids:
+            block.parent_hash, block.token_ids = parent_hash, token_ids
+            key = (parent_hash, token_ids[0])
+            self._children.setdefault(key, {})[block.block_id] = block
         return True
+
+    def _forget(self, block: KVCacheBlock) -> None:
+        """Drops an evicted block's hash, map entry and child entry."""
+        assert block.block_hash is not None
+        del self._cached[block.block_hash]
+        if block.token_ids:
+            key = (block.parent_hash, block.token_ids[0])
+            siblings = self._children[key]
+            del siblings[block.block_id]
+            if not siblings:
+                del self._children[key]
+        block.block_hash, block.parent_hash, block.token_ids = None, None, ()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash, if no block is held.
@@ -177,10 +214,11 @@ class BlockPool:
         if self.num_used_blocks:
             return False
         for block in self._evictable.values():
-            block.block_hash = None
+            block.block_hash, block.parent_hash, block.token_ids = None, None, ()
             self._free.append(block)
         self._evictable.clear()
         self._cached.clear()
+        self._children.clear()
         return True
 
     def check_invariants(self) -> None:
@@ -213,3 +251,16 @@ class BlockPool:
                 assert self._cached.get(block.block_hash) is block, f"block {bid} hash unmapped"
         for block_hash, block in self._cached.items():
             assert block.block_hash == block_hash, f"hash map points to block {block.block_id}"
+        listed = 0
+        for (parent, first), siblings in self._children.items():
+            assert siblings, "empty child entry"
+            for block_id, block in siblings.items():
+                assert block.block_id == block_id and block.block_hash is not None, (
+                    f"child entry {block_id} is not a cached block"
+                )
+                assert block.parent_hash == parent and block.token_ids[0] == first, (
+                    f"block {block_id} is listed under another parent or first token"
+                )
+            listed += len(siblings)
+        with_tokens = sum(1 for b in self._cached.values() if b.token_ids)
+        assert listed == with_tokens, "a cached block with tokens is not listed as a child"

@@ -12,6 +12,14 @@ about to start looks its prompt up with ``get_computed_blocks`` and takes the hi
 first ``allocate_slots``. Released blocks keep their hash in an LRU of evictable blocks until
 the space is needed.
 
+Past the last full block found, the lookup also reuses part of a block: a cached block under
+the same parent whose first tokens equal the prompt's next ones (a shared system prompt that
+ends inside a block, a conversation's earlier turn). The request gets a new block and the
+runner copies that block's KV into it before the step's forward (``take_block_copies``, the
+step's ``SchedulerOutput.kv_block_copies``), so those tokens are not computed again. The
+source is not held: a block evicted and reused in the same step is written only by that
+step's forward, after the copy, and earlier steps' writes came before it.
+
 Call protocol (the scheduler's side):
 
 1. admitting a request (new, or resumed after preemption):
@@ -19,8 +27,9 @@ Call protocol (the scheduler's side):
    ``allocate_slots(rid, n + num_new_tokens [+ lookahead], num_new_computed_tokens=n)``,
    back to back. The lookup only records what it found; the blocks are taken (ref count +1)
    by that first ``allocate_slots``. Passing a smaller multiple of ``block_size`` (or 0)
-   takes only that many hit blocks. If ``allocate_slots`` returns None the lookup stays
-   recorded, so the call can be retried.
+   takes only that many hit blocks (and no partial block). If ``allocate_slots`` returns
+   None the lookup stays recorded, so the call can be retried. The copies the allocations
+   asked for go into the step with ``take_block_copies``.
 2. every step: ``allocate_slots(rid, num_computed + num_new_tokens [+ lookahead])``, then,
    once tokens are known, ``cache_blocks(rid, tokens, num_known_tokens)``.
 3. finishing, aborting or preempting: ``free(rid)``; it also forgets the request's lookup and
@@ -92,8 +101,12 @@ class KVCacheManager:
         # How many leading blocks of the request were released past its window (they stay in
         # its list as the null block, so that positions keep their index).
         self._req_released: dict[str, int] = {}
-        # Number of hit blocks recorded by the last lookup, until allocate_slots takes them.
+        # Number of hit blocks recorded by the last lookup, until allocate_slots takes them,
+        # and the cached block whose first tokens the lookup reuses past them (and how many).
         self._pending_hits: dict[str, int] = {}
+        self._pending_partial: dict[str, tuple[BlockHash, int]] = {}
+        # (source, destination) block ids the runner copies before the next step's forward.
+        self._copies: list[tuple[int, int]] = []
         self._queried_tokens = 0
         self._hit_tokens = 0
 
@@ -148,13 +161,14 @@ class KVCacheManager:
     # --- the protocol -----------------------------------------------------------------
 
     def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Looks up the longest cached chain of full blocks prefixing ``token_ids``.
+        """Looks up the longest cached chain of full blocks prefixing ``token_ids``, then
+        the cached block after it that shares the most leading tokens with the prompt.
 
-        Returns the number of tokens found, a multiple of ``block_size`` that never covers
-        the last token (one token must be computed to have logits to sample). Takes no
-        block: it records the hit count for the request's next ``allocate_slots`` and
-        replaces any earlier lookup. Counts queried and hit tokens for the metrics. Returns
-        0 (and counts nothing) with prefix caching disabled.
+        Returns the number of tokens found (full blocks, plus the shared part of the next
+        block), never covering the last token (one token must be computed to have logits to
+        sample). Takes no block: it records the hits for the request's next
+        ``allocate_slots`` and replaces any earlier lookup. Counts queried and hit tokens
+        for the metrics. Returns 0 (and counts nothing) with prefix caching disabled.
 
         Raises:
             ValueError: if the request already holds blocks (look up only before the first
@@ -165,6 +179,7 @@ class KVCacheManager:
                 f"request {request_id!r} already holds blocks; free it before a new lookup"
             )
         self._pending_hits.pop(request_id, None)
+        self._pending_partial.pop(request_id, None)
         if not self.enable_prefix_caching:
             return 0
         max_blocks = (len(token_ids) - 1) // self.block_size if token_ids else 0
@@ -175,9 +190,38 @@ class KVCacheManager:
                 break
             num_hits += 1
         self._pending_hits[request_id] = num_hits
+        found = num_hits * self.block_size
+        partial = self._partial_hit(request_id, token_ids, num_hits)
+        if partial is not None:
+            self._pending_partial[request_id] = partial
+            found += partial[1]
         self._queried_tokens += len(token_ids)
-        self._hit_tokens += num_hits * self.block_size
-        return num_hits * self.block_size
+        self._hit_tokens += found
+        return found
+
+    def _partial_hit(
+        self, request_id: str, token_ids: Sequence[int], num_hits: int
+    ) -> tuple[BlockHash, int] | None:
+        """The cached block under the last hit that shares the most leading tokens with
+        the prompt's next block (the oldest of equals), and how many; None if none does.
+        Leaves the last prompt token to compute."""
+        start = num_hits * self.block_size
+        limit = min(self.block_size, len(token_ids) - 1 - start)
+        if limit <= 0:
+            return None
+        parent = self._req_hashes[request_id][num_hits - 1] if num_hits else None
+        wanted = token_ids[start : start + limit]
+        best: tuple[BlockHash, int] | None = None
+        for block in self._pool.children(parent, wanted[0]):
+            shared = 0
+            for mine, theirs in zip(wanted, block.token_ids, strict=False):
+                if mine != theirs:
+                    break
+                shared += 1
+            if best is None or shared > best[1]:
+                assert block.block_hash is not None
+                best = (block.block_hash, shared)
+        return best
 
     def allocate_slots(
         self, request_id: str, num_tokens: int, num_new_computed_tokens: int = 0
@@ -188,18 +232,21 @@ class KVCacheManager:
         computed tokens (cache hits included), the tokens to compute now, and any
         lookahead. ``num_new_computed_tokens`` (only on the first allocation after
         ``get_computed_blocks``) is how many of the found tokens to take; those blocks get
-        one more reference and leave the evictable LRU. New blocks come from the free list,
-        then by evicting the least recently freed cached blocks.
+        one more reference and leave the evictable LRU. Taking every token found takes the
+        shared part of a partial block too: the first new block receives it by a copy
+        (``take_block_copies``). New blocks come from the free list, then by evicting the
+        least recently freed cached blocks.
 
         Returns the ids of the newly allocated blocks (hit blocks not included; [] if the
         request already holds enough), or None when too few blocks are free, in which case
         nothing changes (all or nothing).
 
         Raises:
-            ValueError: for negative counts; ``num_new_computed_tokens`` that is not a
-                multiple of ``block_size``, exceeds what the lookup found, exceeds
-                ``num_tokens``, or is given for a request that already holds blocks; or a
-                lookup gone stale (a hit block evicted between lookup and allocation).
+            ValueError: for negative counts; ``num_new_computed_tokens`` that is neither a
+                multiple of ``block_size`` nor everything the lookup found, exceeds what it
+                found, exceeds ``num_tokens``, or is given for a request that already holds
+                blocks; or a lookup gone stale (a hit block evicted between lookup and
+                allocation).
         """
         blocks = self._req_blocks.get(request_id)
         if (
@@ -219,7 +266,7 @@ class KVCacheManager:
                 f"num_new_computed_tokens ({num_new_computed_tokens}) exceeds "
                 f"num_tokens ({num_tokens})"
             )
-        hits = self._take_hits(request_id, bool(blocks), num_new_computed_tokens)
+        hits, source = self._take_hits(request_id, bool(blocks), num_new_computed_tokens)
         num_new = self.num_blocks_needed(num_tokens) - len(blocks or ()) - len(hits)
         num_new = max(num_new, 0)
         # Hit blocks nobody holds sit in the evictable LRU, so taking them costs free space.
@@ -235,8 +282,20 @@ class KVCacheManager:
             blocks.extend(hits)
             self._req_num_cached[request_id] = len(hits)
         blocks.extend(new_blocks)
+        if source is not None and new_blocks:
+            self._copies.append((source.block_id, new_blocks[0].block_id))
         self._pending_hits.pop(request_id, None)
+        self._pending_partial.pop(request_id, None)
         return [b.block_id for b in new_blocks]
+
+    def take_block_copies(self) -> tuple[tuple[int, int], ...]:
+        """The (source, destination) block copies that allocations since the last call
+        asked for, in order, and forgets them: the step being planned carries them, and the
+        runner applies them before its forward (see the module docstring for why the source
+        needs no hold)."""
+        copies = tuple(self._copies)
+        self._copies.clear()
+        return copies
 
     def release_outside_window(self, request_id: str, next_position: int) -> int:
         """With a ``sliding_window`` W: releases the request's leading blocks that hold only
@@ -311,8 +370,12 @@ class KVCacheManager:
                 f"only {len(blocks)} blocks"
             )
         start = self._req_num_cached[request_id]
+        bs = self.block_size
         for i in range(start, num_full):
-            self._pool.cache_block(blocks[i], self._block_hash(request_id, token_ids, i))
+            block_hash = self._block_hash(request_id, token_ids, i)
+            parent = self._req_hashes[request_id][i - 1] if i else None
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            self._pool.cache_block(blocks[i], block_hash, parent, tokens)
         if num_full > start:
             self._req_num_cached[request_id] = num_full
 
@@ -354,6 +417,7 @@ class KVCacheManager:
         hashed blocks at ref count 0 stay findable until evicted. Unknown ids are a no-op.
         """
         self._pending_hits.pop(request_id, None)
+        self._pending_partial.pop(request_id, None)
         self._req_hashes.pop(request_id, None)
         self._req_num_cached.pop(request_id, None)
         released = self._req_released.pop(request_id, 0)
@@ -414,30 +478,32 @@ class KVCacheManager:
 
     def _take_hits(
         self, request_id: str, holds_blocks: bool, num_new_computed_tokens: int
-    ) -> list[KVCacheBlock]:
-        """Resolves the recorded lookup's first hit blocks again (without taking them)."""
+    ) -> tuple[list[KVCacheBlock], KVCacheBlock | None]:
+        """Resolves the recorded lookup's first hit blocks again (without taking them), and
+        the partial block's source when every token found is taken."""
         if not num_new_computed_tokens:
-            return []
+            return [], None
         if holds_blocks:
             raise ValueError(
                 f"request {request_id!r} already holds blocks; num_new_computed_tokens is only "
                 "for the first allocation after get_computed_blocks"
             )
-        if num_new_computed_tokens % self.block_size:
+        num_found = self._pending_hits.get(request_id, 0)
+        partial = self._pending_partial.get(request_id)
+        found = num_found * self.block_size + (partial[1] if partial else 0)
+        num_hits, shared = divmod(num_new_computed_tokens, self.block_size)
+        if num_new_computed_tokens > found:
+            raise ValueError(
+                f"num_new_computed_tokens ({num_new_computed_tokens}) exceeds the {found} "
+                f"tokens get_computed_blocks found for request {request_id!r}"
+            )
+        if shared and num_new_computed_tokens != found:
             raise ValueError(
                 f"num_new_computed_tokens ({num_new_computed_tokens}) must be a multiple of "
-                f"block_size ({self.block_size})"
-            )
-        num_found = self._pending_hits.get(request_id, 0)
-        num_hits = num_new_computed_tokens // self.block_size
-        if num_hits > num_found:
-            raise ValueError(
-                f"num_new_computed_tokens ({num_new_computed_tokens}) exceeds the "
-                f"{num_found * self.block_size} tokens get_computed_blocks found for "
-                f"request {request_id!r}"
+                f"block_size ({self.block_size}) or all {found} tokens found"
             )
         hits: list[KVCacheBlock] = []
-        for block_hash in self._req_hashes[request_id][:num_hits]:
+        for block_hash in self._req_hashes.get(request_id, [])[:num_hits]:
             block = self._pool.get_cached_block(block_hash)
             if block is None:
                 raise ValueError(
@@ -445,4 +511,14 @@ class KVCacheManager:
                     "was evicted since); call get_computed_blocks right before allocate_slots"
                 )
             hits.append(block)
-        return hits
+        source = None
+        if shared:
+            assert partial is not None
+            source = self._pool.get_cached_block(partial[0])
+            if source is None:
+                raise ValueError(
+                    f"the prefix-cache lookup of request {request_id!r} is stale (the block "
+                    "it shares tokens with was evicted since); call get_computed_blocks right "
+                    "before allocate_slots"
+                )
+        return hits, source

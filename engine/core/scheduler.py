@@ -415,6 +415,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=drafts or {},
             num_kept_blocks=kept,
             rewound=rewound,
+            kv_block_copies=self.kv.take_block_copies(),
         )
 
     # ------------------------------------------------------------------ update

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -30,6 +31,16 @@ def allocate_kv_cache(
         return torch.zeros(shape, dtype=dtype, device=device)
 
     return [(zeros(), zeros()) for _ in range(config.num_layers)]
+
+
+def copy_kv_blocks(kv_caches: KVCache, copies: Sequence[tuple[int, int]]) -> None:
+    """Copies whole blocks ``source -> destination`` in every layer's keys and values, in
+    the order given, on the caches' device (queued on the current stream there). A block
+    both written and read in one call reads what the earlier copies left."""
+    for src, dst in copies:
+        for keys, values in kv_caches:
+            keys[dst].copy_(keys[src])
+            values[dst].copy_(values[src])
 
 
 def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -178,7 +178,8 @@ class LLMEngine:
 
     def validate_params(self, params: SamplingParams) -> None:
         """Checks what SamplingParams cannot check alone: the structured-output spec,
-        values the sampler's float32 state cannot hold, stop token ids in the vocabulary.
+        values the sampler's float32 state cannot hold, stop token ids and logit_bias ids in
+        the vocabulary.
 
         Raises:
             ValueError: naming what is wrong.
@@ -210,6 +211,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be < vocab size {vocab}, got {bad}")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be < vocab size {vocab}, got {bad}")
 
     def has_compile_room(self, params: SamplingParams) -> bool:
         """False when a request with ``params`` would queue a new grammar compile and the

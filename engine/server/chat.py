@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from baton.engine.entrypoints.async_llm import EngineDeadError
 from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.engine.server.chat_plan import ChatPlan, assistant_reply, plan_chat
-from baton.engine.server.errors import error_body
+from baton.engine.server.errors import APIError, error_body
 from baton.engine.server.generation import (
     SSE_DONE,
     ClientDisconnected,
@@ -37,7 +37,7 @@ from baton.engine.server.protocol import ChatCompletionRequest
 from baton.engine.server.reasoning import ReasoningDeltas, ReasoningSplitter
 from baton.engine.server.state import get_state
 from baton.engine.server.tool_output import ToolCallDeltas, finish_reason
-from baton.engine.server.tools import ToolPlan
+from baton.engine.server.tools import ToolPlan, name_the_tool
 
 router = APIRouter()
 
@@ -116,7 +116,7 @@ async def _stream(
     )
     trackers = [DeltaTracker() for _ in range(body.n)]
     calls = (
-        [ToolCallDeltas(tools.fmt) for _ in range(body.n)]
+        [ToolCallDeltas(tools.fmt, tools.functions) for _ in range(body.n)]
         if tools is not None and tools.mode != "none"
         else None
     )
@@ -181,19 +181,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     created = int(time.time())
     model = body.model or state.config.served_model_name
     param = plan.param
-    streams = await start_requests(state, [plan.prompt], plan.params, request_id, param)
-    if body.stream:
-        if plan.params.structured_outputs is not None:
-            try:
-                await check_first_output(request, streams, param)
-            except ClientDisconnected:
-                return Response(status_code=499)
-        return SSEResponse(
-            _stream(streams[0], body, request_id, created, model, plan.tools, plan.splitter),
-            lambda: close_all(streams),
-        )
     try:
+        streams = await start_requests(state, [plan.prompt], plan.params, request_id, param)
+        if body.stream:
+            if plan.params.structured_outputs is not None:
+                await check_first_output(request, streams, param)
+            return SSEResponse(
+                _stream(streams[0], body, request_id, created, model, plan.tools, plan.splitter),
+                lambda: close_all(streams),
+            )
         (out,) = await collect_unary(request, streams, param)
     except ClientDisconnected:
         return Response(status_code=499)
+    except APIError as exc:  # a tool's schema the grammar cannot hold: say which tool
+        raise name_the_tool(exc, plan.tools) from None
     return JSONResponse(_response(out, body, request_id, created, model, plan))

@@ -99,14 +99,15 @@ class ChatPlan:
 
 
 def plan_chat(state: ServerState, body: ChatCompletionRequest) -> ChatPlan:
-    """The tool plan, sampling parameters, constraint and prompt of ``body`` under the
-    server's settings.
+    """The tool plan (calls in the server's syntax, ``ServerState.tool_call_format``),
+    sampling parameters (with the server's default thinking budget), constraint and prompt of
+    ``body`` under the server's settings.
 
     Raises:
         APIError: 400 naming the bad field (see ``tool_plan``, ``chat_sampling_params`` and
             ``render_chat``).
     """
-    tools = tool_plan(body)
+    tools = tool_plan(body, state.tool_call_format)
     params, constraint = chat_sampling_params(
         body, state.config, tools, defaults=state.engine.sampling_defaults()
     )
@@ -130,7 +131,7 @@ def assistant_reply(
         reasoning, text = plan.splitter.split(c.text, c.token_ids, thinks)
     tools = plan.tools
     if tools is not None and tools.mode != "none":
-        message, reason = tool_message(text or "", c.finish_reason, tools.fmt)
+        message, reason = tool_message(text or "", c.finish_reason, tools.fmt, tools.functions)
     else:
         message, reason = {"role": "assistant", "content": text}, c.finish_reason
     return reasoning, message, reason

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from baton.engine.config import REASONING_PARSERS
 from baton.grammar.spec import BACKENDS
+from baton.grammar.tool_formats import TOOL_CALL_FORMATS
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_RESPONSES_STORE_SIZE = 1024
@@ -28,6 +29,12 @@ class ServerConfig:
             --chat-template``); None: the tokenizer's.
         responses_store_size: how many ``/v1/responses`` responses are kept (in memory,
             least recently used evicted first) for ``previous_response_id`` and ``GET``.
+        tool_call_parser: the models' tool-call syntax, by vLLM's parser name
+            (``TOOL_CALL_FORMATS``: ``baton serve --tool-call-parser``); None: the one the
+            chat template writes, else Hermes'.
+        max_reasoning_tokens: the thinking budget of a structured request that gives no
+            ``max_reasoning_tokens`` (``baton serve --max-reasoning-tokens``); needs
+            ``reasoning_parser``. None: such requests think unbounded.
 
     Raises:
         ValueError: naming the field that is out of range.
@@ -41,6 +48,8 @@ class ServerConfig:
     reasoning_parser: str | None = None
     chat_template: str | None = None
     responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
+    tool_call_parser: str | None = None
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -58,6 +67,22 @@ class ServerConfig:
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                 f"got {self.reasoning_parser!r}"
             )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_FORMATS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        budget = self.max_reasoning_tokens
+        if budget is not None:
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                raise ValueError(
+                    f"max_reasoning_tokens must be None or an int >= 0, got {budget!r}"
+                )
+            if self.reasoning_parser is None:
+                raise ValueError(
+                    "max_reasoning_tokens bounds a reasoning model's thoughts: it needs "
+                    "reasoning_parser (--reasoning-parser)"
+                )
         if self.structured_outputs_backend not in BACKENDS:
             raise ValueError(
                 f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "

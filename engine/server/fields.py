@@ -62,7 +62,6 @@ def _one(v: Any) -> bool:
 
 # Refused fields: why, and the values that ask for nothing (null always does).
 _CHAT_REFUSED: dict[str, tuple[str, Any]] = {
-    "logit_bias": ("logit_bias is not supported", _empty),
     "functions": ("functions (the legacy form of tools) is not supported; use tools", _empty),
     "function_call": ("function_call is not supported; use tool_choice", _is("none")),
     "audio": ("audio output is not supported", _empty),
@@ -76,7 +75,6 @@ _CHAT_REFUSED: dict[str, tuple[str, Any]] = {
     "echo": ("echo is not supported", _is(False)),
 }
 _COMPLETION_REFUSED: dict[str, tuple[str, Any]] = {
-    "logit_bias": ("logit_bias is not supported", _empty),
     "echo": ("echo is not supported", _is(False)),
     "suffix": ("suffix is not supported", _empty),
     "prompt_logprobs": ("prompt_logprobs is not supported", lambda v: False),
@@ -96,7 +94,11 @@ _RESPONSES_REFUSED: dict[str, tuple[str, Any]] = {
         "stream_options: only include_obfuscation is supported on /v1/responses",
         lambda v: isinstance(v, dict) and set(v) <= {"include_obfuscation"},
     ),
-    "logit_bias": ("logit_bias is not supported", _empty),
+    # OpenAI's Responses API has none; chat and completions take it.
+    "logit_bias": (
+        "logit_bias is not a Responses API field (use /v1/chat/completions or /v1/completions)",
+        _empty,
+    ),
 }
 # vLLM's sampling extras that baton does not implement, on both endpoints.
 _VLLM_REFUSED: dict[str, tuple[str, Any]] = {

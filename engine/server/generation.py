@@ -107,8 +107,9 @@ async def start_requests(
     Raises:
         APIError: 400 with the engine's message when a prompt or the parameters are invalid
             (requests already added are aborted); its ``param`` is "prompt" for a prompt
-            error, else ``structured_param`` (the body field that carried the constraint)
-            for a structured request.
+            error, "stop_token_ids" or "logit_bias" for an id outside the vocabulary, else
+            ``structured_param`` (the body field that carried the constraint) for a
+            structured request.
         EngineDeadError: the engine has stopped.
     """
     streams: list[TrackedStream] = []
@@ -123,8 +124,8 @@ async def start_requests(
         message = str(exc)
         if message.startswith("prompt"):
             param: str | None = "prompt"
-        elif message.startswith("stop_token_ids"):
-            param = "stop_token_ids"
+        elif message.startswith(("stop_token_ids", "logit_bias")):
+            param = message.split(" ", 1)[0]
         else:
             param = structured_param
         raise bad_request(message, param) from None

@@ -58,7 +58,29 @@ def _common_kwargs(
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
+    if req.logit_bias:
+        kwargs["logit_bias"] = parse_logit_bias(req.logit_bias)
     return kwargs
+
+
+def parse_logit_bias(raw: Mapping[str, Any]) -> dict[int, Any]:
+    """A body's ``logit_bias`` with its keys as token ids; the values are checked by
+    ``SamplingParams`` (numbers in [-100, 100]), the ids against the vocabulary by the engine.
+
+    Raises:
+        APIError: 400 naming ``logit_bias`` for a key that is not a token id (a decimal
+            integer string).
+    """
+    out: dict[int, Any] = {}
+    for key, bias in raw.items():
+        # Past 18 digits no id fits a vocabulary (and int() refuses thousands of digits).
+        if not (key.isascii() and key.isdigit()) or len(key) > 18:
+            raise bad_request(
+                f"logit_bias keys must be token ids (decimal integers >= 0), got {key!r}",
+                "logit_bias",
+            )
+        out[int(key)] = bias
+    return out
 
 
 def _build(kwargs: dict[str, Any]) -> SamplingParams:
@@ -102,7 +124,7 @@ def chat_sampling_params(
     constraint = request_constraint(req, backend)
     if tools is not None:
         constraint = tool_constraint(tools, constraint, requested_backend(req, backend))
-    kwargs["structured_outputs"] = constraint.spec if constraint is not None else None
+    _set_constraint(kwargs, constraint, config)
     return _build(kwargs), constraint
 
 
@@ -126,8 +148,19 @@ def completion_sampling_params(
     if req.logprobs is not None:
         kwargs["logprobs"] = req.logprobs
     constraint = request_constraint(req, config.structured_outputs_backend)
-    kwargs["structured_outputs"] = constraint.spec if constraint is not None else None
+    _set_constraint(kwargs, constraint, config)
     return _build(kwargs), constraint
+
+
+def _set_constraint(
+    kwargs: dict[str, Any], constraint: Constraint | None, config: ServerConfig
+) -> None:
+    """The constraint's spec into ``kwargs``, with the server's default thinking budget
+    where the request is structured and gives none (a budget bounds the thoughts before a
+    structured answer: the engine refuses one without a constraint)."""
+    kwargs["structured_outputs"] = constraint.spec if constraint is not None else None
+    if constraint is not None and config.max_reasoning_tokens is not None:
+        kwargs.setdefault("max_reasoning_tokens", config.max_reasoning_tokens)
 
 
 def check_model(model: str | None, config: ServerConfig) -> None:

@@ -126,6 +126,8 @@ class _GenerationRequest(_Body):
     include_stop_str_in_output: bool = False
     # With the server's reasoning parser: thinking tokens before a structured answer.
     max_reasoning_tokens: int | None = None
+    # OpenAI's: token id (a string, as JSON keys are) -> bias in [-100, 100].
+    logit_bias: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):

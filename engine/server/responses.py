@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from baton.engine.entrypoints.async_llm import EngineDeadError
 from baton.engine.outputs import RequestOutput
-from baton.engine.server.chat_plan import plan_chat
+from baton.engine.server.chat_plan import ChatPlan, plan_chat
 from baton.engine.server.errors import APIError, bad_request
 from baton.engine.server.fields import check_extra_fields
 from baton.engine.server.generation import (
@@ -46,6 +46,7 @@ from baton.engine.server.responses_output import (
 from baton.engine.server.responses_store import ResponseStore, StoredResponse
 from baton.engine.server.responses_stream import ResponseEvents
 from baton.engine.server.state import get_state
+from baton.engine.server.tools import name_the_tool
 
 router = APIRouter()
 
@@ -113,6 +114,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             state.responses, body.previous_response_id, "previous_response_id"
         ).conversation
     items = input_items(body)
+    plan: ChatPlan | None = None
     try:
         plan = plan_chat(state, chat_request(body, history, items))
         model = body.model or state.config.served_model_name
@@ -130,8 +132,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                 stream_events(streams[0], events, store, conversation), lambda: close_all(streams)
             )
         (out,) = await collect_unary(request, streams, plan.param)
-    except APIError as exc:
-        raise renamed(exc) from None
+    except APIError as exc:  # a tool's schema the grammar cannot hold: say which tool
+        tools = plan.tools if plan is not None else None
+        raise renamed(name_the_tool(exc, tools)) from None
     except ClientDisconnected:
         return Response(status_code=499)
     output, status = output_items(out, plan)

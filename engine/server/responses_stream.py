@@ -46,7 +46,9 @@ class ResponseEvents:
         self._sent = ("", "")  # the thoughts and the content read so far
         tools = ctx.plan.tools
         self._calls = (
-            ToolCallDeltas(tools.fmt) if tools is not None and tools.mode != "none" else None
+            ToolCallDeltas(tools.fmt, tools.functions)
+            if tools is not None and tools.mode != "none"
+            else None
         )
         self._call_items: dict[int, int] = {}  # call index -> output index
 

@@ -23,6 +23,7 @@ from baton.engine.server.config import (
     ServerConfig,
 )
 from baton.grammar.spec import BACKENDS
+from baton.grammar.tool_formats import TOOL_CALL_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,21 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--chat-template",
         default=None,
         help="a Jinja chat template file (or the template itself) used instead of the model's",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=tuple(TOOL_CALL_FORMATS),
+        default=None,
+        help="the model's tool-call syntax (vLLM's parser names); default: the one the chat "
+        "template writes, else hermes",
+    )
+    p.add_argument(
+        "--max-reasoning-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --reasoning-parser: the thinking budget of a structured request that gives "
+        "no max_reasoning_tokens (default: unbounded)",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -155,6 +171,8 @@ def run_serve(args: argparse.Namespace) -> int:
         reasoning_parser=getattr(args, "reasoning_parser", None),
         chat_template=chat_template_text(args.chat_template),
         responses_store_size=getattr(args, "responses_store_size", DEFAULT_RESPONSES_STORE_SIZE),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        max_reasoning_tokens=getattr(args, "max_reasoning_tokens", None),
     )
     engine: ServingEngine
     dp_config = data_parallel_config(args)

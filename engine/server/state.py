@@ -3,6 +3,7 @@ responses)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -11,6 +12,7 @@ from baton.engine.entrypoints.serving import ServingEngine
 from baton.engine.server.config import ServerConfig
 from baton.engine.server.metrics import ServerMetrics
 from baton.engine.server.responses_store import ResponseStore
+from baton.grammar.tool_formats import ToolCallFormat, choose_tool_call_format
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,14 @@ class ServerState:
     config: ServerConfig
     metrics: ServerMetrics
     responses: ResponseStore = field(default_factory=ResponseStore)
+
+    @functools.cached_property
+    def tool_call_format(self) -> ToolCallFormat:
+        """The syntax the model writes tool calls in: ``config.tool_call_parser``'s, else the
+        one the chat template (the server's, else the tokenizer's) writes, else Hermes'
+        (``choose_tool_call_format``). Found on first use, then kept."""
+        template = self.config.chat_template or self.engine.get_tokenizer().chat_template
+        return choose_tool_call_format(self.config.tool_call_parser, template)
 
 
 def get_state(request: Request) -> ServerState:

@@ -11,9 +11,10 @@ calling gets ``finish_reason="tool_calls"``. A choice cut by ``max_tokens`` keep
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
-from baton.grammar.tool_calls import ToolCallFormat, parse_tool_calls
+from baton.grammar.tool_calls import FunctionTool, ToolCallFormat, parse_tool_calls
 
 
 def new_call_id() -> str:
@@ -27,10 +28,11 @@ def finish_reason(reason: str | None, has_calls: bool) -> str | None:
 
 
 def tool_message(
-    text: str, reason: str | None, fmt: ToolCallFormat
+    text: str, reason: str | None, fmt: ToolCallFormat, tools: Sequence[FunctionTool] = ()
 ) -> tuple[dict[str, Any], str | None]:
-    """The assistant message of a finished choice and its finish reason."""
-    parsed = parse_tool_calls(text, fmt, final=True)
+    """The assistant message of a finished choice and its finish reason (``tools``: the
+    request's functions, whose schemas type the values of XML-style arguments)."""
+    parsed = parse_tool_calls(text, fmt, final=True, tools=tools)
     if not parsed.tool_calls:
         return {"role": "assistant", "content": text}, reason
     calls = [
@@ -49,8 +51,9 @@ class ToolCallDeltas:
     """Turns one choice's growing text into stream deltas: new content, a call's first delta
     (index, id, type, name and its arguments so far), then its arguments as they grow."""
 
-    def __init__(self, fmt: ToolCallFormat) -> None:
+    def __init__(self, fmt: ToolCallFormat, tools: Sequence[FunctionTool] = ()) -> None:
         self.fmt = fmt
+        self.tools = tuple(tools)
         self.content_sent = ""
         self.calls: list[tuple[str, int]] = []  # (id, arguments characters sent) per call
 
@@ -61,7 +64,7 @@ class ToolCallDeltas:
     def delta(self, text: str, finished: bool) -> dict[str, Any]:
         """The delta fields (``content``, ``tool_calls``) that ``text`` adds to what was sent;
         empty when it adds nothing yet."""
-        parsed = parse_tool_calls(text, self.fmt, final=finished)
+        parsed = parse_tool_calls(text, self.fmt, final=finished, tools=self.tools)
         out: dict[str, Any] = {}
         # Earlier parses are prefixes of later ones (parse_tool_calls holds back what may
         # change), so the difference is what is new.

@@ -3,12 +3,14 @@
 forces the calls; and the conversation (tools, earlier calls, tool results) prepared for the
 chat template.
 
-The model's tool-call syntax is Hermes' (``baton.grammar.tool_calls.HERMES``). A chat
-template that writes ``<tool_call>`` itself gets the tools as its ``tools`` variable and the
-messages as they are; any other template (the default model's has no tool support) gets the
-tools as a system message in Hermes' words, earlier calls written into the assistant turns,
-and tool results as ``<tool_response>`` blocks in a user turn, so that the prompt and the
-constraint speak the same syntax.
+The model's tool-call syntax is the server's (``ServerState.tool_call_format``: Hermes',
+Llama 3's JSON, Mistral's or Qwen3-Coder's XML; ``baton.grammar.tool_formats``). A chat
+template that writes tool calls itself (one in which a format shows,
+``detect_tool_call_format``) gets the tools as its ``tools`` variable and the messages as they
+are; any other template (the default model's has no tool support) gets the tools as a system
+message that shows the syntax, earlier calls written into the assistant turns in it, and tool
+results as ``<tool_response>`` blocks in a user turn, so that the prompt and the constraint
+speak the same syntax.
 
 ``tool_choice``: "none" (no call; the tools are still shown), "auto" (text or calls; with a
 response format, calls or an answer in that format), "required" (calls only), a named
@@ -23,12 +25,20 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from baton.engine.server.constraints import Constraint
-from baton.engine.server.errors import bad_request
+from baton.engine.server.errors import APIError, bad_request
 from baton.engine.server.protocol import ChatCompletionRequest
+from baton.grammar.schema.xgrammar_keywords import xgrammar_unenforced_keywords
+from baton.grammar.schema.xgrammar_normal_form import xgrammar_normal_form
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.structural_tag import spec_format
-from baton.grammar.tool_calls import HERMES, FunctionTool, ToolCallFormat, tool_call_tag
-from baton.grammar.validation import check_schema_value
+from baton.grammar.tool_calls import (
+    HERMES,
+    FunctionTool,
+    ToolCallFormat,
+    detect_tool_call_format,
+    tool_call_tag,
+)
+from baton.grammar.validation import check_schema_value, validate_spec
 
 Mode = Literal["none", "auto", "required"]
 
@@ -99,8 +109,8 @@ def _pick(
     return [by_name[n] for n in dict.fromkeys(names)]
 
 
-def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's tool plan; None when it has no tools.
+def tool_plan(body: ChatCompletionRequest, fmt: ToolCallFormat = HERMES) -> ToolPlan | None:
+    """The request's tool plan, its calls in the syntax ``fmt``; None when it has no tools.
 
     Raises:
         APIError: 400 naming the field: a tool that is not a function, a bad name or
@@ -151,6 +161,7 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
         callable=tuple(allowed),
         mode=mode,
         parallel=parallel,
+        fmt=fmt,
     )
 
 
@@ -193,6 +204,26 @@ def tool_constraint(plan: ToolPlan, answer: Constraint | None, backend: str) -> 
     )
 
 
+def name_the_tool(error: APIError, plan: ToolPlan | None) -> APIError:
+    """``error`` with the function it is about named, when it is the engine's 400 on a tool
+    constraint (param "tools") and one function's call alone cannot be built (its schema
+    does not compile, or has keywords xgrammar would not enforce); else ``error`` itself.
+    Runs only on that error path: the engine checked the whole constraint already."""
+    if plan is None or error.status != 400 or error.param != "tools":
+        return error
+    for i, function in enumerate(plan.functions):
+        tag = tool_call_tag([function], "required", fmt=plan.fmt)
+        try:
+            validate_spec(StructuredOutputsParams(structural_tag=tag, backend="xgrammar"))
+            failing = bool(xgrammar_unenforced_keywords(xgrammar_normal_form(function.parameters)))
+        except (ValueError, RecursionError):
+            failing = True
+        if failing:
+            message = f"tools[{i}] (function {function.name!r}): {error.message}"
+            return APIError(400, message, param="tools", code=error.code)
+    return error
+
+
 # ----------------------------------------------------------------------- the prompt
 
 _TOOLS_PROMPT = """# Tools
@@ -203,16 +234,34 @@ The functions are described with JSON schemas within <tools></tools> tags:
 {tools}
 </tools>
 
-To call a function, write a JSON object with its name and arguments
+{how}"""
+
+# How each format's calls look, for the system message (the template shows no tools).
+_HOW_TO_CALL = {
+    "hermes": """To call a function, write a JSON object with its name and arguments
 within <tool_call></tool_call> tags:
 <tool_call>
-{{"name": <function-name>, "arguments": <arguments-json-object>}}
-</tool_call>"""
+{"name": <function-name>, "arguments": <arguments-json-object>}
+</tool_call>""",
+    "llama3_json": """To call a function, write only a JSON object with its name and
+parameters: {"name": <function-name>, "parameters": <arguments-json-object>}
+(several calls separated by "; ").""",
+    "mistral": """To call functions, write [TOOL_CALLS] and then a JSON list of calls:
+[TOOL_CALLS][{"name": <function-name>, "arguments": <arguments-json-object>}]""",
+    "qwen3_coder": """To call a function, write:
+<tool_call>
+<function=<function-name>>
+<parameter=<parameter-name>>
+<value>
+</parameter>
+</function>
+</tool_call>""",
+}
 
 
 def template_writes_tool_calls(chat_template: str | None) -> bool:
-    """Whether the chat template renders tools and calls in the Hermes syntax itself."""
-    return chat_template is not None and "<tool_call>" in chat_template
+    """Whether the chat template renders tools and calls itself (in a syntax baton knows)."""
+    return detect_tool_call_format(chat_template) is not None
 
 
 def _arguments_text(value: Any, where: str) -> str:
@@ -264,8 +313,8 @@ def prepare_messages(
     for i, m in enumerate(messages):
         role = m.get("role")
         if role == "assistant" and m.get("tool_calls"):
-            written = [fmt.render(name, args) for name, args in _calls_of(m, i)]
-            text = "\n".join(([m["content"]] if m.get("content") else []) + written)
+            written = fmt.render_calls(_calls_of(m, i))
+            text = "\n".join(([m["content"]] if m.get("content") else []) + [written])
             out.append({"role": "assistant", "content": text})
         elif role == "tool":
             block = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
@@ -278,7 +327,7 @@ def prepare_messages(
         after_tool = role == "tool"
     if plan is not None:
         listing = "\n".join(json.dumps(d, ensure_ascii=False) for d in plan.definitions)
-        prompt = _TOOLS_PROMPT.format(tools=listing)
+        prompt = _TOOLS_PROMPT.format(tools=listing, how=_HOW_TO_CALL[fmt.name])
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": f"{out[0].get('content', '')}\n\n{prompt}".lstrip()}
         else:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from baton.engine.models.attention import AttentionMetadata
-from baton.engine.models.kv_cache import KVCache
+from baton.engine.models.kv_cache import KVCache, copy_kv_blocks
 from baton.engine.models.llama import LlamaForCausalLM
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler_output import (
@@ -185,6 +185,8 @@ class ModelRunner:
         )
 
     def _apply_changes(self, so: SchedulerOutput) -> None:
+        if so.kv_block_copies:
+            copy_kv_blocks(self.kv_caches, so.kv_block_copies)
         st = self.states
         for rid in so.finished_request_ids:
             st.remove(rid)
@@ -265,6 +267,7 @@ class ModelRunner:
             if grammar is not None and grammar.request_ids:
                 self._apply_grammar(logits, fwd, grammar)
             laps.lap("grammar")
+            self._add_logit_bias(logits, rows)
             self._ban_tokens(logits, rows, row_params)
             meta = self._sampling_metadata(rows, row_params, fwd.drafts)
             laps.lap("bans_and_metadata")
@@ -325,6 +328,26 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """``sample`` with its tokens read back to the host, as the scheduler takes them."""
         return self.sample(fwd, grammar).to_runner_output()
+
+    def _add_logit_bias(self, logits: torch.Tensor, rows: _LogitsRows) -> None:
+        """Adds each row's logit_bias to its logits, in place, with one copy to the device.
+
+        Runs after the grammar mask: a finite bias leaves a forbidden (-inf) token forbidden.
+        Each row's sum is its own, so a request's tokens do not depend on its batch.
+        """
+        if not self.states.biased_rows:  # the usual step: no host work at all
+            return
+        biases = self.states.logit_bias
+        parts = [
+            (i, b) for i, row in enumerate(rows.state.tolist()) if (b := biases[row]) is not None
+        ]
+        if not parts:
+            return
+        index = np.concatenate([np.full(ids.size, i, dtype=np.int64) for i, (ids, _) in parts])
+        cols = np.concatenate([ids for _, (ids, _) in parts])
+        values = np.concatenate([v for _, (_, v) in parts])
+        rows_d, cols_d, values_d = self.io.to_device([index, cols, values])
+        logits.index_put_((rows_d, cols_d), values_d.to(logits.dtype), accumulate=True)
 
     def _ban_tokens(
         self, logits: torch.Tensor, rows: _LogitsRows, params: list[SamplingParams]

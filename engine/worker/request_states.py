@@ -25,7 +25,8 @@ class RequestStates:
     """Token ids, progress, block tables and sampling parameters by row.
 
     Host mirrors (numpy, indexed by row): ``num_tokens``, ``num_prompt_tokens``,
-    ``num_computed``, ``block_table``/``num_blocks``, ``params`` and the per-row sampling values.
+    ``num_computed``, ``block_table``/``num_blocks``, ``params`` and the per-row sampling values
+    (``logit_bias`` as arrays of token ids and biases).
     Device state: ``token_ids`` ``[R, max_model_len + 1]``, ``num_tokens_device`` and
     ``last_sampled`` ``[R]`` (three views of one flat int64 ``storage``, the target of staged
     writes), ``output_counts`` and ``prompt_mask`` ``[R, V]``.
@@ -82,6 +83,9 @@ class RequestStates:
         self.repetition_penalty = np.ones(r, dtype=np.float32)
         self.presence_penalty = np.zeros(r, dtype=np.float32)
         self.frequency_penalty = np.zeros(r, dtype=np.float32)
+        # A row's logit_bias as (token ids, biases) arrays, None without one; the rows with one.
+        self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * r
+        self.biased_rows: set[int] = set()
 
     def add(self, data: NewRequestData) -> int:
         """Takes a free row for a new (or resumed) request: fills the mirrors now and stages its
@@ -111,6 +115,14 @@ class RequestStates:
         self.repetition_penalty[row] = sp.repetition_penalty
         self.presence_penalty[row] = sp.presence_penalty
         self.frequency_penalty[row] = sp.frequency_penalty
+        self.logit_bias[row] = None
+        self.biased_rows.discard(row)
+        if sp.logit_bias:
+            self.logit_bias[row] = (
+                np.array([t for t, _ in sp.logit_bias], dtype=np.int64),
+                np.array([b for _, b in sp.logit_bias], dtype=np.float32),
+            )
+            self.biased_rows.add(row)
         index = np.concatenate(
             (
                 np.arange(row * self.row_len, row * self.row_len + n),
@@ -169,6 +181,8 @@ class RequestStates:
             return
         self.params[row] = None
         self.uses_penalties[row] = False
+        self.logit_bias[row] = None
+        self.biased_rows.discard(row)
         self.unverified.discard(row)
         self._free_rows.append(row)
 
