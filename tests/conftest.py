@@ -900,6 +900,28 @@ def default_model_server(default_model_engine: Any) -> Iterator[str]:
         yield base
 
 
+@pytest.fixture(scope="module")
+def parser_servers(default_model_engine: Any) -> Iterator[dict[str, str]]:
+    """The base URL of an app per ``--tool-call-parser`` name (``TOOL_CALL_FORMATS``), all
+    on the module's ``default_model_engine`` (served as "smol")."""
+    from baton.engine.server.app import build_app
+    from baton.engine.server.config import ServerConfig
+    from baton.grammar.tool_formats import TOOL_CALL_FORMATS
+
+    with contextlib.ExitStack() as stack:
+        yield {
+            name: stack.enter_context(
+                serve_in_thread(
+                    build_app(
+                        default_model_engine,
+                        ServerConfig(served_model_name=DEFAULT_SERVED_MODEL, tool_call_parser=name),
+                    )
+                )
+            )
+            for name in TOOL_CALL_FORMATS
+        }
+
+
 def decode_after_prompts(
     model: torch.nn.Module, prompts: torch.Tensor, which: list[int], dtype: torch.dtype, block: int
 ) -> torch.Tensor:

@@ -31,7 +31,7 @@ MAX_BODY = 32 * 1024
 # A hang is a request that takes longer than this (generation is capped by max_model_len).
 REQUEST_TIMEOUT_S = 30.0
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 @dataclass(frozen=True)
@@ -214,6 +214,69 @@ COMPLETION_FIELDS = {
     "prompt": PROMPT,
     "logprobs": st.integers(0, 25),
 }
+INPUT_ITEM = st.one_of(
+    MESSAGE,
+    st.fixed_dictionaries(
+        {"type": st.just("message"), "role": st.sampled_from(["user", "developer"])},
+        optional={
+            "content": st.one_of(
+                TEXT,
+                st.lists(
+                    st.fixed_dictionaries(
+                        {"type": st.sampled_from(["input_text", "input_image"]), "text": TEXT}
+                    ),
+                    max_size=2,
+                ),
+            )
+        },
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call")},
+        optional={"call_id": TEXT, "name": TEXT, "arguments": st.one_of(TEXT, JSON_VALUES)},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output")},
+        optional={"call_id": TEXT, "output": st.one_of(TEXT, JSON_VALUES)},
+    ),
+    st.fixed_dictionaries({"type": st.one_of(st.just("reasoning"), TEXT)}),
+)
+TEXT_FORMAT = st.one_of(
+    st.just({"type": "text"}),
+    st.just({"type": "json_object"}),
+    st.fixed_dictionaries(
+        {"type": st.just("json_schema"), "name": st.just("x"), "schema": SCHEMAS},
+        optional={"strict": st.booleans()},
+    ),
+    st.fixed_dictionaries({"type": st.one_of(st.just("json_schema"), TEXT)}),
+)
+FUNCTION_TOOL = st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "function", "web_search"])},
+    optional={"name": TEXT, "parameters": SCHEMAS, "strict": st.booleans()},
+)
+RESPONSES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "model": COMMON_FIELDS["model"],
+    "input": st.one_of(TEXT, st.lists(INPUT_ITEM, max_size=3)),
+    "instructions": TEXT,
+    "max_output_tokens": COMMON_FIELDS["max_tokens"],
+    "temperature": COMMON_FIELDS["temperature"],
+    "top_p": COMMON_FIELDS["top_p"],
+    "seed": COMMON_FIELDS["seed"],
+    "text": st.fixed_dictionaries({}, optional={"format": TEXT_FORMAT, "verbosity": TEXT}),
+    "tools": st.lists(FUNCTION_TOOL, max_size=2),
+    "tool_choice": st.one_of(
+        st.sampled_from(["auto", "none", "required"]),
+        st.fixed_dictionaries({"type": st.just("function"), "name": TEXT}),
+    ),
+    "parallel_tool_calls": st.booleans(),
+    "reasoning": st.fixed_dictionaries(
+        {}, optional={"effort": st.sampled_from([None, "none", "low"]), "summary": TEXT}
+    ),
+    "stream": st.booleans(),
+    "store": st.booleans(),
+    "previous_response_id": TEXT,
+    "metadata": st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=2),
+    "user": TEXT,
+}
 # Real fields the server refuses (400) rather than silently ignore, or checks closely (tools,
 # vLLM's guided_* spellings): rare, as mutations, so that most bodies get as far as generation.
 REFUSED_FIELDS = (
@@ -240,17 +303,17 @@ BAD_VALUES = st.one_of(
 )
 
 
-def bodies(fields: dict[str, st.SearchStrategy[Any]], required: str) -> st.SearchStrategy[Any]:
+def bodies(
+    fields: dict[str, st.SearchStrategy[Any]], required: str, limit: str = "max_tokens"
+) -> st.SearchStrategy[Any]:
     """Well-formed bodies (``required`` and a random subset of the other fields), with up to
     two fields (known or unknown, ``required`` included) set to any value; now and then a
-    body that is not an object at all."""
+    body that is not an object at all. ``limit``: the field that caps the output tokens."""
     names = sorted(fields)
-    optional = {k: v for k, v in fields.items() if k not in (required, "max_tokens")}
+    optional = {k: v for k, v in fields.items() if k not in (required, limit)}
     # Short generations mostly; max_model_len bounds the longest.
-    max_tokens = st.one_of(st.integers(1, 8), fields["max_tokens"])
-    base = st.fixed_dictionaries(
-        {required: fields[required], "max_tokens": max_tokens}, optional=optional
-    )
+    max_tokens = st.one_of(st.integers(1, 8), fields[limit])
+    base = st.fixed_dictionaries({required: fields[required], limit: max_tokens}, optional=optional)
     mutations = st.dictionaries(
         st.one_of(
             st.sampled_from(names),
@@ -349,14 +412,14 @@ FUZZ_SETTINGS = settings(
 def test_random_json_bodies_never_get_a_5xx(
     server: Server, client: httpx.Client, path: str
 ) -> None:
-    fields, required = (
-        (CHAT_FIELDS, "messages")
-        if path.endswith("chat/completions")
-        else (COMPLETION_FIELDS, "prompt")
-    )
+    fields, required, limit = {
+        "/v1/chat/completions": (CHAT_FIELDS, "messages", "max_tokens"),
+        "/v1/completions": (COMPLETION_FIELDS, "prompt", "max_tokens"),
+        "/v1/responses": (RESPONSES_FIELDS, "input", "max_output_tokens"),
+    }[path]
 
     @FUZZ_SETTINGS
-    @given(body=bodies(fields, required))
+    @given(body=bodies(fields, required, limit))
     def fuzz(body: Any) -> None:
         content = json.dumps(body).encode()  # NaN and Infinity included, as Python writes them
         r = post(client, path, content, "application/json")

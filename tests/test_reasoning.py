@@ -281,6 +281,64 @@ def test_the_server_returns_the_thoughts_as_reasoning_content(reasoning_server):
         assert usage["completion_tokens_details"]["reasoning_tokens"] == spent
 
 
+def _responses_events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    import httpx
+
+    events = []
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=120) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+def _responses_body(seed: int) -> dict[str, Any]:
+    """``_chat_body(seed)`` as a /v1/responses request (a JSON-schema text format)."""
+    return {
+        "model": "thinker",
+        "input": _chat_body(seed)["messages"][0]["content"],
+        "max_output_tokens": 100,
+        "temperature": 1.0,
+        "seed": seed,
+        "max_reasoning_tokens": 8,
+        "text": {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}},
+    }
+
+
+def test_responses_carry_the_thoughts_as_a_reasoning_item(reasoning_server):
+    """/v1/responses: a reasoning item with the thoughts before the message with the
+    validated object, reasoning tokens in usage; streamed, the reasoning and text deltas add
+    up to the same items, the reasoning item done before the message begins."""
+    import httpx
+
+    url = f"{reasoning_server}/v1/responses"
+    for seed in range(3):
+        body = _responses_body(seed)
+        reply = httpx.post(url, json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        response = reply.json()
+        thought, message = response["output"]
+        assert thought["type"] == "reasoning" and thought["id"].startswith("rs_")
+        assert message["type"] == "message"
+        text = message["content"][0]["text"]
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert 1 <= response["usage"]["output_tokens_details"]["reasoning_tokens"] <= 9
+        events = _responses_events(url, body)
+        kinds = [e["type"] for e in events]
+        deltas = {
+            kind: "".join(e["delta"] for e in events if e["type"] == kind)
+            for kind in ("response.reasoning_text.delta", "response.output_text.delta")
+        }
+        assert deltas == {
+            "response.reasoning_text.delta": thought["content"][0]["text"],
+            "response.output_text.delta": text,
+        }
+        first_done = kinds.index("response.output_item.done")
+        assert first_done < kinds.index("response.content_part.added")
+        assert kinds[-1] == "response.completed"
+        assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+
+
 def test_the_servers_default_budget_bounds_requests_that_give_none(reasoning_engine):
     """``baton serve --max-reasoning-tokens 2``: a structured request without its own budget
     thinks at most 2 tokens (then </think>) and answers a valid object, one with its own keeps
@@ -305,3 +363,25 @@ def test_the_servers_default_budget_bounds_requests_that_give_none(reasoning_eng
     with _serve(reasoning_engine) as base:
         # Unbounded thoughts may run out of tokens before any answer.
         assert max(spent(base, seed, False, max_tokens=30) for seed in seeds) > 3
+
+
+def test_the_servers_default_budget_bounds_structured_responses(reasoning_engine):
+    """``baton serve --max-reasoning-tokens 2`` on /v1/responses as on chat: a structured
+    response without its own budget thinks at most 2 tokens (then </think>) and its message
+    is a valid object; one with its own budget (12) keeps it and thinks longer."""
+    import httpx
+
+    def spent(base: str, seed: int, **extra: Any) -> int:
+        body = {k: v for k, v in _responses_body(seed).items() if k != "max_reasoning_tokens"}
+        reply = httpx.post(f"{base}/v1/responses", json=body | extra, timeout=120)
+        assert reply.status_code == 200, reply.text
+        response = reply.json()
+        assert response["status"] == "completed", response
+        message = response["output"][-1]
+        jsonschema.validate(json.loads(message["content"][0]["text"]), SCHEMA)
+        return response["usage"]["output_tokens_details"]["reasoning_tokens"]
+
+    seeds = range(4)
+    with _serve(reasoning_engine, max_reasoning_tokens=2) as base:
+        assert all(spent(base, seed) <= 3 for seed in seeds)
+        assert max(spent(base, seed, max_reasoning_tokens=12) for seed in seeds) > 3

@@ -7,10 +7,9 @@ each on the same engine."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import httpx
@@ -18,7 +17,6 @@ import jsonschema
 import openai
 import pytest
 from conftest import DEFAULT_SERVED_MODEL as MODEL
-from conftest import serve_in_thread
 from pydantic import BaseModel, Field
 
 from baton.engine.server.protocol import ChatCompletionRequest
@@ -357,26 +355,6 @@ PARSERS = list(TOOL_CALL_FORMATS)
 FORMAT_MAX_TOKENS = 96  # a get_weather call in Qwen's XML takes ~50 tokens
 
 
-@pytest.fixture(scope="module")
-def parser_servers(default_model_engine: Any) -> Iterator[dict[str, str]]:
-    """The base URL of an app per ``--tool-call-parser`` name, all on the module's engine."""
-    from baton.engine.server.app import build_app
-    from baton.engine.server.config import ServerConfig
-
-    with contextlib.ExitStack() as stack:
-        yield {
-            name: stack.enter_context(
-                serve_in_thread(
-                    build_app(
-                        default_model_engine,
-                        ServerConfig(served_model_name=MODEL, tool_call_parser=name),
-                    )
-                )
-            )
-            for name in PARSERS
-        }
-
-
 def parser_client(servers: dict[str, str], parser: str) -> openai.OpenAI:
     return openai.OpenAI(api_key="none", base_url=f"{servers[parser]}/v1", max_retries=0)
 
@@ -455,7 +433,7 @@ def test_a_tool_schema_that_cannot_compile_is_a_400(
     parser_servers: dict[str, str], parser: str
 ) -> None:
     """A property that must be absent where other names are allowed: xgrammar cannot build
-    it in any format; the 400 names the field and the tool."""
+    it in any format; the 400 names the field and the tool, streamed or not."""
     impossible = {
         "type": "object",
         "properties": {"foo": {"type": "integer"}, "bar": False},
@@ -472,7 +450,9 @@ def test_a_tool_schema_that_cannot_compile_is_a_400(
         "tool_choice": "required",
         "max_tokens": 4,
     }
-    r = httpx.post(f"{parser_servers[parser]}/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == "tools" and "tools[1] (function 'f')" in error["message"], error
+    for stream in (False, True):
+        url = f"{parser_servers[parser]}/v1/chat/completions"
+        r = httpx.post(url, json=body | {"stream": stream}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "tools" and "tools[1] (function 'f')" in error["message"], error

@@ -1,6 +1,7 @@
 """``build_app``: the FastAPI application of the OpenAI-compatible server.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (and
+``GET``/``DELETE /v1/responses/{id}``), ``GET /v1/models``,
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /health`` (503 when the engine
 cannot serve), ``GET /metrics`` (Prometheus text).
 The app does not own the engine: whoever built it shuts it down. Behind a data-parallel
@@ -16,11 +17,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from baton.engine.entrypoints.serving import ServingEngine
-from baton.engine.server import chat, completions, tokenize
+from baton.engine.server import chat, completions, responses, tokenize
 from baton.engine.server.config import ServerConfig
 from baton.engine.server.errors import APIError, install_error_handlers
 from baton.engine.server.metrics import ServerMetrics
 from baton.engine.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from baton.engine.server.responses_store import ResponseStore
 from baton.engine.server.state import ServerState, get_state
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -31,11 +33,13 @@ def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
     (API key, body limit, model name)."""
     app = FastAPI(title="baton", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(config.served_model_name, engine.max_model_len)
-    app.state.baton = ServerState(engine, config, metrics)
+    store = ResponseStore(config.responses_store_size)
+    app.state.baton = ServerState(engine, config, metrics, store)
     created = int(time.time())
     install_error_handlers(app, metrics.reject)
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(responses.router)
     app.include_router(tokenize.router)
 
     @app.get("/v1/models")

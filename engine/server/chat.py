@@ -9,13 +9,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from baton.engine.entrypoints.async_llm import EngineDeadError
 from baton.engine.outputs import CompletionOutput, RequestOutput
-from baton.engine.server.errors import APIError, bad_request, error_body
+from baton.engine.server.chat_plan import ChatPlan, assistant_reply, plan_chat
+from baton.engine.server.errors import APIError, error_body
 from baton.engine.server.generation import (
     SSE_DONE,
     ClientDisconnected,
@@ -32,66 +32,14 @@ from baton.engine.server.generation import (
     usage,
 )
 from baton.engine.server.logprobs import chat_logprobs
-from baton.engine.server.params import chat_sampling_params, check_model
+from baton.engine.server.params import check_model
 from baton.engine.server.protocol import ChatCompletionRequest
 from baton.engine.server.reasoning import ReasoningDeltas, ReasoningSplitter
 from baton.engine.server.state import get_state
-from baton.engine.server.tool_output import ToolCallDeltas, finish_reason, tool_message
-from baton.engine.server.tools import ToolPlan, name_the_tool, prepare_messages, tool_plan
-from baton.engine.tokenizer import Tokenizer
+from baton.engine.server.tool_output import ToolCallDeltas, finish_reason
+from baton.engine.server.tools import ToolPlan, name_the_tool
 
 router = APIRouter()
-
-
-def render_chat(
-    tokenizer: Tokenizer,
-    body: ChatCompletionRequest,
-    tools: ToolPlan | None = None,
-    chat_template: str | None = None,
-) -> list[int]:
-    """The prompt token ids of the conversation, rendered with the model's chat template, or
-    ``chat_template`` where given (the server's ``--chat-template``), with the tools, earlier
-    calls and tool results as ``prepare_messages`` lays them out.
-
-    Raises:
-        APIError: 400 for non-text content parts, malformed tool calls, a conversation the
-            template rejects, or ``continue_final_message`` with ``add_generation_prompt``.
-    """
-    if body.continue_final_message and body.add_generation_prompt:
-        raise bad_request(
-            "continue_final_message needs add_generation_prompt set to false",
-            "continue_final_message",
-        )
-    messages: list[dict[str, Any]] = []
-    for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(
-                        f"messages[{i}].content: only text parts are supported, got {part.type!r}",
-                        f"messages[{i}].content",
-                    )
-                texts.append(part.text)
-            content = "\n".join(texts)
-        message = m.model_dump(exclude_none=True)
-        message["content"] = content or ""
-        messages.append(message)
-    template = chat_template if chat_template is not None else tokenizer.chat_template
-    messages, variables = prepare_messages(messages, tools, template)
-    try:
-        ids = tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            tokenize=True,
-            continue_final_message=body.continue_final_message,
-            chat_template=template,
-            **{**variables, **(body.chat_template_kwargs or {})},
-        )
-    except (ValueError, TypeError, jinja2.TemplateError) as exc:
-        raise bad_request(f"messages: the chat template failed: {exc}", "messages") from None
-    return list(ids)
 
 
 def _choice_logprobs(c: CompletionOutput, top_n: int, wanted: bool) -> dict[str, Any] | None:
@@ -106,22 +54,17 @@ def _response(
     request_id: str,
     created: int,
     model: str,
-    tools: ToolPlan | None,
-    splitter: ReasoningSplitter | None = None,
+    plan: ChatPlan,
 ) -> dict[str, Any]:
     top_n = body.top_logprobs or 0
     choices = []
+    splitter = plan.splitter
     thinks = splitter is not None and splitter.thinks_first(out.prompt_token_ids)
     reasoning_tokens = 0
     for c in out.outputs:
-        reasoning, text = None, c.text
+        reasoning, message, reason = assistant_reply(c, plan, thinks)
         if splitter is not None:
-            reasoning, text = splitter.split(c.text, c.token_ids, thinks)
             reasoning_tokens += splitter.reasoning_tokens(c.token_ids, thinks)
-        if tools is not None and tools.mode != "none":
-            message, reason = tool_message(text or "", c.finish_reason, tools.fmt, tools.functions)
-        else:
-            message, reason = {"role": "assistant", "content": text}, c.finish_reason
         if reasoning is not None:  # both names: vLLM's and the newer clients'
             message["reasoning_content"] = message["reasoning"] = reasoning
         choices.append(
@@ -233,29 +176,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     """OpenAI's chat completions (see the module docs of ``baton.engine.server``)."""
     state = get_state(request)
     check_model(body.model, state.config)
-    tools = tool_plan(body, state.tool_call_format)
-    params, constraint = chat_sampling_params(
-        body, state.config, tools, defaults=state.engine.sampling_defaults()
-    )
-    prompt = render_chat(state.engine.get_tokenizer(), body, tools, state.config.chat_template)
+    plan = plan_chat(state, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or state.config.served_model_name
-    param = constraint.param if constraint is not None else None
-    parser = state.config.reasoning_parser
-    splitter = None if parser is None else ReasoningSplitter(state.engine.get_tokenizer(), parser)
+    param = plan.param
     try:
-        streams = await start_requests(state, [prompt], params, request_id, param)
+        streams = await start_requests(state, [plan.prompt], plan.params, request_id, param)
         if body.stream:
-            if params.structured_outputs is not None:
+            if plan.params.structured_outputs is not None:
                 await check_first_output(request, streams, param)
             return SSEResponse(
-                _stream(streams[0], body, request_id, created, model, tools, splitter),
+                _stream(streams[0], body, request_id, created, model, plan.tools, plan.splitter),
                 lambda: close_all(streams),
             )
         (out,) = await collect_unary(request, streams, param)
     except ClientDisconnected:
         return Response(status_code=499)
     except APIError as exc:  # a tool's schema the grammar cannot hold: say which tool
-        raise name_the_tool(exc, tools) from None
-    return JSONResponse(_response(out, body, request_id, created, model, tools, splitter))
+        raise name_the_tool(exc, plan.tools) from None
+    return JSONResponse(_response(out, body, request_id, created, model, plan))

@@ -9,6 +9,7 @@ from baton.grammar.spec import BACKENDS
 from baton.grammar.tool_formats import TOOL_CALL_FORMATS
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_RESPONSES_STORE_SIZE = 1024
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class ServerConfig:
             chat answers then carry the model's thoughts as ``reasoning_content``.
         chat_template: a Jinja chat template used instead of the tokenizer's (``baton serve
             --chat-template``); None: the tokenizer's.
+        responses_store_size: how many ``/v1/responses`` responses are kept (in memory,
+            least recently used evicted first) for ``previous_response_id`` and ``GET``.
         tool_call_parser: the models' tool-call syntax, by vLLM's parser name
             (``TOOL_CALL_FORMATS``: ``baton serve --tool-call-parser``); None: the one the
             chat template writes, else Hermes'.
@@ -44,6 +47,7 @@ class ServerConfig:
     max_n: int = 64
     reasoning_parser: str | None = None
     chat_template: str | None = None
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
     tool_call_parser: str | None = None
     max_reasoning_tokens: int | None = None
 
@@ -54,7 +58,7 @@ class ServerConfig:
             )
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be None or a non-empty string")
-        for name in ("max_body_bytes", "max_n"):
+        for name in ("max_body_bytes", "max_n", "responses_store_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")

@@ -17,7 +17,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from baton.engine.server.errors import bad_request
-from baton.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from baton.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+)
 
 # Fields that do not change what the client gets back.
 HARMLESS: frozenset[str] = frozenset(
@@ -74,6 +78,27 @@ _COMPLETION_REFUSED: dict[str, tuple[str, Any]] = {
     "suffix": ("suffix is not supported", _empty),
     "prompt_logprobs": ("prompt_logprobs is not supported", lambda v: False),
 }
+# Responses API fields that baton does not implement (``store``, ``previous_response_id``
+# and the rest are declared by ``ResponsesRequest``).
+_RESPONSES_REFUSED: dict[str, tuple[str, Any]] = {
+    "include": ("include is not supported (no extra output data)", _empty),
+    "background": ("background responses are not supported", _is(False)),
+    "conversation": ("conversations are not supported; use previous_response_id", lambda v: False),
+    "prompt": ("prompt templates are not supported", lambda v: False),
+    "max_tool_calls": ("max_tool_calls is not supported", lambda v: False),
+    "top_logprobs": ("top_logprobs is not supported on /v1/responses", _is(0)),
+    "truncation": ("truncation 'auto' is not supported", _is("disabled")),
+    # Obfuscation pads the events; it changes no output.
+    "stream_options": (
+        "stream_options: only include_obfuscation is supported on /v1/responses",
+        lambda v: isinstance(v, dict) and set(v) <= {"include_obfuscation"},
+    ),
+    # OpenAI's Responses API has none; chat and completions take it.
+    "logit_bias": (
+        "logit_bias is not a Responses API field (use /v1/chat/completions or /v1/completions)",
+        _empty,
+    ),
+}
 # vLLM's sampling extras that baton does not implement, on both endpoints.
 _VLLM_REFUSED: dict[str, tuple[str, Any]] = {
     "use_beam_search": ("beam search is not supported", _is(False)),
@@ -90,7 +115,9 @@ _VLLM_REFUSED: dict[str, tuple[str, Any]] = {
 }
 
 
-def check_extra_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
+def check_extra_fields(
+    body: ChatCompletionRequest | CompletionRequest | ResponsesRequest,
+) -> None:
     """Refuses the undeclared fields of a request body that would change the answer.
 
     Raises:
@@ -98,7 +125,13 @@ def check_extra_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
             unknown.
     """
     extra: Mapping[str, Any] = body.model_extra or {}
-    own = _CHAT_REFUSED if isinstance(body, ChatCompletionRequest) else _COMPLETION_REFUSED
+    own = (
+        _CHAT_REFUSED
+        if isinstance(body, ChatCompletionRequest)
+        else _RESPONSES_REFUSED
+        if isinstance(body, ResponsesRequest)
+        else _COMPLETION_REFUSED
+    )
     for name, value in extra.items():
         if name in HARMLESS or value is None:
             continue

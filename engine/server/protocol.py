@@ -175,3 +175,39 @@ class CompletionRequest(_GenerationRequest):
                 "or a list of token-id lists"
             )
         return value
+
+
+class ResponsesRequest(_Body):
+    """Body of ``POST /v1/responses`` (OpenAI's Responses API). ``input``, ``text``,
+    ``tools``, ``tool_choice`` and ``reasoning`` are checked by
+    ``baton.engine.server.responses_input`` so that a 400 names the part that is wrong."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    text: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # With the server's reasoning parser: thinking tokens before a structured answer.
+    max_reasoning_tokens: int | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's one line per union member.
+        if not isinstance(value, (str, list)):
+            raise ValueError("input must be a string or a list of input items")
+        return value

@@ -17,7 +17,11 @@ import jinja2
 from baton.engine.entrypoints.args import add_engine_args, config_from_args
 from baton.engine.entrypoints.dp_config import DataParallelConfig
 from baton.engine.entrypoints.serving import ServingEngine
-from baton.engine.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
+from baton.engine.server.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_RESPONSES_STORE_SIZE,
+    ServerConfig,
+)
 from baton.grammar.spec import BACKENDS
 from baton.grammar.tool_formats import TOOL_CALL_FORMATS
 
@@ -46,7 +50,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API "
-        "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).",
+        "(/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /metrics).",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -88,6 +92,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body accepted (413 above)",
+    )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=DEFAULT_RESPONSES_STORE_SIZE,
+        help="how many /v1/responses answers are kept for previous_response_id "
+        "(least recently used evicted first)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -159,6 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
         structured_outputs_backend=args.structured_outputs_backend,
         reasoning_parser=getattr(args, "reasoning_parser", None),
         chat_template=chat_template_text(args.chat_template),
+        responses_store_size=getattr(args, "responses_store_size", DEFAULT_RESPONSES_STORE_SIZE),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         max_reasoning_tokens=getattr(args, "max_reasoning_tokens", None),
     )

@@ -1,15 +1,17 @@
-"""``ServerState``: what the route handlers share (engine, settings, metrics)."""
+"""``ServerState``: what the route handlers share (engine, settings, metrics, stored
+responses)."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from baton.engine.entrypoints.serving import ServingEngine
 from baton.engine.server.config import ServerConfig
 from baton.engine.server.metrics import ServerMetrics
+from baton.engine.server.responses_store import ResponseStore
 from baton.grammar.tool_formats import ToolCallFormat, choose_tool_call_format
 
 
@@ -20,6 +22,7 @@ class ServerState:
     engine: ServingEngine
     config: ServerConfig
     metrics: ServerMetrics
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     @functools.cached_property
     def tool_call_format(self) -> ToolCallFormat:

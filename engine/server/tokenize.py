@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from baton.engine.server.chat import render_chat
+from baton.engine.server.chat_plan import render_chat
 from baton.engine.server.errors import bad_request
 from baton.engine.server.params import check_model
 from baton.engine.server.protocol import ChatCompletionRequest, ChatMessage
