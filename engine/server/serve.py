@@ -108,6 +108,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, how long requests in flight may run before they are cancelled "
         f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}; a second Ctrl-C stops at once)",
     )
+    _add_data_parallel_args(p)
+    p.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    """The data-parallel group of ``serve``'s flags."""
     dp = p.add_argument_group("data parallel (engine replicas on Ray)")
     dp.add_argument(
         "--data-parallel-size",
@@ -135,11 +145,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="route structured requests by load alone instead of to the replica that already "
         "compiled their grammar",
     )
-    p.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
-    )
-    p.set_defaults(func=run_serve)
-    return p
 
 
 def run_serve(args: argparse.Namespace) -> int:
