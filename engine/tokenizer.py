@@ -16,6 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
@@ -72,6 +73,18 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+@lru_cache(maxsize=16)
+def chat_template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads that it does not set itself (``messages``,
+    ``add_generation_prompt``, ``reasoning_effort``, ...), found in its source text.
+
+    Raises:
+        jinja2.TemplateSyntaxError: the template does not parse.
+    """
+    env = _compile_chat_template(source).environment
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
 def _special_token_content(value: Any) -> str | None:

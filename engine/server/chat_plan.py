@@ -15,12 +15,12 @@ from baton.engine.sampling_params import SamplingParams
 from baton.engine.server.constraints import Constraint
 from baton.engine.server.errors import bad_request
 from baton.engine.server.params import chat_sampling_params
-from baton.engine.server.protocol import ChatCompletionRequest
+from baton.engine.server.protocol import REASONING_EFFORTS, ChatCompletionRequest
 from baton.engine.server.reasoning import ReasoningSplitter
 from baton.engine.server.state import ServerState
 from baton.engine.server.tool_output import tool_message
 from baton.engine.server.tools import ToolPlan, prepare_messages, tool_plan
-from baton.engine.tokenizer import Tokenizer
+from baton.engine.tokenizer import Tokenizer, chat_template_variables
 
 
 def render_chat(
@@ -29,13 +29,16 @@ def render_chat(
     tools: ToolPlan | None = None,
     chat_template: str | None = None,
 ) -> list[int]:
-    """The prompt token ids of the conversation, rendered with the model's chat template, or
-    ``chat_template`` where given (the server's ``--chat-template``), with the tools, earlier
-    calls and tool results as ``prepare_messages`` lays them out.
+    """The prompt token ids of the conversation, rendered with the request's own
+    ``chat_template``, else ``chat_template`` where given (the server's ``--chat-template``),
+    else the model's, with the tools, earlier calls and tool results as ``prepare_messages``
+    lays them out, and the request's ``reasoning_effort`` (see ``template_variables``).
 
     Raises:
         APIError: 400 for non-text content parts, malformed tool calls, a conversation the
-            template rejects, or ``continue_final_message`` with ``add_generation_prompt``.
+            template rejects, a request template that does not parse or fails to render
+            (naming ``chat_template``), a ``reasoning_effort`` the template cannot take, or
+            ``continue_final_message`` with ``add_generation_prompt``.
     """
     if body.continue_final_message and body.add_generation_prompt:
         raise bad_request(
@@ -58,8 +61,16 @@ def render_chat(
         message = m.model_dump(exclude_none=True)
         message["content"] = content or ""
         messages.append(message)
-    template = chat_template if chat_template is not None else tokenizer.chat_template
+    own = body.chat_template is not None
+    template = (
+        body.chat_template
+        if own
+        else chat_template
+        if chat_template is not None
+        else tokenizer.chat_template
+    )
     messages, variables = prepare_messages(messages, tools, template)
+    variables.update(template_variables(template, body))
     try:
         ids = tokenizer.apply_chat_template(
             messages,
@@ -67,11 +78,63 @@ def render_chat(
             tokenize=True,
             continue_final_message=body.continue_final_message,
             chat_template=template,
-            **{**variables, **(body.chat_template_kwargs or {})},
+            **variables,
         )
-    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+    except jinja2.TemplateSyntaxError as exc:
+        if own:
+            raise bad_request(f"chat_template does not parse: {exc}", "chat_template") from None
         raise bad_request(f"messages: the chat template failed: {exc}", "messages") from None
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        if own:
+            raise bad_request(f"chat_template failed to render: {exc}", "chat_template") from None
+        raise bad_request(f"messages: the chat template failed: {exc}", "messages") from None
+    except Exception as exc:  # a request's own template may fail any way; never a 500
+        if not own:
+            raise
+        raise bad_request(
+            f"chat_template failed to render: {type(exc).__name__}: {exc}", "chat_template"
+        ) from None
     return list(ids)
+
+
+def template_variables(template: str | None, body: ChatCompletionRequest) -> dict[str, Any]:
+    """The variables the request passes to ``template``: its ``chat_template_kwargs`` and its
+    ``reasoning_effort``, which only a template that reads ``reasoning_effort`` can take
+    (effort "none", asking for nothing, is accepted by any template).
+
+    Raises:
+        APIError: 400 naming ``chat_template`` for a request template that does not parse,
+            or ``reasoning_effort`` for a value that is not an effort, one the template does
+            not read, or one that ``chat_template_kwargs`` contradicts.
+    """
+    variables = dict(body.chat_template_kwargs or {})
+    effort = body.reasoning_effort
+    if effort is None:
+        return variables
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+            "reasoning_effort",
+        )
+    try:
+        reads = template is not None and "reasoning_effort" in chat_template_variables(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise bad_request(f"chat_template does not parse: {exc}", "chat_template") from None
+    if not reads:
+        if effort == "none":
+            return variables
+        raise bad_request(
+            f"reasoning_effort {effort!r} is not supported: the chat template in use does not "
+            "read reasoning_effort (send null or 'none', or a template that reads it)",
+            "reasoning_effort",
+        )
+    if variables.get("reasoning_effort", effort) != effort:
+        raise bad_request(
+            "reasoning_effort and chat_template_kwargs.reasoning_effort differ",
+            "reasoning_effort",
+        )
+    variables["reasoning_effort"] = effort
+    return variables
 
 
 @dataclass(frozen=True)

@@ -66,11 +66,9 @@ _CHAT_REFUSED: dict[str, tuple[str, Any]] = {
     "function_call": ("function_call is not supported; use tool_choice", _is("none")),
     "audio": ("audio output is not supported", _empty),
     "modalities": ("only the text modality is supported", _text_only),
-    "reasoning_effort": ("reasoning_effort is not supported (no reasoning model)", _is("none")),
     "verbosity": ("verbosity is not supported", lambda v: False),
     "web_search_options": ("web search is not supported", lambda v: False),
     "moderation": ("moderation is not supported", lambda v: False),
-    "chat_template": ("a request's own chat template is not supported", lambda v: False),
     "documents": ("documents are not supported", _empty),
     "echo": ("echo is not supported", _is(False)),
 }

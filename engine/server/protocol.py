@@ -13,6 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# The values of ``reasoning_effort`` (and the Responses API's ``reasoning.effort``) OpenAI takes.
+REASONING_EFFORTS: tuple[str, ...] = ("none", "minimal", "low", "medium", "high")
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -143,6 +146,10 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # A Jinja chat template used instead of the server's and the model's (vLLM's field).
+    chat_template: str | None = None
+    # Passed to a chat template that reads it (one of REASONING_EFFORTS).
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(_GenerationRequest):

@@ -6,8 +6,9 @@ and ``function_call_output``) becomes chat messages after the stored conversatio
 becomes ``response_format``; the flat function tools and ``tool_choice`` become chat's
 nested ones. The chat path then renders, constrains and plans tool calls exactly as for
 ``/v1/chat/completions``. Every part it cannot take is a 400 naming it: an input item or
-content part of another kind, a tool that is not a function, a reasoning effort (no
-reasoning effort is implemented).
+content part of another kind, a tool that is not a function, a reasoning summary;
+``reasoning.effort`` becomes chat's ``reasoning_effort`` (a 400 naming it where the chat
+template does not read it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ from typing import Any
 import pydantic
 
 from baton.engine.server.errors import APIError, bad_request
-from baton.engine.server.protocol import ChatCompletionRequest, ResponseFormat, ResponsesRequest
+from baton.engine.server.protocol import (
+    REASONING_EFFORTS,
+    ChatCompletionRequest,
+    ResponseFormat,
+    ResponsesRequest,
+)
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text")
@@ -30,6 +36,7 @@ _PARAMS = {
     "response_format.json_schema": "text.format.schema",
     "messages": "input",
     "max_tokens": "max_output_tokens",
+    "reasoning_effort": "reasoning.effort",
 }
 
 
@@ -236,24 +243,26 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     )
 
 
-def check_reasoning(reasoning: dict[str, Any] | None) -> None:
-    """Accepts an absent reasoning config, or effort "none"; anything that asks for reasoning
-    is refused (baton implements no reasoning effort), not ignored.
+def check_reasoning(reasoning: dict[str, Any] | None) -> str | None:
+    """The reasoning effort asked for (``reasoning.effort``, None if absent), passed on as the
+    chat request's ``reasoning_effort``; summaries are refused, not ignored.
 
     Raises:
-        APIError: 400 naming ``reasoning.effort``, ``reasoning.summary`` or the unknown key.
+        APIError: 400 naming ``reasoning.effort`` (not an effort), ``reasoning.summary`` or
+            the unknown key.
     """
     for key, value in (reasoning or {}).items():
-        if key == "effort" and value not in (None, "none"):
+        if key == "effort" and value is not None and value not in REASONING_EFFORTS:
             raise bad_request(
-                f"reasoning.effort {value!r} is not supported: baton implements no reasoning "
-                "effort (send null or 'none')",
+                f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                f"{shown(repr(value))}",
                 "reasoning.effort",
             )
         if key in ("summary", "generate_summary") and value is not None:
             raise bad_request("reasoning summaries are not supported", f"reasoning.{key}")
         if key not in ("effort", "summary", "generate_summary"):
             raise bad_request(f"unknown field reasoning.{shown(key)}", f"reasoning.{shown(key)}")
+    return (reasoning or {}).get("effort")
 
 
 def chat_request(
@@ -266,7 +275,7 @@ def chat_request(
     Raises:
         APIError: 400 naming the Responses field that is wrong.
     """
-    check_reasoning(body.reasoning)
+    effort = check_reasoning(body.reasoning)
     messages = chat_messages([*history, *items])
     if body.instructions:
         messages.insert(0, {"role": "system", "content": body.instructions})
@@ -284,6 +293,7 @@ def chat_request(
         "tool_choice": chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "max_reasoning_tokens": body.max_reasoning_tokens,
+        "reasoning_effort": effort,
     }
     try:
         return ChatCompletionRequest.model_validate(fields)

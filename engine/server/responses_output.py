@@ -165,7 +165,7 @@ def response_object(
         "output": output,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
         "store": body.store,
         "temperature": params.temperature,
         "text": text,

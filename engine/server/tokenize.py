@@ -20,7 +20,8 @@ router = APIRouter()
 
 
 class TokenizeRequest(BaseModel):
-    """Body of ``POST /tokenize``: ``prompt`` text, or chat ``messages`` (exactly one)."""
+    """Body of ``POST /tokenize``: ``prompt`` text, or chat ``messages`` (exactly one; with
+    ``chat_template``, rendered with that template instead of the server's)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -31,6 +32,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     return_token_strs: bool = False
 
 
@@ -49,7 +51,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     ``max_model_len``; with ``return_token_strs`` each id's token string.
 
     Raises:
-        APIError: 400 for neither or both of prompt and messages; 404 for another model.
+        APIError: 400 for neither or both of prompt and messages, or a conversation that
+            does not render (``render_chat``); 404 for another model.
     """
     state = get_state(request)
     check_model(body.model, state.config)
@@ -63,6 +66,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs,
+            chat_template=body.chat_template,
         )
         ids = render_chat(tokenizer, chat, chat_template=state.config.chat_template)
     else:
