@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from conftest import DEFAULT_SERVED_MODEL as MODEL
+from conftest import serve_in_thread
 
 from baton.engine.server.chat_plan import render_chat
 from baton.engine.server.errors import APIError
@@ -23,6 +25,17 @@ MARKED = (
 EFFORT = "effort={{ reasoning_effort }}\n" + MARKED
 
 
+@pytest.fixture(scope="module")
+def trusting_server(default_model_engine: Any) -> Iterator[str]:
+    """The default model served with ``--trust-request-chat-template``."""
+    from baton.engine.server.app import build_app
+    from baton.engine.server.config import ServerConfig
+
+    config = ServerConfig(served_model_name=MODEL, trust_request_chat_template=True)
+    with serve_in_thread(build_app(default_model_engine, config)) as base:
+        yield base
+
+
 def _chat(base: str, **fields: Any) -> httpx.Response:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, **fields}
     return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
@@ -35,13 +48,27 @@ def _error(r: httpx.Response, param: str) -> str:
     return error["message"]
 
 
-def test_a_requests_chat_template_renders_the_prompt(default_model_server: str, tokenizer) -> None:
+def test_a_server_refuses_request_templates_unless_it_trusts_them(
+    default_model_server: str,
+) -> None:
+    """Off by default (as in vLLM): a template's loops may hold a CPU as long as they like."""
+    for r in (
+        _chat(default_model_server, chat_template=MARKED),
+        httpx.post(
+            f"{default_model_server}/tokenize",
+            json={"messages": MESSAGES, "chat_template": MARKED},
+        ),
+    ):
+        assert "--trust-request-chat-template" in _error(r, "chat_template")
+
+
+def test_a_requests_chat_template_renders_the_prompt(trusting_server: str, tokenizer) -> None:
     """/tokenize and a chat completion render the conversation with the request's template,
     not the model's."""
     want = tokenizer.encode(
         "MARKER <<user>> Name a colour.\n<<assistant>> ", add_special_tokens=False
     )
-    base = default_model_server
+    base = trusting_server
     r = httpx.post(f"{base}/tokenize", json={"messages": MESSAGES, "chat_template": MARKED})
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == want
@@ -62,16 +89,16 @@ def test_a_requests_chat_template_renders_the_prompt(default_model_server: str, 
     ],
 )
 def test_a_broken_request_template_is_a_400_naming_chat_template(
-    default_model_server: str, template: str, word: str
+    trusting_server: str, template: str, word: str
 ) -> None:
-    message = _error(_chat(default_model_server, chat_template=template), "chat_template")
+    message = _error(_chat(trusting_server, chat_template=template), "chat_template")
     assert message.startswith("chat_template") and word in message, message
     r = httpx.post(
-        f"{default_model_server}/tokenize", json={"messages": MESSAGES, "chat_template": template}
+        f"{trusting_server}/tokenize", json={"messages": MESSAGES, "chat_template": template}
     )
     assert word in _error(r, "chat_template")
     # The server goes on serving.
-    assert _chat(default_model_server).status_code == 200
+    assert _chat(trusting_server).status_code == 200
 
 
 def test_reasoning_effort_reaches_a_template_that_reads_it(tokenizer) -> None:
@@ -90,10 +117,10 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(tokenizer) -> None:
     assert caught.value.param == "reasoning_effort"
 
 
-def test_reasoning_effort_over_http(default_model_server: str) -> None:
+def test_reasoning_effort_over_http(trusting_server: str) -> None:
     """The effort changes the prompt a reading template renders; the model's template reads
     none, so an effort is refused (not dropped), except "none", which asks for nothing."""
-    base = default_model_server
+    base = trusting_server
     counts = {}
     for effort in ("low", "medium"):
         r = _chat(base, chat_template=EFFORT, reasoning_effort=effort)

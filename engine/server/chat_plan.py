@@ -12,6 +12,7 @@ import jinja2
 
 from baton.engine.outputs import CompletionOutput
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.server.config import ServerConfig
 from baton.engine.server.constraints import Constraint
 from baton.engine.server.errors import bad_request
 from baton.engine.server.params import chat_sampling_params
@@ -170,6 +171,7 @@ def plan_chat(state: ServerState, body: ChatCompletionRequest) -> ChatPlan:
         APIError: 400 naming the bad field (see ``tool_plan``, ``chat_sampling_params`` and
             ``render_chat``).
     """
+    check_request_template(body.chat_template, state.config)
     tools = tool_plan(body, state.tool_call_format)
     params, constraint = chat_sampling_params(
         body, state.config, tools, defaults=state.engine.sampling_defaults()
@@ -198,3 +200,18 @@ def assistant_reply(
     else:
         message, reason = {"role": "assistant", "content": text}, c.finish_reason
     return reasoning, message, reason
+
+
+def check_request_template(template: str | None, config: ServerConfig) -> None:
+    """Refuses a request's own chat template unless the server trusts them.
+
+    Raises:
+        APIError: 400 naming ``chat_template`` when ``template`` is given and the server was
+            not started with ``--trust-request-chat-template``.
+    """
+    if template is not None and not config.trust_request_chat_template:
+        raise bad_request(
+            "this server does not accept a request's own chat_template (start it with "
+            "--trust-request-chat-template to allow it)",
+            "chat_template",
+        )

@@ -27,6 +27,10 @@ class ServerConfig:
             chat answers then carry the model's thoughts as ``reasoning_content``.
         chat_template: a Jinja chat template used instead of the tokenizer's (``baton serve
             --chat-template``); None: the tokenizer's.
+        trust_request_chat_template: whether a request may send its own ``chat_template``
+            (``baton serve --trust-request-chat-template``). Off by default, as in vLLM: a
+            template runs in Jinja's sandbox, yet its loops can hold a CPU for as long as
+            they like.
         responses_store_size: how many ``/v1/responses`` responses are kept (in memory,
             least recently used evicted first) for ``previous_response_id`` and ``GET``.
         tool_call_parser: the models' tool-call syntax, by vLLM's parser name
@@ -47,6 +51,7 @@ class ServerConfig:
     max_n: int = 64
     reasoning_parser: str | None = None
     chat_template: str | None = None
+    trust_request_chat_template: bool = False
     responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
     tool_call_parser: str | None = None
     max_reasoning_tokens: int | None = None

@@ -73,6 +73,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a Jinja chat template file (or the template itself) used instead of the model's",
     )
     p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests send their own chat_template (off: such a request is a 400)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         choices=tuple(TOOL_CALL_FORMATS),
         default=None,
@@ -175,6 +180,7 @@ def run_serve(args: argparse.Namespace) -> int:
         structured_outputs_backend=args.structured_outputs_backend,
         reasoning_parser=getattr(args, "reasoning_parser", None),
         chat_template=chat_template_text(args.chat_template),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
         responses_store_size=getattr(args, "responses_store_size", DEFAULT_RESPONSES_STORE_SIZE),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         max_reasoning_tokens=getattr(args, "max_reasoning_tokens", None),

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from baton.engine.server.chat_plan import render_chat
+from baton.engine.server.chat_plan import check_request_template, render_chat
 from baton.engine.server.errors import bad_request
 from baton.engine.server.params import check_model
 from baton.engine.server.protocol import ChatCompletionRequest, ChatMessage
@@ -60,6 +60,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if body.messages is not None:
+        check_request_template(body.chat_template, state.config)
         chat = ChatCompletionRequest(
             model=body.model,
             messages=body.messages,
