@@ -47,7 +47,7 @@ _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # llguidance's option that keeps its masks to the grammar: by default, where the grammar
 # forces bytes its mask allows only the first token of their canonical tokenization, while
 # its matcher takes any tokens that spell them (see ``without_forcing``).
-_NO_FORCING = '%llguidance {"no_forcing": true}\n'
+_NO_FORCING = '%llguidance {"no_forcing": true}'
 
 
 def _lark_string(text: str) -> str:
@@ -75,21 +75,23 @@ def without_forcing(grammar: str) -> str:
     Where a grammar forces bytes (a const, an enum's only continuation, a property name),
     llguidance's mask allows by default only the first token of the forced text's canonical
     tokenization (``{"`` but not ``{``, ``hello`` but not ``hell``), while its matcher accepts
-    every token that spells the text. The mask and ``accept_tokens`` then disagreed (6 tokens
-    on the shared schemas) and drafts that spell forced text another way were refused by the
-    mask only. With ``no_forcing`` the mask is the grammar's, as xgrammar's and outlines-core's
-    are; the forced text is still reported (``compute_ff_bytes``) for jump-forward drafts.
-    A JSON-schema grammar becomes Lark's ``start: %json {...}`` of the same schema and options.
+    every token that spells the text. The mask and ``accept_tokens`` then disagreed (12 walked
+    tokens in the grammar bench on the shared schemas), and drafts that spell forced text
+    another way were refused by the mask only. With ``no_forcing`` the mask is the grammar's,
+    as xgrammar's and outlines-core's are; the forced text is still reported
+    (``compute_ff_bytes``) for jump-forward drafts. A JSON-schema grammar becomes Lark's
+    ``start: %json {...}`` of the same schema and options; Lark text gets the option on a last
+    line (its lines keep their numbers in messages).
     """
     if not grammar.lstrip().startswith("{"):
-        return _NO_FORCING + grammar
+        return f"{grammar}\n{_NO_FORCING}\n"
     top = json.loads(grammar)
     for entry in top.get("grammars", ()):
         if entry.get("lark_grammar") is not None:
-            entry["lark_grammar"] = _NO_FORCING + entry["lark_grammar"]
+            entry["lark_grammar"] = f"{entry['lark_grammar']}\n{_NO_FORCING}\n"
         elif entry.get("json_schema") is not None:
             schema = json.dumps(entry.pop("json_schema"), ensure_ascii=False)
-            entry["lark_grammar"] = f"{_NO_FORCING}start: %json {schema}"
+            entry["lark_grammar"] = f"start: %json {schema}\n{_NO_FORCING}\n"
     return json.dumps(top, ensure_ascii=False)
 
 
@@ -351,18 +353,8 @@ class GuidanceBackend(GrammarBackend):
         return options
 
     def grammar_text(self, spec: StructuredOutputsParams) -> str:
-        """llguidance's grammar text for ``spec`` (not yet checked), forcing off
-        (``without_forcing``: its masks then allow what its matchers accept).
-
-        Raises:
-            GrammarError: a kind llguidance does not take, or an EBNF grammar that cannot be
-                read as Lark.
-            ValueError: the schema text is not JSON.
-        """
-        return without_forcing(self._grammar_text(spec))
-
-    def _grammar_text(self, spec: StructuredOutputsParams) -> str:
-        """llguidance's own grammar text for ``spec``.
+        """llguidance's grammar text for ``spec`` (not yet checked), as llguidance writes it
+        (``compile`` turns its forcing off).
 
         Raises:
             GrammarError: a kind llguidance does not take, or an EBNF grammar that cannot be
@@ -413,7 +405,10 @@ class GuidanceBackend(GrammarBackend):
         return None
 
     def compile(self, spec: StructuredOutputsParams) -> GuidanceCompiledGrammar:
-        """Translates and checks ``spec``; thread-safe and fast (no token tables).
+        """Translates and checks ``spec``; thread-safe and fast (no token tables). The grammar
+        kept is the checked one with forcing off (``without_forcing``), so that its masks allow
+        what its matchers accept; the check reads the text as written, whose messages quote
+        the user's own grammar.
 
         Raises:
             GrammarError: llguidance rejects the spec; the message holds its reason.
@@ -423,7 +418,7 @@ class GuidanceBackend(GrammarBackend):
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"llguidance cannot compile the {spec.kind} spec: {exc}") from None
         self._check(grammar)
-        return GuidanceCompiledGrammar(grammar, self, spec.kind)
+        return GuidanceCompiledGrammar(without_forcing(grammar), self, spec.kind)
 
     def export_compiled(self, compiled: CompiledGrammar) -> bytes:
         """The grammar text (what a matcher is built from).
