@@ -187,3 +187,25 @@ def test_fuzzed_schemas(
             accepted_valid += matcher.accept_tokens([*ids(tokenizer, text), EOS])
     assert found == [], found[:5]
     assert walked >= 40 and accepted_valid >= 10, (walked, accepted_valid)
+
+
+def test_unshare_root_renames_the_rule_only() -> None:
+    """The root rule is renamed where the grammar refers to it, never inside literals, classes
+    or longer names; a grammar that does not refer to it is left as it is."""
+    from baton.grammar.xgrammar_rewrites import unshare_root
+
+    text = "\n".join(
+        [
+            'root ::= (("{" root_1 "}") | ("root" [root] root.x root))',
+            "root_1 ::= ((root) | (xroot))",
+            "root_self ::= ((root_1))",
+        ]
+    )
+    assert unshare_root(text).split("\n") == [
+        'root_self_ ::= (("{" root_1 "}") | ("root" [root] root.x root_self_))',
+        "root_1 ::= ((root_self_) | (xroot))",
+        "root_self ::= ((root_1))",
+        "root ::= ((root_self_))",
+    ]
+    plain = 'root ::= (("{" root_1 "}"))\nroot_1 ::= (("root"))'
+    assert unshare_root(plain) == plain
