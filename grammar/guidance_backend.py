@@ -44,6 +44,11 @@ from baton.grammar.vocab import Vocab, VocabSource
 # Kinds llguidance takes. Structural tags stay with xgrammar (its own format).
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
+# llguidance's option that keeps its masks to the grammar: by default, where the grammar
+# forces bytes its mask allows only the first token of their canonical tokenization, while
+# its matcher takes any tokens that spell them (see ``without_forcing``).
+_NO_FORCING = '%llguidance {"no_forcing": true}'
+
 
 def _lark_string(text: str) -> str:
     """``text`` as a Lark string literal (llguidance reads JSON string escapes)."""
@@ -62,6 +67,32 @@ def guidance_normal_form(schema: Any) -> Any:
     would refuse as unknown), and provably disjoint ``oneOf`` as ``anyOf`` (llguidance refuses
     every ``oneOf`` it cannot prove exclusive itself)."""
     return disjoint_one_of_as_any_of(drop_unknown_formats(integral_counts(schema)))
+
+
+def without_forcing(grammar: str) -> str:
+    """llguidance's grammar text ``grammar`` (Lark, or its JSON of grammars) with forcing off.
+
+    Where a grammar forces bytes (a const, an enum's only continuation, a property name),
+    llguidance's mask allows by default only the first token of the forced text's canonical
+    tokenization (``{"`` but not ``{``, ``hello`` but not ``hell``), while its matcher accepts
+    every token that spells the text. The mask and ``accept_tokens`` then disagreed (12 walked
+    tokens in the grammar bench on the shared schemas), and drafts that spell forced text
+    another way were refused by the mask only. With ``no_forcing`` the mask is the grammar's,
+    as xgrammar's and outlines-core's are; the forced text is still reported
+    (``compute_ff_bytes``) for jump-forward drafts. A JSON-schema grammar becomes Lark's
+    ``start: %json {...}`` of the same schema and options; Lark text gets the option on a last
+    line (its lines keep their numbers in messages).
+    """
+    if not grammar.lstrip().startswith("{"):
+        return f"{grammar}\n{_NO_FORCING}\n"
+    top = json.loads(grammar)
+    for entry in top.get("grammars", ()):
+        if entry.get("lark_grammar") is not None:
+            entry["lark_grammar"] = f"{entry['lark_grammar']}\n{_NO_FORCING}\n"
+        elif entry.get("json_schema") is not None:
+            schema = json.dumps(entry.pop("json_schema"), ensure_ascii=False)
+            entry["lark_grammar"] = f"start: %json {schema}\n{_NO_FORCING}\n"
+    return json.dumps(top, ensure_ascii=False)
 
 
 # llguidance.torch's fill helpers, without importing that module: it decorates a function
@@ -153,9 +184,8 @@ class GuidanceMatcher(GrammarMatcher):
     baton's matcher terminates only when an EOS token is accepted there (``is_terminated``),
     so that rollback and EOS handling match the other backends.
 
-    Where the grammar forces bytes, llguidance's mask allows only the canonical tokens of the
-    forced text (e.g. ``))`` but not ``)`` then ``)``): a subset of what ``accept_tokens``
-    takes, so every sampled token is still accepted and the output is the same text.
+    Its grammars are built with forcing off (``without_forcing``), so the mask allows exactly
+    the tokens ``accept_tokens`` takes, forced text in any tokenization included.
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, backend: GuidanceBackend) -> None:
@@ -323,7 +353,8 @@ class GuidanceBackend(GrammarBackend):
         return options
 
     def grammar_text(self, spec: StructuredOutputsParams) -> str:
-        """llguidance's grammar text for ``spec`` (not yet checked).
+        """llguidance's grammar text for ``spec`` (not yet checked), as llguidance writes it
+        (``compile`` turns its forcing off).
 
         Raises:
             GrammarError: a kind llguidance does not take, or an EBNF grammar that cannot be
@@ -374,7 +405,10 @@ class GuidanceBackend(GrammarBackend):
         return None
 
     def compile(self, spec: StructuredOutputsParams) -> GuidanceCompiledGrammar:
-        """Translates and checks ``spec``; thread-safe and fast (no token tables).
+        """Translates and checks ``spec``; thread-safe and fast (no token tables). The grammar
+        kept is the checked one with forcing off (``without_forcing``), so that its masks allow
+        what its matchers accept; the check reads the text as written, whose messages quote
+        the user's own grammar.
 
         Raises:
             GrammarError: llguidance rejects the spec; the message holds its reason.
@@ -384,7 +418,7 @@ class GuidanceBackend(GrammarBackend):
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"llguidance cannot compile the {spec.kind} spec: {exc}") from None
         self._check(grammar)
-        return GuidanceCompiledGrammar(grammar, self, spec.kind)
+        return GuidanceCompiledGrammar(without_forcing(grammar), self, spec.kind)
 
     def export_compiled(self, compiled: CompiledGrammar) -> bytes:
         """The grammar text (what a matcher is built from).

@@ -44,7 +44,7 @@ from baton.grammar.structural_tag import (
 )
 from baton.grammar.validation import ebnf_grammar_error
 from baton.grammar.vocab import Vocab, VocabSource, build_vocab
-from baton.grammar.xgrammar_rewrites import rewrite_json_ebnf
+from baton.grammar.xgrammar_rewrites import rewrite_json_ebnf, unshare_root
 
 # A structural tag's JSON-schema content with only these keys is compiled as a json spec.
 _PLAIN_JSON_FORMAT_KEYS = frozenset(
@@ -63,6 +63,18 @@ def _rewritten(grammar: xgr.Grammar) -> xgr.Grammar:
     text = str(grammar)
     fixed = rewrite_json_ebnf(text)
     if fixed == text:
+        return grammar
+    return xgr.Grammar.from_ebnf(fixed, root_rule_name="root")
+
+
+def _ebnf_grammar(text: str) -> xgr.Grammar:
+    """A user's EBNF grammar, its root rule wrapped where the grammar refers to it (rewrite 5
+    of ``grammar/xgrammar_rewrites.py``: xgrammar's masks refuse a token that runs past a nested
+    root's end, which its matcher accepts)."""
+    grammar = xgr.Grammar.from_ebnf(text, root_rule_name="root")
+    printed = str(grammar)
+    fixed = unshare_root(printed)
+    if fixed == printed:
         return grammar
     return xgr.Grammar.from_ebnf(fixed, root_rule_name="root")
 
@@ -445,7 +457,7 @@ class XGrammarBackend(GrammarBackend):
         if kind == "choice":
             return c.compile_grammar(choice_ebnf(spec.choice or ()))
         if kind == "grammar":
-            return c.compile_grammar(spec.grammar or "")
+            return c.compile_grammar(_ebnf_grammar(spec.grammar or ""))
         if kind == "structural_tag":
             return c.compile_structural_tag(self._structural_tag_text(spec))
         raise ValueError(f"unknown spec kind {kind!r}")

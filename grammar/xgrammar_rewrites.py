@@ -33,6 +33,15 @@ masks``; ``tests/test_grammar_fill_speed.py`` guards the speed and
    fill inside a value walked the chain of the properties after it (600 us per row inside the
    first of 150 optional properties); rebuilt as blocks of direct alternatives, see
    ``grammar/xgrammar_objects.py`` (~10-25 us whatever the count).
+
+5. A root rule that the grammar refers to (a schema's ``{"$ref": "#"}``, a recursive EBNF
+   ``root``). xgrammar precomputes the root rule's masks as if nothing could follow it: a token
+   that runs past the rule's end is rejected there, also where the rule is a nested copy of
+   itself. Its mask then refused tokens its matcher accepts (``}}``, ``},``, ``}]`` closing a
+   nested object: 8 on the SchemaStore schemas jdt, jsone and unist), so a valid output could
+   be cut off. The rule is renamed (``root_self``) wherever it appears and a new ``root`` refers
+   to it once: the nested copies are then an ordinary rule, whose tokens past its end are
+   checked at run time.
 """
 
 from __future__ import annotations
@@ -60,10 +69,51 @@ _ESCAPE_IN_CHOICE = re.compile(
 )
 _STRING_SUB_RULE = "basic_string_sub ::= "
 
+# The pieces of an EBNF rule body: a string literal, a character class, a rule name, or
+# anything else (one character). Names are matched whole: "root" is not part of "root_1".
+_EBNF_PIECE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][\w.\-]*|.', re.S)
+_RULE_HEAD = re.compile(r"^([A-Za-z_][\w.\-]*) ::= ", re.M)
+
+
+def _renamed(body: str, old: str, new: str) -> str:
+    """``body`` (EBNF after a rule's ``::=``) with every reference to rule ``old`` as ``new``;
+    string literals and character classes are left as they are."""
+    return "".join(new if m.group() == old else m.group() for m in _EBNF_PIECE.finditer(body))
+
+
+def unshare_root(text: str, root: str = "root") -> str:
+    """``text`` (EBNF as xgrammar prints it, one rule a line) with a rule ``root`` that other
+    rules (or itself) refer to renamed, and a new ``root`` that refers to it once (rewrite 5
+    above); unchanged when no rule refers to ``root``."""
+    lines = text.split("\n")
+    heads = [_RULE_HEAD.match(line) for line in lines]
+    names = {m.group(1) for m in heads if m}
+    if root not in names:
+        return text
+    referred = any(
+        m is not None and any(p.group() == root for p in _EBNF_PIECE.finditer(line[m.end() :]))
+        for line, m in zip(lines, heads, strict=True)
+    )
+    if not referred:
+        return text
+    new = root + "_self"
+    while new in names:
+        new += "_"
+    out = []
+    for line, m in zip(lines, heads, strict=True):
+        if m is None:
+            out.append(line)
+            continue
+        name = new if m.group(1) == root else m.group(1)
+        out.append(f"{name} ::= {_renamed(line[m.end() :], root, new)}")
+    out.append(f"{root} ::= (({new}))")
+    return "\n".join(out)
+
 
 def rewrite_json_ebnf(text: str) -> str:
     """``text`` (xgrammar's EBNF of a JSON schema, from ``str(Grammar)``) with baton's
     rewrites applied; unchanged when it has none of the shapes they rewrite."""
+    text = unshare_root(text)
     text = rewrite_counted_patterns(text)
     text = rewrite_property_chains(text)
     text = text.replace(BOUNDED_STRING_CHAR, PLAIN_STRING_CHAR)
@@ -74,4 +124,4 @@ def rewrite_json_ebnf(text: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["BOUNDED_STRING_CHAR", "PLAIN_STRING_CHAR", "rewrite_json_ebnf"]
+__all__ = ["BOUNDED_STRING_CHAR", "PLAIN_STRING_CHAR", "rewrite_json_ebnf", "unshare_root"]
