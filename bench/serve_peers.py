@@ -3,12 +3,14 @@ prompts, the same JSON schema (through each server's OpenAI ``response_format``)
 streaming clients, 2 threads each.
 
 Each engine is one server process, started, warmed up (the schema compiled, first calls paid),
-then measured: free requests (greedy, EOS ignored, ``--free-tokens``) and JSON-schema requests
-(greedy, at most ``--json-tokens``) at each concurrency in turn. Per cell: output tok/s, valid
-JSON objects per second and the valid share, TTFT p50/p99, TPOT p50. Per engine: the load
-time (start to a healthy ``/health``), the peak proportional set size of its process tree
-(PSS: pages shared between its processes counted once), the KV cache it reserved and, for
-llama-server, the CPU variant it loaded. Then baton / llama-server per cell.
+left idle for ``--settle`` seconds (baton-gguf moves its weights onto huge pages in idle time,
+``engine/worker/weight_pages.py``: a server in service has long finished; every engine gets the
+same pause), then measured: free requests (greedy, EOS ignored, ``--free-tokens``) and
+JSON-schema requests (greedy, at most ``--json-tokens``) at each concurrency in turn. Per cell:
+output tok/s, valid JSON objects per second and the valid share, TTFT p50/p99, TPOT p50. Per
+engine: the load time (start to a healthy ``/health``), the peak proportional set size of its
+process tree (PSS: pages shared between its processes counted once), the KV cache it reserved
+and, for llama-server, the CPU variant it loaded. Then baton / llama-server per cell.
 
 Engines: ``baton`` (its defaults), ``baton-gguf`` (``--quantization gguf``: the file's blocks
 kept) and ``llama-server`` (built by ``baton.bench.llama_cpp_build`` when missing,
@@ -64,6 +66,7 @@ class ServePeersConfig:
     time_limit_s: float = 120.0
     threads: int = 2
     startup_timeout_s: float = 900.0
+    settle_s: float = 10.0
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.engines) - set(ENGINES))
@@ -74,6 +77,8 @@ class ServePeersConfig:
         require_positive_ints(self, "free_tokens", "json_tokens", "min_requests", "threads")
         if self.free_tokens < 2 or self.json_tokens < 2:
             raise ValueError("free_tokens and json_tokens must be >= 2 (TPOT needs two tokens)")
+        if not self.settle_s >= 0:
+            raise ValueError(f"settle_s must be >= 0 seconds, got {self.settle_s}")
 
     def cell(self, mode: str, concurrency: int) -> ServeBenchConfig:
         """The load test of one cell: every request free or every one JSON."""
@@ -211,6 +216,7 @@ async def _measure(base: str, cfg: ServePeersConfig) -> list[dict[str, Any]]:
         response.raise_for_status()
         model = response.json()["data"][0]["id"]
         prompt = await warm_up(client, model, 0, cfg.free_tokens)
+        await asyncio.sleep(cfg.settle_s)
         cells = []
         for mode in MODES:
             for conc in cfg.concurrency:
@@ -283,6 +289,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--time-limit", type=float, dest="time_limit_s", default=120.0, help="seconds per cell"
     )
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--settle",
+        type=float,
+        dest="settle_s",
+        default=10.0,
+        help="idle seconds between the warm-up and the first cell (default 10)",
+    )
     a = p.parse_args(argv)
     cfg = config_from_args(p, a, ServePeersConfig)  # a bad value: a usage error
     if a.shape is not None:

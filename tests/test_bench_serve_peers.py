@@ -155,6 +155,8 @@ def test_config_and_kv_size_errors_and_parsing() -> None:
         ServePeersConfig(engines=("vllm",))
     with pytest.raises(ValueError, match="json_tokens"):
         ServePeersConfig(json_tokens=0)
+    with pytest.raises(ValueError, match="settle_s"):
+        ServePeersConfig(settle_s=-1.0)
     log = "llama_kv_cache: CPU KV buffer size = 256.00 MiB\n"
     assert kv_cache_bytes("llama-server", log) == 256 * 2**20
     assert kv_cache_bytes("llama-server", "") is None
