@@ -663,7 +663,9 @@ def test_default_structured_drafts_under_preemption(tiny_model_dir, reference):
             model=str(tiny_model_dir),
             max_model_len=256,
             block_size=4,
-            num_kv_blocks=14,
+            # 12, not 14: with 14 whether any request was preempted depended on when the
+            # grammars finished compiling (seen: 0 or some preemptions, the same drafts).
+            num_kv_blocks=12,
             max_num_batched_tokens=16,
         )
     )
