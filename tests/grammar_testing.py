@@ -1,5 +1,6 @@
 """What the grammar backend tests share: the default model's vocabulary facts, token ids of a
-text, the token ids a matcher's mask allows, compact JSON, and the shared schema files."""
+text, the token ids a matcher's mask allows, compact JSON, the shared schema files, and every
+backend over the default vocabulary."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from baton.engine.tokenizer import Tokenizer
-from baton.grammar.backend import GrammarMatcher, allocate_bitmask
-from baton.grammar.xgrammar_backend import bitmask_allowed
+from baton.grammar.backend import GrammarBackend, GrammarMatcher, allocate_bitmask
+from baton.grammar.guidance_backend import GuidanceBackend
+from baton.grammar.outlines_backend import OutlinesBackend
+from baton.grammar.xgrammar_backend import XGrammarBackend, bitmask_allowed
 
 VOCAB = 49152
 EOS = 2  # <|im_end|>
@@ -36,3 +39,12 @@ def schema_files(shared_data: Path) -> list[Path]:
     files = sorted((shared_data / "schemastore").glob("*.json"))
     files += sorted((shared_data / "json-schema-test-suite").glob("*.json"))
     return files
+
+
+def every_backend(tokenizer: Tokenizer) -> dict[str, GrammarBackend]:
+    """Each grammar backend by name, over ``tokenizer`` and the default vocabulary size."""
+    return {
+        "xgrammar": XGrammarBackend(tokenizer, VOCAB),
+        "outlines": OutlinesBackend(tokenizer, VOCAB),
+        "guidance": GuidanceBackend(tokenizer, VOCAB),
+    }

@@ -15,13 +15,11 @@ import time
 from typing import Any
 
 import pytest
+from grammar_testing import every_backend
 
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarBackend, allocate_bitmask
-from baton.grammar.guidance_backend import GuidanceBackend
-from baton.grammar.outlines_backend import OutlinesBackend
 from baton.grammar.spec import StructuredOutputsParams
-from baton.grammar.xgrammar_backend import XGrammarBackend
 
 VOCAB = 49152
 EOS = 2  # <|im_end|>
@@ -210,11 +208,7 @@ FAMILIES: dict[str, tuple[dict[str, Any], Any]] = {
 
 @pytest.fixture(scope="module")
 def backends(tokenizer: Tokenizer) -> dict[str, GrammarBackend]:
-    return {
-        "xgrammar": XGrammarBackend(tokenizer, VOCAB),
-        "outlines": OutlinesBackend(tokenizer, VOCAB),
-        "guidance": GuidanceBackend(tokenizer, VOCAB),
-    }
+    return every_backend(tokenizer)
 
 
 def _fill_us(

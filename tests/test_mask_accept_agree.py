@@ -19,14 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 import schema_fuzz
-from grammar_testing import EOS, VOCAB, compact, ids
+from grammar_testing import EOS, VOCAB, compact, every_backend, ids
 
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import CompiledGrammar, GrammarBackend, allocate_bitmask
-from baton.grammar.guidance_backend import GuidanceBackend
-from baton.grammar.outlines_backend import OutlinesBackend
 from baton.grammar.spec import StructuredOutputsParams
-from baton.grammar.xgrammar_backend import XGrammarBackend
 
 BACKENDS = ("xgrammar", "outlines", "guidance")
 
@@ -36,11 +33,7 @@ Disagreement = tuple[str, int, str, bool, bool]
 
 @pytest.fixture(scope="module")
 def backends(tokenizer: Tokenizer) -> dict[str, GrammarBackend]:
-    return {
-        "xgrammar": XGrammarBackend(tokenizer, VOCAB),
-        "outlines": OutlinesBackend(tokenizer, VOCAB),
-        "guidance": GuidanceBackend(tokenizer, VOCAB),
-    }
+    return every_backend(tokenizer)
 
 
 def disagreements(
