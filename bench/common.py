@@ -50,7 +50,7 @@ def add_common_args(
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 # What a benchmark writes, not the code it measures: changed files there leave a run "clean", so
 # several benchmarks run one after another on one commit all name that commit.
-_NOT_CODE = ("bench/results", "README.md")
+_NOT_CODE = ("bench/results", "README.md", "docs/results.md")
 
 
 def _git(*args: str, env: dict[str, str] | None = None, root: Path = _REPO_ROOT) -> str:
@@ -77,8 +77,8 @@ def run_order(items: Sequence[T], repeat: int) -> list[T]:
 
 def git_commit(root: Path = _REPO_ROOT) -> str:
     """The commit of the code being measured, with ``+dirty`` when tracked files other than
-    results and the README (``_NOT_CODE``) have uncommitted changes, or ``unknown`` outside a
-    git checkout."""
+    results, the README and docs/results.md (``_NOT_CODE``) have uncommitted changes, or
+    ``unknown`` outside a git checkout."""
     excluded = [f":(exclude){p}" for p in _NOT_CODE]
     try:
         head = _git("rev-parse", "HEAD", root=root)

@@ -1,11 +1,14 @@
-"""Writes the README's "Results" tables from the JSON files in bench/results/.
+"""Writes the results tables of docs/results.md and the README's headline table from the JSON
+files in bench/results/.
 
-Every number in the README's results section comes from a benchmark run, never
-typed by hand: this script replaces the text between the markers
-``<!-- results:begin -->`` and ``<!-- results:end -->`` with tables rendered from
-whatever result files exist, each with the command that produced it.
+Every number in those tables comes from a benchmark run, never typed by hand: this script
+replaces the text between the markers ``<!-- results:begin -->`` and ``<!-- results:end -->``
+of docs/results.md with tables rendered from whatever result files exist, each with the
+command that produced it, and the text between ``<!-- headline:begin -->`` and
+``<!-- headline:end -->`` of README.md with the headline sections (``HEADLINE``).
 
-    python -m baton.bench.readme_results [--readme README.md] [--results DIR]
+    python -m baton.bench.readme_results [--readme README.md] [--page docs/results.md]
+        [--results DIR]
 """
 
 from __future__ import annotations
@@ -43,7 +46,14 @@ from baton.bench.serve_peers_report import readme_table as serve_peers_table
 from baton.bench.sim_calibration_report import readme_table as sim_calibration_table
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-README = Path(__file__).resolve().parent.parent / "README.md"
+HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->", "<!-- headline:end -->"
+_ROOT = Path(__file__).resolve().parent.parent
+README = _ROOT / "README.md"
+RESULTS_PAGE = _ROOT / "docs" / "results.md"
+# The result files whose sections the README shows; docs/results.md shows every one.
+HEADLINE = ("peers.json",)
+# Where the plots are, as each page's links spell it (relative to the page's folder).
+README_IMAGES, PAGE_IMAGES = "bench/results/", "../bench/results/"
 
 
 SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
@@ -233,8 +243,29 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
 ]
 
 
+def _sections(results: Path, names: tuple[str, ...] | None, images: str) -> list[str]:
+    """One ``### title`` section per result file present in ``results`` (only ``names`` when
+    given), its plot linked as ``images`` + the PNG's name."""
+    parts = []
+    for name, title, command, renderer in SECTIONS:
+        path = results / name
+        if (names is not None and name not in names) or not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        try:
+            body = renderer(data)
+        except (KeyError, TypeError) as exc:  # an older result file: say so, don't guess
+            body = f"(cannot render {name}: missing {exc})"
+        # Renderers link their extra plots as the README once did; each page has its own path.
+        body = body.replace("](bench/results/", f"]({images}")
+        png = path.with_suffix(".png")
+        image = f"\n\n![{title}]({images}{png.name})" if png.exists() else ""
+        parts.append(f"### {title}\n\n`{command}` → `bench/results/{name}`\n\n{body}{image}")
+    return parts
+
+
 def render(results: Path = RESULTS) -> str:
-    """The results section's body from the result files present in ``results``."""
+    """docs/results.md's results section body from the result files present in ``results``."""
     parts = [
         "Measured on the development machine: x86_64, 2 CPU cores with AVX-512, 24 GiB, no "
         "GPU (the commit, date, CPU model and its bfloat16 units (AMX, AVX512-BF16; recorded "
@@ -243,45 +274,65 @@ def render(results: Path = RESULTS) -> str:
         "`python -m baton.bench.readme_results` rewrites this section from "
         "`bench/results/*.json`.",
     ]
-    for name, title, command, renderer in SECTIONS:
-        path = results / name
-        if not path.exists():
-            continue
-        data = json.loads(path.read_text())
-        try:
-            body = renderer(data)
-        except (KeyError, TypeError) as exc:  # an older result file: say so, don't guess
-            body = f"(cannot render {name}: missing {exc})"
-        png = path.with_suffix(".png")
-        image = f"\n\n![{title}](bench/results/{png.name})" if png.exists() else ""
-        parts.append(f"### {title}\n\n`{command}` → `bench/results/{name}`\n\n{body}{image}")
-    return "\n\n".join(parts)
+    return "\n\n".join(parts + _sections(results, None, PAGE_IMAGES))
+
+
+def render_headline(results: Path = RESULTS) -> str:
+    """The README's headline section body: the ``HEADLINE`` result files' sections."""
+    lead = (
+        "Rendered from `bench/results/` by `python -m baton.bench.readme_results`, like every "
+        "table in [docs/results.md](docs/results.md), which has the rest."
+    )
+    return "\n\n".join([lead, *_sections(results, HEADLINE, README_IMAGES)])
+
+
+def update_section(path: Path, body: str, begin: str = BEGIN, end: str = END) -> bool:
+    """Replaces the text between ``begin`` and ``end`` in ``path`` with ``body``; returns
+    whether the file changed (it is written only then).
+
+    Raises:
+        ValueError: the file lacks the markers.
+    """
+    text = path.read_text()
+    if begin not in text or end not in text:
+        raise ValueError(f"{path} has no {begin} ... {end} section")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    new = f"{head}{begin}\n{body}\n{end}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
 
 
 def update_readme(readme: Path, results: Path = RESULTS) -> bool:
-    """Replaces the marked section; returns whether the text changed.
+    """Rewrites the README's headline section; returns whether the text changed.
 
     Raises:
-        ValueError: the README lacks the markers.
+        ValueError: the README lacks the headline markers.
     """
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme} has no {BEGIN} ... {END} section")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{BEGIN}\n{render(results)}\n{END}{tail}"
-    if new != text:
-        readme.write_text(new)
-    return new != text
+    return update_section(readme, render_headline(results), HEADLINE_BEGIN, HEADLINE_END)
+
+
+def update_results_page(page: Path, results: Path = RESULTS) -> bool:
+    """Rewrites docs/results.md's results section; returns whether the text changed.
+
+    Raises:
+        ValueError: the page lacks the results markers.
+    """
+    return update_section(page, render(results))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--readme", type=Path, default=README)
+    p.add_argument("--page", type=Path, default=RESULTS_PAGE, help="the full results page")
     p.add_argument("--results", type=Path, default=RESULTS)
     a = p.parse_args(argv)
-    changed = update_readme(a.readme, a.results)
-    print(f"{a.readme}: {'updated' if changed else 'already up to date'}")
+    for path, changed in (
+        (a.page, update_results_page(a.page, a.results)),
+        (a.readme, update_readme(a.readme, a.results)),
+    ):
+        print(f"{path}: {'updated' if changed else 'already up to date'}")
     return 0
 
 

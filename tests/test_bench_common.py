@@ -76,7 +76,8 @@ def test_git_commit_is_dirty_for_code_changes_only(tmp_path: Path) -> None:
 
     git("init", "-q")
     (tmp_path / "bench" / "results").mkdir(parents=True)
-    for name in ("engine.py", "README.md", "bench/results/x.json"):
+    (tmp_path / "docs").mkdir()
+    for name in ("engine.py", "README.md", "docs/results.md", "bench/results/x.json"):
         (tmp_path / name).write_text("0\n")
     git("add", "-A")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
@@ -84,6 +85,7 @@ def test_git_commit_is_dirty_for_code_changes_only(tmp_path: Path) -> None:
     assert common.git_commit(tmp_path) == head
     # What benchmarks write leaves the measured code clean.
     (tmp_path / "README.md").write_text("1\n")
+    (tmp_path / "docs" / "results.md").write_text("1\n")
     (tmp_path / "bench" / "results" / "x.json").write_text("1\n")
     assert common.git_commit(tmp_path) == head
     (tmp_path / "engine.py").write_text("1\n")
@@ -135,7 +137,7 @@ def test_cpu_features_reads_the_units_of_each_machine() -> None:
 
 # bench modules with a ``main`` that write no result JSON of their own, and why.
 _NO_RESULT_JSON = {
-    "readme_results": "renders the README's tables from the results of the others",
+    "readme_results": "renders docs/results.md and the README's headline from the others",
     "gpu_profile": "writes text profiles, not a result",
     "gpu_check": "collects the results of others; its env.json records the host CPU itself",
     "llama_cpp_build": "builds llama.cpp for the benchmarks: measures nothing",
