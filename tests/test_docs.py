@@ -150,11 +150,12 @@ def test_the_http_example_asks_for_the_python_examples_constraint() -> None:
 
     text = README.read_text()
     (python,) = _code_blocks(text, "python")
-    (schema,) = [
-        ast.literal_eval(n.value)
+    names = {
+        n.targets[0].id: n.value
         for n in ast.parse(python).body
-        if isinstance(n, ast.Assign) and [t.id for t in n.targets] == ["schema"]  # type: ignore[attr-defined]
-    ]
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+    }
+    schema, prompt = ast.literal_eval(names["schema"]), ast.literal_eval(names["prompt"])
     curls = [b for b in _code_blocks(text, "sh") if b.startswith("curl ")]
     assert len(curls) == 1, "the README has one curl example"
     words = shlex.split(curls[0])
@@ -163,3 +164,4 @@ def test_the_http_example_asks_for_the_python_examples_constraint() -> None:
     constraint = request_constraint(ChatCompletionRequest.model_validate(body), "auto")
     assert constraint is not None and constraint.param == "response_format"
     assert constraint.spec.json == schema
+    assert body["messages"] == [{"role": "user", "content": prompt}]
