@@ -1,4 +1,4 @@
-"""The import direction rules of DESIGN.md and the README, checked on the source.
+"""The import direction rules written in docs/design.md, checked on the source.
 
 Every ``import`` in every product module counts (top level, inside functions, and under
 ``TYPE_CHECKING``): a rule that only holds at run time still lets a cycle in.
