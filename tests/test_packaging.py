@@ -3,8 +3,11 @@ list imports from a checkout (editable install) and is missing from a wheel."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[1]
 
