@@ -12,7 +12,7 @@ import time
 
 from baton.engine.processing.llm_engine import LLMEngine
 from baton.grammar.backend import BackendRecipe
-from baton.grammar.compile_service import CompileService
+from baton.grammar.compile.service import CompileService
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.xgrammar_backend import XGrammarBackend, XGrammarCompiledGrammar
 

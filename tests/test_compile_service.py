@@ -23,8 +23,8 @@ import torch
 
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import BackendRecipe, CompiledGrammar, allocate_bitmask
-from baton.grammar.compile_dispatcher import WALL_LIMIT_FACTOR
-from baton.grammar.compile_service import (
+from baton.grammar.compile.dispatcher import WALL_LIMIT_FACTOR
+from baton.grammar.compile.service import (
     CompileHandle,
     CompilePoolConfig,
     CompileQueueFull,
@@ -414,7 +414,7 @@ def test_closing_the_zygote_while_it_starts_fails_the_start_cleanly(
     "grammar compile dispatcher failed", on the H200)."""
     import threading
 
-    from baton.grammar.compile_pool import WorkerStartError, Zygote
+    from baton.grammar.compile.pool import WorkerStartError, Zygote
 
     service = make_service(tokenizer)
     try:

@@ -24,7 +24,7 @@ from baton.grammar.backend import (
     allocate_bitmask,
     filled_now,
 )
-from baton.grammar.compile_service import CompilePoolConfig, CompileResult, CompileService
+from baton.grammar.compile.service import CompilePoolConfig, CompileResult, CompileService
 from baton.grammar.reasoning import ReasoningMatcher, ReasoningSpec, fill_thinking_row
 from baton.grammar.spec import StructuredOutputsParams, allowed_backends
 from baton.grammar.validation import DEFAULT_MAX_DEPTH, check_enforceable, validate_spec
