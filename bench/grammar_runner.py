@@ -30,7 +30,7 @@ STARTUP_TIMEOUT_S = 300.0
 
 PRELOAD = (
     "baton.bench.grammar_worker",
-    "baton.grammar.xgrammar_backend",
+    "baton.grammar.xgrammar.backend",
     "baton.grammar.outlines_backend",
     "baton.grammar.guidance_backend",
 )

@@ -45,7 +45,7 @@ ErrorKind = Literal["invalid", "unsupported", "compile", "oom"]
 
 def xgrammar_factory(tokenizer: VocabSource, vocab_size: int) -> GrammarBackend:
     """baton's xgrammar backend with the engine's defaults."""
-    from baton.grammar.xgrammar_backend import XGrammarBackend
+    from baton.grammar.xgrammar.backend import XGrammarBackend
 
     return XGrammarBackend(tokenizer, vocab_size)
 

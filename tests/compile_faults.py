@@ -14,7 +14,7 @@ from baton.engine.processing.llm_engine import LLMEngine
 from baton.grammar.backend import BackendRecipe
 from baton.grammar.compile.service import CompileService
 from baton.grammar.spec import StructuredOutputsParams
-from baton.grammar.xgrammar_backend import XGrammarBackend, XGrammarCompiledGrammar
+from baton.grammar.xgrammar.backend import XGrammarBackend, XGrammarCompiledGrammar
 
 
 class PlantedPanic(BaseException):

@@ -32,7 +32,7 @@ from baton.grammar.compile.service import (
     CompileService,
 )
 from baton.grammar.spec import StructuredOutputsParams as Spec
-from baton.grammar.xgrammar_backend import bitmask_allowed
+from baton.grammar.xgrammar.backend import bitmask_allowed
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,7 +40,7 @@ LIMIT_S = 2.0
 RECIPES = {
     "xgrammar": BackendRecipe(
         "xgrammar",
-        "baton.grammar.xgrammar_backend:XGrammarBackend",
+        "baton.grammar.xgrammar.backend:XGrammarBackend",
         worker_options=(("max_threads", 1),),
     ),
     "outlines": BackendRecipe("outlines", "baton.grammar.outlines_backend:OutlinesBackend"),

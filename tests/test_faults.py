@@ -26,7 +26,7 @@ from baton.engine.processing.llm_engine import LLMEngine
 from baton.grammar.backend import CompiledGrammar, GrammarMatcher
 from baton.grammar.compile.dispatcher import WALL_LIMIT_FACTOR
 from baton.grammar.spec import StructuredOutputsParams as Spec
-from baton.grammar.xgrammar_backend import XGrammarMatcher
+from baton.grammar.xgrammar.backend import XGrammarMatcher
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from baton.grammar.backend import GrammarError, allocate_bitmask
 from baton.grammar.guidance_backend import GuidanceBackend, GuidanceCompiledGrammar
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import build_vocab
-from baton.grammar.xgrammar_backend import bitmask_allowed
+from baton.grammar.xgrammar.backend import bitmask_allowed
 
 
 @pytest.fixture(scope="module")

@@ -496,7 +496,7 @@ def test_refused_schemas_fall_through_to_guidance(
     """A schema xgrammar and outlines would each enforce only partly goes to llguidance under
     auto, which enforces it (outputs checked with jsonschema)."""
     from baton.grammar.guidance_backend import GuidanceBackend
-    from baton.grammar.xgrammar_backend import XGrammarBackend
+    from baton.grammar.xgrammar.backend import XGrammarBackend
 
     schema = {
         "$defs": {"reffed": {"type": "array", "items": {"type": "integer"}}},

@@ -20,15 +20,15 @@ from baton.grammar.schema.refs import (
     resolve_pointer,
     resolves,
 )
-from baton.grammar.schema.xgrammar_keywords import xgrammar_unenforced_keywords
-from baton.grammar.schema.xgrammar_normal_form import (
+from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.validation import validate_spec
+from baton.grammar.xgrammar.keywords import xgrammar_unenforced_keywords
+from baton.grammar.xgrammar.normal_form import (
     URI_TEMPLATE_PATTERN,
     anchored_search,
     counted_optional_groups,
     xgrammar_normal_form,
 )
-from baton.grammar.spec import StructuredOutputsParams
-from baton.grammar.validation import validate_spec
 
 # A definition named "a/b~c%d e": '/' is ~1, '~' is ~0, then the fragment percent-encodes '%'
 # as %25 and the space as %20.

@@ -116,7 +116,7 @@ class StructuredOutputManager:
         recipes = {
             "xgrammar": BackendRecipe(
                 "xgrammar",
-                "baton.grammar.xgrammar_backend:XGrammarBackend",
+                "baton.grammar.xgrammar.backend:XGrammarBackend",
                 (("max_threads", fill_threads), ("dynamic_compilation", dynamic_compilation)),
                 # One thread per compile: its CPU time is then its running time (what the
                 # limit bounds), and the workers compile side by side.

@@ -1,6 +1,6 @@
 """The schema baton hands xgrammar: the same instances, in forms xgrammar compiles whole and
 fills fast (``xgrammar_normal_form``). Each rewrite says why beside it; the keyword table that
-decides what xgrammar enforces is ``xgrammar_keywords``.
+decides what xgrammar enforces is ``keywords``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from baton.grammar.schema.refs import (
     ref_target_paths,
     resolve_local_ref,
 )
-from baton.grammar.schema.xgrammar_keywords import (
+from baton.grammar.xgrammar.keywords import (
     DEPENDENT_KEYWORDS,
     DOMINANT_ORDER,
     TYPE_KEYWORDS,
@@ -205,7 +205,7 @@ def anchored_search(pattern: str) -> str | None:
     top-level branch gets any text (``^a`` as ``^(?:(?:a)[\s\S]*)$``). None when there is
     nothing to do (every branch anchored at both ends) or the pattern is left as it is: a
     ``(?`` group other than ``(?:`` (lookarounds are reported), an anchor inside a branch, or
-    a count past 128 (``xgrammar_patterns`` rebuilds those from the pattern as written).
+    a count past 128 (``patterns`` rebuilds those from the pattern as written).
     """
     if "(?" in pattern.replace("(?:", "") or any(
         int(n) > 128 for m in _COUNT.finditer(pattern) for n in m.groups() if n
