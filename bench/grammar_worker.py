@@ -52,7 +52,7 @@ def xgrammar_factory(tokenizer: VocabSource, vocab_size: int) -> GrammarBackend:
 
 def outlines_factory(tokenizer: VocabSource, vocab_size: int) -> GrammarBackend:
     """baton's outlines-core backend with the engine's defaults."""
-    from baton.grammar.outlines_backend import OutlinesBackend
+    from baton.grammar.outlines.backend import OutlinesBackend
 
     return OutlinesBackend(tokenizer, vocab_size)
 

@@ -56,7 +56,7 @@ def use_faulty_backends(engine: LLMEngine) -> CompileService:
             f"{__name__}:FaultyXGrammarBackend",
             worker_options=(("max_threads", 1),),
         ),
-        "outlines": BackendRecipe("outlines", "baton.grammar.outlines_backend:OutlinesBackend"),
+        "outlines": BackendRecipe("outlines", "baton.grammar.outlines.backend:OutlinesBackend"),
     }
     service = CompileService(
         recipes, engine.tokenizer, engine.vocab_size, old.timeout_s, pool=old.pool

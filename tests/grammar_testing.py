@@ -11,7 +11,7 @@ from typing import Any
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarBackend, GrammarMatcher, allocate_bitmask
 from baton.grammar.guidance_backend import GuidanceBackend
-from baton.grammar.outlines_backend import OutlinesBackend
+from baton.grammar.outlines.backend import OutlinesBackend
 from baton.grammar.xgrammar.backend import XGrammarBackend, bitmask_allowed
 
 VOCAB = 49152

@@ -43,7 +43,7 @@ RECIPES = {
         "baton.grammar.xgrammar.backend:XGrammarBackend",
         worker_options=(("max_threads", 1),),
     ),
-    "outlines": BackendRecipe("outlines", "baton.grammar.outlines_backend:OutlinesBackend"),
+    "outlines": BackendRecipe("outlines", "baton.grammar.outlines.backend:OutlinesBackend"),
 }
 _WALK_STEPS = 25
 SIMPLE = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}

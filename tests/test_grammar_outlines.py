@@ -15,7 +15,7 @@ from jsonschema.validators import validator_for
 from baton.bench.mask_families import in_schema_order
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask, bitmask_width
-from baton.grammar.outlines_backend import (
+from baton.grammar.outlines.backend import (
     OUTLINES_CONDITIONAL_KEYWORDS,
     OUTLINES_ENFORCED_KEYWORDS,
     OUTLINES_UNENFORCED_KEYWORDS,
@@ -25,7 +25,7 @@ from baton.grammar.outlines_backend import (
     choice_regex,
     estimate_dfa_states,
 )
-from baton.grammar.schema.outlines_faithful import check_outlines_schema
+from baton.grammar.outlines.faithful import check_outlines_schema
 from baton.grammar.spec import AUTO_ORDER, StructuredOutputsParams
 
 OBJECT_SCHEMA = {

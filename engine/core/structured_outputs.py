@@ -122,7 +122,7 @@ class StructuredOutputManager:
                 # limit bounds), and the workers compile side by side.
                 worker_options=(("max_threads", 1),),
             ),
-            "outlines": BackendRecipe("outlines", "baton.grammar.outlines_backend:OutlinesBackend"),
+            "outlines": BackendRecipe("outlines", "baton.grammar.outlines.backend:OutlinesBackend"),
             "guidance": BackendRecipe(
                 "guidance",
                 "baton.grammar.guidance_backend:GuidanceBackend",
