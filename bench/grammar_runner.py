@@ -32,7 +32,7 @@ PRELOAD = (
     "baton.bench.grammar_worker",
     "baton.grammar.xgrammar.backend",
     "baton.grammar.outlines.backend",
-    "baton.grammar.guidance_backend",
+    "baton.grammar.guidance.backend",
 )
 """Modules the fork server imports once for every worker (one that fails to import is skipped
 there and imported by the workers that need it)."""

@@ -59,7 +59,7 @@ def outlines_factory(tokenizer: VocabSource, vocab_size: int) -> GrammarBackend:
 
 def guidance_factory(tokenizer: VocabSource, vocab_size: int) -> GrammarBackend:
     """baton's llguidance backend with the engine's defaults."""
-    from baton.grammar.guidance_backend import GuidanceBackend
+    from baton.grammar.guidance.backend import GuidanceBackend
 
     return GuidanceBackend(tokenizer, vocab_size)
 

@@ -495,7 +495,7 @@ def test_refused_schemas_fall_through_to_guidance(
 ) -> None:
     """A schema xgrammar and outlines would each enforce only partly goes to llguidance under
     auto, which enforces it (outputs checked with jsonschema)."""
-    from baton.grammar.guidance_backend import GuidanceBackend
+    from baton.grammar.guidance.backend import GuidanceBackend
     from baton.grammar.xgrammar.backend import XGrammarBackend
 
     schema = {

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from baton.grammar.guidance_backend import guidance_normal_form
+from baton.grammar.guidance.backend import guidance_normal_form
 from baton.grammar.outlines.faithful import check_outlines_schema
 from baton.grammar.schema.disjoint import branches_disjoint
 from baton.grammar.schema.normalise import drop_unknown_formats, integral_counts

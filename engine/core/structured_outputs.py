@@ -125,7 +125,7 @@ class StructuredOutputManager:
             "outlines": BackendRecipe("outlines", "baton.grammar.outlines.backend:OutlinesBackend"),
             "guidance": BackendRecipe(
                 "guidance",
-                "baton.grammar.guidance_backend:GuidanceBackend",
+                "baton.grammar.guidance.backend:GuidanceBackend",
                 (("fill_threads", fill_threads),),
                 worker_options=(("fill_threads", 1),),
             ),
