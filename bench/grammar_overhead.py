@@ -22,7 +22,7 @@ from baton.bench.plotting import pyplot
 from baton.engine.loader import load_tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
-from baton.grammar.xgrammar_backend import XGrammarBackend
+from baton.grammar.xgrammar.backend import XGrammarBackend
 
 DEFAULT_DATA = Path(
     os.environ.get("BATON_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")

@@ -30,9 +30,9 @@ STARTUP_TIMEOUT_S = 300.0
 
 PRELOAD = (
     "baton.bench.grammar_worker",
-    "baton.grammar.xgrammar_backend",
-    "baton.grammar.outlines_backend",
-    "baton.grammar.guidance_backend",
+    "baton.grammar.xgrammar.backend",
+    "baton.grammar.outlines.backend",
+    "baton.grammar.guidance.backend",
 )
 """Modules the fork server imports once for every worker (one that fails to import is skipped
 there and imported by the workers that need it)."""

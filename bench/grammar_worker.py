@@ -45,21 +45,21 @@ ErrorKind = Literal["invalid", "unsupported", "compile", "oom"]
 
 def xgrammar_factory(tokenizer: VocabSource, vocab_size: int) -> GrammarBackend:
     """baton's xgrammar backend with the engine's defaults."""
-    from baton.grammar.xgrammar_backend import XGrammarBackend
+    from baton.grammar.xgrammar.backend import XGrammarBackend
 
     return XGrammarBackend(tokenizer, vocab_size)
 
 
 def outlines_factory(tokenizer: VocabSource, vocab_size: int) -> GrammarBackend:
     """baton's outlines-core backend with the engine's defaults."""
-    from baton.grammar.outlines_backend import OutlinesBackend
+    from baton.grammar.outlines.backend import OutlinesBackend
 
     return OutlinesBackend(tokenizer, vocab_size)
 
 
 def guidance_factory(tokenizer: VocabSource, vocab_size: int) -> GrammarBackend:
     """baton's llguidance backend with the engine's defaults."""
-    from baton.grammar.guidance_backend import GuidanceBackend
+    from baton.grammar.guidance.backend import GuidanceBackend
 
     return GuidanceBackend(tokenizer, vocab_size)
 

@@ -12,9 +12,9 @@ import time
 
 from baton.engine.processing.llm_engine import LLMEngine
 from baton.grammar.backend import BackendRecipe
-from baton.grammar.compile_service import CompileService
+from baton.grammar.compile.service import CompileService
 from baton.grammar.spec import StructuredOutputsParams
-from baton.grammar.xgrammar_backend import XGrammarBackend, XGrammarCompiledGrammar
+from baton.grammar.xgrammar.backend import XGrammarBackend, XGrammarCompiledGrammar
 
 
 class PlantedPanic(BaseException):
@@ -56,7 +56,7 @@ def use_faulty_backends(engine: LLMEngine) -> CompileService:
             f"{__name__}:FaultyXGrammarBackend",
             worker_options=(("max_threads", 1),),
         ),
-        "outlines": BackendRecipe("outlines", "baton.grammar.outlines_backend:OutlinesBackend"),
+        "outlines": BackendRecipe("outlines", "baton.grammar.outlines.backend:OutlinesBackend"),
     }
     service = CompileService(
         recipes, engine.tokenizer, engine.vocab_size, old.timeout_s, pool=old.pool

@@ -10,9 +10,9 @@ from typing import Any
 
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarBackend, GrammarMatcher, allocate_bitmask
-from baton.grammar.guidance_backend import GuidanceBackend
-from baton.grammar.outlines_backend import OutlinesBackend
-from baton.grammar.xgrammar_backend import XGrammarBackend, bitmask_allowed
+from baton.grammar.guidance.backend import GuidanceBackend
+from baton.grammar.outlines.backend import OutlinesBackend
+from baton.grammar.xgrammar.backend import XGrammarBackend, bitmask_allowed
 
 VOCAB = 49152
 EOS = 2  # <|im_end|>

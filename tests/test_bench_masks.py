@@ -22,7 +22,7 @@ from baton.bench.masks import ALL, main
 from baton.grammar.backend import allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import VocabSource
-from baton.grammar.xgrammar_backend import XGrammarBackend
+from baton.grammar.xgrammar.backend import XGrammarBackend
 
 VOCAB_SIZE = 49152
 

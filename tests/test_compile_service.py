@@ -23,8 +23,8 @@ import torch
 
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import BackendRecipe, CompiledGrammar, allocate_bitmask
-from baton.grammar.compile_dispatcher import WALL_LIMIT_FACTOR
-from baton.grammar.compile_service import (
+from baton.grammar.compile.dispatcher import WALL_LIMIT_FACTOR
+from baton.grammar.compile.service import (
     CompileHandle,
     CompilePoolConfig,
     CompileQueueFull,
@@ -32,7 +32,7 @@ from baton.grammar.compile_service import (
     CompileService,
 )
 from baton.grammar.spec import StructuredOutputsParams as Spec
-from baton.grammar.xgrammar_backend import bitmask_allowed
+from baton.grammar.xgrammar.backend import bitmask_allowed
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,10 +40,10 @@ LIMIT_S = 2.0
 RECIPES = {
     "xgrammar": BackendRecipe(
         "xgrammar",
-        "baton.grammar.xgrammar_backend:XGrammarBackend",
+        "baton.grammar.xgrammar.backend:XGrammarBackend",
         worker_options=(("max_threads", 1),),
     ),
-    "outlines": BackendRecipe("outlines", "baton.grammar.outlines_backend:OutlinesBackend"),
+    "outlines": BackendRecipe("outlines", "baton.grammar.outlines.backend:OutlinesBackend"),
 }
 _WALK_STEPS = 25
 SIMPLE = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -414,7 +414,7 @@ def test_closing_the_zygote_while_it_starts_fails_the_start_cleanly(
     "grammar compile dispatcher failed", on the H200)."""
     import threading
 
-    from baton.grammar.compile_pool import WorkerStartError, Zygote
+    from baton.grammar.compile.pool import WorkerStartError, Zygote
 
     service = make_service(tokenizer)
     try:

@@ -24,9 +24,9 @@ from baton.engine.core.request import RequestStatus
 from baton.engine.outputs import RequestOutput
 from baton.engine.processing.llm_engine import LLMEngine
 from baton.grammar.backend import CompiledGrammar, GrammarMatcher
-from baton.grammar.compile_dispatcher import WALL_LIMIT_FACTOR
+from baton.grammar.compile.dispatcher import WALL_LIMIT_FACTOR
 from baton.grammar.spec import StructuredOutputsParams as Spec
-from baton.grammar.xgrammar_backend import XGrammarMatcher
+from baton.grammar.xgrammar.backend import XGrammarMatcher
 
 pytestmark = pytest.mark.slow
 

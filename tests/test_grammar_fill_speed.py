@@ -285,7 +285,7 @@ def test_a_string_in_the_first_of_many_optional_properties_fills_like_one_in_the
 ) -> None:
     # xgrammar reaches the properties after k through a chain of one rule per property; a
     # string's closing tokens walked it at every fill: 600 us per row in the first of 150
-    # optional properties against 6 us in the last (grammar/xgrammar_objects.py).
+    # optional properties against 6 us in the last (grammar/xgrammar/objects.py).
     backend = backends["xgrammar"]
     count = 150
     schema = {

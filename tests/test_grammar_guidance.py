@@ -16,10 +16,10 @@ from grammar_testing import EOS, IM_START, VOCAB, allowed, compact, ids, schema_
 from baton.engine.core.fill_thread import FillThread
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask
-from baton.grammar.guidance_backend import GuidanceBackend, GuidanceCompiledGrammar
+from baton.grammar.guidance.backend import GuidanceBackend, GuidanceCompiledGrammar
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import build_vocab
-from baton.grammar.xgrammar_backend import bitmask_allowed
+from baton.grammar.xgrammar.backend import bitmask_allowed
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from jsonschema.validators import validator_for
 from baton.bench.mask_families import in_schema_order
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask, bitmask_width
-from baton.grammar.outlines_backend import (
+from baton.grammar.outlines.backend import (
     OUTLINES_CONDITIONAL_KEYWORDS,
     OUTLINES_ENFORCED_KEYWORDS,
     OUTLINES_UNENFORCED_KEYWORDS,
@@ -25,7 +25,7 @@ from baton.grammar.outlines_backend import (
     choice_regex,
     estimate_dfa_states,
 )
-from baton.grammar.schema.outlines_faithful import check_outlines_schema
+from baton.grammar.outlines.faithful import check_outlines_schema
 from baton.grammar.spec import AUTO_ORDER, StructuredOutputsParams
 
 OBJECT_SCHEMA = {
@@ -495,8 +495,8 @@ def test_refused_schemas_fall_through_to_guidance(
 ) -> None:
     """A schema xgrammar and outlines would each enforce only partly goes to llguidance under
     auto, which enforces it (outputs checked with jsonschema)."""
-    from baton.grammar.guidance_backend import GuidanceBackend
-    from baton.grammar.xgrammar_backend import XGrammarBackend
+    from baton.grammar.guidance.backend import GuidanceBackend
+    from baton.grammar.xgrammar.backend import XGrammarBackend
 
     schema = {
         "$defs": {"reffed": {"type": "array", "items": {"type": "integer"}}},

@@ -9,10 +9,11 @@ import re
 
 import pytest
 
-from baton.grammar.guidance_backend import guidance_normal_form
+from baton.grammar.guidance.backend import guidance_normal_form
+from baton.grammar.outlines.faithful import check_outlines_schema
 from baton.grammar.schema.disjoint import branches_disjoint
 from baton.grammar.schema.normalise import drop_unknown_formats, integral_counts
-from baton.grammar.schema.outlines_faithful import check_outlines_schema
+from baton.grammar.schema.pattern_regex import may_search
 from baton.grammar.schema.refs import (
     PointerNotFound,
     is_local_ref,
@@ -20,15 +21,15 @@ from baton.grammar.schema.refs import (
     resolve_pointer,
     resolves,
 )
-from baton.grammar.schema.xgrammar_keywords import xgrammar_unenforced_keywords
-from baton.grammar.schema.xgrammar_normal_form import (
+from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.validation import validate_spec
+from baton.grammar.xgrammar.keywords import xgrammar_unenforced_keywords
+from baton.grammar.xgrammar.normal_form import (
     URI_TEMPLATE_PATTERN,
     anchored_search,
     counted_optional_groups,
     xgrammar_normal_form,
 )
-from baton.grammar.spec import StructuredOutputsParams
-from baton.grammar.validation import validate_spec
 
 # A definition named "a/b~c%d e": '/' is ~1, '~' is ~0, then the fragment percent-encodes '%'
 # as %25 and the space as %20.
@@ -341,3 +342,11 @@ def test_xgrammar_normal_form_keeps_a_rewrite_of_a_node_it_partly_leaves() -> No
     out = xgrammar_normal_form(schema)
     assert "propertyNames" not in out and out["maxProperties"] == 0
     assert out["items"] == [{"type": "integer"}]
+
+
+def test_may_search_is_a_cautious_ecma_search() -> None:
+    # One check for both backends' patternProperties walks: a search (anywhere in the
+    # name), and a pattern Python cannot read counts as matching.
+    assert may_search("^a", "abc") and may_search("b", "abc") and may_search("c$", "abc")
+    assert not may_search("^b", "abc") and not may_search("x", "abc")
+    assert may_search("(", "abc") and may_search(r"\p{L}", "123")

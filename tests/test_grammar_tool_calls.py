@@ -20,7 +20,7 @@ from baton.grammar.tool_calls import (
     tool_call_tag,
 )
 from baton.grammar.validation import validate_spec
-from baton.grammar.xgrammar_backend import XGrammarBackend, bitmask_allowed
+from baton.grammar.xgrammar.backend import XGrammarBackend, bitmask_allowed
 
 VOCAB = 49152
 EOS = 2

@@ -18,9 +18,8 @@ from grammar_testing import EOS, IM_START, VOCAB, allowed, compact, ids, schema_
 from baton.engine.core.fill_thread import FillThread
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask
-from baton.grammar.schema.xgrammar_normal_form import xgrammar_normal_form
 from baton.grammar.spec import StructuredOutputsParams
-from baton.grammar.xgrammar_backend import (
+from baton.grammar.xgrammar.backend import (
     XGRAMMAR_ENFORCED_FORMATS,
     XGRAMMAR_ENFORCED_KEYWORDS,
     XGRAMMAR_UNENFORCED_FORMATS,
@@ -31,6 +30,7 @@ from baton.grammar.xgrammar_backend import (
     close_object_schemas,
     xgrammar_unenforced_keywords,
 )
+from baton.grammar.xgrammar.normal_form import xgrammar_normal_form
 
 
 @pytest.fixture(scope="module")
@@ -993,7 +993,7 @@ def test_structural_tag_unsupported_reason(backend: XGrammarBackend) -> None:
 def test_unbounded_strings_take_every_json_escape_and_no_other(
     backend: XGrammarBackend, tokenizer: Tokenizer
 ) -> None:
-    # The escape is written out in baton's string rule (grammar/xgrammar_rewrites.py).
+    # The escape is written out in baton's string rule (grammar/xgrammar/rewrites.py).
     schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
     for kind in ({"json": schema}, {"json_object": True}):
         grammar = compile_spec(backend, **kind)  # type: ignore[arg-type]
@@ -1008,7 +1008,7 @@ def test_the_rewrites_keep_xgrammars_masks(backend: XGrammarBackend, tokenizer: 
     # every state (with them it is narrower, tested above).
     import xgrammar as xgr
 
-    from baton.grammar.xgrammar_rewrites import rewrite_json_ebnf
+    from baton.grammar.xgrammar.rewrites import rewrite_json_ebnf
 
     schema = {
         "type": "object",
@@ -1074,7 +1074,7 @@ def test_patterns_counting_past_128_are_rebuilt_and_keep_their_language(
 ) -> None:
     import xgrammar as xgr
 
-    from baton.grammar.xgrammar_patterns import plain_class, rewrite_counted_patterns
+    from baton.grammar.xgrammar.patterns import plain_class, rewrite_counted_patterns
 
     # Classes keep only plain JSON string characters; a class with none is not rebuilt.
     assert plain_class("a-z") == "[a-z]"

@@ -1,4 +1,4 @@
-"""grammar/xgrammar_objects.py: an object's chain of optional properties rebuilt as blocks of
+"""grammar/xgrammar/objects.py: an object's chain of optional properties rebuilt as blocks of
 direct alternatives accepts exactly what xgrammar's chain accepts, and fills fast."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from baton.grammar.schema.xgrammar_normal_form import xgrammar_normal_form
-from baton.grammar.xgrammar_objects import BLOCK, rewrite_property_chains
+from baton.grammar.xgrammar.normal_form import xgrammar_normal_form
+from baton.grammar.xgrammar.objects import BLOCK, rewrite_property_chains
 
 
 def _ebnf(schema: dict[str, Any], any_whitespace: bool = False) -> str:

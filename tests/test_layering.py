@@ -37,6 +37,10 @@ PACKAGE_RULES: dict[str, set[str]] = {
     "kernels": {"kernels"},
     "bench": set(PACKAGES),
 }
+# grammar/'s backend folders: each holds its adapter and its own schema rewrites, and only its
+# own modules import it (the compile workers load a backend by its recipe string); what more
+# than one backend uses lives beside them (grammar/*.py, grammar/schema/).
+GRAMMAR_BACKENDS = ("xgrammar", "outlines", "guidance")
 
 
 def _modules() -> list[Path]:
@@ -81,6 +85,14 @@ def _allowed_in_engine(importer_room: str, target: str) -> bool:
     return target_room in allowed or ".".join(rest[:2]) in allowed
 
 
+def _allowed_in_grammar(importer: str, target: str) -> bool:
+    """Whether a grammar module may import ``target``: a backend folder only from itself."""
+    folder = target.split(".")[2:3]
+    if folder and folder[0] in GRAMMAR_BACKENDS:
+        return importer.split(".")[2:3] == folder
+    return True
+
+
 def _violations() -> list[str]:
     bad = []
     for path in _modules():
@@ -97,6 +109,8 @@ def _violations() -> list[str]:
                 room is not None and target_pkg == "engine" and not _allowed_in_engine(room, target)
             ):
                 bad.append(f"{me} imports {target} (engine room {room!r} must not)")
+            elif pkg == "grammar" and not _allowed_in_grammar(me, target):
+                bad.append(f"{me} imports {target} (only its own backend folder may)")
     return bad
 
 
@@ -117,6 +131,11 @@ def test_the_checker_catches_a_wrong_import(tmp_path: Path) -> None:
     assert not _allowed_in_engine("shared", "baton.engine.core.request")
     assert _allowed_in_engine("core", "baton.engine.executor.base")
     assert not _allowed_in_engine("core", "baton.engine.executor.uni")
+    assert not _allowed_in_grammar("baton.grammar.schema.merge", "baton.grammar.xgrammar.keywords")
+    assert not _allowed_in_grammar("baton.grammar.outlines.faithful", "baton.grammar.xgrammar")
+    assert not _allowed_in_grammar("baton.grammar.validation", "baton.grammar.guidance.backend")
+    assert _allowed_in_grammar("baton.grammar.xgrammar.backend", "baton.grammar.xgrammar.keywords")
+    assert _allowed_in_grammar("baton.grammar.outlines.backend", "baton.grammar.schema.refs")
 
 
 @pytest.mark.parametrize("room", sorted(set(ENGINE_ROOMS) - {"shared"}))

@@ -185,7 +185,7 @@ def test_fuzzed_schemas(
 def test_unshare_root_renames_the_rule_only() -> None:
     """The root rule is renamed where the grammar refers to it, never inside literals, classes
     or longer names; a grammar that does not refer to it is left as it is."""
-    from baton.grammar.xgrammar_rewrites import unshare_root
+    from baton.grammar.xgrammar.rewrites import unshare_root
 
     text = "\n".join(
         [

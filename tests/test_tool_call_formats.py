@@ -34,7 +34,7 @@ from baton.grammar.tool_calls import (
 )
 from baton.grammar.tool_parse import xml_value
 from baton.grammar.validation import validate_spec
-from baton.grammar.xgrammar_backend import XGrammarBackend, bitmask_allowed
+from baton.grammar.xgrammar.backend import XGrammarBackend, bitmask_allowed
 
 VOCAB = 49152
 EOS = 2

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from baton.engine.sampling_params import SamplingParams
 from baton.grammar.backend import GrammarMatcher
-from baton.grammar.compile_service import CompileHandle
+from baton.grammar.compile.service import CompileHandle
 from baton.grammar.reasoning import ReasoningSpec
 from baton.grammar.spec import StructuredOutputsParams
 

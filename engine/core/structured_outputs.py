@@ -24,7 +24,7 @@ from baton.grammar.backend import (
     allocate_bitmask,
     filled_now,
 )
-from baton.grammar.compile_service import CompilePoolConfig, CompileResult, CompileService
+from baton.grammar.compile.service import CompilePoolConfig, CompileResult, CompileService
 from baton.grammar.reasoning import ReasoningMatcher, ReasoningSpec, fill_thinking_row
 from baton.grammar.spec import StructuredOutputsParams, allowed_backends
 from baton.grammar.validation import DEFAULT_MAX_DEPTH, check_enforceable, validate_spec
@@ -116,16 +116,16 @@ class StructuredOutputManager:
         recipes = {
             "xgrammar": BackendRecipe(
                 "xgrammar",
-                "baton.grammar.xgrammar_backend:XGrammarBackend",
+                "baton.grammar.xgrammar.backend:XGrammarBackend",
                 (("max_threads", fill_threads), ("dynamic_compilation", dynamic_compilation)),
                 # One thread per compile: its CPU time is then its running time (what the
                 # limit bounds), and the workers compile side by side.
                 worker_options=(("max_threads", 1),),
             ),
-            "outlines": BackendRecipe("outlines", "baton.grammar.outlines_backend:OutlinesBackend"),
+            "outlines": BackendRecipe("outlines", "baton.grammar.outlines.backend:OutlinesBackend"),
             "guidance": BackendRecipe(
                 "guidance",
-                "baton.grammar.guidance_backend:GuidanceBackend",
+                "baton.grammar.guidance.backend:GuidanceBackend",
                 (("fill_threads", fill_threads),),
                 worker_options=(("fill_threads", 1),),
             ),

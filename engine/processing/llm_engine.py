@@ -38,7 +38,7 @@ from baton.engine.processing.output_processor import OutputProcessor
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
-from baton.grammar.compile_service import (
+from baton.grammar.compile.service import (
     CompilePoolConfig,
     CompileQueueFull,
     default_compile_workers,

@@ -21,7 +21,7 @@ from baton.engine.server.prometheus import (
     format_value,
 )
 from baton.engine.server.vllm_metrics import VllmMetrics
-from baton.grammar.compile_service import COMPILE_SECONDS_BUCKETS
+from baton.grammar.compile.service import COMPILE_SECONDS_BUCKETS
 
 PREFIX = "baton_"
 REQUEST_STATUSES = ("finished", "aborted", "error", "rejected")

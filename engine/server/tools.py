@@ -27,8 +27,6 @@ from typing import Any, Literal
 from baton.engine.server.constraints import Constraint
 from baton.engine.server.errors import APIError, bad_request
 from baton.engine.server.protocol import ChatCompletionRequest
-from baton.grammar.schema.xgrammar_keywords import xgrammar_unenforced_keywords
-from baton.grammar.schema.xgrammar_normal_form import xgrammar_normal_form
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.structural_tag import spec_format
 from baton.grammar.tool_calls import (
@@ -39,6 +37,8 @@ from baton.grammar.tool_calls import (
     tool_call_tag,
 )
 from baton.grammar.validation import check_schema_value, validate_spec
+from baton.grammar.xgrammar.keywords import xgrammar_unenforced_keywords
+from baton.grammar.xgrammar.normal_form import xgrammar_normal_form
 
 Mode = Literal["none", "auto", "required"]
 

@@ -1,5 +1,6 @@
 """Regex helpers of the outlines backend (the top-level split serves xgrammar's normal form
-too): literals, choices, anchors, a DFA-size estimate, and
+too, and ``may_search`` both backends' checks of patternProperties against declared names):
+literals, choices, anchors, a DFA-size estimate, and
 the JSON-schema ``pattern`` (ECMA-262) as the Rust regex outlines-core matches against the text
 between a JSON string's quotes (``outlines_pattern``), where that can be said exactly.
 """
@@ -50,6 +51,15 @@ def strip_anchors(regex: str) -> str:
         if backslashes % 2 == 0:
             regex = regex[:-1]
     return regex
+
+
+def may_search(pattern: str, text: str) -> bool:
+    """Whether the ECMA ``pattern`` may match inside ``text`` (Python's ``re`` as the
+    approximation; a pattern it cannot read counts as matching, the cautious answer)."""
+    try:
+        return re.search(pattern, text) is not None
+    except (re.error, TypeError):
+        return True
 
 
 def outside_classes(pattern: str) -> Iterator[int]:
@@ -294,6 +304,7 @@ __all__ = [
     "PatternRefused",
     "choice_regex",
     "estimate_dfa_states",
+    "may_search",
     "outlines_pattern",
     "regex_literal",
     "split_top_level",

@@ -27,12 +27,12 @@ masks``; ``tests/test_grammar_fill_speed.py`` guards the speed and
    25-75 us, for about 1% more compiled-grammar memory.
 
 3. Patterns that count a repetition past 128: rebuilt as grammar rules, see
-   ``grammar/xgrammar_patterns.py`` (10-19 ms per row inside such a string before).
+   ``grammar/xgrammar/patterns.py`` (10-19 ms per row inside such a string before).
 
 4. An object's optional properties: xgrammar chains them one rule per property, and every
    fill inside a value walked the chain of the properties after it (600 us per row inside the
    first of 150 optional properties); rebuilt as blocks of direct alternatives, see
-   ``grammar/xgrammar_objects.py`` (~10-25 us whatever the count).
+   ``grammar/xgrammar/objects.py`` (~10-25 us whatever the count).
 
 5. A root rule that the grammar refers to (a schema's ``{"$ref": "#"}``, a recursive EBNF
    ``root``). xgrammar precomputes the root rule's masks as if nothing could follow it: a token
@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import re
 
-from baton.grammar.xgrammar_objects import rewrite_property_chains
-from baton.grammar.xgrammar_patterns import rewrite_counted_patterns
+from baton.grammar.xgrammar.objects import rewrite_property_chains
+from baton.grammar.xgrammar.patterns import rewrite_counted_patterns
 
 BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
 """xgrammar's character of a length-bounded string, as it prints it."""

@@ -44,7 +44,7 @@ from baton.grammar.schema.normalise import (
     integral_counts,
     map_schemas,
 )
-from baton.grammar.schema.pattern_regex import PatternRefused, outlines_pattern
+from baton.grammar.schema.pattern_regex import PatternRefused, may_search, outlines_pattern
 from baton.grammar.schema.types import (
     ALL_TYPES,
     ARRAY,
@@ -336,7 +336,7 @@ class _Walk:
             honoured.add("maxProperties")
         patterns = node.get("patternProperties")
         if isinstance(patterns, dict) and not any(
-            _may_search(p, json.loads(f'"{name}"')) for p in patterns for name in props
+            may_search(p, json.loads(f'"{name}"')) for p in patterns for name in props
         ):
             honoured.add("patternProperties")
         self.flag(node, OBJECT, honoured)
@@ -527,15 +527,6 @@ def _check_value(value: Any) -> None:
     elif isinstance(value, list):
         for item in value:
             _check_value(item)
-
-
-def _may_search(pattern: str, text: str) -> bool:
-    """Whether an ECMA pattern may match ``text`` (Python's re as the approximation; a pattern
-    Python cannot read counts as matching, the cautious answer)."""
-    try:
-        return re.search(pattern, text) is not None
-    except (re.error, TypeError):
-        return True
 
 
 def check_outlines_schema(

@@ -2,7 +2,7 @@
 
 The table of JSON-schema keywords xgrammar enforces, and the walk that finds the ones it
 would ignore (``unsupported_reason`` refuses those, or lets "auto" pass the spec on), are in
-``grammar/schema/xgrammar_keywords.py``.
+``grammar/xgrammar/keywords.py``.
 """
 
 from __future__ import annotations
@@ -28,14 +28,6 @@ from baton.grammar.backend import (
     token_bitmask_row,
 )
 from baton.grammar.schema.normalise import close_object_schemas
-from baton.grammar.schema.xgrammar_keywords import (
-    XGRAMMAR_ENFORCED_FORMATS,
-    XGRAMMAR_ENFORCED_KEYWORDS,
-    XGRAMMAR_UNENFORCED_FORMATS,
-    XGRAMMAR_UNENFORCED_KEYWORDS,
-    xgrammar_unenforced_keywords,
-)
-from baton.grammar.schema.xgrammar_normal_form import xgrammar_normal_form
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.structural_tag import (
     json_schema_formats,
@@ -44,7 +36,15 @@ from baton.grammar.structural_tag import (
 )
 from baton.grammar.validation import ebnf_grammar_error
 from baton.grammar.vocab import Vocab, VocabSource, build_vocab
-from baton.grammar.xgrammar_rewrites import rewrite_json_ebnf, unshare_root
+from baton.grammar.xgrammar.keywords import (
+    XGRAMMAR_ENFORCED_FORMATS,
+    XGRAMMAR_ENFORCED_KEYWORDS,
+    XGRAMMAR_UNENFORCED_FORMATS,
+    XGRAMMAR_UNENFORCED_KEYWORDS,
+    xgrammar_unenforced_keywords,
+)
+from baton.grammar.xgrammar.normal_form import xgrammar_normal_form
+from baton.grammar.xgrammar.rewrites import rewrite_json_ebnf, unshare_root
 
 # A structural tag's JSON-schema content with only these keys is compiled as a json spec.
 _PLAIN_JSON_FORMAT_KEYS = frozenset(
@@ -58,7 +58,7 @@ _PLAIN_JSON_FORMAT_KEYS = frozenset(
 def _rewritten(grammar: xgr.Grammar) -> xgr.Grammar:
     """``grammar`` (xgrammar's grammar of a JSON schema) with baton's rewrites of its EBNF:
     length-bounded strings closed to raw control characters, string escapes and counted
-    patterns in shapes whose masks xgrammar can precompute (``grammar/xgrammar_rewrites.py``
+    patterns in shapes whose masks xgrammar can precompute (``grammar/xgrammar/rewrites.py``
     says which and why); ``grammar`` itself when none applies."""
     text = str(grammar)
     fixed = rewrite_json_ebnf(text)
@@ -69,7 +69,7 @@ def _rewritten(grammar: xgr.Grammar) -> xgr.Grammar:
 
 def _ebnf_grammar(text: str) -> xgr.Grammar:
     """A user's EBNF grammar, its root rule wrapped where the grammar refers to it (rewrite 5
-    of ``grammar/xgrammar_rewrites.py``: xgrammar's masks refuse a token that runs past a nested
+    of ``grammar/xgrammar/rewrites.py``: xgrammar's masks refuse a token that runs past a nested
     root's end, which its matcher accepts)."""
     grammar = xgr.Grammar.from_ebnf(text, root_rule_name="root")
     printed = str(grammar)

@@ -1,5 +1,5 @@
 """The JSON-schema keywords outlines-core's converter enforces as written, the ones it ignores,
-and the exceptions, as data (``outlines_faithful`` applies them). Each entry is backed by a test
+and the exceptions, as data (``faithful`` applies them). Each entry is backed by a test
 in ``tests/test_grammar_outlines.py``."""
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
 """The schema baton hands xgrammar: the same instances, in forms xgrammar compiles whole and
 fills fast (``xgrammar_normal_form``). Each rewrite says why beside it; the keyword table that
-decides what xgrammar enforces is ``xgrammar_keywords``.
+decides what xgrammar enforces is ``keywords``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from baton.grammar.schema.merge import cousins_ok, merge_schemas
-from baton.grammar.schema.normalise import Path, Rewrite, integral_counts, map_schemas
+from baton.grammar.schema.normalise import Path, integral_counts, map_schemas
 from baton.grammar.schema.pattern_regex import outside_classes, split_top_level
 from baton.grammar.schema.refs import (
     inside_a_target,
@@ -18,7 +19,7 @@ from baton.grammar.schema.refs import (
     ref_target_paths,
     resolve_local_ref,
 )
-from baton.grammar.schema.xgrammar_keywords import (
+from baton.grammar.xgrammar.keywords import (
     DEPENDENT_KEYWORDS,
     DOMINANT_ORDER,
     TYPE_KEYWORDS,
@@ -205,7 +206,7 @@ def anchored_search(pattern: str) -> str | None:
     top-level branch gets any text (``^a`` as ``^(?:(?:a)[\s\S]*)$``). None when there is
     nothing to do (every branch anchored at both ends) or the pattern is left as it is: a
     ``(?`` group other than ``(?:`` (lookarounds are reported), an anchor inside a branch, or
-    a count past 128 (``xgrammar_patterns`` rebuilds those from the pattern as written).
+    a count past 128 (``patterns`` rebuilds those from the pattern as written).
     """
     if "(?" in pattern.replace("(?:", "") or any(
         int(n) > 128 for m in _COUNT.finditer(pattern) for n in m.groups() if n
@@ -254,6 +255,209 @@ def _xgrammar_pattern(pattern: str) -> str:
     return counted_optional_groups(anchored_search(pattern) or pattern)
 
 
+@dataclass(frozen=True)
+class _Context:
+    """What every rewrite reads of the schema as it was handed in (before any rewrite): its
+    root (for ``$ref`` targets), the paths its ``$ref``s point at, and whether it has an
+    ``unevaluatedProperties`` or ``unevaluatedItems`` anywhere."""
+
+    root: dict[str, Any]
+    targets: set[Path]
+    cousins_judge_names: bool
+    cousins_judge_items: bool
+
+    def pointed_into(self, path: Path, keys: Iterable[str]) -> bool:
+        """Whether a $ref points at or below one of the node's ``keys``."""
+        return any(
+            inside_a_target((*path, key), self.targets) or (*path, key) in self.targets
+            for key in keys
+        )
+
+
+_NodeRewrite = Callable[[_Context, dict[str, Any], Path], dict[str, Any]]
+
+
+def _merge(ctx: _Context, node: dict[str, Any], path: Path) -> dict[str, Any]:
+    # A merge moves what lies below the node, but its definitions: a $ref into it would
+    # break.
+    if "allOf" not in node or ctx.pointed_into(path, node.keys() - {"$defs", "definitions"}):
+        return node
+    merged = _merged_all_of(node, ctx.root)
+    return node if merged is None else merged
+
+
+def _draft_forms(ctx: _Context, node: dict[str, Any], path: Path) -> dict[str, Any]:
+    out = node
+    names = node.get("propertyNames")
+    if isinstance(names, bool):
+        # xgrammar takes only a schema here. true: any name; false: no property at all.
+        out = {k: v for k, v in node.items() if k != "propertyNames"}
+        if names is False:
+            out["maxProperties"] = 0
+    items = node.get("items")
+    if isinstance(items, list) and "prefixItems" not in node:
+        # Drafts 4-2019's tuple form, which xgrammar refuses: items as a list is 2020-12's
+        # prefixItems, additionalItems its items. Without additionalItems more items are
+        # allowed, which strict mode would forbid unless items says so.
+        if ctx.pointed_into(path, ("items", "additionalItems")):
+            return out
+        out = {k: v for k, v in out.items() if k not in ("items", "additionalItems")}
+        out["prefixItems"] = items
+        out["items"] = node.get("additionalItems", True)
+    return out
+
+
+def _fast_format(_ctx: _Context, node: dict[str, Any], _path: Path) -> dict[str, Any]:
+    fmt = node.get("format")
+    if not isinstance(fmt, str) or fmt not in _FORMAT_PATTERNS or "pattern" in node:
+        return node
+    return {
+        **{k: v for k, v in node.items() if k != "format"},
+        "pattern": _FORMAT_PATTERNS[fmt],
+    }
+
+
+def _search_patterns(ctx: _Context, node: dict[str, Any], path: Path) -> dict[str, Any]:
+    # xgrammar matches a pattern (and a patternProperties key) against the whole string;
+    # JSON Schema searches for it anywhere ("^v" admits "vroom").
+    out = node
+    pattern = node.get("pattern")
+    if isinstance(pattern, str):
+        written = _xgrammar_pattern(pattern)
+        if written != pattern:
+            out = {**out, "pattern": written}
+    patterns = node.get("patternProperties")
+    if isinstance(patterns, dict) and not ctx.pointed_into(path, ("patternProperties",)):
+        keys = {p: _xgrammar_pattern(p) for p in patterns}
+        if keys != {p: p for p in patterns} and len(set(keys.values())) == len(keys):
+            out = {**out, "patternProperties": {keys[p]: v for p, v in patterns.items()}}
+    return out
+
+
+def _type_into_branches(ctx: _Context, node: dict[str, Any], path: Path) -> dict[str, Any]:
+    # {"type": "object", "anyOf": [{"properties": ...}]}: the branch is read under its
+    # parent's type, which xgrammar drops beside anyOf/oneOf. Written into each untyped
+    # branch (the same instances: the parent asks for the type anyway), the split below
+    # does not give such a branch the other types back.
+    types = node.get("type")
+    out = node
+    for key in ("anyOf", "oneOf"):
+        branches = node.get(key)
+        if types is None or not isinstance(branches, list) or ctx.pointed_into(path, (key,)):
+            continue
+        typed = [
+            {"type": types, **b}
+            if isinstance(b, dict)
+            and "type" not in b
+            and not any(k in b for k in DOMINANT_ORDER)
+            and b.keys() & _SPLIT
+            else b
+            for b in branches
+        ]
+        if typed != branches:
+            out = {**out, key: typed}
+    return out
+
+
+def _split(ctx: _Context, node: dict[str, Any], path: Path) -> dict[str, Any]:
+    # Property names are strings: xgrammar reads propertyNames' keywords as string ones.
+    if ctx.pointed_into(path, node.keys() & _SPLIT) or path[-1:] == ("propertyNames",):
+        return node
+    typed = _typed_split(node)
+    return node if typed is None else typed
+
+
+def _absent_properties(ctx: _Context, node: dict[str, Any], path: Path) -> dict[str, Any]:
+    # A property whose schema is false may not appear; xgrammar refuses a false schema
+    # ("Schema 'false' cannot accept any value"). Where nothing else could admit that name
+    # (no additionalProperties but false - strict mode reads absent as false - and no
+    # keyword that looks at other names), leaving it undeclared says the same. A required
+    # one makes every object invalid: left for xgrammar to refuse.
+    props = node.get("properties")
+    if not isinstance(props, dict) or not any(v is False for v in props.values()):
+        return node
+    required = node.get("required")
+    required = set(required) if isinstance(required, list) else set()
+    if (
+        node.get("additionalProperties", False) is not False
+        or node.keys() & _OTHER_NAME_KEYWORDS
+        or any(v is False and k in required for k, v in props.items())
+        or ctx.pointed_into(path, ("properties",))
+    ):
+        return node
+    return {**node, "properties": {k: v for k, v in props.items() if v is not False}}
+
+
+def _open_objects(ctx: _Context, node: dict[str, Any], _path: Path) -> dict[str, Any]:
+    # Without additionalProperties any other name is allowed, with any value, but
+    # xgrammar's strict mode reads it as false: only the declared properties ({} when
+    # none). additionalProperties: {} is what the schema says. Written only where no
+    # property is declared: beside declared names xgrammar spells "any other name" as a
+    # rule per character of every declared name, and compiling those took 10-40x longer
+    # on large SchemaStore schemas (component-detection-manifest 0.6 s -> 16 s, detekt
+    # past 30 s), so such an object stays closed. Left closed too (a narrowing, never a
+    # widening): beside patternProperties (xgrammar would then ignore the
+    # patterns), propertyNames (strict mode already admits other names there), a dominant
+    # keyword (xgrammar ignores its siblings), and wherever unevaluatedProperties could
+    # see the change: it sees which names its cousins evaluated, and an additionalProperties
+    # written below it would evaluate every name and switch it off. (Beside declared names
+    # xgrammar's other names would also let a declared name that JSON escapes, "foo\nbar",
+    # in again as another name, with any value.)
+    types = node.get("type")
+    if (
+        ctx.cousins_judge_names
+        or (types != "object" and not (isinstance(types, list) and "object" in types))
+        or node.keys() & _CLOSED_OBJECT_KEYWORDS
+        or any(k in node for k in DOMINANT_ORDER)
+        or node.get("properties")
+    ):
+        return node
+    return {**node, "additionalProperties": {}}
+
+
+def _open_items(ctx: _Context, node: dict[str, Any], _path: Path) -> dict[str, Any]:
+    # Without items any item is allowed (past the prefixItems, if any), but xgrammar's
+    # strict mode reads it as no item at all: [] only (the prefix only), and no grammar at
+    # all beside minItems. items: {} is what the schema says (it fills fast: 12 us per row
+    # at worst, measured). Not beside unevaluatedItems, which items would switch off, nor
+    # after prefixItems where an unevaluatedItems elsewhere could see the change.
+    types = node.get("type")
+    if (
+        (types != "array" and not (isinstance(types, list) and "array" in types))
+        or node.keys() & {"items", "unevaluatedItems"}
+        or ("prefixItems" in node and ctx.cousins_judge_items)
+    ):
+        return node
+    return {**node, "items": {}}
+
+
+# Applied once each, in this order, after the merges.
+_REWRITES: tuple[_NodeRewrite, ...] = (
+    _draft_forms,
+    _fast_format,
+    _search_patterns,
+    _type_into_branches,
+    _split,
+    _open_objects,
+    _absent_properties,
+    _open_items,
+)
+
+
+def _apply(ctx: _Context, rewrite: _NodeRewrite, tree: Any) -> tuple[Any, bool]:
+    """``tree`` with ``rewrite`` applied to every subschema, and whether any changed (a
+    rewrite returns the node itself where it changes nothing)."""
+    changed = False
+
+    def tracked(node: dict[str, Any], path: Path) -> dict[str, Any]:
+        nonlocal changed
+        out = rewrite(ctx, node, path)
+        changed = changed or out is not node
+        return out
+
+    return map_schemas(tree, tracked), changed
+
+
 def xgrammar_normal_form(schema: Any) -> Any:
     """``schema`` in the shape baton hands xgrammar, with the same instances: integral counts
     as ints, every ``allOf`` merged into one schema where it can be (``_merged_all_of``,
@@ -263,203 +467,27 @@ def xgrammar_normal_form(schema: Any) -> Any:
     equivalent ``pattern`` (``_FORMAT_PATTERNS``, where no pattern is there already), and
     every untyped subschema with type-specific keywords (or keywords xgrammar infers a type
     from) split by type (``_typed_split``), an object without ``additionalProperties`` given
-    ``additionalProperties: {}`` where that says the same (``open_objects``; strict mode would
+    ``additionalProperties: {}`` where that says the same (``_open_objects``; strict mode would
     allow no other name), and an array without ``items`` given ``items: {}`` (strict mode
     would allow no item); a subschema a ``$ref`` points inside is left alone. ``schema``
     itself when nothing changes."""
     schema = integral_counts(schema)
     if not isinstance(schema, dict):
         return schema
-    targets = ref_target_paths(schema)
-    root = schema
-
-    def pointed_into(path: Path, keys: Iterable[str]) -> bool:
-        """Whether a $ref points at or below one of the node's ``keys``."""
-        return any(
-            inside_a_target((*path, key), targets) or (*path, key) in targets for key in keys
-        )
-
-    def merge(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        # A merge moves what lies below the node, but its definitions: a $ref into it would
-        # break.
-        if "allOf" not in node or pointed_into(path, node.keys() - {"$defs", "definitions"}):
-            return node
-        merged = _merged_all_of(node, root)
-        return node if merged is None else merged
-
-    def draft_forms(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        out = node
-        names = node.get("propertyNames")
-        if isinstance(names, bool):
-            # xgrammar takes only a schema here. true: any name; false: no property at all.
-            out = {k: v for k, v in node.items() if k != "propertyNames"}
-            if names is False:
-                out["maxProperties"] = 0
-        items = node.get("items")
-        if isinstance(items, list) and "prefixItems" not in node:
-            # Drafts 4-2019's tuple form, which xgrammar refuses: items as a list is 2020-12's
-            # prefixItems, additionalItems its items. Without additionalItems more items are
-            # allowed, which strict mode would forbid unless items says so.
-            if pointed_into(path, ("items", "additionalItems")):
-                return out
-            out = {k: v for k, v in out.items() if k not in ("items", "additionalItems")}
-            out["prefixItems"] = items
-            out["items"] = node.get("additionalItems", True)
-        return out
-
-    def fast_format(node: dict[str, Any], _: Path) -> dict[str, Any]:
-        fmt = node.get("format")
-        if not isinstance(fmt, str) or fmt not in _FORMAT_PATTERNS or "pattern" in node:
-            return node
-        return {
-            **{k: v for k, v in node.items() if k != "format"},
-            "pattern": _FORMAT_PATTERNS[fmt],
-        }
-
-    def search_patterns(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        # xgrammar matches a pattern (and a patternProperties key) against the whole string;
-        # JSON Schema searches for it anywhere ("^v" admits "vroom").
-        out = node
-        pattern = node.get("pattern")
-        if isinstance(pattern, str):
-            written = _xgrammar_pattern(pattern)
-            if written != pattern:
-                out = {**out, "pattern": written}
-        patterns = node.get("patternProperties")
-        if isinstance(patterns, dict) and not pointed_into(path, ("patternProperties",)):
-            keys = {p: _xgrammar_pattern(p) for p in patterns}
-            if keys != {p: p for p in patterns} and len(set(keys.values())) == len(keys):
-                out = {**out, "patternProperties": {keys[p]: v for p, v in patterns.items()}}
-        return out
-
-    def type_into_branches(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        # {"type": "object", "anyOf": [{"properties": ...}]}: the branch is read under its
-        # parent's type, which xgrammar drops beside anyOf/oneOf. Written into each untyped
-        # branch (the same instances: the parent asks for the type anyway), the split below
-        # does not give such a branch the other types back.
-        types = node.get("type")
-        out = node
-        for key in ("anyOf", "oneOf"):
-            branches = node.get(key)
-            if types is None or not isinstance(branches, list) or pointed_into(path, (key,)):
-                continue
-            typed = [
-                {"type": types, **b}
-                if isinstance(b, dict)
-                and "type" not in b
-                and not any(k in b for k in DOMINANT_ORDER)
-                and b.keys() & _SPLIT
-                else b
-                for b in branches
-            ]
-            if typed != branches:
-                out = {**out, key: typed}
-        return out
-
-    def split(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        # Property names are strings: xgrammar reads propertyNames' keywords as string ones.
-        if pointed_into(path, node.keys() & _SPLIT) or path[-1:] == ("propertyNames",):
-            return node
-        typed = _typed_split(node)
-        return node if typed is None else typed
-
-    def absent_properties(node: dict[str, Any], path: Path) -> dict[str, Any]:
-        # A property whose schema is false may not appear; xgrammar refuses a false schema
-        # ("Schema 'false' cannot accept any value"). Where nothing else could admit that name
-        # (no additionalProperties but false - strict mode reads absent as false - and no
-        # keyword that looks at other names), leaving it undeclared says the same. A required
-        # one makes every object invalid: left for xgrammar to refuse.
-        props = node.get("properties")
-        if not isinstance(props, dict) or not any(v is False for v in props.values()):
-            return node
-        required = node.get("required")
-        required = set(required) if isinstance(required, list) else set()
-        if (
-            node.get("additionalProperties", False) is not False
-            or node.keys() & _OTHER_NAME_KEYWORDS
-            or any(v is False and k in required for k, v in props.items())
-            or pointed_into(path, ("properties",))
-        ):
-            return node
-        return {**node, "properties": {k: v for k, v in props.items() if v is not False}}
-
-    # unevaluatedProperties sees which names its cousins evaluated: an additionalProperties
-    # written below it would evaluate every name and switch it off.
-    cousins_judge_names = _mentions(schema, "unevaluatedProperties")
-
-    def open_objects(node: dict[str, Any], _: Path) -> dict[str, Any]:
-        # Without additionalProperties any other name is allowed, with any value, but
-        # xgrammar's strict mode reads it as false: only the declared properties ({} when
-        # none). additionalProperties: {} is what the schema says. Written only where no
-        # property is declared: beside declared names xgrammar spells "any other name" as a
-        # rule per character of every declared name, and compiling those took 10-40x longer
-        # on large SchemaStore schemas (component-detection-manifest 0.6 s -> 16 s, detekt
-        # past 30 s), so such an object stays closed. Left closed too (a narrowing, never a
-        # widening): beside patternProperties (xgrammar would then ignore the
-        # patterns), propertyNames (strict mode already admits other names there), a dominant
-        # keyword (xgrammar ignores its siblings), and wherever unevaluatedProperties could
-        # see the change. (Beside declared names xgrammar's other names would also let a
-        # declared name that JSON escapes, "foo\nbar", in again as another name, with any
-        # value.)
-        types = node.get("type")
-        if (
-            cousins_judge_names
-            or (types != "object" and not (isinstance(types, list) and "object" in types))
-            or node.keys() & _CLOSED_OBJECT_KEYWORDS
-            or any(k in node for k in DOMINANT_ORDER)
-            or node.get("properties")
-        ):
-            return node
-        return {**node, "additionalProperties": {}}
-
-    cousins_judge_items = _mentions(schema, "unevaluatedItems")
-
-    def open_items(node: dict[str, Any], _: Path) -> dict[str, Any]:
-        # Without items any item is allowed (past the prefixItems, if any), but xgrammar's
-        # strict mode reads it as no item at all: [] only (the prefix only), and no grammar at
-        # all beside minItems. items: {} is what the schema says (it fills fast: 12 us per row
-        # at worst, measured). Not beside unevaluatedItems, which items would switch off, nor
-        # after prefixItems where an unevaluatedItems elsewhere could see the change.
-        types = node.get("type")
-        if (
-            (types != "array" and not (isinstance(types, list) and "array" in types))
-            or node.keys() & {"items", "unevaluatedItems"}
-            or ("prefixItems" in node and cousins_judge_items)
-        ):
-            return node
-        return {**node, "items": {}}
-
-    def apply(rewrite: Rewrite, tree: Any) -> tuple[Any, bool]:
-        """``tree`` with ``rewrite`` applied to every subschema, and whether any changed (a
-        rewrite returns the node itself where it changes nothing)."""
-        changed = False
-
-        def tracked(node: dict[str, Any], path: Path) -> dict[str, Any]:
-            nonlocal changed
-            out = rewrite(node, path)
-            changed = changed or out is not node
-            return out
-
-        return map_schemas(tree, tracked), changed
-
+    ctx = _Context(
+        root=schema,
+        targets=ref_target_paths(schema),
+        cousins_judge_names=_mentions(schema, "unevaluatedProperties"),
+        cousins_judge_items=_mentions(schema, "unevaluatedItems"),
+    )
     out, any_change = schema, False
     for _ in range(_MERGE_ROUNDS):  # a merge may write new allOfs (a property in both)
-        out, changed = apply(merge, out)
+        out, changed = _apply(ctx, _merge, out)
         any_change = any_change or changed
         if not changed:
             break
-    rewrites = (
-        draft_forms,
-        fast_format,
-        search_patterns,
-        type_into_branches,
-        split,
-        open_objects,
-        absent_properties,
-        open_items,
-    )
-    for rewrite in rewrites:
-        out, changed = apply(rewrite, out)
+    for rewrite in _REWRITES:
+        out, changed = _apply(ctx, rewrite, out)
         any_change = any_change or changed
     return out if any_change else schema
 

@@ -8,7 +8,7 @@ grammar is still compiling waits without holding up anyone.
   flight never queues. A new spec queues; when ``max_queued`` specs already wait,
   ``submit`` raises ``CompileQueueFull`` (the caller waits, or answers "busy") instead of
   accepting work that would fail later.
-* ``compile_dispatcher`` runs the queue on worker processes (``compile_pool``): the time
+* ``dispatcher`` runs the queue on worker processes (``pool``): the time
   limit bounds a compile's own running time (its worker's CPU time), never its wait in the
   queue; a worker that passes it is killed and replaced, and only that spec's requests
   fail; a memory cap
@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from baton.grammar.backend import BackendRecipe, CompiledGrammar, GrammarBackend, GrammarError
-from baton.grammar.compile_dispatcher import (
+from baton.grammar.compile.dispatcher import (
     COMPILE_SECONDS_BUCKETS,
     Compiled,
     CompileDispatcher,

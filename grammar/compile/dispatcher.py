@@ -1,6 +1,6 @@
 """Runs queued compiles on worker processes: who starts when, time limits, kills, results.
 
-A dispatcher thread owns the workers (``compile_pool``). It starts a queued compile when
+A dispatcher thread owns the workers (``pool``). It starts a queued compile when
 fewer than ``workers`` compiles have been running for less than ``slow_after_s`` (and at
 most ``max_workers`` processes exist), kills a worker whose compile passes the time limit,
 and hands each result to loader threads that rebuild it in the engine process. Only the
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for
 
 from baton.grammar.backend import BackendRecipe, CompiledGrammar, GrammarError
-from baton.grammar.compile_pool import CompileWorker, WorkerStartError, Zygote
+from baton.grammar.compile.pool import CompileWorker, WorkerStartError, Zygote
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import Vocab
 

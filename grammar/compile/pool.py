@@ -1,6 +1,6 @@
 """The engine's handles on its compile worker processes: start, send, kill.
 
-One template process (the zygote, see ``compile_worker``) is started with ``subprocess`` the
+One template process (the zygote, see ``worker``) is started with ``subprocess`` the
 first time a worker is needed; every worker is then forked from it in milliseconds and talks
 to the engine over its own socket. Only the compile service's dispatcher thread uses these
 objects, so they hold no locks; the one exception is ``Zygote.close`` at shutdown, which may
@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
 from baton.grammar.backend import BackendRecipe
-from baton.grammar.compile_worker import THREAD_ENV
+from baton.grammar.compile.worker import THREAD_ENV
 from baton.grammar.vocab import Vocab
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # finalise (its sockets close with the process).
 _BOOTSTRAP = (
     "import os, sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
-    "from baton.grammar.compile_worker import zygote_main; "
+    "from baton.grammar.compile.worker import zygote_main; "
     "code = zygote_main(int(sys.argv[1])); sys.stdout.flush(); sys.stderr.flush(); "
     "os._exit(code)"
 )

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from baton.grammar.schema.disjoint import branches_disjoint
+from baton.grammar.schema.pattern_regex import may_search
 from baton.grammar.schema.refs import (
     is_local_ref,
     resolve_local_ref,
@@ -361,15 +362,6 @@ def _check_typed(node: dict[str, Any], types: set[str], found: set[str]) -> None
             found.add("propertyNames (declared properties)")
 
 
-def _may_search(pattern: str, text: str) -> bool:
-    """Whether the ECMA ``pattern`` may match inside ``text`` (Python's ``re`` as the
-    approximation; a pattern it cannot read counts as matching, the cautious answer)."""
-    try:
-        return re.search(pattern, text) is not None
-    except (re.error, TypeError):
-        return True
-
-
 def _pattern_overlaps(patterns: dict[str, Any], props: dict[str, Any]) -> set[str]:
     """xgrammar gives a key one schema: its declared property's, else that of one pattern it
     matches in full. JSON Schema applies every pattern that matches anywhere in the key."""
@@ -378,7 +370,7 @@ def _pattern_overlaps(patterns: dict[str, Any], props: dict[str, Any]) -> set[st
     if len(schemas) > 1:
         found.add("patternProperties (several patterns)")
     strict = [p for p, v in patterns.items() if v not in ({}, True)]
-    if any(_may_search(p, name) for p in strict for name in props):
+    if any(may_search(p, name) for p in strict for name in props):
         found.add("patternProperties (matches a declared property)")
     return found
 

@@ -2,10 +2,10 @@
 
 outlines-core turns a JSON schema into one regular expression and that regex into an ``Index``
 (DFA state x token -> state) over the model's vocabulary. It takes the schemas its converter
-writes faithfully: ``grammar/schema/outlines_faithful.py`` walks a schema as the converter does,
+writes faithfully: ``grammar/outlines/faithful.py`` walks a schema as the converter does,
 names what it would ignore (refused unless the request sets ``allow_unenforced``) and refuses
 what it cannot write; ``auto`` then passes the schema on to the next backend. The enforcement
-table is ``grammar/schema/outlines_keywords.py``.
+table is ``grammar/outlines/keywords.py``.
 
 Choices made here:
   * Sound before complete: where outlines writes fewer instances than a schema has (only listed
@@ -37,8 +37,8 @@ from baton.grammar.backend import (
     GrammarMatcher,
     bitmask_width,
 )
-from baton.grammar.schema.outlines_faithful import check_outlines_schema
-from baton.grammar.schema.outlines_keywords import (
+from baton.grammar.outlines.faithful import check_outlines_schema
+from baton.grammar.outlines.keywords import (
     OUTLINES_CONDITIONAL_KEYWORDS,
     OUTLINES_ENFORCED_KEYWORDS,
     OUTLINES_UNENFORCED_KEYWORDS,

@@ -1,0 +1,1 @@
+"""The llguidance backend (``backend``)."""
