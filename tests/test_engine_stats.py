@@ -34,3 +34,20 @@ def test_recorded_steps_leave_nothing_for_the_collector_to_walk() -> None:
     gc.collect()
     assert len(gc.get_objects()) - before < 500
     assert len(stats.recent_spans()) == 5000
+
+
+def test_a_phase_block_adds_its_span_unless_it_raised_or_was_dropped() -> None:
+    stats = EngineStats()
+    with stats.phase("schedule") as span:
+        span.step_id = 3  # a schedule learns its step's id as it ends
+    with stats.phase("gc", 3) as collected:
+        collected.keep = False  # nothing was collected
+    try:
+        with stats.phase("launch", 4):
+            raise RuntimeError("the executor failed")
+    except RuntimeError:
+        pass
+    (recorded,) = stats.recent_spans()
+    assert recorded == Span("schedule", span.start, span.end, 3)
+    assert span.start <= span.end and stats.schedule_s == span.end - span.start
+    assert stats.gc_s == 0.0 and stats.launch_s == 0.0

@@ -10,8 +10,9 @@ with its forward queued and its sampling not: the next call applies step N's tok
 the step's bitmask, plans the step after it, and then queues the sampling and that next
 forward back to back. So the device runs forward after sampling after forward with no host
 gap between them, and output processing and scheduling overlap a forward instead of
-standing between a sampling and the next forward. Without a drafter the grammars take step
-N's tokens first, and the fill's native part runs on a fill thread beside the rest of the
+standing between a sampling and the next forward. With the fill thread (never beside a
+drafter) the grammars take step N's tokens first and the step's fill (``BitmaskFill``)
+begins then: its native part runs on the thread, where that pays, beside the rest of the
 update and the planning.
 """
 
@@ -21,17 +22,16 @@ import logging
 import time
 from dataclasses import dataclass
 
+from baton.engine.core.bitmask_fill import BitmaskFill
 from baton.engine.core.draft_policy import decode_rows
 from baton.engine.core.fill_thread import FillThread
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.stats import EngineStats
-from baton.engine.core.structured_outputs import BitmaskInProgress
 from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
 from baton.engine.gc_heap import StepCollector
 from baton.engine.scheduler_output import (
     EngineCoreOutput,
-    GrammarOutput,
     ModelRunnerOutput,
     SchedulerOutput,
 )
@@ -156,119 +156,82 @@ class EngineCore:
         so = self._schedule()
         if not _has_work(so):
             return outputs + self._idle()
-        self._execute(so)
-        step, failed = self._queue_sampling(so)
+        with self.stats.phase("launch", so.step_id):
+            self.executor.execute_model(so)
+        step, failed = self._sample(so)
         return [*outputs, *failed, *self._update(step)]
 
     def _overlap_step(self, last: InFlight | None) -> tuple[Outputs, InFlight | None]:
         outputs = self.scheduler.poll_grammars()
-        sampled = None if last is None else last.sampled
-        ready: tuple[SchedulerOutput, GrammarOutput | None] | None = None
-        if last is not None and last.unsampled is not None:
-            # The deferred step's grammars wait for these tokens; its forward is running.
+        sampled, deferred = (None, None) if last is None else (last.sampled, last.unsampled)
+        fill = None
+        if deferred is not None:  # its forward runs; its grammars wait for step N's tokens
             assert sampled is not None, "InFlight defers a step only behind a sampled one"
-            # Never with a drafter, so the step has no drafts.
-            if self._filler is not None and self._filler.worthwhile():
-                # The grammars take step N's tokens first; the fill's native part then runs
-                # on the fill thread beside the rest of the update and the next schedule.
-                applied, started = self._update_filling(sampled, last.unsampled, self._filler)
-                outputs += applied
-                so = self._schedule() if self.scheduler.has_unfinished_requests() else None
-                bitmask, failed = self._finish_fill(last.unsampled, started)
-            else:
-                outputs += self._update(sampled)
-                bitmask, failed = self._fill(last.unsampled)
-                so = self._schedule() if self.scheduler.has_unfinished_requests() else None
-            sampled = None
+            applied, fill = self._update_and_fill(sampled, deferred)
+            outputs += applied
+        so = self._schedule() if self.scheduler.has_unfinished_requests() else None
+        if deferred is not None and fill is not None:  # its sampling, then the next forward
+            sampled, failed = self._sample(deferred, fill)
             outputs += failed
-            ready = (last.unsampled, bitmask)
-        else:
-            so = self._schedule() if self.scheduler.has_unfinished_requests() else None
-        if ready is not None:  # its sampling, then the next forward, back to back
-            sampled = self._sample(*ready)
-        if so is None or not _has_work(so):
-            if sampled is None:
-                return outputs + (self._idle() if so is not None else []), None
-            if ready is not None:
-                # Step N's tokens are applied: return them now and leave the deferred step
-                # in flight. Waiting for it here held back the last token of a request that
-                # stopped in step N (the row after a stop is wasted) by one whole forward.
-                return outputs, InFlight(sampled)
-            return outputs + self._update(sampled), None
-        self._execute(so)  # step N+1's forward is queued behind step N
-        if so.pending_structured_output_tokens and sampled is not None:
-            # A grammar in it waits for step N's token (with no step in flight there is
-            # nothing to wait for: a placeholder count gone stale must not stall it).
-            self.stats.deferred_steps += 1
-            return outputs, InFlight(sampled, so)
-        ongoing, failed = self._queue_sampling(so)  # the bitmask overlaps the forwards
-        outputs += failed
-        if sampled is not None:
-            outputs += self._update(sampled)
-        return outputs, InFlight(ongoing)
+        ongoing = None
+        if so is not None and _has_work(so):
+            ongoing, failed = self._launch(so, sampled)
+            outputs += failed
+        elif fill is not None:
+            # Step N's tokens are applied: return them now and leave the deferred step in
+            # flight. Waiting for it here held back the last token of a request that stopped
+            # in step N (the row after a stop is wasted) by one whole forward.
+            ongoing = InFlight(sampled)
+        elif sampled is None and so is not None:
+            outputs += self._idle()
+        if sampled is not None and (ongoing is None or ongoing.sampled is not sampled):
+            outputs += self._update(sampled)  # the tokens of the step before, unless in flight
+        return outputs, ongoing
 
     # ---------------------------------------------------------------- phases
     def _schedule(self) -> SchedulerOutput:
-        t0 = time.perf_counter()
-        so = self.scheduler.schedule()
-        self.stats.add("schedule", t0, time.perf_counter(), so.step_id)
+        with self.stats.phase("schedule") as span:
+            so = self.scheduler.schedule()
+            span.step_id = so.step_id
         if not so.is_empty:
             self.stats.steps += 1
         return so
 
-    def _execute(self, so: SchedulerOutput) -> None:
-        t0 = time.perf_counter()
-        self.executor.execute_model(so)
-        self.stats.add("launch", t0, time.perf_counter(), so.step_id)
+    def _launch(self, so: SchedulerOutput, sampled: SampledStep | None) -> tuple[InFlight, Outputs]:
+        """Queues the step's forward behind ``sampled`` (the step in flight, if any), and its
+        sampling too unless a grammar in it waits for ``sampled``'s tokens (it is deferred
+        then): the steps now in flight, and the requests that failed in the fill."""
+        with self.stats.phase("launch", so.step_id):
+            self.executor.execute_model(so)
+        if so.pending_structured_output_tokens and sampled is not None:
+            # A grammar in it waits for step N's token (with no step in flight there is
+            # nothing to wait for: a placeholder count gone stale must not stall it).
+            self.stats.deferred_steps += 1
+            return InFlight(sampled, so), []
+        step, failed = self._sample(so)  # the bitmask overlaps the forwards
+        return InFlight(step), failed
 
-    def _queue_sampling(self, so: SchedulerOutput) -> tuple[SampledStep, Outputs]:
-        """Fills the step's bitmask and queues its sampling; returns the step in flight and
-        the requests that failed in the fill."""
-        grammar, failed = self._fill(so)
-        return self._sample(so, grammar), failed
-
-    def _fill(self, so: SchedulerOutput) -> tuple[GrammarOutput | None, Outputs]:
-        """The step's grammar bitmask, and the requests that failed in the fill."""
-        t0 = time.perf_counter()
-        grammar, failed = self.scheduler.get_grammar_bitmask(so, self.executor.bitmask_buffer())
-        self.stats.add("bitmask", t0, time.perf_counter(), so.step_id)
-        return grammar, failed
-
-    def _start_fill(self, so: SchedulerOutput, filler: FillThread) -> BitmaskInProgress | None:
-        """Starts the step's bitmask fill with its native part on ``filler``'s thread."""
-        t0 = time.perf_counter()
-        started = self.scheduler.start_grammar_bitmask(so, self.executor.bitmask_buffer(), filler)
-        self.stats.add("bitmask", t0, time.perf_counter(), so.step_id)
-        return started
-
-    def _finish_fill(
-        self, so: SchedulerOutput, started: BitmaskInProgress | None
-    ) -> tuple[GrammarOutput | None, Outputs]:
-        """Waits for the fill ``_start_fill`` began: the step's bitmask and the requests that
-        failed in the fill."""
-        t0 = time.perf_counter()
-        grammar, failed = self.scheduler.finish_grammar_bitmask(started)
-        self.stats.add("bitmask", t0, time.perf_counter(), so.step_id)
-        return grammar, failed
-
-    def _sample(self, so: SchedulerOutput, grammar: GrammarOutput | None) -> SampledStep:
-        """Queues the step's sampling with ``grammar``."""
-        t0 = time.perf_counter()
-        output = self.executor.sample_tokens(so.step_id, grammar)
-        self.stats.add("launch", t0, time.perf_counter(), so.step_id)
-        return SampledStep(so, output)
+    def _sample(
+        self, so: SchedulerOutput, fill: BitmaskFill | None = None
+    ) -> tuple[SampledStep, Outputs]:
+        """Queues the step's sampling with its bitmask (``fill``, begun earlier, or filled
+        now): the step in flight, and the requests that failed in the fill."""
+        with self.stats.phase("bitmask", so.step_id):
+            if fill is None:
+                fill = self.scheduler.begin_fill(so, self.executor.bitmask_buffer())
+            grammar, failed = fill.wait()
+        with self.stats.phase("launch", so.step_id):
+            output = self.executor.sample_tokens(so.step_id, grammar)
+        return SampledStep(so, output), failed
 
     def _wait(self, step: SampledStep) -> ModelRunnerOutput:
         """The step's tokens: the engine thread's one wait for the device, after the garbage
         collections that are due (the device works meanwhile)."""
-        t0 = time.perf_counter()
-        if self._gc.collect_if_due():
-            t1 = time.perf_counter()
-            self.stats.add("gc", t0, t1, step.so.step_id)
-            t0 = t1
-        out = step.output.get_output()
-        now = time.perf_counter()
-        self.stats.add("wait", t0, now, step.so.step_id)
+        with self.stats.phase("gc", step.so.step_id) as collected:
+            collected.keep = self._gc.collect_if_due()
+        with self.stats.phase("wait", step.so.step_id) as waited:
+            out = step.output.get_output()
+        now = waited.end
         policy = self.scheduler.draft_policy
         # Only a decode step's time: a prompt chunk's cost is another matter.
         if (
@@ -284,25 +247,30 @@ class EngineCore:
     def _update(self, step: SampledStep) -> Outputs:
         """Waits for the step's tokens and applies them."""
         out = self._wait(step)
-        t1 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(step.so, out)
-        self.stats.add("update", t1, time.perf_counter(), step.so.step_id)
-        return outputs
+        with self.stats.phase("update", step.so.step_id):
+            return self.scheduler.update_from_output(step.so, out)
 
-    def _update_filling(
-        self, step: SampledStep, deferred: SchedulerOutput, filler: FillThread
-    ) -> tuple[Outputs, BitmaskInProgress | None]:
-        """``_update`` that starts the deferred step's bitmask fill as soon as the grammars
-        have taken the step's tokens: what the step's requests got, and the fill begun."""
+    def _update_and_fill(
+        self, step: SampledStep, deferred: SchedulerOutput
+    ) -> tuple[Outputs, BitmaskFill]:
+        """``_update`` that begins the deferred step's bitmask fill once its grammars have the
+        step's tokens: what the step's requests got, and the fill. With the fill thread (no
+        drafter) the grammars take the tokens first, and the fill's native part may run on
+        the thread beside the rest of the update and the next schedule; otherwise the fill
+        begins (and is done) after the whole update."""
         out = self._wait(step)
-        t1 = time.perf_counter()
-        verdicts = self.scheduler.advance_grammars(step.so, out)
-        self.stats.add("update", t1, time.perf_counter(), step.so.step_id)
-        started = self._start_fill(deferred, filler)
-        t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(step.so, out, verdicts)
-        self.stats.add("update", t2, time.perf_counter(), step.so.step_id)
-        return outputs, started
+        sid, thread = step.so.step_id, self._filler
+        with self.stats.phase("update", sid):
+            if thread is None:
+                outputs = self.scheduler.update_from_output(step.so, out)
+            else:
+                verdicts = self.scheduler.advance_grammars(step.so, out)
+        with self.stats.phase("bitmask", deferred.step_id):
+            fill = self.scheduler.begin_fill(deferred, self.executor.bitmask_buffer(), thread)
+        if thread is not None:
+            with self.stats.phase("update", sid):
+                outputs = self.scheduler.update_from_output(step.so, out, verdicts)
+        return outputs, fill
 
     def _idle(self) -> Outputs:
         # Only grammars still compiling: give the compile threads the CPU.

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from baton.engine.config import EngineConfig
+from baton.engine.core.bitmask_fill import BitmaskFill
 from baton.engine.core.draft_policy import DraftPolicy
 from baton.engine.core.drafter import Drafter
 from baton.engine.core.kv_cache_manager import KVCacheManager
@@ -17,7 +18,6 @@ from baton.engine.core.request import Request, RequestStatus
 from baton.engine.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
-    GrammarOutput,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
@@ -26,11 +26,7 @@ from baton.engine.scheduler_output import (
 
 if TYPE_CHECKING:
     from baton.engine.core.fill_thread import FillThread
-    from baton.engine.core.structured_outputs import (
-        BitmaskInProgress,
-        GrammarVerdict,
-        StructuredOutputManager,
-    )
+    from baton.engine.core.structured_outputs import GrammarVerdict, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -222,66 +218,33 @@ class Scheduler:
             room -= 1
         return [self._fail(req, message, kind) for req, message, kind in broken]
 
-    def get_grammar_bitmask(
-        self, so: SchedulerOutput, out: torch.Tensor | None = None
-    ) -> tuple[GrammarOutput | None, list[EngineCoreOutput]]:
-        """Bitmask rows for this step's structured requests that will sample, and the error
-        outputs of requests whose grammar failed to fill its row (they are finished; the
-        token sampled for them is dropped).
+    def begin_fill(
+        self, so: SchedulerOutput, out: torch.Tensor | None = None, thread: FillThread | None = None
+    ) -> BitmaskFill:
+        """Begins filling the bitmask rows of this step's structured requests that will sample
+        (into ``out`` when given); ``BitmaskFill.wait`` returns them with the error outputs of
+        requests whose grammar failed to fill its row (they are finished then; the token
+        sampled for them is dropped). With ``thread`` the fill's native part may run there
+        while the caller schedules the next step (see ``fills_beside_schedule``).
 
-        Under async scheduling a deferred step asks after the previous step's
-        tokens were applied: requests that finished or were preempted since
-        get no row (their token will be dropped).
+        Under async scheduling a deferred step's fill begins after the previous step's
+        tokens reached its grammars: requests that finished or were preempted since get no
+        row (their token will be dropped).
         """
         if self.structured is None or not so.structured_request_ids:
-            return None, []
-        grammar, broken = self.structured.grammar_bitmask(
-            self._sampling_structured(so), out, so.scheduled_spec_decode_tokens
-        )
-        return grammar, self._fail_broken(broken)
+            return BitmaskFill(None, self._fail)
+        requests = [
+            req
+            for rid in so.structured_request_ids
+            if (req := self.requests.get(rid)) is not None and req.status == RequestStatus.RUNNING
+        ]
+        drafts = so.scheduled_spec_decode_tokens
+        return BitmaskFill.begin(self.structured, requests, self._fail, out, drafts, thread)
 
     def fills_beside_schedule(self) -> bool:
         """True when ``schedule`` never touches a grammar matcher, so a step's bitmask may be
         filled on another thread while the next step is scheduled (drafters read matchers)."""
         return self.drafter is None
-
-    def start_grammar_bitmask(
-        self, so: SchedulerOutput, out: torch.Tensor | None = None, filler: FillThread | None = None
-    ) -> BitmaskInProgress | None:
-        """Starts ``get_grammar_bitmask``'s fill for a step without drafts; its native part
-        runs on ``filler``'s thread when given (see ``fills_beside_schedule``). Finish it
-        with ``finish_grammar_bitmask`` before the matchers change."""
-        if self.structured is None or not so.structured_request_ids:
-            return None
-        if so.scheduled_spec_decode_tokens:
-            raise ValueError("a step with drafts fills its bitmask with get_grammar_bitmask")
-        return self.structured.start_bitmask(self._sampling_structured(so), out, filler)
-
-    def finish_grammar_bitmask(
-        self, started: BitmaskInProgress | None
-    ) -> tuple[GrammarOutput | None, list[EngineCoreOutput]]:
-        """Waits for a fill ``start_grammar_bitmask`` began: what ``get_grammar_bitmask``
-        returns."""
-        if started is None or self.structured is None:
-            return None, []
-        grammar, broken = self.structured.finish_bitmask(started)
-        return grammar, self._fail_broken(broken)
-
-    def _sampling_structured(self, so: SchedulerOutput) -> list[Request]:
-        return [
-            req
-            for rid in so.structured_request_ids
-            if (req := self.requests.get(rid)) is not None and req.status == RequestStatus.RUNNING
-        ]
-
-    def _fail_broken(self, broken: list[tuple[Request, str]]) -> list[EngineCoreOutput]:
-        failed = []
-        for req, message in broken:
-            if req.is_finished:  # finished by the update the fill ran beside
-                continue
-            logger.error("request %s failed: %s", req.request_id, message)
-            failed.append(self._fail(req, message))
-        return failed
 
     def _draft_depth(self) -> int:
         """The most drafts per request this step: the policy's choice for the running

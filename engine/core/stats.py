@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -35,6 +36,30 @@ class Span(NamedTuple):
     start: float
     end: float
     step_id: int
+
+
+class Phase:
+    """A host phase being timed (``EngineStats.phase``): a span from entering the block to
+    leaving it, added unless the block raised or ``keep`` was set False. ``step_id`` may be
+    set inside the block (a schedule learns its step's id as it ends)."""
+
+    __slots__ = ("_stats", "name", "step_id", "keep", "start", "end")
+
+    def __init__(self, stats: EngineStats, name: str, step_id: int) -> None:
+        self._stats = stats
+        self.name = name
+        self.step_id = step_id
+        self.keep = True
+        self.start = self.end = 0.0
+
+    def __enter__(self) -> Phase:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        self.end = time.perf_counter()
+        if exc_type is None and self.keep:
+            self._stats.add(self.name, self.start, self.end, self.step_id)
 
 
 @dataclass
@@ -74,6 +99,11 @@ class EngineStats:
         name = _TOTALS.get(phase) or f"{phase}_s"
         setattr(self, name, getattr(self, name) + (end - start))
         self._spans.append((phase, start, end, step_id))
+
+    def phase(self, phase: str, step_id: int = 0) -> Phase:
+        """Times a block as a host phase of step ``step_id``:
+        ``with stats.phase("schedule") as span: ...``; see ``Phase``."""
+        return Phase(self, phase, step_id)
 
     def record(self, wall_s: float, device_wait_s: float, device_s: float, deferred: bool) -> None:
         """Adds one engine step (the phase totals are added by the core as they happen)."""

@@ -1,8 +1,9 @@
 """The engine's side of structured outputs: per-request grammars and step bitmasks.
 
 ``grammar/`` knows nothing of requests; this manager ties its compile service
-and matchers to requests, checks specs at submission, and fills the bitmask
-rows of the requests that sample in a step.
+and matchers to requests, checks specs at submission, advances each request's
+grammar by its sampled tokens and holds the bitmask buffer that a step's fill
+(``bitmask_fill.py``) writes when the device has none of its own.
 """
 
 from __future__ import annotations
@@ -10,30 +11,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from baton.engine.core.fill_thread import FillThread, PendingFills, run_fills
 from baton.engine.core.request import Request, StructuredState
-from baton.engine.scheduler_output import GrammarOutput
-from baton.grammar.backend import (
-    BackendRecipe,
-    GrammarMatcher,
-    NativeFill,
-    allocate_bitmask,
-    filled_now,
-)
+from baton.grammar.backend import BackendRecipe, allocate_bitmask
 from baton.grammar.compile.service import CompilePoolConfig, CompileResult, CompileService
-from baton.grammar.reasoning import ReasoningMatcher, ReasoningSpec, fill_thinking_row
+from baton.grammar.reasoning import ReasoningMatcher, ReasoningSpec
 from baton.grammar.spec import StructuredOutputsParams, allowed_backends
 from baton.grammar.validation import DEFAULT_MAX_DEPTH, check_enforceable, validate_spec
 
 logger = logging.getLogger(__name__)
 
 _VALIDATED_CACHE_SIZE = 1024
-# The fill group of the requests that are thinking (``grammar/reasoning.py``): no backend's.
-_THINKING = "(thinking)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,35 +40,8 @@ _ACCEPTED = GrammarVerdict()
 _TERMINATED = GrammarVerdict(terminated=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class _FillGroup:
-    """One backend's share of a fill; ``error`` when planning its batched fill raised."""
-
-    backend: str
-    requests: list[Request]
-    matchers: list[GrammarMatcher]
-    rows: list[int]
-    error: BaseException | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _FillInProgress:
-    groups: list[_FillGroup]  # in the order of ``pending``'s calls
-    pending: PendingFills
-
-
-@dataclasses.dataclass(frozen=True)
-class BitmaskInProgress:
-    """A step's bitmask fill that ``StructuredOutputManager.start_bitmask`` began: the
-    requests with a row (in row order), the rows, and the fill (None: no structured row)."""
-
-    requests: tuple[Request, ...]
-    bitmask: torch.Tensor | None
-    fill: _FillInProgress | None
-
-
 class StructuredOutputManager:
-    """Validates specs, compiles them off-thread and fills bitmasks for the engine.
+    """Validates specs, compiles them off-thread and advances grammars for the engine.
 
     Args:
         tokenizer: the model's tokenizer (baton ``Tokenizer``).
@@ -241,181 +205,14 @@ class StructuredOutputManager:
         return result
 
     # ------------------------------------------------------------------ steps
-    def grammar_bitmask(
-        self,
-        requests: Sequence[Request],
-        out: torch.Tensor | None = None,
-        drafts: Mapping[str, Sequence[int]] | None = None,
-    ) -> tuple[GrammarOutput | None, list[tuple[Request, str]]]:
-        """Bitmask rows for the structured requests that sample this step, and the requests
-        whose grammar failed to fill its row, each with why.
-
-        With ``drafts`` (speculative decoding), a request with k draft tokens gets 1 + k
-        consecutive rows: the mask after its known tokens, then after each draft in turn (its
-        matcher is advanced over the drafts between batched fills and rolled back at the end).
-
-        Rows are filled per backend in one batched call each, into ``out``
-        (int32 ``[rows, words]``, e.g. the device's shared buffer) when given,
-        else into the manager's own buffer. When a batched fill raises, that backend's rows
-        are filled one by one instead; a request whose own fill raises gets an all-allowed row
-        and is returned as failed (the caller fails it, so its token is dropped).
-        """
-        if drafts:
-            reqs = self._with_matchers(requests)
-            return self._draft_bitmask(reqs, out, drafts) if reqs else (None, [])
-        return self.finish_bitmask(self.start_bitmask(requests, out))
-
-    def start_bitmask(
-        self,
-        requests: Sequence[Request],
-        out: torch.Tensor | None = None,
-        filler: FillThread | None = None,
-    ) -> BitmaskInProgress:
-        """Starts filling the bitmask rows of the structured requests that sample this step
-        (one row each, no drafts); ``finish_bitmask`` completes it.
-
-        With ``filler``, each backend's Python side of the fill runs now and its native
-        batched fill runs on the filler's thread, so the caller can do Python work meanwhile
-        (the rows are not ready, and the matchers must not change, until
-        ``finish_bitmask``). Without it the whole fill happens here.
-        """
-        reqs = self._with_matchers(requests)
-        if not reqs:
-            return BitmaskInProgress((), None, None)
-        bitmask = (self._bitmask if out is None else out)[: len(reqs)]
-        fill = self._start_fill(reqs, range(len(reqs)), bitmask, filler)
-        return BitmaskInProgress(tuple(reqs), bitmask, fill)
-
-    def finish_bitmask(
-        self, started: BitmaskInProgress
-    ) -> tuple[GrammarOutput | None, list[tuple[Request, str]]]:
-        """Waits for a fill ``start_bitmask`` began: the step's bitmask rows, and the
-        requests whose grammar failed to fill its row, each with why."""
-        if started.fill is None or started.bitmask is None:
-            return None, []
-        failed = self._finish_fill(started.fill, started.bitmask)
-        # A view of a preallocated buffer: valid until it is filled again.
-        grammar = GrammarOutput(tuple([r.request_id for r in started.requests]), started.bitmask)
-        return grammar, failed
-
-    @staticmethod
-    def _with_matchers(requests: Sequence[Request]) -> list[Request]:
-        return [r for r in requests if r.structured is not None and r.structured.matcher]
-
-    def _start_fill(
-        self,
-        reqs: Sequence[Request],
-        rows: Sequence[int],
-        bitmask: torch.Tensor,
-        filler: FillThread | None = None,
-    ) -> _FillInProgress:
-        """Plans the fill of ``bitmask[rows[i]]`` for ``reqs[i]``'s matcher, one batched
-        call per backend, and starts the native calls (on ``filler``'s thread, or here)."""
-        groups: list[_FillGroup] = []
-        calls: list[NativeFill] = []
-        for name, group_reqs, matchers, group_rows in _by_backend(reqs, rows):
-            error: BaseException | None = None
-            try:
-                if name == _THINKING:  # every token but the ends, or the end of thoughts
-                    for matcher, row in zip(matchers, group_rows, strict=True):
-                        assert isinstance(matcher, ReasoningMatcher)
-                        fill_thinking_row(matcher, bitmask, row)
-                    call = filled_now
-                else:
-                    call = self.service.backend(name).plan_fill(
-                        matchers, bitmask, group_rows, off_thread=filler is not None
-                    )
-            except Exception as exc:  # noqa: BLE001 - filled row by row in _finish_fill
-                error, call = exc, filled_now
-            calls.append(call)
-            groups.append(_FillGroup(name, group_reqs, matchers, group_rows, error))
-        if filler is not None:
-            return _FillInProgress(groups, filler.start(calls))
-        return _FillInProgress(groups, run_fills(calls))
-
-    def _finish_fill(
-        self, fill: _FillInProgress, bitmask: torch.Tensor
-    ) -> list[tuple[Request, str]]:
-        """Waits for the fill's native calls; a backend whose batched fill raised is filled
-        row by row, and a request whose own row fails gets an all-allowed row and is
-        returned as failed (the caller fails it, so its token is dropped)."""
-        errors = fill.pending.wait()
-        failed: list[tuple[Request, str]] = []
-        for i, group in enumerate(fill.groups):
-            error = group.error or errors.get(i)
-            if error is None:
-                continue
-            logger.error(
-                "batched %s bitmask fill failed; filling row by row",
-                group.backend,
-                exc_info=error,
-            )
-            for req, matcher, row in zip(group.requests, group.matchers, group.rows, strict=True):
-                try:
-                    matcher.fill_bitmask(bitmask, row)
-                except Exception as exc:  # noqa: BLE001 - the caller fails this request
-                    # Not all-zero: a row that allows nothing would break sampling for the batch.
-                    bitmask[row].fill_(-1)
-                    failed.append(
-                        (req, f"grammar bitmask fill failed: {type(exc).__name__}: {exc}")
-                    )
-        return failed
-
-    def _fill(
-        self,
-        reqs: Sequence[Request],
-        rows: Sequence[int],
-        bitmask: torch.Tensor,
-    ) -> list[tuple[Request, str]]:
-        """Fills ``bitmask[rows[i]]`` for ``reqs[i]``'s matcher, one batched call per backend."""
-        return self._finish_fill(self._start_fill(reqs, rows, bitmask), bitmask)
-
-    def _draft_bitmask(
-        self,
-        reqs: Sequence[Request],
-        out: torch.Tensor | None,
-        drafts: Mapping[str, Sequence[int]],
-    ) -> tuple[GrammarOutput, list[tuple[Request, str]]]:
-        counts = [1 + len(drafts.get(r.request_id, ())) for r in reqs]
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        total = sum(counts)
+    def bitmask_rows(self, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The first ``n`` rows of ``out`` (int32 ``[rows, words]``, e.g. the device's shared
+        buffer), or of the manager's own buffer, which grows to ``n`` rows when the one
+        chosen is smaller (a step's fill is ``bitmask_fill.BitmaskFill``)."""
         buffer = self._bitmask if out is None else out
-        if buffer.shape[0] < total:
-            buffer = self._bitmask = allocate_bitmask(total, self.vocab_size)
-        bitmask = buffer[:total]
-        failed = self._fill(reqs, starts, bitmask)
-        advanced = [0] * len(reqs)
-        try:
-            for j in range(1, max(counts)):
-                live, rows = [], []
-                for i, req in enumerate(reqs):
-                    if counts[i] <= j:
-                        continue
-                    row = starts[i] + j
-                    if advanced[i] == j - 1 and _accepts(
-                        req.structured.matcher, drafts[req.request_id][j - 1]
-                    ):
-                        advanced[i] = j
-                        live.append(req)
-                        rows.append(row)
-                    else:
-                        # The draft before is masked out at its own row, so it is never
-                        # accepted and nothing from here on is either.
-                        bitmask[row].fill_(-1)
-                if live:
-                    failed += self._fill(live, rows, bitmask)
-        finally:
-            for req, n in zip(reqs, advanced, strict=True):
-                if n:
-                    req.structured.matcher.rollback(n)
-        broken = {id(r) for r, _ in failed}
-        unique = []
-        for req, message in failed:
-            if id(req) in broken:
-                broken.discard(id(req))
-                unique.append((req, message))
-        grammar = GrammarOutput(tuple(r.request_id for r in reqs), bitmask, tuple(counts))
-        return grammar, unique
+        if buffer.shape[0] < n:
+            buffer = self._bitmask = allocate_bitmask(n, self.vocab_size)
+        return buffer[:n]
 
     @staticmethod
     def advance(reqs: Sequence[Request], tokens: Sequence[int]) -> list[GrammarVerdict]:
@@ -440,43 +237,3 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.service.shutdown()
-
-
-def _by_backend(
-    reqs: Sequence[Request], rows: Sequence[int]
-) -> list[tuple[str, list[Request], list[GrammarMatcher], list[int]]]:
-    """``reqs`` (with their rows) grouped by backend: (name, requests, matchers, rows), the
-    biggest group first. On the fill thread only the first call is sure to run beside the
-    caller's Python (each later one needs the GIL to start)."""
-    if len(rows) != len(reqs):
-        raise ValueError(f"{len(reqs)} requests but {len(rows)} rows")
-    if not reqs:
-        return []
-    states = [req.structured for req in reqs]
-    names = [state.backend for state in states]
-    first = names[0]
-    if names.count(first) == len(names) and all(state.reasoning is None for state in states):
-        # Every request on one backend, the usual case: no per-request grouping (a step
-        # fills every structured row, so this runs once per step on the engine thread).
-        return [(first, list(reqs), [state.matcher for state in states], list(rows))]
-    by_backend: dict[str, tuple[list[Request], list[GrammarMatcher], list[int]]] = {}
-    for req, state, row in zip(reqs, states, rows, strict=True):
-        name, matcher = state.backend, state.matcher
-        if isinstance(matcher, ReasoningMatcher):  # thinking: filled here; else its grammar's
-            name, matcher = (_THINKING, matcher) if matcher.thinking else (name, matcher.inner)
-        group = by_backend.setdefault(name, ([], [], []))
-        group[0].append(req)
-        group[1].append(matcher)
-        group[2].append(row)
-    ordered = sorted(by_backend.items(), key=lambda item: -len(item[1][0]))
-    return [(name, *group) for name, group in ordered]
-
-
-def _accepts(matcher: GrammarMatcher, token: int) -> bool:
-    """Advances ``matcher`` by a draft token; False when the grammar rejects it or the matcher
-    fails (the draft is then masked out at its own row, so it is never kept)."""
-    try:
-        return matcher.accept_tokens([token])
-    except Exception:  # noqa: BLE001 - a broken matcher costs its request the draft only
-        logger.exception("advancing a matcher over a draft token failed")
-        return False
