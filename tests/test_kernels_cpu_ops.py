@@ -287,3 +287,19 @@ def test_bad_windows_caps_and_sinks_are_named() -> None:
         cpu_ops.paged_decode_cpu(q, kc, vc, tables, lens, 0.125, softcap=-1.0)
     with pytest.raises(RuntimeError, match="sinks"):
         cpu_ops.paged_decode_cpu(q, kc, vc, tables, lens, 0.125, sinks=torch.zeros(4))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("nbytes", [0, 7, 8, 33, 4096 + 3, 1 << 20])
+def test_read_words_is_the_xor_of_the_words(nbytes: int, threads: int, restore_threads) -> None:
+    import numpy as np
+
+    torch.set_num_threads(threads)
+    t = torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
+    words = np.frombuffer(t.numpy().tobytes()[: nbytes // 8 * 8], dtype="<u8")
+    expected = int(np.bitwise_xor.reduce(words).view(np.int64)) if words.size else 0
+    assert cpu_ops.read_words(t) == expected
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        cpu_ops.read_words(t.to(torch.int16))

@@ -385,4 +385,35 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
 
 }  // namespace
 
+// The XOR of a contiguous uint8 tensor's 8-byte words (its last numel % 8 bytes left out), each
+// thread over one contiguous share: a pure streaming read with next to no arithmetic, so that
+// its rate is the memory's (bench/memory_bandwidth.py; torch's reductions are bound by their
+// arithmetic here: a float32 sum read at half the rate this loop does).
+int64_t read_words(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.is_contiguous(),
+              "read_words takes a contiguous uint8 CPU tensor");
+  const auto* p = reinterpret_cast<const uint64_t*>(t.data_ptr<uint8_t>());
+  const int64_t n = t.numel() / 8;
+  const int threads = at::get_num_threads();
+  std::vector<uint64_t> part(threads, 0);
+  at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t lo = n * i / threads, hi = n * (i + 1) / threads;
+      uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+      int64_t w = lo;
+      for (; w + 4 <= hi; w += 4) {
+        a0 ^= p[w];
+        a1 ^= p[w + 1];
+        a2 ^= p[w + 2];
+        a3 ^= p[w + 3];
+      }
+      for (; w < hi; ++w) a0 ^= p[w];
+      part[i] = a0 ^ a1 ^ a2 ^ a3;
+    }
+  });
+  uint64_t acc = 0;
+  for (uint64_t v : part) acc ^= v;
+  return static_cast<int64_t>(acc);
+}
+
 }  // namespace cpuops
