@@ -158,6 +158,7 @@ def test_streamed_deltas_split_anywhere_add_up_to_the_whole_split(harmony_tokeni
     splitter = reasoning_splitter(tok, "openai_gptoss")
     ids = _ids(tok, ANSWER)
     whole = splitter.split(tok.decode(ids), ids, True)
+    assert whole == ("Think of red.", '{"name": "red", "ok": true}')
     for step in (1, 2, 3, 5):
         deltas = ReasoningDeltas(splitter, True)
         parts = {"reasoning_content": "", "content": ""}
