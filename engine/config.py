@@ -99,10 +99,25 @@ def check_device(device: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-# Reasoning parsers (vLLM's names) -> the tokens that open and close the model's thoughts.
-REASONING_PARSERS: dict[str, tuple[str, str]] = {
-    "qwen3": ("<think>", "</think>"),
-    "deepseek_r1": ("<think>", "</think>"),
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """The text that opens (``start``) and closes (``end``) a model's thoughts, and what a
+    spent reasoning budget writes before ``end`` (``forced_prefix``; see
+    ``baton.grammar.reasoning.ReasoningSpec``)."""
+
+    start: str
+    end: str
+    forced_prefix: str = ""
+
+
+# Reasoning parsers (vLLM's names) -> the markers of the model's thoughts. gpt-oss (harmony)
+# thinks in its analysis channel; its answer is the final channel's message.
+REASONING_PARSERS: dict[str, ReasoningMarkers] = {
+    "qwen3": ReasoningMarkers("<think>", "</think>"),
+    "deepseek_r1": ReasoningMarkers("<think>", "</think>"),
+    "openai_gptoss": ReasoningMarkers(
+        "<|start|>", "<|channel|>final<|message|>", "<|end|><|start|>assistant"
+    ),
 }
 
 
@@ -255,9 +270,11 @@ class EngineConfig:
             where drafts are on: drafting reads the grammars while scheduling.
         reasoning_parser: how the model marks its reasoning (vLLM's ``--reasoning-parser``
             names): "qwen3" or "deepseek_r1", both ``<think> ... </think>`` (which must be
-            single tokens of the model's vocabulary). A structured request's grammar then
-            holds from the token after ``</think>``, never over the thoughts, and
-            ``SamplingParams.max_reasoning_tokens`` bounds them. None (default): no reasoning.
+            single tokens of the model's vocabulary), or "openai_gptoss" (gpt-oss's harmony:
+            the thoughts end with ``<|channel|>final<|message|>``). A structured request's
+            grammar then holds from the token after the end of the thoughts, never over them,
+            and ``SamplingParams.max_reasoning_tokens`` bounds them. None (default): no
+            reasoning.
     """
 
     model: str | None = None

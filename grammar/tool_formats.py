@@ -13,7 +13,12 @@ in one block (Mistral's ``[TOOL_CALLS][...]``) the text around that block. The c
   after ``<|python_tag|>`` (Llama 3.1-3.3);
 - ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``;
 - ``qwen3_coder``: ``<tool_call>\\n<function=f>\\n<parameter=p>\\nvalue\\n</parameter>\\n
-  </function>\\n</tool_call>`` (Qwen3-Coder's XML; values are text, read by the schema's types).
+  </function>\\n</tool_call>`` (Qwen3-Coder's XML; values are text, read by the schema's types);
+- ``openai``: gpt-oss's harmony, ``<|start|>assistant<|channel|>commentary to=functions.f
+  <|constrain|>json<|message|>{...}<|call|>``. Its markers are special tokens the detokenised
+  text leaves out, so the server reads them from the token ids (its ``openai_gptoss`` reasoning
+  parser) and writes each call in this text for the parser; no grammar writes them
+  (``TOOL_CALL_PARSERS``, not ``TOOL_CALL_FORMATS``).
 
 Nothing here depends on a backend or on the engine.
 """
@@ -157,7 +162,20 @@ QWEN3_CODER = ToolCallFormat(
 TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, QWEN3_CODER)
 }
-"""The formats by their ``--tool-call-parser`` name (vLLM's)."""
+"""The formats by their ``--tool-call-parser`` name (vLLM's) that a grammar can write."""
+
+OPENAI = ToolCallFormat(
+    name="openai",
+    trigger="<|start|>assistant<|channel|>commentary to=functions.",
+    call_prefix="<|start|>assistant<|channel|>commentary to=functions.",
+    name_suffix=" <|constrain|>json<|message|>",
+    end="<|call|>",
+    separator="",
+)
+
+TOOL_CALL_PARSERS: dict[str, ToolCallFormat] = {**TOOL_CALL_FORMATS, OPENAI.name: OPENAI}
+"""Every ``--tool-call-parser`` name: ``TOOL_CALL_FORMATS`` and ``openai`` (harmony, read from
+the token ids: it needs the ``openai_gptoss`` reasoning parser, and forces no calls)."""
 
 # What in a chat template shows the format it writes, checked in this order (Qwen3-Coder's
 # template also writes <tool_call>; Llama 3's names the ipython role for tool results).
@@ -177,11 +195,11 @@ def tool_call_format(name: str) -> ToolCallFormat:
         ValueError: an unknown name (the message lists the known ones).
     """
     try:
-        return TOOL_CALL_FORMATS[name]
+        return TOOL_CALL_PARSERS[name]
     except (KeyError, TypeError):
         raise ValueError(
             f"tool call parser {name!r} is not supported; expected one of "
-            f"{', '.join(TOOL_CALL_FORMATS)}"
+            f"{', '.join(TOOL_CALL_PARSERS)}"
         ) from None
 
 

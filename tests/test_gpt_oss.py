@@ -226,7 +226,15 @@ def test_mxfp4_through_llama_cpp_converter(mxfp4_folder, tmp_path):
     assert_same_checkpoint(load_checkpoint(packed), load_checkpoint(gguf))
 
 
-HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+HARMONY = [
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|constrain|>",
+]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 from baton.engine.core.request import Request, StructuredState
 from baton.grammar.backend import BackendRecipe, allocate_bitmask
 from baton.grammar.compile.service import CompilePoolConfig, CompileResult, CompileService
-from baton.grammar.reasoning import ReasoningMatcher, ReasoningSpec
+from baton.grammar.reasoning import ReasoningMatcher, ReasoningTokens
 from baton.grammar.spec import StructuredOutputsParams, allowed_backends
 from baton.grammar.validation import DEFAULT_MAX_DEPTH, check_enforceable, validate_spec
 
@@ -53,7 +53,7 @@ class StructuredOutputManager:
             1 when the model's worker process needs every core.
         compile_pool: compile worker processes, queue bound and memory cap.
         cache_bytes: size budget of the compiled-grammar cache (see ``CompileService``).
-        reasoning: the token ids that open and close the model's thoughts (the engine's
+        reasoning: the tokens that open and close the model's thoughts (the engine's
             reasoning parser), or None: a grammar holds from a request's first token.
         eos_token_ids: the model's ends of sequence (not allowed while a request thinks).
     """
@@ -69,11 +69,11 @@ class StructuredOutputManager:
         fill_threads: int = 2,
         compile_pool: CompilePoolConfig | None = None,
         cache_bytes: int = 1 << 30,
-        reasoning: tuple[int, int] | None = None,
+        reasoning: ReasoningTokens | None = None,
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.vocab_size = vocab_size
-        # The model's (start, end) of thoughts (token ids; EngineConfig.reasoning_parser), and
+        # The model's markers of thoughts (token ids; EngineConfig.reasoning_parser), and
         # the ends of sequence a thinking request may not stop on.
         self.reasoning = reasoning
         self.eos_token_ids = eos_token_ids
@@ -160,13 +160,8 @@ class StructuredOutputManager:
         """
         reasoning = None
         if self.reasoning is not None:
-            start, end = self.reasoning
-            ids = list(prompt_token_ids)
-            last_end = max((i for i, t in enumerate(ids) if t == end), default=-1)
-            last_start = max((i for i, t in enumerate(ids) if t == start), default=-1)
-            reasoning = ReasoningSpec(
-                end,
-                last_end <= last_start or last_end < 0,
+            reasoning = self.reasoning.spec(
+                self.reasoning.thinks_first(prompt_token_ids),
                 max_reasoning_tokens,
                 self.eos_token_ids,
             )

@@ -98,7 +98,7 @@ class LLMEngine:
             cache_bytes=config.grammar_cache_bytes,
             reasoning=None
             if config.reasoning_parser is None
-            else reasoning_token_ids(self.tokenizer, *REASONING_PARSERS[config.reasoning_parser]),
+            else reasoning_token_ids(self.tokenizer, *_markers(config.reasoning_parser)),
             eos_token_ids=tuple(self.eos_token_ids),
         )
         self.reasoning_parser = config.reasoning_parser
@@ -429,3 +429,9 @@ def prompt_from_dict(prompt: Mapping[str, Any]) -> str | Sequence[int]:
     if given[0] == "prompt_token_ids" and not isinstance(value, (list, tuple)):
         raise ValueError(f"'prompt_token_ids' must be a list of ints, got {type(value).__name__}")
     return value
+
+
+def _markers(parser: str) -> tuple[str, str, str]:
+    """``reasoning_token_ids``'s texts of ``parser`` (``REASONING_PARSERS``)."""
+    markers = REASONING_PARSERS[parser]
+    return markers.start, markers.end, markers.forced_prefix

@@ -17,7 +17,7 @@ from baton.engine.server.constraints import Constraint
 from baton.engine.server.errors import bad_request
 from baton.engine.server.params import chat_sampling_params
 from baton.engine.server.protocol import REASONING_EFFORTS, ChatCompletionRequest
-from baton.engine.server.reasoning import ReasoningSplitter
+from baton.engine.server.reasoning import ReasoningSplitter, reasoning_splitter
 from baton.engine.server.state import ServerState
 from baton.engine.server.tool_output import tool_message
 from baton.engine.server.tools import ToolPlan, prepare_messages, tool_plan
@@ -179,7 +179,7 @@ def plan_chat(state: ServerState, body: ChatCompletionRequest) -> ChatPlan:
     tokenizer = state.engine.get_tokenizer()
     prompt = render_chat(tokenizer, body, tools, state.config.chat_template)
     parser = state.config.reasoning_parser
-    splitter = None if parser is None else ReasoningSplitter(tokenizer, parser)
+    splitter = None if parser is None else reasoning_splitter(tokenizer, parser)
     return ChatPlan(prompt, params, constraint, tools, splitter)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from baton.engine.config import REASONING_PARSERS
 from baton.grammar.spec import BACKENDS
-from baton.grammar.tool_formats import TOOL_CALL_FORMATS
+from baton.grammar.tool_formats import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_RESPONSES_STORE_SIZE = 1024
@@ -34,7 +34,7 @@ class ServerConfig:
         responses_store_size: how many ``/v1/responses`` responses are kept (in memory,
             least recently used evicted first) for ``previous_response_id`` and ``GET``.
         tool_call_parser: the models' tool-call syntax, by vLLM's parser name
-            (``TOOL_CALL_FORMATS``: ``baton serve --tool-call-parser``); None: the one the
+            (``TOOL_CALL_PARSERS``: ``baton serve --tool-call-parser``); None: the one the
             chat template writes, else Hermes'.
         max_reasoning_tokens: the thinking budget of a structured request that gives no
             ``max_reasoning_tokens`` (``baton serve --max-reasoning-tokens``); needs
@@ -72,10 +72,15 @@ class ServerConfig:
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                 f"got {self.reasoning_parser!r}"
             )
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_FORMATS:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
-                f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, "
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                 f"got {self.tool_call_parser!r}"
+            )
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            raise ValueError(
+                "tool_call_parser 'openai' reads gpt-oss's harmony tokens: it needs "
+                "reasoning_parser 'openai_gptoss' (--reasoning-parser openai_gptoss)"
             )
         budget = self.max_reasoning_tokens
         if budget is not None:

@@ -1,14 +1,30 @@
 """A reasoning model's answer cut into its thoughts and the rest (``--reasoning-parser``):
 ``message.reasoning_content`` and ``message.content``, whole or as stream deltas, by the
-end-of-think token's position in the completion's token ids."""
+end-of-think token's position in the completion's token ids (gpt-oss: by the channels of its
+harmony messages, ``HarmonySplitter``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from baton.engine.config import REASONING_PARSERS
+from baton.engine.server.harmony import HarmonyTokens, harmony_messages
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.reasoning import reasoning_token_ids
+from baton.grammar.tool_formats import FUNCTION_NAME, OPENAI
+
+# The parsers whose model writes harmony (``HarmonySplitter``).
+_HARMONY = frozenset({"openai_gptoss"})
+
+
+def reasoning_splitter(tokenizer: Tokenizer, parser: str) -> ReasoningSplitter:
+    """The splitter of ``parser`` (a ``REASONING_PARSERS`` name) for ``tokenizer``'s model.
+
+    Raises:
+        ValueError: the tokenizer lacks the parser's tokens.
+    """
+    cls = HarmonySplitter if parser in _HARMONY else ReasoningSplitter
+    return cls(tokenizer, parser)
 
 
 class ReasoningSplitter:
@@ -19,17 +35,18 @@ class ReasoningSplitter:
     """
 
     def __init__(self, tokenizer: Tokenizer, parser: str) -> None:
-        self.start_text, self.end_text = REASONING_PARSERS[parser]
-        self.start_id, self.end_id = reasoning_token_ids(tokenizer, self.start_text, self.end_text)
+        markers = REASONING_PARSERS[parser]
+        self.start_text, self.end_text = markers.start, markers.end
+        self.markers = reasoning_token_ids(
+            tokenizer, markers.start, markers.end, markers.forced_prefix
+        )
+        self.start_id, self.end_id = self.markers.start, self.markers.end[-1]
         self.tokenizer = tokenizer
 
     def thinks_first(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether a completion of this prompt begins with thoughts (its template did not
-        close them: no end-of-think token after the last start)."""
-        ids = list(prompt_token_ids)
-        last_end = max((i for i, t in enumerate(ids) if t == self.end_id), default=-1)
-        last_start = max((i for i, t in enumerate(ids) if t == self.start_id), default=-1)
-        return last_end <= last_start
+        close them: no end of the thoughts after the last start)."""
+        return self.markers.thinks_first(prompt_token_ids)
 
     def split(
         self, text: str, token_ids: Sequence[int], thinks_first: bool
@@ -57,6 +74,53 @@ class ReasoningSplitter:
             return 0
         ids = list(token_ids)
         return ids.index(self.end_id) + 1 if self.end_id in ids else len(ids)
+
+
+class HarmonySplitter(ReasoningSplitter):
+    """gpt-oss's completions cut by harmony channel (``harmony.py``): the analysis messages
+    are the thoughts, the final ones (and commentary without a recipient, the preambles
+    shown to users) the content. A call (a message to ``functions.NAME``) is written into the
+    content in the text of the ``openai`` tool-call format, for its parser to read; messages
+    to other recipients (built-in tools) are left out.
+
+    Raises:
+        ValueError: the tokenizer lacks harmony's special tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, parser: str) -> None:
+        super().__init__(tokenizer, parser)
+        self.special = HarmonyTokens.of(tokenizer)
+
+    def split(
+        self, text: str, token_ids: Sequence[int], thinks_first: bool
+    ) -> tuple[str | None, str | None]:
+        """``(reasoning_content, content)`` read from the completion's harmony messages
+        (content None until a final or preamble message has begun); all the text content
+        where the prompt opened the final message already."""
+        if not thinks_first:
+            return None, text
+        reasoning: list[str] = []
+        content: list[str] | None = None
+        for message in harmony_messages(token_ids, self.special, self.tokenizer.decode):
+            name = message.recipient.removeprefix("functions.")
+            if message.channel == "analysis":
+                reasoning.append(message.body)
+            elif message.recipient.startswith("functions.") and FUNCTION_NAME.fullmatch(name):
+                end = OPENAI.end if message.closed else ""
+                content = [*(content or []), OPENAI.begin(name) + message.body + end]
+            elif message.channel == "final" or not message.recipient:
+                content = [*(content or []), message.body]
+        return "".join(reasoning), None if content is None else "".join(content)
+
+    def reasoning_tokens(self, token_ids: Sequence[int], thinks_first: bool) -> int:
+        """Tokens up to the end of the thoughts (``<|channel|>final<|message|>``)."""
+        if not thinks_first:
+            return 0
+        ids, end = list(token_ids), self.markers.end
+        for i in range(len(ids) - len(end) + 1):
+            if tuple(ids[i : i + len(end)]) == end:
+                return i + len(end)
+        return len(ids)
 
 
 class ReasoningDeltas:

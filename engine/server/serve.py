@@ -23,7 +23,7 @@ from baton.engine.server.config import (
     ServerConfig,
 )
 from baton.grammar.spec import BACKENDS
-from baton.grammar.tool_formats import TOOL_CALL_FORMATS
+from baton.grammar.tool_formats import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=tuple(TOOL_CALL_FORMATS),
+        choices=tuple(TOOL_CALL_PARSERS),
         default=None,
         help="the model's tool-call syntax (vLLM's parser names); default: the one the chat "
         "template writes, else hermes",

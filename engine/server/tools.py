@@ -115,7 +115,8 @@ def tool_plan(body: ChatCompletionRequest, fmt: ToolCallFormat = HERMES) -> Tool
     Raises:
         APIError: 400 naming the field: a tool that is not a function, a bad name or
             parameters schema, duplicate names, a tool_choice without tools, an unknown
-            tool_choice, or one naming a function not in tools.
+            tool_choice, one naming a function not in tools, or one that forces calls with
+            the "openai" (harmony) parser.
     """
     choice = body.tool_choice
     if not body.tools:
@@ -155,6 +156,15 @@ def tool_plan(body: ChatCompletionRequest, fmt: ToolCallFormat = HERMES) -> Tool
             "a named function or allowed_tools)",
             "tool_choice",
         )
+    if mode == "required" and fmt.name == "openai":
+        # Harmony's calls are written in the commentary channel, before the final answer the
+        # reasoning matcher hands to a grammar: nothing can force one.
+        raise bad_request(
+            "tool_choice 'required', a named function or allowed_tools mode 'required' "
+            "cannot be enforced with --tool-call-parser openai (gpt-oss's harmony); use "
+            "'auto' or 'none'",
+            "tool_choice",
+        )
     return ToolPlan(
         definitions=tuple(d for d, _ in pairs),
         functions=tuple(functions),
@@ -167,15 +177,16 @@ def tool_plan(body: ChatCompletionRequest, fmt: ToolCallFormat = HERMES) -> Tool
 
 def tool_constraint(plan: ToolPlan, answer: Constraint | None, backend: str) -> Constraint | None:
     """The constraint of a request with tools: ``answer`` (its own constraint, if any) for
-    tool_choice "none"; else a structural tag admitting the calls the plan allows (and, with
-    "auto", ``answer``'s format as the alternative to calling), compiled by xgrammar with
-    ``answer``'s whitespace options.
+    tool_choice "none" and for harmony's calls (parser "openai": written before the answer,
+    in the commentary channel, where no grammar holds); else a structural tag admitting the
+    calls the plan allows (and, with "auto", ``answer``'s format as the alternative to
+    calling), compiled by xgrammar with ``answer``'s whitespace options.
 
     Raises:
         APIError: 400 when the request asks for another backend than xgrammar (the only one
             that reads structural tags), or its constraint cannot be placed in a tag.
     """
-    if plan.mode == "none":
+    if plan.mode == "none" or plan.fmt.name == "openai":  # harmony's calls: see tool_plan
         return answer
     base = answer.spec if answer is not None else None
     chosen = base.backend if base is not None else backend
@@ -256,6 +267,9 @@ parameters: {"name": <function-name>, "parameters": <arguments-json-object>}
 </parameter>
 </function>
 </tool_call>""",
+    "openai": """To call a function, write a message to it in the commentary channel:
+<|start|>assistant<|channel|>commentary to=functions.<function-name> <|constrain|>json\
+<|message|><arguments-json-object><|call|>""",
 }
 
 
