@@ -26,6 +26,7 @@ from baton.engine.scheduler_output import (
 from baton.engine.worker.cuda_graphs import DecodeGraphs, DecodePadding
 from baton.engine.worker.device_buffers import DeviceIO, HostCopy
 from baton.engine.worker.host_times import HostTimes
+from baton.engine.worker.prompt_logprobs import PromptRows, prune_done, queue_prompt_logprobs
 from baton.engine.worker.request_states import RequestStates
 from baton.engine.worker.runner_values import ForwardOutput, SampledTokens, StepPlan
 from baton.engine.worker.spec_decode import DraftLayout, record_verified_
@@ -108,7 +109,14 @@ class ModelRunner:
                     so.step_id, (), (), rows, torch.from_numpy(rows), torch.zeros(0)
                 )
             plan = self._plan(so)
-            pad = self._decode_padding(plan)
+            st = self.states
+            prompt_rows = None
+            if st.prompt_logprob_rows:  # the usual step: no host work at all
+                prompt_rows = PromptRows.of(
+                    req_ids, plan, st.prompt_logprob_rows, st.num_prompt_tokens
+                )
+            # Prompt rows need every hidden state: the decode graphs keep only the last ones.
+            pad = None if prompt_rows is not None else self._decode_padding(plan)
             hidden_index: torch.Tensor | None = None
             graph_logits: torch.Tensor | None = None
             if pad is not None:
@@ -159,6 +167,18 @@ class ModelRunner:
                 logits = head(hidden)
             else:
                 logits = head(hidden[hidden_index])
+            prompt_lp = None
+            if st.prompt_logprob_rows:
+                if prompt_rows is not None:
+                    prompt_lp = queue_prompt_logprobs(
+                        prompt_rows,
+                        hidden,
+                        head,
+                        st.input_ids,
+                        self.io,
+                        driver=self.model.tp is None or self.model.tp.is_driver,
+                    )
+                prune_done(st.prompt_logprob_rows, plan, st.num_prompt_tokens)
             laps.lap("logits")
             return ForwardOutput(
                 step_id=so.step_id,
@@ -168,6 +188,7 @@ class ModelRunner:
                 sample_rows_device=sample_rows,
                 logits=logits,
                 drafts=drafts,
+                prompt_logprobs=prompt_lp,
             )
 
     def _decode_padding(self, plan: StepPlan) -> DecodePadding | None:
@@ -256,7 +277,15 @@ class ModelRunner:
         with self.io.on_stream():
             if not fwd.sample_request_ids:
                 empty = torch.zeros(0, dtype=torch.int64)
-                return SampledTokens(fwd.request_ids, (), empty, None, (), HostCopy((empty,)))
+                return SampledTokens(
+                    fwd.request_ids,
+                    (),
+                    empty,
+                    None,
+                    (),
+                    HostCopy((empty,)),
+                    prompt_logprobs=fwd.prompt_logprobs,
+                )
             laps = self.host_times
             laps.start()
             # Each sampling request's parameters, looked up once for the whole step.
@@ -291,6 +320,7 @@ class ModelRunner:
                 num_logprobs,
                 copy,
                 fwd.drafts,
+                fwd.prompt_logprobs,
             )
 
     def _record_verified(
