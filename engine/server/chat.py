@@ -31,7 +31,7 @@ from baton.engine.server.generation import (
     start_requests,
     usage,
 )
-from baton.engine.server.logprobs import chat_logprobs
+from baton.engine.server.logprobs import chat_logprobs, prompt_logprobs_json
 from baton.engine.server.params import check_model
 from baton.engine.server.protocol import ChatCompletionRequest
 from baton.engine.server.reasoning import ReasoningDeltas, ReasoningSplitter
@@ -90,6 +90,8 @@ def _response(
     }
     if out.structured_output_unenforced is not None:  # a lenient schema: what was dropped
         response["structured_outputs_unenforced"] = out.structured_output_unenforced
+    if out.prompt_logprobs is not None:  # vLLM's field, beside the choices
+        response["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
     return response
 
 

@@ -74,7 +74,6 @@ _CHAT_REFUSED: dict[str, tuple[str, Any]] = {
 }
 _COMPLETION_REFUSED: dict[str, tuple[str, Any]] = {
     "suffix": ("suffix is not supported", _empty),
-    "prompt_logprobs": ("prompt_logprobs is not supported", lambda v: False),
 }
 # Responses API fields that baton does not implement (``store``, ``previous_response_id``
 # and the rest are declared by ``ResponsesRequest``).
@@ -105,7 +104,6 @@ _VLLM_REFUSED: dict[str, tuple[str, Any]] = {
     "bad_words": ("bad_words is not supported", _empty),
     "logits_processors": ("logits_processors are not supported", _empty),
     "truncate_prompt_tokens": ("truncate_prompt_tokens is not supported", lambda v: False),
-    "prompt_logprobs": ("prompt_logprobs is not supported", lambda v: False),
     "return_tokens_as_token_ids": ("return_tokens_as_token_ids is not supported", _is(False)),
     "spaces_between_special_tokens": ("spaces_between_special_tokens is not supported", _is(True)),
     "guided_decoding": ("guided_decoding is not supported; use structured_outputs", _empty),
