@@ -139,12 +139,17 @@ async def _stream(
                 if not text and not ids and not c.finished:
                     continue
                 delta: dict[str, Any] = {"content": text} if text else {}
+                answer = c.text
                 if thoughts is not None:
                     delta = thoughts[c.index].delta(c.text, c.token_ids)
+                    answer = thoughts[c.index].content
                 reason = c.finish_reason
                 if calls is not None:
+                    # Calls are read from the text after the thoughts only, as unstreamed; the
+                    # thoughts' delta stays beside them.
                     deltas = calls[c.index]
-                    delta = deltas.delta(c.text, c.finished)
+                    delta.pop("content", None)
+                    delta.update(deltas.delta(answer, c.finished))
                     reason = finish_reason(reason, deltas.has_calls)
                     if not delta and not c.finished and not body.logprobs:
                         continue
