@@ -86,6 +86,62 @@ def test_a_chunk_delivered_again_keeps_the_first_rows() -> None:
         PromptLogprobsSoFar().add(part(9, 1))
 
 
+def test_queued_prompt_logprobs_cut_each_request_to_its_top_k() -> None:
+    """The runner's part alone: two requests' rows through a toy LM head in slices, each
+    request's rows cut to its own k, the embedding's padding ids (past the tokenizer) never
+    ranked."""
+    import numpy as np
+
+    from baton.engine.worker import prompt_logprobs as plp
+    from baton.engine.worker.device_buffers import DeviceIO
+
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 4)
+    weight = torch.randn(7, 4)
+    weight[6] = 100 * hidden.mean(0)  # a padding id the raw logits would rank first
+    tokens = torch.tensor([[0, 3, 1, 4, 2, 5]])  # one state row of token ids
+    rows = plp.PromptRows(
+        request_ids=("a", "b"),
+        starts=(1, 4),
+        counts=(2, 3),
+        top_k=(0, 2),
+        hidden_index=np.arange(5, dtype=np.int64),
+        token_rows=np.zeros(5, dtype=np.int64),
+        target_positions=np.array([1, 2, 3, 4, 5], dtype=np.int64),
+    )
+    old = plp._HEAD_ROWS
+    plp._HEAD_ROWS = 2  # three slices
+    try:
+        copy = plp.queue_prompt_logprobs(
+            rows,
+            hidden,
+            lambda h: h @ weight.T,
+            lambda r, p: tokens[r, p],
+            DeviceIO(torch.device("cpu")),
+            vocab_size=6,
+        )
+    finally:
+        plp._HEAD_ROWS = old
+    got = copy.result()
+    ref = torch.log_softmax((hidden @ weight.T)[:, :6], -1)
+    a, b = got["a"], got["b"]
+    assert (a.start, b.start) == (1, 4)
+    assert a.rows.token_ids == [[3], [1]] and len(b.rows.token_ids[0]) == 3
+    for i, (ids, vals, rank) in enumerate(
+        zip(
+            a.rows.token_ids + b.rows.token_ids,
+            a.rows.logprobs + b.rows.logprobs,
+            a.rows.ranks + b.rows.ranks,
+            strict=True,
+        )
+    ):
+        assert 6 not in ids
+        assert vals == pytest.approx(ref[i, ids].tolist(), abs=1e-6)
+        assert rank == int((ref[i] >= ref[i, ids[0]]).sum())
+        if i >= 2:
+            assert ids[1:] == torch.topk(ref[i], 2).indices.tolist()
+
+
 # --------------------------------------------------------------------- engine
 
 

@@ -16,6 +16,18 @@ from conftest import DEFAULT_SERVED_MODEL as MODEL
 
 PROMPT_B = "Once upon a time, in a land far away,"
 
+
+def test_responses_refuse_prompt_logprobs_naming_it() -> None:
+    from baton.engine.server.errors import APIError
+    from baton.engine.server.fields import check_extra_fields
+    from baton.engine.server.protocol import ResponsesRequest
+
+    body = ResponsesRequest.model_validate({"input": "hi", "prompt_logprobs": 1})
+    with pytest.raises(APIError, match="not supported on /v1/responses") as err:
+        check_extra_fields(body)
+    assert err.value.param == "prompt_logprobs"
+
+
 _NUMBER_OR_NULL = {"type": ["number", "null"]}
 COMPLETION_LOGPROBS = {
     "type": "object",

@@ -84,6 +84,11 @@ _RESPONSES_REFUSED: dict[str, tuple[str, Any]] = {
     "prompt": ("prompt templates are not supported", lambda v: False),
     "max_tool_calls": ("max_tool_calls is not supported", lambda v: False),
     "top_logprobs": ("top_logprobs is not supported on /v1/responses", _is(0)),
+    "prompt_logprobs": (
+        "prompt_logprobs is not supported on /v1/responses (use /v1/completions or "
+        "/v1/chat/completions)",
+        lambda v: False,
+    ),
     "truncation": ("truncation 'auto' is not supported", _is("disabled")),
     # Obfuscation pads the events; it changes no output.
     "stream_options": (

@@ -26,7 +26,12 @@ from baton.engine.scheduler_output import (
 from baton.engine.worker.cuda_graphs import DecodeGraphs, DecodePadding
 from baton.engine.worker.device_buffers import DeviceIO, HostCopy
 from baton.engine.worker.host_times import HostTimes
-from baton.engine.worker.prompt_logprobs import PromptRows, prune_done, queue_prompt_logprobs
+from baton.engine.worker.prompt_logprobs import (
+    PromptLogprobsCopy,
+    PromptRows,
+    prune_done,
+    queue_prompt_logprobs,
+)
 from baton.engine.worker.request_states import RequestStates
 from baton.engine.worker.runner_values import ForwardOutput, SampledTokens, StepPlan
 from baton.engine.worker.spec_decode import DraftLayout, record_verified_
@@ -115,7 +120,7 @@ class ModelRunner:
                 prompt_rows = PromptRows.of(
                     req_ids, plan, st.prompt_logprob_rows, st.num_prompt_tokens
                 )
-            # Prompt rows need every hidden state: the decode graphs keep only the last ones.
+            # Prompt rows need every hidden state: the decode graphs keep the last ones only.
             pad = None if prompt_rows is not None else self._decode_padding(plan)
             hidden_index: torch.Tensor | None = None
             graph_logits: torch.Tensor | None = None
@@ -167,18 +172,9 @@ class ModelRunner:
                 logits = head(hidden)
             else:
                 logits = head(hidden[hidden_index])
-            prompt_lp = None
-            if st.prompt_logprob_rows:
-                if prompt_rows is not None:
-                    prompt_lp = queue_prompt_logprobs(
-                        prompt_rows,
-                        hidden,
-                        head,
-                        st.input_ids,
-                        self.io,
-                        driver=self.model.tp is None or self.model.tp.is_driver,
-                    )
-                prune_done(st.prompt_logprob_rows, plan, st.num_prompt_tokens)
+            prompt_lp = (
+                self._prompt_logprobs(plan, prompt_rows, hidden) if st.prompt_logprob_rows else None
+            )
             laps.lap("logits")
             return ForwardOutput(
                 step_id=so.step_id,
@@ -190,6 +186,25 @@ class ModelRunner:
                 drafts=drafts,
                 prompt_logprobs=prompt_lp,
             )
+
+    def _prompt_logprobs(
+        self, plan: StepPlan, rows: PromptRows | None, hidden: torch.Tensor
+    ) -> PromptLogprobsCopy | None:
+        """Queues the prompt logprobs of ``rows`` (see ``prompt_logprobs.py``), then forgets
+        the rows whose prompt this step finished."""
+        out = None
+        if rows is not None:
+            out = queue_prompt_logprobs(
+                rows,
+                hidden,
+                self.model.compute_logits,
+                self.states.input_ids,
+                self.io,
+                driver=self.model.tp is None or self.model.tp.is_driver,
+                vocab_size=self.tokenizer_vocab_size,
+            )
+        prune_done(self.states.prompt_logprob_rows, plan, self.states.num_prompt_tokens)
+        return out
 
     def _decode_padding(self, plan: StepPlan) -> DecodePadding | None:
         """The step's layout for the decode graphs, or None when it runs the model as it is:

@@ -134,12 +134,15 @@ def queue_prompt_logprobs(
     targets: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     io: DeviceIO,
     driver: bool = True,
+    vocab_size: int | None = None,
 ) -> PromptLogprobsCopy | None:
     """Queues the LM head over the rows' hidden states (``_HEAD_ROWS`` at a time), their
     log_softmax in float32 (the raw model output, as vLLM's prompt logprobs), each prompt
     token's logprob and rank and the top-k, and their copy to the host. ``targets(token_rows,
     positions)`` reads the prompt tokens on the device. Off the tensor-parallel driver
     (``driver`` False) only the head runs (its gather is a collective) and None is returned.
+    Ids from ``vocab_size`` on (the embedding's padding rows, past the tokenizer) get no
+    probability, as in sampling.
     """
     index, token_rows, positions = io.to_device(
         [rows.hidden_index, rows.token_rows, rows.target_positions]
@@ -149,6 +152,8 @@ def queue_prompt_logprobs(
     parts = []
     for i in range(0, rows.hidden_index.size, _HEAD_ROWS):
         logits = head(hidden[index[i : i + _HEAD_ROWS]])
+        if vocab_size is not None and vocab_size < logits.shape[1]:
+            logits[:, vocab_size:] = float("-inf")
         if driver:
             parts.append(compute_logprobs(logits, tokens[i : i + _HEAD_ROWS], k))
     if not driver:
