@@ -1,8 +1,8 @@
 """``SamplingParams.prompt_logprobs`` (issue 55) on the default model: every prompt token's
 logprob, rank and top-k equal a float32 log_softmax of transformers' logits over the whole
-prompt, with chunked prefill (in a worker process), after a prefix-cache hit on the same
-prompt, and beside requests that do not ask (whose outputs do not change). The HTTP shapes are
-in test_server_prompt_logprobs.py."""
+prompt, with chunked prefill (in a worker process), after a prefix-cache hit on the same prompt,
+through preemptions mid-prompt, and beside requests that do not ask (whose outputs do not
+change). The HTTP shapes are in test_server_prompt_logprobs.py."""
 
 from __future__ import annotations
 
@@ -204,3 +204,33 @@ def test_chunked_prompt_logprobs_beside_requests_that_do_not_ask(
     for b, a in zip(before, after, strict=True):  # asking changed no one's tokens
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_prompt_logprobs_survive_preemption_mid_prompt(default_checkpoint, hf_default_model):
+    # 8 usable blocks of 4 tokens, 4 tokens a step: B (admitted first) grows until A, midway
+    # through its 19-token prompt, is preempted (the most recent), and again after each
+    # restart until B ends. Each restart computes A's prompt from its start (no prefix cache
+    # while its logprobs are owed) and delivers its first chunks again.
+    llm = LLM.from_checkpoint(
+        default_checkpoint,
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=4,
+        block_size=4,
+        num_kv_blocks=9,
+    )
+    try:
+        b, a = llm.generate(
+            [PROMPT_B, PROMPT_A],
+            [
+                SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+            ],
+            use_tqdm=False,
+        )
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
+    assert len(b.outputs[0].token_ids) == 14 and a.outputs[0].finish_reason == "length"
+    ids = default_checkpoint.tokenizer.encode(PROMPT_A)
+    _assert_matches(a.prompt_logprobs, ids, _reference(hf_default_model, ids), 1)
