@@ -72,6 +72,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt
+    # token a dict holding it and the top-k at its position (vLLM's shape); else None.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # The structured-output backend that served the request, and why the
     # preferred one did not (auto mode), if it did not.
     structured_output_backend: str | None = None

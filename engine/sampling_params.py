@@ -36,6 +36,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    # Per prompt token (after the first): its logprob and the top-k at its position, from
+    # the raw logits (vLLM's field). Such a request skips prefix-cache hits: every prompt
+    # position is computed.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -100,6 +104,11 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20
         ):
             raise bad("logprobs", "None or an int in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            # vLLM's -1 (the whole vocabulary) is over its default max_logprobs of 20 too.
+            raise bad("prompt_logprobs", "None or an int in [0, 20] (-1, all tokens, is over 20)")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

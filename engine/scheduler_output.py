@@ -119,6 +119,16 @@ class Logprobs:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of a run of prompt tokens, from one step's prompt chunk: ``rows`` holds per
+    token its id then the top-k (with the token's rank), for prompt positions ``start``,
+    ``start + 1``, ... (``start`` >= 1: the first prompt token has no logprob)."""
+
+    start: int
+    rows: Logprobs
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     """Tokens sampled by one step, per request in scheduled order.
 
@@ -130,6 +140,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    # Requests with prompt_logprobs whose prompt chunk ran this step (sampling or not).
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 class EngineCoreOutput(NamedTuple):
@@ -155,6 +167,9 @@ class EngineCoreOutput(NamedTuple):
     structured_fallback_reason: str | None = None
     # A lenient spec's keywords its backend did not enforce (None: all enforced).
     structured_unenforced: str | None = None
+    # With prompt_logprobs, on the request's first output: every prompt token's but the
+    # first, in order.
+    prompt_logprobs: Logprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -281,6 +281,61 @@ def test_the_server_returns_the_thoughts_as_reasoning_content(reasoning_server):
         assert usage["completion_tokens_details"]["reasoning_tokens"] == spent
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": SCHEMA,
+    },
+}
+
+
+def _streamed_message(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A streamed chat choice's deltas added up: reasoning_content, content, and each tool
+    call's name and arguments."""
+    import httpx
+
+    parts: dict[str, Any] = {"reasoning_content": "", "content": "", "tool_calls": {}}
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=120) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[len("data: ") :])["choices"]:
+                delta = choice["delta"]
+                for key in ("reasoning_content", "content"):
+                    parts[key] += delta.get(key) or ""
+                for call in delta.get("tool_calls") or []:
+                    got = parts["tool_calls"].setdefault(call["index"], ["", ""])
+                    got[0] += call["function"].get("name") or ""
+                    got[1] += call["function"].get("arguments") or ""
+    return parts
+
+
+def test_streamed_tool_calls_keep_the_thoughts_apart(reasoning_server):
+    """With both the reasoning parser and tools, a streamed chat sends the thoughts as
+    reasoning_content deltas and reads the tool calls out of the text after them only: the
+    deltas add up to the non-streamed message (thoughts, no content, the same calls)."""
+    import httpx
+
+    url = f"{reasoning_server}/v1/chat/completions"
+    for seed in range(3):
+        body = _chat_body(seed)
+        del body["response_format"]
+        body |= {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}
+        reply = httpx.post(url, json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        message = reply.json()["choices"][0]["message"]
+        assert message["reasoning_content"] and not message["content"]
+        (call,) = message["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
+        streamed = _streamed_message(url, body)
+        assert streamed == {
+            "reasoning_content": message["reasoning_content"],
+            "content": "",
+            "tool_calls": {0: [call["function"]["name"], call["function"]["arguments"]]},
+        }
+
+
 def _responses_events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     import httpx
 

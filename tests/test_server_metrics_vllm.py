@@ -241,14 +241,3 @@ def test_echo_prepends_the_prompt(default_model_server: str, default_model_engin
     texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
     assert texts[0].startswith(PROMPT)
     assert "".join(texts) == PROMPT + plain
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_echo_with_logprobs_is_a_400(default_model_server: str, stream: bool) -> None:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1}
-    r = httpx.post(
-        f"{default_model_server}/v1/completions", json=body | {"stream": stream}, timeout=60
-    )
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == "echo" and "logprobs" in error["message"], error

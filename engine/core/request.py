@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler_output import Logprobs, PromptLogprobs
 from baton.grammar.backend import GrammarMatcher
 from baton.grammar.compile.service import CompileHandle
 from baton.grammar.reasoning import ReasoningSpec
@@ -27,6 +28,39 @@ class StructuredState:
     reasoning: ReasoningSpec | None = None
     # A lenient spec (allow_unenforced): what its backend does not enforce, or None.
     unenforced: str | None = None
+
+
+@dataclass
+class PromptLogprobsSoFar:
+    """A request's prompt logprobs as its prompt chunks deliver them, until they go out
+    with its first token. A chunk computed again (after a preemption) is delivered again:
+    only the positions not held yet are kept."""
+
+    rows: Logprobs = field(default_factory=lambda: Logprobs([], [], []))
+    sent: bool = False
+
+    def add(self, part: PromptLogprobs) -> None:
+        """Keeps ``part``'s positions past those held.
+
+        Raises:
+            RuntimeError: ``part`` starts past the next position (a chunk went missing).
+        """
+        held = self.rows
+        skip = len(held.ranks) + 1 - part.start  # the first prompt token has no row
+        if skip < 0:
+            raise RuntimeError(
+                f"prompt logprobs from position {part.start}, but only {len(held.ranks)} held"
+            )
+        held.token_ids.extend(part.rows.token_ids[skip:])
+        held.logprobs.extend(part.rows.logprobs[skip:])
+        held.ranks.extend(part.rows.ranks[skip:])
+
+    def take(self) -> Logprobs | None:
+        """All the rows, the first time (None after)."""
+        if self.sent:
+            return None
+        self.sent = True
+        return self.rows
 
 
 class RequestStatus(enum.Enum):
@@ -85,6 +119,8 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     structured: StructuredState | None = None
+    # With sampling_params.prompt_logprobs: the rows delivered so far.
+    prompt_logprobs: PromptLogprobsSoFar | None = None
 
     @classmethod
     def new(
@@ -103,7 +139,15 @@ class Request:
             seed=seed,
             arrival_time=time.monotonic(),
             output_token_ids=[],
+            prompt_logprobs=(
+                None if sampling_params.prompt_logprobs is None else PromptLogprobsSoFar()
+            ),
         )
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether a prefix-cache hit would skip prompt positions whose logprobs are owed."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.sent
 
     @property
     def num_prompt_tokens(self) -> int:

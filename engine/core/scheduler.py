@@ -168,7 +168,9 @@ class Scheduler:
             if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 skipped.append(self.waiting.popleft())
                 continue
-            cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            # Owed prompt logprobs need every prompt position computed (as vLLM).
+            skip = req.skips_prefix_cache
+            cached = 0 if skip else self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
             req.num_computed_tokens = cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = cached
@@ -464,6 +466,10 @@ class Scheduler:
         error = out.errors.get(req.request_id)
         if error is not None:
             return self._fail(req, error)
+        if out.prompt_logprobs and req.prompt_logprobs is not None:
+            part = out.prompt_logprobs.get(req.request_id)
+            if part is not None:
+                req.prompt_logprobs.add(part)
         if not tokens:
             self._cache_known(req)
             return None
@@ -508,6 +514,7 @@ class Scheduler:
             structured.backend if structured else None,
             structured.fallback_reason if structured else None,
             structured.unenforced if structured else None,
+            None if req.prompt_logprobs is None else req.prompt_logprobs.take(),
         )
 
     def _reject_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:

@@ -380,7 +380,12 @@ class MultiprocExecutor(Executor):
             n = len(reply.sample_request_ids) if drafts is None else drafts.num_rows
             tokens = self._sampled[reply.slot, :n].tolist()
         return runner_output(
-            reply.request_ids, reply.sample_request_ids, tokens, reply.logprobs, drafts
+            reply.request_ids,
+            reply.sample_request_ids,
+            tokens,
+            reply.logprobs,
+            drafts,
+            reply.prompt_logprobs,
         )
 
     def _died(self, message: str) -> None:

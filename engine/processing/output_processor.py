@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from baton.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from baton.engine.processing.detokenizer import IncrementalDetokenizer
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler_output import EngineCoreOutput
+from baton.engine.scheduler_output import EngineCoreOutput, Logprobs
 from baton.engine.tokenizer import Tokenizer
 
 
@@ -31,6 +31,9 @@ class _Parent:
     structured_backend: str | None = None
     structured_fallback_reason: str | None = None
     structured_unenforced: str | None = None
+    # With prompt_logprobs: set from the first output that carries them (each of the ``n``
+    # completions computes the same ones).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Only the finished output is wanted (offline generate): no output per step, and text is
     # decoded once at the end unless stop strings must be watched token by token.
     final_only: bool = False
@@ -131,6 +134,8 @@ class OutputProcessor:
                 parent.structured_backend = out.structured_backend
                 parent.structured_fallback_reason = out.structured_fallback_reason
                 parent.structured_unenforced = out.structured_unenforced
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None, *self._entries(out.prompt_logprobs)]
             try:
                 if self._apply(child, out, now, parent.final_only and not parent.params.stop):
                     to_abort.append(out.request_id)
@@ -177,17 +182,8 @@ class OutputProcessor:
             child.detok.update(pending, stop_terminated=bool(pending) and stop_terminated)
         comp.token_ids.extend(tokens)
         if out.logprobs is not None and comp.logprobs is not None:
-            for ids, vals, rank in zip(
-                out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks, strict=True
-            ):
-                entry = {}
-                for j, (tid, val) in enumerate(zip(ids, vals, strict=True)):
-                    if tid in entry:
-                        continue
-                    entry[tid] = Logprob(
-                        val, rank if j == 0 else j, self.tokenizer.decode([tid], False)
-                    )
-                comp.logprobs.append(entry)
+            comp.logprobs.extend(self._entries(out.logprobs))
+            for vals in out.logprobs.logprobs:
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + vals[0]
         comp.text = child.detok.output_text
         if stop_str is not None:
@@ -202,6 +198,25 @@ class OutputProcessor:
             comp.error_kind = out.error_kind
             m.finished_time = now
         return False
+
+    def _entries(self, logprobs: Logprobs) -> list[dict[int, Logprob]]:
+        """One ``{token id: Logprob}`` per position: its token (with its rank), then the
+        top-k (rank j for the j-th) where not the token itself."""
+        texts: dict[int, str] = {}  # a prompt's rows share many ids
+        entries = []
+        for ids, vals, rank in zip(
+            logprobs.token_ids, logprobs.logprobs, logprobs.ranks, strict=True
+        ):
+            entry = {}
+            for j, (tid, val) in enumerate(zip(ids, vals, strict=True)):
+                if tid in entry:
+                    continue
+                text = texts.get(tid)
+                if text is None:
+                    text = texts[tid] = self.tokenizer.decode([tid], False)
+                entry[tid] = Logprob(val, rank if j == 0 else j, text)
+            entries.append(entry)
+        return entries
 
     def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
         children = sorted(parent.children.values(), key=lambda c: c.index)
@@ -227,6 +242,7 @@ class OutputProcessor:
             finished=finished,
             metrics=first if len(children) == 1 else _merge_metrics([c.metrics for c in children]),
             num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=parent.prompt_logprobs,
             structured_output_backend=parent.structured_backend,
             structured_output_fallback_reason=parent.structured_fallback_reason,
             structured_output_unenforced=parent.structured_unenforced,

@@ -31,7 +31,7 @@ from baton.engine.server.generation import (
     start_requests,
     usage,
 )
-from baton.engine.server.logprobs import chat_logprobs
+from baton.engine.server.logprobs import chat_logprobs, prompt_logprobs_json
 from baton.engine.server.params import check_model
 from baton.engine.server.protocol import ChatCompletionRequest
 from baton.engine.server.reasoning import ReasoningDeltas, ReasoningSplitter
@@ -90,6 +90,8 @@ def _response(
     }
     if out.structured_output_unenforced is not None:  # a lenient schema: what was dropped
         response["structured_outputs_unenforced"] = out.structured_output_unenforced
+    if out.prompt_logprobs is not None:  # vLLM's field, beside the choices
+        response["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
     return response
 
 
@@ -137,12 +139,17 @@ async def _stream(
                 if not text and not ids and not c.finished:
                     continue
                 delta: dict[str, Any] = {"content": text} if text else {}
+                answer = c.text
                 if thoughts is not None:
                     delta = thoughts[c.index].delta(c.text, c.token_ids)
+                    answer = thoughts[c.index].content
                 reason = c.finish_reason
                 if calls is not None:
+                    # Calls are read from the text after the thoughts only, as unstreamed; the
+                    # thoughts' delta stays beside them.
                     deltas = calls[c.index]
-                    delta = deltas.delta(c.text, c.finished)
+                    delta.pop("content", None)
+                    delta.update(deltas.delta(answer, c.finished))
                     reason = finish_reason(reason, deltas.has_calls)
                     if not delta and not c.finished and not body.logprobs:
                         continue

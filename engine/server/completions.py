@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -29,7 +29,7 @@ from baton.engine.server.generation import (
     start_requests,
     usage,
 )
-from baton.engine.server.logprobs import completion_logprobs
+from baton.engine.server.logprobs import completion_logprobs, prompt_logprobs_json
 from baton.engine.server.params import check_model, completion_sampling_params
 from baton.engine.server.protocol import CompletionRequest
 from baton.engine.server.state import ServerState, get_state
@@ -58,18 +58,10 @@ def echo_texts(state: ServerState, body: CompletionRequest, prompts: list[Prompt
     decoded (special tokens kept, as ``/detokenize``); empty strings without ``echo``.
 
     Raises:
-        APIError: 400 naming ``echo`` when ``logprobs`` is asked for too (echo's logprobs are
-            the prompt's, which baton does not compute); 400 naming ``prompt`` for a token
-            id outside the vocabulary.
+        APIError: 400 naming ``prompt`` for a token id outside the vocabulary.
     """
     if not body.echo:
         return [""] * len(prompts)
-    if body.logprobs is not None:
-        raise bad_request(
-            "echo with logprobs is not supported: it needs the prompt's logprobs, which "
-            "baton does not compute; drop echo or logprobs",
-            "echo",
-        )
     tokenizer = state.engine.get_tokenizer()
     try:
         return [
@@ -87,6 +79,22 @@ def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
     )
 
 
+def _echoed_logprobs(
+    out: RequestOutput,
+    token_ids: list[int],
+    entries: list[Any],
+    top_n: int,
+    decode: Callable[[int], str],
+    text_offset: int = 0,
+) -> dict[str, Any]:
+    """``echo`` with ``logprobs``: the prompt's tokens first (the first with null
+    logprobs), then these output tokens (as vLLM)."""
+    prompt = out.prompt_logprobs or []
+    return completion_logprobs(
+        [*out.prompt_token_ids, *token_ids], [*prompt, *entries], top_n, text_offset, decode
+    )
+
+
 def _response(
     outputs: list[RequestOutput],
     body: CompletionRequest,
@@ -94,22 +102,27 @@ def _response(
     created: int,
     model: str,
     echo: list[str],
+    decode: Callable[[int], str],
 ) -> dict[str, Any]:
     choices = []
     for p, out in enumerate(outputs):
         for c in out.outputs:
             logprobs = None
             if body.logprobs is not None and c.logprobs is not None:
-                logprobs = completion_logprobs(c.token_ids, c.logprobs, body.logprobs)
-            choices.append(
-                {
-                    "index": p * body.n + c.index,
-                    "text": echo[p] + c.text,
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
+                if body.echo:
+                    logprobs = _echoed_logprobs(out, c.token_ids, c.logprobs, body.logprobs, decode)
+                else:
+                    logprobs = completion_logprobs(c.token_ids, c.logprobs, body.logprobs)
+            choice = {
+                "index": p * body.n + c.index,
+                "text": echo[p] + c.text,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if out.prompt_logprobs is not None:  # vLLM's field, per choice
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+            choices.append(choice)
     response = {
         "id": request_id,
         "object": "text_completion",
@@ -131,6 +144,7 @@ async def _stream(
     created: int,
     model: str,
     echo: list[str],
+    decode: Callable[[int], str],
 ) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     n = body.n
@@ -151,15 +165,18 @@ async def _stream(
             choices = []
             for c in out.outputs:
                 tracker = trackers[p * n + c.index]
-                offset = tracker.text_len
+                offset = len(echo[p]) + tracker.text_len  # offsets count the echoed prompt
                 text, ids, entries = tracker.delta(c)
                 if not text and not ids and not c.finished:
                     continue
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs = completion_logprobs(ids, entries, body.logprobs, offset)
                 index = p * n + c.index
-                if index in unstarted:
+                first = index in unstarted
+                logprobs = None
+                if body.logprobs is not None and first and body.echo:
+                    logprobs = _echoed_logprobs(out, ids, entries, body.logprobs, decode)
+                elif body.logprobs is not None:
+                    logprobs = completion_logprobs(ids, entries, body.logprobs, offset)
+                if first:
                     unstarted.discard(index)
                     text = echo[p] + text
                 choice: dict[str, Any] = {
@@ -190,6 +207,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     )
     prompts = prompts_of(body.prompt)
     echo = echo_texts(state, body, prompts)
+    tokenizer = state.engine.get_tokenizer()
+
+    def decode(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = body.model or state.config.served_model_name
@@ -202,10 +224,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             except ClientDisconnected:
                 return Response(status_code=499)
         return SSEResponse(
-            _stream(streams, body, request_id, created, model, echo), lambda: close_all(streams)
+            _stream(streams, body, request_id, created, model, echo, decode),
+            lambda: close_all(streams),
         )
     try:
         outputs = await collect_unary(request, streams, param)
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(_response(outputs, body, request_id, created, model, echo))
+    return JSONResponse(_response(outputs, body, request_id, created, model, echo, decode))

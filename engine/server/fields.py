@@ -74,7 +74,6 @@ _CHAT_REFUSED: dict[str, tuple[str, Any]] = {
 }
 _COMPLETION_REFUSED: dict[str, tuple[str, Any]] = {
     "suffix": ("suffix is not supported", _empty),
-    "prompt_logprobs": ("prompt_logprobs is not supported", lambda v: False),
 }
 # Responses API fields that baton does not implement (``store``, ``previous_response_id``
 # and the rest are declared by ``ResponsesRequest``).
@@ -85,6 +84,11 @@ _RESPONSES_REFUSED: dict[str, tuple[str, Any]] = {
     "prompt": ("prompt templates are not supported", lambda v: False),
     "max_tool_calls": ("max_tool_calls is not supported", lambda v: False),
     "top_logprobs": ("top_logprobs is not supported on /v1/responses", _is(0)),
+    "prompt_logprobs": (
+        "prompt_logprobs is not supported on /v1/responses (use /v1/completions or "
+        "/v1/chat/completions)",
+        lambda v: False,
+    ),
     "truncation": ("truncation 'auto' is not supported", _is("disabled")),
     # Obfuscation pads the events; it changes no output.
     "stream_options": (
@@ -105,7 +109,6 @@ _VLLM_REFUSED: dict[str, tuple[str, Any]] = {
     "bad_words": ("bad_words is not supported", _empty),
     "logits_processors": ("logits_processors are not supported", _empty),
     "truncate_prompt_tokens": ("truncate_prompt_tokens is not supported", lambda v: False),
-    "prompt_logprobs": ("prompt_logprobs is not supported", lambda v: False),
     "return_tokens_as_token_ids": ("return_tokens_as_token_ids is not supported", _is(False)),
     "spaces_between_special_tokens": ("spaces_between_special_tokens is not supported", _is(True)),
     "guided_decoding": ("guided_decoding is not supported; use structured_outputs", _empty),

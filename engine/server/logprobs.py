@@ -4,7 +4,7 @@ chat's ``{"content": [...]}`` and completions' parallel lists."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from baton.engine.outputs import Logprob
@@ -55,20 +55,28 @@ def chat_logprobs(
 
 def completion_logprobs(
     token_ids: Sequence[int],
-    entries: Sequence[dict[int, Logprob]],
+    entries: Sequence[dict[int, Logprob] | None],
     top_n: int,
     text_offset: int = 0,
+    decode: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
     """A completion choice's ``logprobs``: tokens, token_logprobs, top_logprobs and
-    text_offset (offsets start at ``text_offset``)."""
+    text_offset (offsets start at ``text_offset``). A None entry (an echoed prompt's first
+    token, which has no logprob) gets null logprobs and its text from ``decode``."""
     tokens, values, tops, offsets = [], [], [], []
     offset = text_offset
     for tid, entry in zip(token_ids, entries, strict=False):
-        lp = entry.get(tid)
-        text = _text(lp, tid)
-        tokens.append(text)
-        values.append(_finite(lp.logprob) if lp is not None else _MIN_LOGPROB)
-        tops.append({_text(t, t_id): _finite(t.logprob) for t_id, t in _top(entry, top_n)})
+        if entry is None:
+            text = decode(tid) if decode is not None else _text(None, tid)
+            tokens.append(text)
+            values.append(None)
+            tops.append(None)
+        else:
+            lp = entry.get(tid)
+            text = _text(lp, tid)
+            tokens.append(text)
+            values.append(_finite(lp.logprob) if lp is not None else _MIN_LOGPROB)
+            tops.append({_text(t, t_id): _finite(t.logprob) for t_id, t in _top(entry, top_n)})
         offsets.append(offset)
         offset += len(text)
     return {
@@ -77,3 +85,23 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_json(
+    prompt_logprobs: Sequence[dict[int, Logprob] | None],
+) -> list[dict[str, dict[str, Any]] | None]:
+    """A response's ``prompt_logprobs`` as vLLM writes it: null for the first prompt token,
+    then per token ``{token id: {"logprob", "rank", "decoded_token"}}``."""
+    return [
+        None
+        if entry is None
+        else {
+            str(tid): {
+                "logprob": _finite(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for tid, lp in entry.items()
+        }
+        for entry in prompt_logprobs
+    ]

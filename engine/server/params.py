@@ -60,6 +60,10 @@ def _common_kwargs(
             kwargs[name] = value
     if req.logit_bias:
         kwargs["logit_bias"] = parse_logit_bias(req.logit_bias)
+    if req.prompt_logprobs is not None:
+        if req.stream:  # as vLLM: they come with the whole answer only
+            raise bad_request("prompt_logprobs is not available with stream", "prompt_logprobs")
+        kwargs["prompt_logprobs"] = req.prompt_logprobs
     return kwargs
 
 
@@ -147,6 +151,8 @@ def completion_sampling_params(
     kwargs["max_tokens"] = 16 if req.max_tokens is None else req.max_tokens
     if req.logprobs is not None:
         kwargs["logprobs"] = req.logprobs
+        if req.echo:  # the echoed prompt's tokens get logprobs too (as vLLM)
+            kwargs.setdefault("prompt_logprobs", req.logprobs)
     constraint = request_constraint(req, config.structured_outputs_backend)
     _set_constraint(kwargs, constraint, config)
     return _build(kwargs), constraint

@@ -131,6 +131,9 @@ class _GenerationRequest(_Body):
     max_reasoning_tokens: int | None = None
     # OpenAI's: token id (a string, as JSON keys are) -> bias in [-100, 100].
     logit_bias: dict[str, Any] | None = None
+    # vLLM's: each prompt token's logprob and the top-k at its position, in the response's
+    # prompt_logprobs (not with stream, as vLLM).
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):

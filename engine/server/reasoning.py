@@ -144,3 +144,8 @@ class ReasoningDeltas:
                 out[key] = part[len(sent) :]
         self._sent = now
         return out
+
+    @property
+    def content(self) -> str:
+        """The content (the text after the thoughts) as of the last ``delta``."""
+        return self._sent[1]

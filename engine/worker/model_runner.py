@@ -26,6 +26,12 @@ from baton.engine.scheduler_output import (
 from baton.engine.worker.cuda_graphs import DecodeGraphs, DecodePadding
 from baton.engine.worker.device_buffers import DeviceIO, HostCopy
 from baton.engine.worker.host_times import HostTimes
+from baton.engine.worker.prompt_logprobs import (
+    PromptLogprobsCopy,
+    PromptRows,
+    prune_done,
+    queue_prompt_logprobs,
+)
 from baton.engine.worker.request_states import RequestStates
 from baton.engine.worker.runner_values import ForwardOutput, SampledTokens, StepPlan
 from baton.engine.worker.spec_decode import DraftLayout, record_verified_
@@ -108,7 +114,14 @@ class ModelRunner:
                     so.step_id, (), (), rows, torch.from_numpy(rows), torch.zeros(0)
                 )
             plan = self._plan(so)
-            pad = self._decode_padding(plan)
+            st = self.states
+            prompt_rows = None
+            if st.prompt_logprob_rows:  # the usual step: no host work at all
+                prompt_rows = PromptRows.of(
+                    req_ids, plan, st.prompt_logprob_rows, st.num_prompt_tokens
+                )
+            # Prompt rows need every hidden state: the decode graphs keep the last ones only.
+            pad = None if prompt_rows is not None else self._decode_padding(plan)
             hidden_index: torch.Tensor | None = None
             graph_logits: torch.Tensor | None = None
             if pad is not None:
@@ -159,6 +172,9 @@ class ModelRunner:
                 logits = head(hidden)
             else:
                 logits = head(hidden[hidden_index])
+            prompt_lp = (
+                self._prompt_logprobs(plan, prompt_rows, hidden) if st.prompt_logprob_rows else None
+            )
             laps.lap("logits")
             return ForwardOutput(
                 step_id=so.step_id,
@@ -168,7 +184,27 @@ class ModelRunner:
                 sample_rows_device=sample_rows,
                 logits=logits,
                 drafts=drafts,
+                prompt_logprobs=prompt_lp,
             )
+
+    def _prompt_logprobs(
+        self, plan: StepPlan, rows: PromptRows | None, hidden: torch.Tensor
+    ) -> PromptLogprobsCopy | None:
+        """Queues the prompt logprobs of ``rows`` (see ``prompt_logprobs.py``), then forgets
+        the rows whose prompt this step finished."""
+        out = None
+        if rows is not None:
+            out = queue_prompt_logprobs(
+                rows,
+                hidden,
+                self.model.compute_logits,
+                self.states.input_ids,
+                self.io,
+                driver=self.model.tp is None or self.model.tp.is_driver,
+                vocab_size=self.tokenizer_vocab_size,
+            )
+        prune_done(self.states.prompt_logprob_rows, plan, self.states.num_prompt_tokens)
+        return out
 
     def _decode_padding(self, plan: StepPlan) -> DecodePadding | None:
         """The step's layout for the decode graphs, or None when it runs the model as it is:
@@ -256,7 +292,15 @@ class ModelRunner:
         with self.io.on_stream():
             if not fwd.sample_request_ids:
                 empty = torch.zeros(0, dtype=torch.int64)
-                return SampledTokens(fwd.request_ids, (), empty, None, (), HostCopy((empty,)))
+                return SampledTokens(
+                    fwd.request_ids,
+                    (),
+                    empty,
+                    None,
+                    (),
+                    HostCopy((empty,)),
+                    prompt_logprobs=fwd.prompt_logprobs,
+                )
             laps = self.host_times
             laps.start()
             # Each sampling request's parameters, looked up once for the whole step.
@@ -291,6 +335,7 @@ class ModelRunner:
                 num_logprobs,
                 copy,
                 fwd.drafts,
+                fwd.prompt_logprobs,
             )
 
     def _record_verified(

@@ -86,6 +86,8 @@ class RequestStates:
         # A row's logit_bias as (token ids, biases) arrays, None without one; the rows with one.
         self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * r
         self.biased_rows: set[int] = set()
+        # Rows owed prompt logprobs (row -> top-k) while their prompt is being computed.
+        self.prompt_logprob_rows: dict[int, int] = {}
 
     def add(self, data: NewRequestData) -> int:
         """Takes a free row for a new (or resumed) request: fills the mirrors now and stages its
@@ -123,6 +125,10 @@ class RequestStates:
                 np.array([b for _, b in sp.logit_bias], dtype=np.float32),
             )
             self.biased_rows.add(row)
+        self.prompt_logprob_rows.pop(row, None)
+        # A request resumed with outputs has had its prompt logprobs (with its first token).
+        if sp.prompt_logprobs is not None and not data.output_token_ids:
+            self.prompt_logprob_rows[row] = sp.prompt_logprobs
         index = np.concatenate(
             (
                 np.arange(row * self.row_len, row * self.row_len + n),
@@ -183,6 +189,7 @@ class RequestStates:
         self.uses_penalties[row] = False
         self.logit_bias[row] = None
         self.biased_rows.discard(row)
+        self.prompt_logprob_rows.pop(row, None)
         self.unverified.discard(row)
         self._free_rows.append(row)
 

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from baton.engine.scheduler_output import Logprobs, ModelRunnerOutput
+from baton.engine.scheduler_output import Logprobs, ModelRunnerOutput, PromptLogprobs
 from baton.engine.worker.device_buffers import HostCopy
 from baton.engine.worker.spec_decode import DraftLayout, accepted_tokens
 from baton.sampler.outputs import LogprobsTensors
+
+if TYPE_CHECKING:
+    from baton.engine.worker.prompt_logprobs import PromptLogprobsCopy
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ class ForwardOutput:
             that a step whose sampling waits for its grammar bitmask waits with the LM head
             already done.
         drafts: where the logits rows of requests with draft tokens lie; None: one row each.
+        prompt_logprobs: the step's prompt logprobs on their way to the host, when a request
+            that asked for them ran a prompt chunk.
     """
 
     step_id: int
@@ -65,6 +71,7 @@ class ForwardOutput:
     sample_rows_device: torch.Tensor
     logits: torch.Tensor
     drafts: DraftLayout | None = None
+    prompt_logprobs: PromptLogprobsCopy | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class SampledTokens:
             one wait for the step's results.
         drafts: where each request's rows lie when some carry drafts (``token_ids`` then holds
             one token per logits row); None: one row each.
+        prompt_logprobs: the forward's prompt logprobs, passed on (see ``ForwardOutput``).
     """
 
     request_ids: tuple[str, ...]
@@ -88,6 +96,13 @@ class SampledTokens:
     num_logprobs: tuple[int | None, ...]
     host: HostCopy
     drafts: DraftLayout | None = None
+    prompt_logprobs: PromptLogprobsCopy | None = None
+
+    @property
+    def prompt_logprob_parts(self) -> dict[str, PromptLogprobs]:
+        """Prompt logprobs of the requests whose prompt chunk delivered some (waits for
+        their host copy)."""
+        return {} if self.prompt_logprobs is None else self.prompt_logprobs.result()
 
     @property
     def logprobs(self) -> dict[str, Logprobs]:
@@ -105,7 +120,9 @@ class SampledTokens:
         logprobs = _logprobs(
             self.sample_request_ids, self.num_logprobs, host[1:], self.drafts, kept
         )
-        return _runner_output(self.request_ids, self.sample_request_ids, kept, logprobs)
+        return _runner_output(
+            self.request_ids, self.sample_request_ids, kept, logprobs, self.prompt_logprob_parts
+        )
 
 
 def runner_output(
@@ -114,10 +131,13 @@ def runner_output(
     tokens: list[int],
     logprobs: dict[str, Logprobs],
     drafts: DraftLayout | None = None,
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None,
 ) -> ModelRunnerOutput:
     """The scheduler's view of a step: per scheduled request, its new tokens (none, one, or
-    with drafts its accepted drafts and one more)."""
-    return _runner_output(request_ids, sample_request_ids, kept_tokens(tokens, drafts), logprobs)
+    with drafts its accepted drafts and one more), with the logprobs of its sampled tokens and
+    of its prompt chunk where it asked."""
+    kept = kept_tokens(tokens, drafts)
+    return _runner_output(request_ids, sample_request_ids, kept, logprobs, prompt_logprobs)
 
 
 def _runner_output(
@@ -125,12 +145,14 @@ def _runner_output(
     sample_request_ids: tuple[str, ...],
     kept: list[list[int]],
     logprobs: dict[str, Logprobs],
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None,
 ) -> ModelRunnerOutput:
     sampled = dict(zip(sample_request_ids, kept, strict=True))
     return ModelRunnerOutput(
         request_ids=list(request_ids),
         sampled_token_ids=[sampled.get(r, []) for r in request_ids],
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs or {},
     )
 
 

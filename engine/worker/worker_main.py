@@ -34,7 +34,13 @@ from typing import Any
 import torch
 
 from baton.engine.gc_heap import freeze_startup_heap
-from baton.engine.scheduler_output import GrammarOutput, Logprobs, SchedulerOutput, bitmask_rows
+from baton.engine.scheduler_output import (
+    GrammarOutput,
+    Logprobs,
+    PromptLogprobs,
+    SchedulerOutput,
+    bitmask_rows,
+)
 from baton.engine.worker.build import RunnerSpec, build_runner
 from baton.engine.worker.cpu_threads import ThreadGovernor, ThreadState, read_cpu
 from baton.engine.worker.messages import (
@@ -91,6 +97,8 @@ class Reply:
     # With drafts in the step: each sampling request's drafts (its tokens fill one row each,
     # and one more); None: one token per sampling request.
     drafts: tuple[tuple[int, ...], ...] | None = None
+    # Prompt logprobs of the requests whose prompt chunk delivered some this step.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -251,5 +259,12 @@ def _sample(
         return Reply(step_id, slot, fwd.request_ids, (), {}, message)
     drafts = s.drafts.drafts if s.drafts is not None else None
     return Reply(
-        step_id, slot, s.request_ids, s.sample_request_ids, s.logprobs, None, drafts=drafts
+        step_id,
+        slot,
+        s.request_ids,
+        s.sample_request_ids,
+        s.logprobs,
+        None,
+        drafts=drafts,
+        prompt_logprobs=s.prompt_logprob_parts,
     )
