@@ -1244,3 +1244,22 @@ def test_draft_forms_and_arrays_without_items_are_enforced(
     for value in invalid:
         assert not validator.is_valid(value), value
         assert not accepts(backend, tokenizer, schema, value), value
+
+
+def test_strings_hold_no_utf8_surrogates(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:
+    # xgrammar reads a negated class as any code point, surrogates included, spelt as bytes no
+    # UTF-8 decoder takes (ED BD B0 came out in a maxLength 8 name at temperature 1): baton
+    # adds U+D800-U+DFFF to every negated class (rewrite 6 of grammar/xgrammar/rewrites.py).
+    # GPT-2's byte alphabet: bytes ED BD B0 are the tokens "í", "½", "°".
+    surrogate = [tokenizer.token_strings().index(c) for c in ("í", "½", "°")]
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string"}, "b": {"type": "string", "maxLength": 8}},
+    }
+    grammar = compile_spec(backend, json=schema)
+    for key in ("a", "b"):
+        matcher = grammar.new_matcher()
+        assert matcher.accept_tokens(ids(tokenizer, '{"' + key + '":"x'))
+        assert not all(matcher.accept_tokens([t]) for t in surrogate), key
+        # Valid two- and four-byte characters still pass, in both kinds of string.
+        assert walk(tokenizer, grammar, '{"' + key + '":"\u07b8\U0001f600"}'), key

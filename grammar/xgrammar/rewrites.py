@@ -42,6 +42,14 @@ masks``; ``tests/test_grammar_fill_speed.py`` guards the speed and
    be cut off. The rule is renamed (``root_self``) wherever it appears and a new ``root`` refers
    to it once: the nested copies are then an ordinary rule, whose tokens past its end are
    checked at run time.
+
+6. Surrogates. xgrammar reads a negated character class (``[^"\\...]``, every JSON string
+   character) as any code point not listed, surrogates U+D800-U+DFFF included, and spells them
+   in UTF-8 (``ED A0..BF xx``): bytes no UTF-8 decoder accepts, so a string that counted 8
+   characters in the grammar decoded to 10 (seen: a maxLength 8 name came out as
+   ``' rem ?\u07b8\ufffd\ufffd\ufffd'``, test_reasoning.py at temperature 1). Every
+   negated class of the EBNF gets ``\ud800-\udfff`` added to what it excludes. Patterns
+   (``Regex(...)``) are xgrammar's own regex reading and keep its behaviour.
 """
 
 from __future__ import annotations
@@ -110,6 +118,28 @@ def unshare_root(text: str, root: str = "root") -> str:
     return "\n".join(out)
 
 
+SURROGATES = "\\uD800-\\uDFFF"
+"""The range every negated character class also excludes (rewrite 6), as EBNF spells it."""
+
+
+def exclude_surrogates(text: str) -> str:
+    """``text`` (EBNF) with ``SURROGATES`` added to every negated character class (rewrite 6);
+    string literals (``Regex`` patterns too) and other classes are left as they are."""
+    out = []
+    for line in text.split("\n"):
+        if "[^" not in line:
+            out.append(line)
+            continue
+        pieces = (m.group() for m in _EBNF_PIECE.finditer(line))
+        out.append(
+            "".join(
+                p[:-1] + SURROGATES + "]" if p.startswith("[^") and SURROGATES not in p else p
+                for p in pieces
+            )
+        )
+    return "\n".join(out)
+
+
 def rewrite_json_ebnf(text: str) -> str:
     """``text`` (xgrammar's EBNF of a JSON schema, from ``str(Grammar)``) with baton's
     rewrites applied; unchanged when it has none of the shapes they rewrite."""
@@ -121,7 +151,14 @@ def rewrite_json_ebnf(text: str) -> str:
     for i, line in enumerate(lines):
         if line.startswith(_STRING_SUB_RULE):
             lines[i] = _ESCAPE_IN_CHOICE.sub(lambda _: _INLINE_ESCAPE, line)
-    return "\n".join(lines)
+    return exclude_surrogates("\n".join(lines))
 
 
-__all__ = ["BOUNDED_STRING_CHAR", "PLAIN_STRING_CHAR", "rewrite_json_ebnf", "unshare_root"]
+__all__ = [
+    "BOUNDED_STRING_CHAR",
+    "PLAIN_STRING_CHAR",
+    "SURROGATES",
+    "exclude_surrogates",
+    "rewrite_json_ebnf",
+    "unshare_root",
+]
