@@ -578,6 +578,48 @@ def test_events_close_the_text_before_a_call_begins() -> None:
     assert kinds[-1] == "response.completed" and function_call["status"] == "completed"
 
 
+def test_text_logprobs_stop_where_a_call_begins() -> None:
+    """Text, then a Hermes call, one character a token, logprobs asked for: the message's
+    logprobs (streamed per delta, and unary) are those of its text's tokens only, none of the
+    call's."""
+    from baton.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from baton.engine.sampling_params import SamplingParams
+    from baton.engine.server.chat_plan import ChatPlan
+    from baton.engine.server.protocol import ChatCompletionRequest, ResponsesRequest
+    from baton.engine.server.responses_output import ResponseContext, output_items
+    from baton.engine.server.responses_stream import ResponseEvents
+    from baton.engine.server.tools import tool_plan
+
+    chat = ChatCompletionRequest(
+        messages=[{"role": "user", "content": ASK}],
+        tools=[{"type": "function", "function": {"name": "get_weather"}}],
+    )
+    plan = ChatPlan([1, 2], SamplingParams(logprobs=1), None, tool_plan(chat), None)
+    body = ResponsesRequest(input=ASK, tools=[TOOL], include=[LOGPROBS], top_logprobs=1)
+    events = ResponseEvents(ResponseContext("resp_1", 0, MODEL, body, plan))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    full = "Let me look." + call
+
+    def output(end: int, reason: str | None) -> RequestOutput:
+        entries = [{i: Logprob(-0.5, 1, ch)} for i, ch in enumerate(full[:end])]
+        c = CompletionOutput(0, full[:end], list(range(end)), None, entries, finish_reason=reason)
+        return RequestOutput("r", None, [1, 2], [c], reason is not None, RequestMetrics(0.0))
+
+    stream = events.start()
+    for end in range(1, len(full) + 1, 5):
+        stream += events.update(output(end, "stop" if end >= len(full) else None))
+    stream += events.finish(output(len(full), "stop"))
+    data = [json.loads(e.split("data: ", 1)[1]) for e in stream]
+    deltas = [d for d in data if d["type"] == "response.output_text.delta"]
+    for d in deltas:
+        assert "".join(lp["token"] for lp in d["logprobs"]) == d["delta"]
+    message = data[-1]["response"]["output"][0]
+    assert [lp["token"] for lp in message["content"][0]["logprobs"]] == list("Let me look.")
+    unary, _ = output_items(output(len(full), "stop"), plan)
+    assert unary[0]["content"][0]["logprobs"] == message["content"][0]["logprobs"]
+    assert unary[1]["type"] == "function_call"
+
+
 @pytest.mark.parametrize("failure", ["output", "engine"])
 def test_a_failure_inside_the_engine_ends_the_stream_with_an_error_event(failure: str) -> None:
     import asyncio
