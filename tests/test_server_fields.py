@@ -418,7 +418,12 @@ def test_fields_that_change_nothing_are_accepted(default_model_server: str, endp
         "guided_json": None,
     }
     if endpoint == "chat":
-        harmless |= {"modalities": ["text"], "functions": None, "parallel_tool_calls": True}
+        harmless |= {
+            "modalities": ["text"],
+            "functions": None,
+            "parallel_tool_calls": True,
+            "verbosity": "medium",  # OpenAI's default (the Agents SDK passes it on)
+        }
     else:
         harmless |= {"suffix": None, "best_of": 1}
     base = CHAT if endpoint == "chat" else COMPLETION

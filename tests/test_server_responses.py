@@ -263,6 +263,74 @@ def test_instructor_responses_tools(client: openai.OpenAI) -> None:
     jsonschema.validate(weather.model_dump(), SCHEMA)
 
 
+# ---------------------------------------------------------------------------- logprobs
+
+LOGPROBS = "message.output_text.logprobs"
+
+
+def check_text_logprobs(text: str, logprobs: list[Any], top_n: int) -> None:
+    """The logprobs of an output text: their tokens write exactly it (the end-of-turn token
+    is not text), each with ``top_n`` alternatives, the sampled one among them at temperature
+    0."""
+    assert logprobs and "".join(lp.token for lp in logprobs) == text
+    for lp in logprobs:
+        assert lp.bytes == list(lp.token.encode()) and len(lp.top_logprobs) == top_n
+        assert lp.logprob == max(t.logprob for t in lp.top_logprobs)
+
+
+def test_include_output_text_logprobs(client: openai.OpenAI) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` (what the Agents SDK
+    and pydantic-ai send for logprobs): the text part carries them, as returned and as
+    stored."""
+    r = client.responses.create(
+        model=MODEL,
+        input=ASK,
+        text={"format": FORMAT},
+        include=[LOGPROBS],
+        top_logprobs=2,
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    (part,) = r.output[0].content
+    jsonschema.validate(json.loads(part.text), SCHEMA)
+    check_text_logprobs(part.text, part.logprobs, top_n=2)
+    (stored,) = client.responses.retrieve(r.id).output[0].content
+    assert stored.logprobs == part.logprobs
+
+
+def test_streamed_output_text_logprobs(client: openai.OpenAI) -> None:
+    """Streamed, each text delta carries the logprobs of the tokens that wrote it; the done
+    event and the final response carry all of them."""
+    deltas, done, final = [], None, None
+    with client.responses.stream(
+        model=MODEL,
+        input=ASK,
+        text={"format": FORMAT},
+        include=[LOGPROBS],
+        top_logprobs=1,
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    ) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.append(event)
+            elif event.type == "response.output_text.done":
+                done = event
+        final = stream.get_final_response()
+    assert deltas and done is not None
+    for event in deltas:
+        assert "".join(lp.token for lp in event.logprobs) == event.delta
+    (part,) = final.output[0].content
+    check_text_logprobs(part.text, part.logprobs, top_n=1)
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in part.logprobs]
+    assert sum(len(event.logprobs) for event in deltas) == len(part.logprobs)
+
+
+def test_no_logprobs_unless_included(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input=ASK, max_output_tokens=4, temperature=0)
+    assert r.output[0].content[0].logprobs == []
+
+
 # ---------------------------------------------------------------------- bad input
 
 BAD: list[tuple[dict[str, Any], str, str]] = [
@@ -297,6 +365,10 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"max_output_tokens": -1}, "max_output_tokens", "max_output_tokens"),
     ({"frobnicate": 1}, "frobnicate", "unknown field"),
     ({"background": True}, "background", "background"),
+    ({"include": ["reasoning.encrypted_content"]}, "include", "encrypted_content"),
+    ({"include": [LOGPROBS, "file_search_call.results"]}, "include", "include[1]"),
+    ({"top_logprobs": 2}, "top_logprobs", LOGPROBS),  # alternatives that would not come back
+    ({"include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
     # The Responses API has no logit_bias (chat and completions do).
     ({"logit_bias": {"1": 5}}, "logit_bias", "/v1/chat/completions"),
 ]
@@ -504,6 +576,48 @@ def test_events_close_the_text_before_a_call_begins() -> None:
     assert text == message["content"][0]["text"] == "Let me look."
     assert arguments == function_call["arguments"] and json.loads(arguments) == {"city": "Paris"}
     assert kinds[-1] == "response.completed" and function_call["status"] == "completed"
+
+
+def test_text_logprobs_stop_where_a_call_begins() -> None:
+    """Text, then a Hermes call, one character a token, logprobs asked for: the message's
+    logprobs (streamed per delta, and unary) are those of its text's tokens only, none of the
+    call's."""
+    from baton.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from baton.engine.sampling_params import SamplingParams
+    from baton.engine.server.chat_plan import ChatPlan
+    from baton.engine.server.protocol import ChatCompletionRequest, ResponsesRequest
+    from baton.engine.server.responses_output import ResponseContext, output_items
+    from baton.engine.server.responses_stream import ResponseEvents
+    from baton.engine.server.tools import tool_plan
+
+    chat = ChatCompletionRequest(
+        messages=[{"role": "user", "content": ASK}],
+        tools=[{"type": "function", "function": {"name": "get_weather"}}],
+    )
+    plan = ChatPlan([1, 2], SamplingParams(logprobs=1), None, tool_plan(chat), None)
+    body = ResponsesRequest(input=ASK, tools=[TOOL], include=[LOGPROBS], top_logprobs=1)
+    events = ResponseEvents(ResponseContext("resp_1", 0, MODEL, body, plan))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    full = "Let me look." + call
+
+    def output(end: int, reason: str | None) -> RequestOutput:
+        entries = [{i: Logprob(-0.5, 1, ch)} for i, ch in enumerate(full[:end])]
+        c = CompletionOutput(0, full[:end], list(range(end)), None, entries, finish_reason=reason)
+        return RequestOutput("r", None, [1, 2], [c], reason is not None, RequestMetrics(0.0))
+
+    stream = events.start()
+    for end in range(1, len(full) + 1, 5):
+        stream += events.update(output(end, "stop" if end >= len(full) else None))
+    stream += events.finish(output(len(full), "stop"))
+    data = [json.loads(e.split("data: ", 1)[1]) for e in stream]
+    deltas = [d for d in data if d["type"] == "response.output_text.delta"]
+    for d in deltas:
+        assert "".join(lp["token"] for lp in d["logprobs"]) == d["delta"]
+    message = data[-1]["response"]["output"][0]
+    assert [lp["token"] for lp in message["content"][0]["logprobs"]] == list("Let me look.")
+    unary, _ = output_items(output(len(full), "stop"), plan)
+    assert unary[0]["content"][0]["logprobs"] == message["content"][0]["logprobs"]
+    assert unary[1]["type"] == "function_call"
 
 
 @pytest.mark.parametrize("failure", ["output", "engine"])

@@ -66,7 +66,8 @@ _CHAT_REFUSED: dict[str, tuple[str, Any]] = {
     "function_call": ("function_call is not supported; use tool_choice", _is("none")),
     "audio": ("audio output is not supported", _empty),
     "modalities": ("only the text modality is supported", _text_only),
-    "verbosity": ("verbosity is not supported", lambda v: False),
+    # "medium" is OpenAI's default (and what /v1/responses takes in text.verbosity).
+    "verbosity": ("verbosity is not supported (only its default, 'medium')", _is("medium")),
     "web_search_options": ("web search is not supported", lambda v: False),
     "moderation": ("moderation is not supported", lambda v: False),
     "documents": ("documents are not supported", _empty),
@@ -75,15 +76,13 @@ _CHAT_REFUSED: dict[str, tuple[str, Any]] = {
 _COMPLETION_REFUSED: dict[str, tuple[str, Any]] = {
     "suffix": ("suffix is not supported", _empty),
 }
-# Responses API fields that baton does not implement (``store``, ``previous_response_id``
-# and the rest are declared by ``ResponsesRequest``).
+# Responses API fields that baton does not implement (``store``, ``previous_response_id``,
+# ``include`` and the rest are declared by ``ResponsesRequest``).
 _RESPONSES_REFUSED: dict[str, tuple[str, Any]] = {
-    "include": ("include is not supported (no extra output data)", _empty),
     "background": ("background responses are not supported", _is(False)),
     "conversation": ("conversations are not supported; use previous_response_id", lambda v: False),
     "prompt": ("prompt templates are not supported", lambda v: False),
     "max_tool_calls": ("max_tool_calls is not supported", lambda v: False),
-    "top_logprobs": ("top_logprobs is not supported on /v1/responses", _is(0)),
     "prompt_logprobs": (
         "prompt_logprobs is not supported on /v1/responses (use /v1/completions or "
         "/v1/chat/completions)",

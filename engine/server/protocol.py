@@ -211,6 +211,10 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # Extra output data: only "message.output_text.logprobs" (checked by responses_input).
+    include: list[Any] | None = None
+    # Alternatives per position in the output_text logprobs (with that include).
+    top_logprobs: int | None = None
     # With the server's reasoning parser: thinking tokens before a structured answer.
     max_reasoning_tokens: int | None = None
 

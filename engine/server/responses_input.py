@@ -6,7 +6,8 @@ and ``function_call_output``) becomes chat messages after the stored conversatio
 becomes ``response_format``; the flat function tools and ``tool_choice`` become chat's
 nested ones. The chat path then renders, constrains and plans tool calls exactly as for
 ``/v1/chat/completions``. Every part it cannot take is a 400 naming it: an input item or
-content part of another kind, a tool that is not a function, a reasoning summary;
+content part of another kind, a tool that is not a function, a reasoning summary, an
+``include`` other than the output text's logprobs (``top_logprobs`` alternatives with them);
 ``reasoning.effort`` becomes chat's ``reasoning_effort`` (a 400 naming it where the chat
 template does not read it).
 """
@@ -265,6 +266,30 @@ def check_reasoning(reasoning: dict[str, Any] | None) -> str | None:
     return (reasoning or {}).get("effort")
 
 
+# The one ``include`` value baton answers: the tokens' logprobs in each output_text part.
+TEXT_LOGPROBS = "message.output_text.logprobs"
+
+
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the output_text parts carry logprobs (``include`` lists ``TEXT_LOGPROBS``).
+
+    Raises:
+        APIError: 400 naming ``include`` for any other value (extra output data baton does
+            not produce), and ``top_logprobs`` when it asks for alternatives without that
+            include (they would not be returned).
+    """
+    for i, value in enumerate(body.include or []):
+        if value != TEXT_LOGPROBS:
+            raise bad_request(
+                f"include[{i}] {shown(repr(value))} is not supported (only {TEXT_LOGPROBS!r})",
+                "include",
+            )
+    wanted = TEXT_LOGPROBS in (body.include or [])
+    if body.top_logprobs and not wanted:
+        raise bad_request(f"top_logprobs needs include: [{TEXT_LOGPROBS!r}]", "top_logprobs")
+    return wanted
+
+
 def chat_request(
     body: ResponsesRequest, history: Sequence[dict[str, Any]], items: Sequence[dict[str, Any]]
 ) -> ChatCompletionRequest:
@@ -276,6 +301,7 @@ def chat_request(
         APIError: 400 naming the Responses field that is wrong.
     """
     effort = check_reasoning(body.reasoning)
+    logprobs = wants_logprobs(body)
     messages = chat_messages([*history, *items])
     if body.instructions:
         messages.insert(0, {"role": "system", "content": body.instructions})
@@ -294,6 +320,8 @@ def chat_request(
         "parallel_tool_calls": body.parallel_tool_calls,
         "max_reasoning_tokens": body.max_reasoning_tokens,
         "reasoning_effort": effort,
+        "logprobs": logprobs,
+        "top_logprobs": body.top_logprobs if logprobs else None,
     }
     try:
         return ChatCompletionRequest.model_validate(fields)

@@ -9,8 +9,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from baton.engine.outputs import RequestOutput
+from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.engine.server.chat_plan import ChatPlan, assistant_reply
+from baton.engine.server.logprobs import chat_logprobs
 from baton.engine.server.protocol import ResponsesRequest
 
 
@@ -50,20 +51,45 @@ class ResponseContext:
     plan: ChatPlan
 
 
-def message_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+def message_item(
+    text: str,
+    status: str,
+    item_id: str | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """An assistant ``message`` item with one ``output_text`` part."""
     return {
         "type": "message",
         "id": item_id or new_id("msg"),
         "status": status,
         "role": "assistant",
-        "content": [output_text(text)],
+        "content": [output_text(text, logprobs)],
     }
 
 
-def output_text(text: str) -> dict[str, Any]:
-    """An ``output_text`` content part."""
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An ``output_text`` content part (``logprobs``: its tokens', when asked for)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def text_logprobs(
+    c: CompletionOutput, plan: ChatPlan, thinks: bool, text_length: int
+) -> list[dict[str, Any]]:
+    """The logprobs of the tokens that write an answer's first ``text_length`` characters of
+    text: the answer's tokens after its thoughts, up to the tool calls or the end-of-turn
+    token that follow the text. Empty unless the request asked for them (``include``)."""
+    top_n = plan.params.logprobs
+    if top_n is None or c.logprobs is None:
+        return []
+    skip = plan.splitter.reasoning_tokens(c.token_ids, thinks) if plan.splitter else 0
+    entries = chat_logprobs(c.token_ids[skip:], c.logprobs[skip:], top_n)
+    kept, written = [], 0
+    for entry in entries:
+        if written >= text_length:
+            break
+        kept.append(entry)
+        written += len(entry["token"])
+    return kept
 
 
 def function_call_item(
@@ -111,7 +137,8 @@ def output_items(out: RequestOutput, plan: ChatPlan) -> tuple[list[dict[str, Any
     calls = message.get("tool_calls") or []
     content = message.get("content")
     if content or not calls:
-        items.append(message_item(content or "", status))
+        logprobs = text_logprobs(c, plan, thinks, len(content or ""))
+        items.append(message_item(content or "", status, logprobs=logprobs))
     for call in calls:
         fn = call["function"]
         items.append(function_call_item(call["id"], fn["name"], fn["arguments"], status))

@@ -28,6 +28,7 @@ from baton.engine.server.responses_output import (
     reasoning_item,
     response_object,
     response_usage,
+    text_logprobs,
 )
 from baton.engine.server.tool_output import ToolCallDeltas
 
@@ -86,7 +87,7 @@ class ResponseEvents:
             delta = self._calls.delta(content, c.finished)
             text, calls = delta.get("content", ""), delta.get("tool_calls", [])
         if text:
-            events += self._text(text)
+            events += self._text(text, c)
         for call in calls:
             events += self._call(call)
         self._sent = (reasoning or "", content)
@@ -146,12 +147,20 @@ class ResponseEvents:
         )
         return events
 
-    def _text(self, delta: str) -> list[str]:
+    def _text(self, delta: str, c: CompletionOutput | None = None) -> list[str]:
+        """Events adding ``delta`` to the message (opened if need be); ``c``: the completion
+        so far, whose tokens' logprobs the delta carries when the request asked for them."""
         events = []
         if self._open is None or self.output[self._open]["type"] != "message":
             events += self._add(message_item("", "in_progress"))
         item = self.output[self._open or 0]
-        item["content"][0]["text"] += delta
+        part = item["content"][0]
+        part["text"] += delta
+        sent = len(part["logprobs"])
+        if c is not None:
+            part["logprobs"] = text_logprobs(
+                c, self.ctx.plan, bool(self._thinks), len(part["text"])
+            )
         if delta:
             events.append(
                 self.event(
@@ -160,7 +169,7 @@ class ResponseEvents:
                     output_index=self._open,
                     content_index=0,
                     delta=delta,
-                    logprobs=[],
+                    logprobs=part["logprobs"][sent:],
                 )
             )
         return events
@@ -198,7 +207,11 @@ class ResponseEvents:
             text = item["content"][0]["text"]
             events.append(
                 self.event(
-                    "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
+                    "response.output_text.done",
+                    **where,
+                    content_index=0,
+                    text=text,
+                    logprobs=item["content"][0]["logprobs"],
                 )
             )
             events.append(self._part("response.content_part.done", index, item["content"][0]))
