@@ -112,7 +112,7 @@ static inline __m256i bcast16(const void* p) {
 // Rows [r0, r0 + R) of a tile, all four columns in one pass (P = 2 column pairs: the tile is
 // read once, in order, and each row's x once per block): out[r][0 .. kTile). d, dmin: the
 // tile's super block scales as float32, [super block][kTile].
-// ahead: bytes to prefetch while the blocks go by (the next tile; nullptr: none), about
+// ahead: bytes to prefetch into L2 while the blocks go by (a tile two ahead; nullptr: none), about
 // ahead_bytes / blocks of them per block. Without it, a 32768 x 2048 Q6_K weight at one row
 // read 8.2 GB/s from DRAM (1 thread; 16.1 on 2) against 10.8 (22.8) with it, AMD EPYC Genoa:
 // its arithmetic per byte left the hardware prefetchers behind.
@@ -142,7 +142,7 @@ static void q8k_pass(const Layout& L, const uint8_t* tile, const float* d, const
       if (ahead != nullptr)
         for (int64_t off = b * ahead_step; off < (b + 1) * ahead_step && off < ahead_bytes;
              off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T1);
       for (int p = 0; p < P; ++p) {
         const int64_t i = b * kTile + 2 * p;
         if (FMT == kQ4_K) {
@@ -306,11 +306,15 @@ static void q8k_tiles(const Layout& L, const uint8_t* w, const Q8Rows& X, int64_
     convert_scales(tile, supers, d);
     if (FMT == kQ4_K) convert_scales(tile + 2 * supers, supers, dmin);
     tile_sums<FMT>(L, tile, sums.data());
-    // Q6_K always; Q4_K from K = 4096 on. Measured on an AMD EPYC Genoa, 2 threads, one
-    // row: the 8B shape's Q4_K layers (K = 4096) read 15-17 GB/s without it and 22-23 with
-    // it; the 1B shape's (K = 2048, tiles of 4.6 KB) 27-28 without and 24-26 with.
+    // The tile two ahead is prefetched into L2, spread over this tile's blocks: Q6_K always;
+    // Q4_K from K = 4096 on. Measured on an AMD EPYC Genoa, 2 threads, one row: the 8B shape's
+    // Q4_K layers (K = 4096) read 15-17 GB/s with no prefetch and 22-23 with the next tile's
+    // into L1; the 1B shape's (K = 2048, tiles of 4.6 KB) 27-28 without and 24-26 with. Into
+    // L2 and two tiles ahead instead of L1 and one (scratch kb_dram.py, distinct 8B-shape
+    // matrices cycled so that none is in L3, quiet machine, interleaved): 1 thread 14.1-14.2
+    // -> 18.3-18.5 GB/s, 2 threads 20.0-23.6 -> 24.2-27.0; 4 tiles ahead gave the same.
     const bool ahead = FMT == kQ6_K || L.blocks >= 128;
-    const uint8_t* next = ahead && t + 1 < t1 ? tile + L.tile_bytes() : nullptr;
+    const uint8_t* next = ahead && t + 2 < t1 ? tile + 2 * L.tile_bytes() : nullptr;
     const int64_t tb = L.tile_bytes();
     for (int64_t r0 = 0; r0 < M; r0 += kQ8Rows, next = nullptr) {
       const int rows = static_cast<int>(std::min<int64_t>(kQ8Rows, M - r0));
