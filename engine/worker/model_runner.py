@@ -138,23 +138,7 @@ class ModelRunner:
                 graph_logits = self.graphs.logits(pad)
                 self.decode_graph_steps += 1
             else:
-                token_rows, positions, hidden_index, sample_rows = self.io.to_device(
-                    [plan.token_rows, plan.positions, plan.hidden_index, plan.sample_rows]
-                )
-                # Input ids come from the rows, where sampled tokens were written:
-                # the CPU scheduler never has to know them.
-                input_ids = self.states.input_ids(token_rows, positions)
-                laps.lap("plan_and_copy")
-                meta = AttentionMetadata.build(
-                    plan.query_lens,
-                    plan.seq_lens,
-                    self.states.block_table[plan.rows],
-                    self.block_size,
-                    self.io.device,
-                    stage=self.io.to_device,
-                    sliding_window=self.model.config.sliding_window,
-                )
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+                hidden, hidden_index, sample_rows = self._eager_forward(plan)
             laps.lap("forward")
             self.states.num_computed[plan.rows] = plan.seq_lens
             sample_ids = tuple(req_ids[i] for i in plan.sample_idx.tolist())
@@ -186,6 +170,29 @@ class ModelRunner:
                 drafts=drafts,
                 prompt_logprobs=prompt_lp,
             )
+
+    def _eager_forward(
+        self, plan: StepPlan
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The step's forward outside the decode graphs: (hidden states, the index of the
+        sampling rows' states or None, the sampling rows on the device)."""
+        token_rows, positions, hidden_index, sample_rows = self.io.to_device(
+            [plan.token_rows, plan.positions, plan.hidden_index, plan.sample_rows]
+        )
+        # Input ids come from the rows, where sampled tokens were written:
+        # the CPU scheduler never has to know them.
+        input_ids = self.states.input_ids(token_rows, positions)
+        self.host_times.lap("plan_and_copy")
+        meta = AttentionMetadata.build(
+            plan.query_lens,
+            plan.seq_lens,
+            self.states.block_table[plan.rows],
+            self.block_size,
+            self.io.device,
+            stage=self.io.to_device,
+            sliding_window=self.model.config.sliding_window,
+        )
+        return self.model(input_ids, positions, self.kv_caches, meta), hidden_index, sample_rows
 
     def _prompt_logprobs(
         self, plan: StepPlan, rows: PromptRows | None, hidden: torch.Tensor
