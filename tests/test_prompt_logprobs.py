@@ -145,10 +145,11 @@ def test_queued_prompt_logprobs_cut_each_request_to_its_top_k() -> None:
 # --------------------------------------------------------------------- engine
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(default_checkpoint):
-    # A small KV cache (64 blocks: 1,024 tokens): the default one (1 GiB) took this file's
-    # worker to 3.8 of its 4 GiB (tests/memory_guard.py) beside the engines the tests below start.
+    # One test's engine, gone before the next test starts its own, with a small KV cache (64
+    # blocks: 1,024 tokens): a module-wide one with the default cache (1 GiB) beside those
+    # engines took this file's worker to 3.8 of its 4 GiB (tests/memory_guard.py).
     llm = LLM.from_checkpoint(
         default_checkpoint, dtype="float32", max_model_len=256, num_kv_blocks=64
     )
