@@ -44,6 +44,7 @@ from baton.grammar.xgrammar.keywords import (
     xgrammar_unenforced_keywords,
 )
 from baton.grammar.xgrammar.normal_form import xgrammar_normal_form
+from baton.grammar.xgrammar.patterns import ebnf_string_literal
 from baton.grammar.xgrammar.rewrites import rewrite_json_ebnf, unshare_root
 
 # A structural tag's JSON-schema content with only these keys is compiled as a json spec.
@@ -87,19 +88,6 @@ def _reason(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     text = lines[0] if lines else type(exc).__name__
     return _XGR_LOG_PREFIX.sub("", text)
-
-
-def ebnf_string_literal(text: str) -> str:
-    """``text`` as a quoted EBNF string literal that matches exactly it."""
-    out = []
-    for ch in text:
-        if ch in ('"', "\\"):
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:

@@ -149,19 +149,27 @@ def plain_class(body: str) -> str:
     return ("[^" if negate else "[") + "".join(items) + "]"
 
 
+def ebnf_string_literal(text: str) -> str:
+    """``text`` as a quoted EBNF string literal that matches exactly it."""
+    out = []
+    for ch in text:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def json_literal(body: str) -> str:
     """The printed string literal ``"body"`` as the literal of its JSON string text."""
-    out = []
-    for ch in _unescape(body):
-        text = _JSON_SHORT.get(ch) or (f"\\u{ord(ch):04x}" if ord(ch) < 0x20 else ch)
-        for c in text:
-            if c in ('"', "\\"):
-                out.append("\\" + c)
-            elif ord(c) < 0x20 or ord(c) == 0x7F:
-                out.append(f"\\x{ord(c):02x}")
-            else:
-                out.append(c)
-    return '"' + "".join(out) + '"'
+    return ebnf_string_literal(
+        "".join(
+            _JSON_SHORT.get(ch) or (f"\\u{ord(ch):04x}" if ord(ch) < 0x20 else ch)
+            for ch in _unescape(body)
+        )
+    )
 
 
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\b[A-Za-z_]\w*\b|.', re.S)
