@@ -319,6 +319,29 @@ class EngineConfig:
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.of(self.speculative_config)
         )
+        self._check_sizes()
+        self._check_flags()
+        simulated = self._check_device()
+        self._resolve_dtype()
+        self._check_quantization()
+        self._check_parallelism()
+        self._check_speculative()
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser {self.reasoning_parser!r} is not supported; expected one of "
+                f"{', '.join(REASONING_PARSERS)}"
+            )
+        enabled = self._resolve_async()
+        object.__setattr__(self, "async_scheduling", enabled)
+        if self.executor is None:
+            on_cpu_worker = enabled and self.device == "cpu"
+            parallel = self.tensor_parallel_size > 1
+            executor = "sim" if simulated else "mp" if on_cpu_worker or parallel else "uni"
+            object.__setattr__(self, "executor", executor)
+        self._resolve_structured_drafts()
+
+    def _check_sizes(self) -> None:
+        """The counts, sizes and time-outs: positive where given."""
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -373,6 +396,9 @@ class EngineConfig:
                 f"EngineConfig.worker_threads must be a positive int or None, "
                 f"got {self.worker_threads!r}"
             )
+
+    def _check_flags(self) -> None:
+        """The boolean switches and the executor's name."""
         for flag in ("adapt_cpu_threads", "enforce_eager", "grammar_fill_thread"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(
@@ -387,6 +413,9 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.executor must be one of {EXECUTORS} or None, got {self.executor!r}"
             )
+
+    def _check_device(self) -> bool:
+        """The device and the simulator's settings; whether the device is simulated."""
         try:
             check_device(self.device)
         except ValueError as exc:
@@ -412,8 +441,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.sim_traces must be a path (str), got {self.sim_traces!r}"
             )
-        self._resolve_dtype()
-        self._check_quantization()
+        return simulated
+
+    def _check_parallelism(self) -> None:
+        """The executor against the device, tensor parallelism and batches in flight."""
         if self.executor == "mp" and self.device != "cpu":
             raise ValueError(
                 f"EngineConfig.executor='mp' runs the model in a CPU worker process and cannot "
@@ -436,20 +467,6 @@ class EngineConfig:
                 "EngineConfig.max_concurrent_batches must be 1 or 2 "
                 f"(one step planned ahead at most), got {self.max_concurrent_batches}"
             )
-        self._check_speculative()
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(
-                f"reasoning_parser {self.reasoning_parser!r} is not supported; expected one of "
-                f"{', '.join(REASONING_PARSERS)}"
-            )
-        enabled = self._resolve_async()
-        object.__setattr__(self, "async_scheduling", enabled)
-        if self.executor is None:
-            on_cpu_worker = enabled and self.device == "cpu"
-            parallel = self.tensor_parallel_size > 1
-            executor = "sim" if simulated else "mp" if on_cpu_worker or parallel else "uni"
-            object.__setattr__(self, "executor", executor)
-        self._resolve_structured_drafts()
 
     def _check_speculative(self) -> None:
         if self.speculative_config is None:
