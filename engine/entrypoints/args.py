@@ -70,6 +70,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
 
     ``max_model_len`` is the default of ``--max-model-len`` (None: the model's own limit).
     """
+    _add_model_args(parser, max_model_len)
+    _add_grammar_args(parser)
+    _add_decoding_args(parser)
+
+
+def _add_model_args(parser: argparse.ArgumentParser, max_model_len: int | None) -> None:
+    """What is loaded, in which dtype, where, and how many sequences and tokens it holds."""
     parser.add_argument(
         "--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)"
     )
@@ -102,6 +109,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         default=None,
         help="cut the model over N worker processes (one shard of every layer each; CPU, gloo)",
     )
+
+
+def _add_grammar_args(parser: argparse.ArgumentParser) -> None:
+    """The grammar compile service's limits."""
     parser.add_argument(
         "--grammar-compile-timeout",
         type=float,
@@ -126,6 +137,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_model_len: int | Non
         default=None,
         help="size budget of the compiled-grammar cache in MiB (default: 1024)",
     )
+
+
+def _add_decoding_args(parser: argparse.ArgumentParser) -> None:
+    """Drafts, reasoning, CPU threads, batch invariance, CUDA graphs and scheduling."""
     parser.add_argument(
         "--speculative-config",
         default=None,
