@@ -223,19 +223,18 @@ class SamplingMetadata:
                 range, or a penalty without the token ids or vocab size it needs.
         """
         n = len(temperature)
-        lists: dict[str, Sequence[object] | None] = {
-            "seeds": seeds,
-            "positions": positions,
-            "top_k": top_k,
-            "top_p": top_p,
-            "min_p": min_p,
-            "repetition_penalty": repetition_penalty,
-            "presence_penalty": presence_penalty,
-            "frequency_penalty": frequency_penalty,
-            "prompt_token_ids": prompt_token_ids,
-            "output_token_ids": output_token_ids,
-        }
-        for name, values in lists.items():
+        for name, values in (
+            ("seeds", seeds),
+            ("positions", positions),
+            ("top_k", top_k),
+            ("top_p", top_p),
+            ("min_p", min_p),
+            ("repetition_penalty", repetition_penalty),
+            ("presence_penalty", presence_penalty),
+            ("frequency_penalty", frequency_penalty),
+            ("prompt_token_ids", prompt_token_ids),
+            ("output_token_ids", output_token_ids),
+        ):
             if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries, expected {n} (one per row)")
         temps = [float(t) for t in temperature]
@@ -247,33 +246,22 @@ class SamplingMetadata:
                 return None
             return torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
 
+        _check_ranges(top_k, positions, top_p, min_p)
         top_k_t = None
-        if top_k is not None:
-            if any(int(k) < 0 for k in top_k):
-                raise ValueError(f"top_k must be >= 0 (0 is off), got {list(top_k)}")
-            if any(int(k) > 0 for k in top_k):
-                top_k_t = torch.tensor([int(k) for k in top_k], dtype=torch.int64, device=device)
-        if any(int(p) < 0 for p in positions):
-            raise ValueError(f"positions must be >= 0, got {list(positions)}")
-        if top_p is not None and any(not 0.0 < float(p) <= 1.0 for p in top_p):
-            raise ValueError(f"top_p must be in (0, 1], got {list(top_p)}")
-        if min_p is not None and any(not 0.0 <= float(p) <= 1.0 for p in min_p):
-            raise ValueError(f"min_p must be in [0, 1], got {list(min_p)}")
+        if top_k is not None and any(int(k) > 0 for k in top_k):
+            top_k_t = torch.tensor([int(k) for k in top_k], dtype=torch.int64, device=device)
 
         rep = floats(repetition_penalty, 1.0)
         pres = floats(presence_penalty, 0.0)
         freq = floats(frequency_penalty, 0.0)
-        prompt_mask = output_counts = None
-        if rep is not None or pres is not None or freq is not None:
-            if vocab_size is None or vocab_size <= 0:
-                raise ValueError("penalties need vocab_size > 0 to build their token masks")
-            if output_token_ids is None:
-                raise ValueError("penalties need output_token_ids")
-            output_counts = _count_tokens(output_token_ids, vocab_size, device)
-            if rep is not None:
-                if prompt_token_ids is None:
-                    raise ValueError("repetition_penalty needs prompt_token_ids")
-                prompt_mask = _count_tokens(prompt_token_ids, vocab_size, device) > 0
+        prompt_mask, output_counts = _penalty_histories(
+            rep is not None,
+            pres is not None or freq is not None,
+            prompt_token_ids,
+            output_token_ids,
+            vocab_size,
+            device,
+        )
 
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
@@ -293,6 +281,52 @@ class SamplingMetadata:
             output_counts=output_counts,
             max_num_logprobs=max_num_logprobs,
         )
+
+
+def _check_ranges(
+    top_k: Sequence[int] | None,
+    positions: Sequence[int],
+    top_p: Sequence[float] | None,
+    min_p: Sequence[float] | None,
+) -> None:
+    """Raises ValueError naming the first of top_k, positions, top_p, min_p out of range."""
+    if top_k is not None and any(int(k) < 0 for k in top_k):
+        raise ValueError(f"top_k must be >= 0 (0 is off), got {list(top_k)}")
+    if any(int(p) < 0 for p in positions):
+        raise ValueError(f"positions must be >= 0, got {list(positions)}")
+    if top_p is not None and any(not 0.0 < float(p) <= 1.0 for p in top_p):
+        raise ValueError(f"top_p must be in (0, 1], got {list(top_p)}")
+    if min_p is not None and any(not 0.0 <= float(p) <= 1.0 for p in min_p):
+        raise ValueError(f"min_p must be in [0, 1], got {list(min_p)}")
+
+
+def _penalty_histories(
+    repetition: bool,
+    counted: bool,
+    prompt_token_ids: Sequence[Sequence[int]] | None,
+    output_token_ids: Sequence[Sequence[int]] | None,
+    vocab_size: int | None,
+    device: torch.device | str,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The prompt mask (repetition penalty) and output counts the penalties read: both None
+    when no row has a penalty.
+
+    Raises:
+        ValueError: a penalty without ``vocab_size`` or the token ids it needs.
+    """
+    if not (repetition or counted):
+        return None, None
+    if vocab_size is None or vocab_size <= 0:
+        raise ValueError("penalties need vocab_size > 0 to build their token masks")
+    if output_token_ids is None:
+        raise ValueError("penalties need output_token_ids")
+    output_counts = _count_tokens(output_token_ids, vocab_size, device)
+    prompt_mask = None
+    if repetition:
+        if prompt_token_ids is None:
+            raise ValueError("repetition_penalty needs prompt_token_ids")
+        prompt_mask = _count_tokens(prompt_token_ids, vocab_size, device) > 0
+    return prompt_mask, output_counts
 
 
 def _count_tokens(
