@@ -130,10 +130,36 @@ def keep_quantized(
             skip.update(group)
         elif not kinds <= _FLOAT_TYPES:
             fallback.append((name, list(group.values())))
+    kept, skipped, refused = _keep_ends(path, tensors, config, huge_pages)
+    quantized.update(kept)
+    skip.update(skipped)
+    fallback.extend(refused)
+    if not quantized:
+        raise _no_kernel_types(path, tensors, groups)
+    for layer in range(config.num_layers):
+        if config.moe_layer(layer):
+            kept, stacked = _keep_experts(path, tensors, layer, config.num_experts, huge_pages)
+            quantized.update(kept)
+            skip.update(stacked)
+    dense_embedding = None if EMBEDDING in skip else tensors.get(EMBEDDING)
+    _log(path, quantized, fallback, dense_embedding, dtype)
+    _warn_dense_experts(path, tensors, skip, dtype)
+    return quantized, frozenset(skip)
+
+
+def _keep_ends(
+    path: Path, tensors: Mapping[str, GGUFTensor], config: ModelConfig, huge_pages: bool
+) -> tuple[dict[str, QuantWeight], set[str], list[tuple[str, list[GGUFTensor]]]]:
+    """The LM head (or the tied embedding that serves as one) and an untied embedding, kept
+    where their types have a kernel: the kept weights, the names not to load dense, and what
+    falls back to dense (for the log)."""
+    kept: dict[str, QuantWeight] = {}
+    skip: set[str] = set()
+    fallback: list[tuple[str, list[GGUFTensor]]] = []
     head_name = LM_HEAD if LM_HEAD in tensors else EMBEDDING
     head = tensors.get(head_name)
     if head is not None and head.tensor_type.name in FORMATS:
-        quantized[LM_HEAD] = _repack(
+        kept[LM_HEAD] = _repack(
             path, _raw_rows(path, head, config), head.tensor_type.name, LM_HEAD, huge_pages
         )
         head.release_pages()
@@ -143,7 +169,7 @@ def keep_quantized(
         fallback.append((f"the LM head ({head.name})", [head]))
     embedding = tensors.get(EMBEDDING)
     if head_name == LM_HEAD and embedding is not None and embedding.tensor_type.name in FORMATS:
-        quantized[EMBEDDING] = _repack(
+        kept[EMBEDDING] = _repack(
             path,
             _raw_rows(path, embedding, config),
             embedding.tensor_type.name,
@@ -152,27 +178,32 @@ def keep_quantized(
         )
         embedding.release_pages()
         skip.add(EMBEDDING)
-    if not quantized:
-        linear_types = sorted(
-            {
-                tensors[pre + p].tensor_type.name
-                for _, pre, ps in groups
-                for p in ps
-                if pre + p in tensors
-            }
-        )
-        raise ModelLoadError(
-            f"{path}: quantization='gguf' keeps linear weights of the types "
-            f"{', '.join(FORMATS)} quantised, but this file's linear weights are "
-            f"{', '.join(linear_types) or 'absent'}; use quantization=None to load it dequantised"
-        )
-    for layer in range(config.num_layers):
-        if config.moe_layer(layer):
-            kept, stacked = _keep_experts(path, tensors, layer, config.num_experts, huge_pages)
-            quantized.update(kept)
-            skip.update(stacked)
-    dense_embedding = None if EMBEDDING in skip else tensors.get(EMBEDDING)
-    _log(path, quantized, fallback, dense_embedding, dtype)
+    return kept, skip, fallback
+
+
+def _no_kernel_types(
+    path: Path, tensors: Mapping[str, GGUFTensor], groups: list[tuple[str, str, tuple[str, ...]]]
+) -> ModelLoadError:
+    """The error for a file none of whose linear weights has a kernel type, naming its types."""
+    linear_types = sorted(
+        {
+            tensors[pre + p].tensor_type.name
+            for _, pre, ps in groups
+            for p in ps
+            if pre + p in tensors
+        }
+    )
+    return ModelLoadError(
+        f"{path}: quantization='gguf' keeps linear weights of the types "
+        f"{', '.join(FORMATS)} quantised, but this file's linear weights are "
+        f"{', '.join(linear_types) or 'absent'}; use quantization=None to load it dequantised"
+    )
+
+
+def _warn_dense_experts(
+    path: Path, tensors: Mapping[str, GGUFTensor], skip: set[str], dtype: torch.dtype
+) -> None:
+    """Logs the expert tensors no kernel multiplies (dequantised), with the memory they take."""
     dense_experts = [
         t
         for name, t in tensors.items()
@@ -190,7 +221,6 @@ def keep_quantized(
             str(dtype).removeprefix("torch."),
             _dense_bytes(dense_experts, dtype) / 2**20,
         )
-    return quantized, frozenset(skip)
 
 
 def _keep_experts(
