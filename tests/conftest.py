@@ -794,7 +794,8 @@ def hf_default_model(hf_default_model_dir: Path) -> Any:
     """transformers' ``LlamaForCausalLM`` of the default GGUF (float32, eval mode): the reference
     for weights and logits. Loaded for each test that asks (from ``hf_default_model_dir``, about
     a second): a session-wide copy kept 0.5 GB resident in a worker for the rest of the run,
-    and a module-wide one sat beside the engines that tests/test_engine.py starts (issue 52)."""
+    and a module-wide one sat beside the engines that tests/engine/entrypoints/test_engine.py
+    starts (issue 52)."""
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(hf_default_model_dir, dtype=torch.float32).eval()
