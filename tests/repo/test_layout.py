@@ -1,0 +1,105 @@
+"""tests/ follows the package (tests/layout.py): every test file sits in the folder of the package
+it tests or in tests/repo/, no file name is used twice, every path in the repository that names
+a test file names where it is, and the shared fixtures reach every folder."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import layout
+import pytest
+from conftest import REAL_AUTO_DTYPE, ROOT, TEST_KV_CACHE_BYTES
+
+import baton.engine.config as engine_config_module
+
+
+def test_every_test_file_is_in_its_room() -> None:
+    problems = layout.misplaced()
+    assert problems == [], "run `python tests/layout.py --apply`:\n" + "\n".join(problems)
+
+
+def test_no_path_in_the_repository_names_a_test_file_where_it_is_not() -> None:
+    stale = [f"{p.relative_to(ROOT)}: {old} is {new}" for p, old, new in layout.stale_references()]
+    assert stale == [], "run `python tests/layout.py --fix-refs`:\n" + "\n".join(stale)
+
+
+def test_the_table_and_the_prefixes_name_rooms_and_the_files_are_in_theirs() -> None:
+    rooms = layout.rooms()
+    assert {"engine/core", "engine/server", "grammar", "kernels", "bench", "repo"} <= rooms
+    assert set(layout.PLACES.values()) | {room for _, room in layout.PREFIXES} <= rooms
+    for path in layout.test_files():
+        room = path.parent.relative_to(layout.TESTS).as_posix()
+        if path.name in layout.PLACES:
+            assert layout.PLACES[path.name] == room, path.name
+
+
+def _tree(root: Path, files: list[str]) -> Path:
+    for name in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("")
+    return root / "tests"
+
+
+def test_a_file_at_the_top_in_no_room_or_named_twice_is_reported(tmp_path: Path) -> None:
+    tests = _tree(
+        tmp_path,
+        [
+            "engine/__init__.py",
+            "engine/core/__init__.py",
+            "kernels/__init__.py",
+            "tests/engine/core/test_fine.py",
+            "tests/kernels/test_kernels_ok.py",
+            "tests/test_kernels_new.py",
+            "tests/misc/test_lost.py",
+            "tests/engine/test_fine.py",
+        ],
+    )
+    assert layout.misplaced(tests, tmp_path) == [
+        "tests/misc/test_lost.py: misc is no package folder",
+        "tests/test_kernels_new.py: at the top of tests/ (its room: tests/kernels/)",
+        "test_fine.py: used 2 times in tests/",
+    ]
+    assert not layout.misplaced(_tree(tmp_path / "ok", ["engine/__init__.py"]), tmp_path / "ok")
+
+
+@pytest.mark.parametrize(
+    ("name", "room"),
+    [
+        ("test_scheduler.py", "engine/core"),  # the table
+        ("test_worker_start.py", "engine/executor"),  # the table before the prefix
+        ("test_kernels_new_op.py", "kernels"),
+        ("test_server_new_route.py", "engine/server"),
+        ("test_server.py", "engine/server"),
+        ("test_core_pool.py", "engine/core"),
+        ("test_grammar_open_objects.py", "grammar"),
+        ("test_bench_packaging.py", "bench"),
+        ("test_kv_pool.py", None),  # no rule: --apply names it and leaves it
+    ],
+)
+def test_room_for_a_name(name: str, room: str | None) -> None:
+    assert layout.room_for(name) == room
+
+
+def test_a_new_file_without_a_room_is_named_with_a_hint(tmp_path: Path) -> None:
+    tests = _tree(tmp_path, ["tests/test_kernels_x.py", "tests/test_kv_pool.py"])
+    (tests / "test_kv_pool.py").write_text(
+        "from baton.engine.core.block_pool import BlockPool\n"
+        "from baton.engine.core.kv_cache_manager import KVCacheManager\n"
+        "from baton.engine.config import EngineConfig\n"
+    )
+    moves, homeless = layout.plan(tests)
+    assert moves == [(tests / "test_kernels_x.py", tests / "kernels" / "test_kernels_x.py")]
+    assert homeless == [tests / "test_kv_pool.py"]
+    assert layout.guess_room(tests / "test_kv_pool.py") == "engine/core"
+
+
+def test_the_shared_fixtures_and_helpers_reach_every_folder() -> None:
+    # The autouse fixtures of tests/conftest.py apply here, two folders down.
+    assert engine_config_module.auto_dtype is not REAL_AUTO_DTYPE
+    kv_bytes = inspect.signature(engine_config_module.EngineConfig).parameters
+    assert kv_bytes["kv_cache_memory_bytes"].default == TEST_KV_CACHE_BYTES
+    # Every test folder is importable by module name, whichever files this run collected.
+    for folder in {path.parent for path in layout.test_files()}:
+        assert str(folder) in sys.path, folder
