@@ -36,6 +36,8 @@ def test_the_table_and_the_prefixes_name_rooms_and_the_files_are_in_theirs() -> 
 
 
 def _tree(root: Path, files: list[str]) -> Path:
+    """A made-up repository: its file names must never be real ones (--fix-refs would rewrite
+    them here, and a table entry would change their room)."""
     for name in files:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text("")
@@ -49,17 +51,17 @@ def test_a_file_at_the_top_in_no_room_or_named_twice_is_reported(tmp_path: Path)
             "engine/__init__.py",
             "engine/core/__init__.py",
             "kernels/__init__.py",
-            "tests/engine/core/test_fine.py",
-            "tests/kernels/test_kernels_ok.py",
-            "tests/test_kernels_new.py",
-            "tests/misc/test_lost.py",
-            "tests/engine/test_fine.py",
+            "tests/engine/core/test_made_up_fine.py",
+            "tests/kernels/test_kernels_made_up_ok.py",
+            "tests/test_kernels_made_up_new.py",
+            "tests/misc/test_made_up_lost.py",
+            "tests/engine/test_made_up_fine.py",
         ],
     )
     assert layout.misplaced(tests, tmp_path) == [
-        "tests/misc/test_lost.py: misc is no package folder",
-        "tests/test_kernels_new.py: at the top of tests/ (its room: tests/kernels/)",
-        "test_fine.py: used 2 times in tests/",
+        "tests/misc/test_made_up_lost.py: misc is no package folder",
+        "tests/test_kernels_made_up_new.py: at the top of tests/ (its room: tests/kernels/)",
+        "test_made_up_fine.py: used 2 times in tests/",
     ]
     assert not layout.misplaced(_tree(tmp_path / "ok", ["engine/__init__.py"]), tmp_path / "ok")
 
@@ -69,13 +71,13 @@ def test_a_file_at_the_top_in_no_room_or_named_twice_is_reported(tmp_path: Path)
     [
         ("test_scheduler.py", "engine/core"),  # the table
         ("test_worker_start.py", "engine/executor"),  # the table before the prefix
-        ("test_kernels_new_op.py", "kernels"),
-        ("test_server_new_route.py", "engine/server"),
+        ("test_kernels_made_up.py", "kernels"),
+        ("test_server_made_up.py", "engine/server"),
         ("test_server.py", "engine/server"),
-        ("test_core_pool.py", "engine/core"),
-        ("test_grammar_open_objects.py", "grammar"),
-        ("test_bench_packaging.py", "bench"),
-        ("test_kv_pool.py", None),  # no rule: --apply names it and leaves it
+        ("test_core_made_up.py", "engine/core"),
+        ("test_grammar_made_up.py", "grammar"),
+        ("test_bench_made_up.py", "bench"),
+        ("test_made_up_pool.py", None),  # no rule: --apply names it and leaves it
     ],
 )
 def test_room_for_a_name(name: str, room: str | None) -> None:
@@ -83,16 +85,17 @@ def test_room_for_a_name(name: str, room: str | None) -> None:
 
 
 def test_a_new_file_without_a_room_is_named_with_a_hint(tmp_path: Path) -> None:
-    tests = _tree(tmp_path, ["tests/test_kernels_x.py", "tests/test_kv_pool.py"])
-    (tests / "test_kv_pool.py").write_text(
+    tests = _tree(tmp_path, ["tests/test_kernels_made_up_x.py", "tests/test_made_up_pool.py"])
+    (tests / "test_made_up_pool.py").write_text(
         "from baton.engine.core.block_pool import BlockPool\n"
         "from baton.engine.core.kv_cache_manager import KVCacheManager\n"
         "from baton.engine.config import EngineConfig\n"
     )
     moves, homeless = layout.plan(tests)
-    assert moves == [(tests / "test_kernels_x.py", tests / "kernels" / "test_kernels_x.py")]
-    assert homeless == [tests / "test_kv_pool.py"]
-    assert layout.guess_room(tests / "test_kv_pool.py") == "engine/core"
+    name = "test_kernels_made_up_x.py"
+    assert moves == [(tests / name, tests / "kernels" / name)]
+    assert homeless == [tests / "test_made_up_pool.py"]
+    assert layout.guess_room(tests / "test_made_up_pool.py") == "engine/core"
 
 
 def test_the_shared_fixtures_and_helpers_reach_every_folder() -> None:
