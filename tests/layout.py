@@ -188,7 +188,8 @@ def test_files(tests: Path = TESTS) -> list[Path]:
 
 def misplaced(tests: Path = TESTS, root: Path = ROOT) -> list[str]:
     """What breaks the layout, one line each: a test file at the top of ``tests/`` or in a
-    folder that is no room, and a file name used twice."""
+    folder that is no room, a file name used twice, a conftest.py below the top, an
+    __init__.py."""
     allowed = rooms(root)
     problems = []
     for path in test_files(tests):
@@ -200,6 +201,14 @@ def misplaced(tests: Path = TESTS, root: Path = ROOT) -> list[str]:
             problems.append(f"tests/{folder}/{path.name}: {folder} is no package folder")
     names = Counter(path.name for path in test_files(tests))
     problems += [f"{name}: used {n} times in tests/" for name, n in names.items() if n > 1]
+    # pytest imports a conftest.py outside a package as module "conftest" (the last one loaded
+    # replaces the others in sys.modules, so ``from conftest import`` would find it), and an
+    # __init__.py would make the test modules' names depend on their folders.
+    for name in ("conftest.py", "__init__.py"):
+        for path in sorted(tests.rglob(name)):
+            if path.parent != tests or name == "__init__.py":
+                rel = path.relative_to(tests).as_posix()
+                problems.append(f"tests/{rel}: tests/ has one conftest.py and no __init__.py")
     return problems
 
 

@@ -1,6 +1,7 @@
 """tests/ follows the package (tests/layout.py): every test file sits in the folder of the package
-it tests or in tests/repo/, no file name is used twice, every path in the repository that names
-a test file names where it is, and the shared fixtures reach every folder."""
+it tests or in tests/repo/, no file name is used twice, one conftest.py and no __init__.py, every
+path in the repository that names a test file names where it is, and the shared fixtures reach
+every folder."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _tree(root: Path, files: list[str]) -> Path:
     return root / "tests"
 
 
-def test_a_file_at_the_top_in_no_room_or_named_twice_is_reported(tmp_path: Path) -> None:
+def test_each_break_of_the_layout_is_reported(tmp_path: Path) -> None:
     tests = _tree(
         tmp_path,
         [
@@ -56,12 +57,17 @@ def test_a_file_at_the_top_in_no_room_or_named_twice_is_reported(tmp_path: Path)
             "tests/test_kernels_made_up_new.py",
             "tests/misc/test_made_up_lost.py",
             "tests/engine/test_made_up_fine.py",
+            "tests/conftest.py",
+            "tests/kernels/conftest.py",
+            "tests/kernels/__init__.py",
         ],
     )
     assert layout.misplaced(tests, tmp_path) == [
         "tests/misc/test_made_up_lost.py: misc is no package folder",
         "tests/test_kernels_made_up_new.py: at the top of tests/ (its room: tests/kernels/)",
         "test_made_up_fine.py: used 2 times in tests/",
+        "tests/kernels/conftest.py: tests/ has one conftest.py and no __init__.py",
+        "tests/kernels/__init__.py: tests/ has one conftest.py and no __init__.py",
     ]
     assert not layout.misplaced(_tree(tmp_path / "ok", ["engine/__init__.py"]), tmp_path / "ok")
 
