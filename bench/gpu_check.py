@@ -155,9 +155,9 @@ def model_for_engine_bench(prep: Path, out: Path) -> str | None:
 
 
 def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:
-    """Test modules that hold GPU-marked tests. Only those are collected: the others import
-    packages (the server's) that the GPU machine need not have."""
-    return sorted(str(f) for f in tests.glob("test_*.py") if "mark.gpu" in f.read_text())
+    """Test modules that hold GPU-marked tests, in every folder of ``tests``. Only those are
+    collected: the others import packages (the server's) that the GPU machine need not have."""
+    return sorted(str(f) for f in tests.rglob("test_*.py") if "mark.gpu" in f.read_text())
 
 
 PROFILE_CASES = (

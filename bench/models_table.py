@@ -1,7 +1,8 @@
 """The table of supported models (architectures x formats x features), generated from the
-tests: runs ``tests/test_architectures.py``, ``tests/test_tokenizer_sentencepiece.py``,
-``tests/test_gemma.py`` and ``tests/test_gpt_oss.py``, reads each test's outcome from
-pytest's JUnit report, and writes ``docs/models.md``.
+tests: runs ``tests/engine/models/test_architectures.py``,
+``tests/engine/test_tokenizer_sentencepiece.py``, ``tests/engine/models/test_gemma.py`` and
+``tests/engine/models/test_gpt_oss.py``, reads each test's outcome from pytest's JUnit report,
+and writes ``docs/models.md``.
 
 A cell says what a test checked on this machine, never what should work: "ok" (passed),
 "FAILED", or "not tested" with the skip reason. The features come from the architecture
@@ -25,10 +26,10 @@ from baton.engine.models.architectures import ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = (
-    "tests/test_architectures.py",
-    "tests/test_tokenizer_sentencepiece.py",
-    "tests/test_gemma.py",
-    "tests/test_gpt_oss.py",
+    "tests/engine/models/test_architectures.py",
+    "tests/engine/test_tokenizer_sentencepiece.py",
+    "tests/engine/models/test_gemma.py",
+    "tests/engine/models/test_gpt_oss.py",
 )
 OUT = ROOT / "docs" / "models.md"
 

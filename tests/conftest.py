@@ -35,6 +35,18 @@ from baton.engine.loader.gguf import gguf_metadata, read_gguf
 from baton.engine.speculative_config import SpeculativeConfig
 from baton.engine.tokenizer import Tokenizer
 
+# The repository: a test builds its paths from here, whatever folder of tests/ it lives in.
+ROOT = Path(__file__).resolve().parent.parent
+
+# tests/ mirrors the package (tests/layout.py). pytest imports a test module by its file name
+# (its default "prepend" import mode puts the module's folder on sys.path; the test folders have
+# no __init__.py, and tests/repo/test_layout.py keeps file names unique). With every test folder
+# on sys.path, a test may import another's helpers (``from test_model import _tiny_pair``)
+# wherever each lives and whichever files the run collects. Appended, so they shadow nothing.
+for _folder in sorted({path.parent for path in ROOT.joinpath("tests").rglob("test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Every pytest process of the suite bounds and, on request, records its resident memory
@@ -782,7 +794,8 @@ def hf_default_model(hf_default_model_dir: Path) -> Any:
     """transformers' ``LlamaForCausalLM`` of the default GGUF (float32, eval mode): the reference
     for weights and logits. Loaded for each test that asks (from ``hf_default_model_dir``, about
     a second): a session-wide copy kept 0.5 GB resident in a worker for the rest of the run,
-    and a module-wide one sat beside the engines that tests/test_engine.py starts (issue 52)."""
+    and a module-wide one sat beside the engines that tests/engine/entrypoints/test_engine.py
+    starts (issue 52)."""
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(hf_default_model_dir, dtype=torch.float32).eval()
@@ -802,7 +815,7 @@ def hf_tokenizer(default_model_path: Path) -> Any:
 def shared_data_dir() -> Path | None:
     """The shared schema data (maskbench format): $BATON_DATA_DIR or ../shared/data."""
     env = os.environ.get("BATON_DATA_DIR")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+    path = Path(env) if env else ROOT.parent / "shared" / "data"
     return path if path.is_dir() else None
 
 

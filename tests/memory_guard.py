@@ -15,11 +15,11 @@ from creeping back silently:
   grammar compile processes).
 
 It also gives memory back between tests, measured to matter in this suite (issue 52): after
-each test glibc's ``malloc_trim`` returns the heap's free pages (after tests/test_engine.py a
-worker held 6.3 GB resident, 3.4 GB once trimmed); after a file that left the process
-bigger, the objects that engines froze out of the garbage collector's passes
-(``engine/gc_heap.py``) are unfrozen and collected first (after tests/test_structured.py:
-6.5 GB, 4.9 GB collected, 1.3 GB trimmed).
+each test glibc's ``malloc_trim`` returns the heap's free pages (after
+tests/engine/entrypoints/test_engine.py a worker held 6.3 GB resident, 3.4 GB once trimmed);
+after a file that left the process bigger, the objects that engines froze out of the garbage
+collector's passes (``engine/gc_heap.py``) are unfrozen and collected first (after
+tests/engine/entrypoints/test_structured.py: 6.5 GB, 4.9 GB collected, 1.3 GB trimmed).
 
 Linux only (it reads /proc and resets the peak through /proc/self/clear_refs, Linux 4.0 on);
 elsewhere it records and bounds nothing.

@@ -9,10 +9,10 @@ caches and 205 us after a 64 MB sweep, 16 layers a step. One C++ call per layer 
 ops, in the same order, with no Python between them.
 
 The fused call computes the unfused layer's bits (the same C++ ops, built with the same flags;
-``tests/test_cpu_decode.py``), so a step may take either path without changing a token. It is
-taken only where the unfused path would take exactly those ops: a pure-decode step whose
-attention is the CPU paged decode kernel (``models/attention.py``), RMSNorm and RoPE through
-``kernels/cpu_ops.py``, and a layer with all four projections quantised and no tensor
+``tests/engine/models/test_cpu_decode.py``), so a step may take either path without changing a
+token. It is taken only where the unfused path would take exactly those ops: a pure-decode step
+whose attention is the CPU paged decode kernel (``models/attention.py``), RMSNorm and RoPE
+through ``kernels/cpu_ops.py``, and a layer with all four projections quantised and no tensor
 parallelism.
 """
 

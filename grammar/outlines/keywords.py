@@ -1,6 +1,6 @@
 """The JSON-schema keywords outlines-core's converter enforces as written, the ones it ignores,
 and the exceptions, as data (``faithful`` applies them). Each entry is backed by a test
-in ``tests/test_grammar_outlines.py``."""
+in ``tests/grammar/test_grammar_outlines.py``."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 the walk that finds the ignored ones in a schema (``xgrammar_unenforced_keywords``), so that
 the xgrammar backend refuses such a schema (or "auto" passes it on).
 
-Measured with xgrammar 0.2.9; ``tests/test_grammar_xgrammar.py`` shows each entry with an
+Measured with xgrammar 0.2.9; ``tests/grammar/test_grammar_xgrammar.py`` shows each entry with an
 instance.
 """
 

@@ -5,8 +5,8 @@ rejected there whatever the context; only the remaining ("uncertain") tokens are
 run time, one parse each. A rule shape that leaves thousands of tokens uncertain turns a
 mask fill of microseconds into milliseconds per row. Each rewrite here keeps the language
 (or narrows it to valid JSON), and each was measured on the shared schemas with ``baton bench
-masks``; ``tests/test_grammar_fill_speed.py`` guards the speed and
-``tests/test_grammar_xgrammar.py`` the languages.
+masks``; ``tests/grammar/test_grammar_fill_speed.py`` guards the speed and
+``tests/grammar/test_grammar_xgrammar.py`` the languages.
 
 1. Length-bounded strings. xgrammar spells one character of a ``minLength``/``maxLength``
    string as ``[^"\\\\\\r\\n]``, which admits raw control characters (invalid JSON: seen in a

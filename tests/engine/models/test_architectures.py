@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_tiny_model_dir, gguf_from_hf_dir, mini_tokenizer_metadata
+from conftest import ROOT, build_tiny_model_dir, gguf_from_hf_dir, mini_tokenizer_metadata
 from engine_testing import (
     assert_equal_weights,
     assert_same_checkpoint,
@@ -378,7 +378,7 @@ def test_the_models_page_lists_every_architecture():
     changes: every architecture has its row, and no test it reports failed."""
     from baton.engine.models.architectures import ARCHITECTURES
 
-    page = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    page = (ROOT / "docs" / "models.md").read_text()
     for name, arch in ARCHITECTURES.items():
         assert f"| {name} | {', '.join(arch.hf_classes)} |" in page, name
     assert "FAILED" not in page

@@ -4,7 +4,7 @@ multiplied by ``kernels/quant_linear.py`` (``loader/gguf_quant.py``, ``models/gg
 The tiny Llama of ``conftest`` (hidden 64, MLP 128: whole 32-weight blocks) is written with
 its linears in Q8_0, Q4_0 or Q4_1 and its embedding (the tied LM head) in Q8_0, then loaded
 both ways: kept quantised, and dequantised to float32 (``quantization=None``). The kernel's
-weights are bit-identical to gguf's dequantisation (``tests/test_kernels_quant_linear.py``),
+weights are bit-identical to gguf's dequantisation (``tests/kernels/test_kernels_quant_linear.py``),
 so the two models differ only in the float32 summation order of each dot product.
 """
 

@@ -10,8 +10,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "grammar", "sampler", "kernels", "bench")
 
 # The rooms of engine/ and what each may import of engine/. "shared" is engine/'s top-level

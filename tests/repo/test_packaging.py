@@ -3,13 +3,10 @@ list imports from a checkout (editable install) and is missing from a wheel."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from conftest import ROOT
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _setuptools() -> dict:

@@ -52,15 +52,15 @@ def _teardown(guard: memory_guard.MemoryGuard, nodeid: str) -> None:
 def test_a_process_over_the_bound_fails_naming_the_file_once(tmp_path: Path) -> None:
     guard = memory_guard.MemoryGuard(limit=1 << 20, log=tmp_path / "rss.jsonl")
     assert guard.enabled
-    guard.file = "tests/test_big.py"
-    with pytest.raises(MemoryError, match=r"tests/test_big\.py: .* over the suite's bound"):
-        _teardown(guard, "tests/test_big.py::test_one")
+    guard.file = "tests/sampler/test_big.py"
+    with pytest.raises(MemoryError, match=r"tests/sampler/test_big\.py: .* over the suite's bound"):
+        _teardown(guard, "tests/sampler/test_big.py::test_one")
     # Once per file: the next test of the same file is not failed for the same peak.
-    _teardown(guard, "tests/test_big.py::test_two")
+    _teardown(guard, "tests/sampler/test_big.py::test_two")
     # Under the bound nothing fails.
     roomy = memory_guard.MemoryGuard(limit=1 << 50, log=None)
-    roomy.file = "tests/test_small.py"
-    _teardown(roomy, "tests/test_small.py::test_one")
+    roomy.file = "tests/grammar/test_small.py"
+    _teardown(roomy, "tests/grammar/test_small.py::test_one")
 
 
 @linux_only
@@ -68,15 +68,15 @@ def test_each_file_is_recorded_with_its_peak(tmp_path: Path) -> None:
     log = tmp_path / "rss.jsonl"
     guard = memory_guard.MemoryGuard(limit=0, log=log)
     for nodeid, nextid in (
-        ("tests/test_a.py::t1", "tests/test_a.py::t2"),
-        ("tests/test_a.py::t2", None),
+        ("tests/kernels/test_a.py::t1", "tests/kernels/test_a.py::t2"),
+        ("tests/kernels/test_a.py::t2", None),
     ):
         hook = guard.pytest_runtest_protocol(_item(nodeid), nextid and _item(nextid))
         next(hook)
         with pytest.raises(StopIteration):
             hook.send(True)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [line["file"] for line in lines] == ["tests/test_a.py"]
+    assert [line["file"] for line in lines] == ["tests/kernels/test_a.py"]
     assert lines[0]["peak"] >= lines[0]["rss_after"] > 0
     assert {"children", "children_rss", "children_max_hwm", "seconds"} <= set(lines[0])
 

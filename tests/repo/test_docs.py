@@ -11,8 +11,8 @@ import shlex
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_README_LINES = 250
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
