@@ -121,6 +121,9 @@ class MultiprocExecutor(Executor):
     ``weights``: the whole model's (cut here for each rank), or a function that gives rank
     ``r``'s shard (called once per rank, in order). ``quantized``: GGUF-quantised linears
     (``spec.quantization="gguf"``, one rank only), shared with the worker beside ``weights``.
+    ``prestarted``: rank 0's worker process, started earlier (``WorkerProcess()``) so that it
+    imported the runner while the model was read; stopped here if the start fails after this
+    takes it.
 
     Raises:
         ExecutorError: a worker failed to start; the message says why (its traceback, or
@@ -135,6 +138,7 @@ class MultiprocExecutor(Executor):
         weights: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]],
         checker: SyncChecker | None = None,
         quantized: Mapping[str, QuantWeight] | None = None,
+        prestarted: WorkerProcess | None = None,
     ) -> None:
         self._checker = checker or SyncChecker("off")
         size = spec.tensor_parallel_size
@@ -160,7 +164,8 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
         try:
             for rank, (buf, layouts, quant_layouts) in enumerate(rank_weights):
-                self._start_worker(spec, rank, buf, layouts, quant_layouts, io, io_layouts)
+                early = prestarted if rank == 0 else None
+                self._start_worker(spec, rank, buf, layouts, quant_layouts, io, io_layouts, early)
         finally:
             for buf in [io, *(buf for buf, _, _ in rank_weights)]:
                 buf.close()
@@ -231,9 +236,11 @@ class MultiprocExecutor(Executor):
         quant_layouts: dict[str, QuantLayout],
         io: SharedBuffer,
         io_layouts: dict[str, TensorLayout],
+        prestarted: WorkerProcess | None,
     ) -> None:
-        """Starts rank ``rank``'s worker process (appended to ``_workers``) and sends it its
-        ``WorkerInit``; closes this process's descriptor of the rank's weights.
+        """Starts rank ``rank``'s worker process (or takes ``prestarted``), appends it to
+        ``_workers``, hands it the shared buffers and sends it its ``WorkerInit``; closes this
+        process's descriptor of the rank's weights.
 
         Raises:
             ExecutorError: the process could not be started or reached.
@@ -254,18 +261,21 @@ class MultiprocExecutor(Executor):
         )
         fds = [buf.fd, io.fd] + ([] if self._ring is None else [self._ring.layout.fd])
         try:
-            worker = WorkerProcess(fds)
+            worker = prestarted or WorkerProcess()
         except OSError as exc:
             self.shutdown()
             raise ExecutorError(f"cannot start the model worker process: {exc}") from exc
         self._workers.append(worker)
+        try:
+            worker.hand_over(fds)
+            worker.conn.send(init)
+        except OSError:
+            # A worker that is gone already (an import failure, a kill) left its reason in the
+            # connection or its exit status: _wait_ready, which follows, reports that.
+            pass
         # The worker holds its own copy of the descriptor now; its weights' pages live on in
         # its mapping only.
         buf.close()
-        try:
-            worker.conn.send(init)
-        except (OSError, EOFError, BrokenPipeError) as exc:
-            self._start_failed(f"cannot reach it: {exc}")
 
     def _wait_ready(self, worker: WorkerProcess, rank: int) -> None:
         conn = worker.conn

@@ -5,8 +5,9 @@ with ``llm = LLM(...)`` at top level (no ``if __name__ == "__main__"`` guard) wo
 second engine inside the worker, which then dies while starting. So the worker is a fresh
 interpreter (``subprocess``) that runs a two-line bootstrap: put the engine's import path
 first, import ``baton.engine.worker.worker_main`` and serve. It talks to the engine over an
-inherited socket, and maps the shared buffers through inherited file descriptors. A failure
-before it is ready comes back as its traceback, or else as its exit code or signal.
+inherited socket; the shared buffers' descriptors follow over that socket (``hand_over``), so
+the worker can be started, and import torch, while the engine is still reading the model. A
+failure before it is ready comes back as its traceback, or else as its exit code or signal.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
+from baton.engine.worker.fd_passing import send_fds
 from baton.engine.worker.messages import Shutdown
 
 # Runs in the fresh interpreter. An import failure is sent to the engine as the reason. After
@@ -53,23 +55,24 @@ _STOP_S = 5.0
 
 
 class WorkerProcess:
-    """A started model worker: its pid, its connection, how it ended.
+    """A started model worker: its pid, its connection, how it ended. It imports the runner
+    at once, then waits for ``hand_over``'s descriptors and the init message.
 
     Args:
-        fds: descriptors the worker inherits under the same numbers (the shared buffers).
-        threads_env: environment overrides (e.g. thread counts) for the worker.
+        env: environment overrides (e.g. thread counts) for the worker.
 
     Raises:
         OSError: the interpreter cannot be started (the message says why).
     """
 
-    def __init__(self, fds: Sequence[int], env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         ours, theirs = socket.socketpair()
         paths = json.dumps([p for p in sys.path if p])
+        self._handed = False
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno()), paths],
-                pass_fds=(theirs.fileno(), *fds),
+                pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **(env or {})},
                 close_fds=True,
@@ -77,6 +80,18 @@ class WorkerProcess:
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
+
+    def hand_over(self, fds: Sequence[int]) -> None:
+        """Sends the worker ``fds`` (the shared buffers; they stay open here too), before the
+        init message. Once per worker.
+
+        Raises:
+            OSError: the worker cannot be reached. ValueError: more than 8 descriptors.
+        """
+        if self._handed:
+            raise RuntimeError("the worker already has its descriptors")
+        send_fds(self.conn, fds)
+        self._handed = True
 
     @property
     def pid(self) -> int:
@@ -100,7 +115,10 @@ class WorkerProcess:
         return f"exit code {code}"
 
     def stop(self) -> None:
-        """Asks the worker to stop, then ends it if it does not; idempotent."""
+        """Asks the worker to stop, then ends it if it does not; idempotent. A worker still
+        waiting for its descriptors is stopped by closing the connection (it leaves quietly)."""
+        if not self._handed and not self.conn.closed:
+            self.conn.close()
         if self._proc.poll() is None:
             with contextlib.suppress(OSError, EOFError, BrokenPipeError, ValueError):
                 self.conn.send(Shutdown())

@@ -21,6 +21,7 @@ from baton.engine.executor.sim_runner import (
 )
 from baton.engine.executor.sim_traces import TraceBook
 from baton.engine.executor.uni import UniExecutor
+from baton.engine.executor.worker_process import WorkerProcess
 from baton.engine.host_speed import host_speed_seconds
 from baton.engine.loader import Checkpoint, ShardSpec, load_checkpoint, load_tokenizer
 from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
@@ -69,6 +70,23 @@ def setup_model(
     """
     if sim_gpu(config.device) is not None:
         return _setup_sim(config, checkpoint, checker)
+    # The worker process starts now and imports torch and the runner while this process reads
+    # the model (1.3-1.9 s of a 1B GGUF server's start, on 2 cores).
+    early = WorkerProcess() if config.executor == "mp" else None
+    try:
+        return _setup_loaded(config, checkpoint, checker, early)
+    except BaseException:
+        if early is not None:
+            early.stop()  # idempotent: the executor may have stopped it already
+        raise
+
+
+def _setup_loaded(
+    config: EngineConfig,
+    checkpoint: Checkpoint | None,
+    checker: SyncChecker,
+    early: WorkerProcess | None,
+) -> ModelSetup:
     size = config.tensor_parallel_size
     # Under tensor parallelism from a file, each rank's shard is read on its own: the whole
     # model is never in memory (rank 0's shard also gives the config and tokenizer).
@@ -112,24 +130,7 @@ def setup_model(
             config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         ),
     )
-    executor: Executor
-    if config.executor == "mp":
-        rank0 = ckpt.weights
-        weights = (
-            (lambda rank: rank0 if rank == 0 else _load_shard(config, rank).weights)
-            if sharded
-            else ckpt.weights
-        )
-        executor = MultiprocExecutor(spec, weights, checker, ckpt.quantized)
-    else:
-        governor = ThreadGovernor() if spec.adapt_threads else None
-        runner = build_runner(spec, ckpt.weights, quantized=ckpt.quantized)
-        # The runner holds these very tensor objects: moving one re-points it everywhere; its
-        # old pages go with their last reference. Only weights this engine loaded itself: a
-        # caller's checkpoint may back another engine, whose steps a move must not race.
-        owned = {} if checkpoint is not None else ckpt.quantized
-        mover = WeightPageMover([(q.data, _nothing) for q in owned.values()])
-        executor = UniExecutor(runner, checker, governor, mover)
+    executor = _executor(config, spec, ckpt, checker, own_weights=checkpoint is None, early=early)
     return ModelSetup(
         str(ckpt.path),
         c.vocab_size,
@@ -143,6 +144,36 @@ def setup_model(
         ckpt.quantized_types(),
         c.sliding_window if not c.full_attention_layers else None,
     )
+
+
+def _executor(
+    config: EngineConfig,
+    spec: RunnerSpec,
+    ckpt: Checkpoint,
+    checker: SyncChecker,
+    *,
+    own_weights: bool,
+    early: WorkerProcess | None,
+) -> Executor:
+    """The executor that runs ``spec``'s runner over ``ckpt``'s weights: a worker process per
+    rank (``early`` as rank 0's) or this process."""
+    if config.executor == "mp":
+        rank0 = ckpt.weights
+        sharded = own_weights and config.tensor_parallel_size > 1
+        weights = (
+            (lambda rank: rank0 if rank == 0 else _load_shard(config, rank).weights)
+            if sharded
+            else ckpt.weights
+        )
+        return MultiprocExecutor(spec, weights, checker, ckpt.quantized, prestarted=early)
+    governor = ThreadGovernor() if spec.adapt_threads else None
+    runner = build_runner(spec, ckpt.weights, quantized=ckpt.quantized)
+    # The runner holds these very tensor objects: moving one re-points it everywhere; its old
+    # pages go with their last reference. Only weights this engine loaded itself: a caller's
+    # checkpoint may back another engine, whose steps a move must not race.
+    owned = ckpt.quantized if own_weights else {}
+    mover = WeightPageMover([(q.data, _nothing) for q in owned.values()])
+    return UniExecutor(runner, checker, governor, mover)
 
 
 def _nothing() -> None:

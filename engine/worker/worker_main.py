@@ -43,6 +43,7 @@ from baton.engine.scheduler_output import (
 )
 from baton.engine.worker.build import RunnerSpec, build_runner
 from baton.engine.worker.cpu_threads import ThreadGovernor, ThreadState, read_cpu
+from baton.engine.worker.fd_passing import receive_fds
 from baton.engine.worker.messages import (
     Execute,
     Failed,
@@ -80,6 +81,16 @@ class WorkerInit:
     # GGUF-quantised linears (spec.quantization "gguf"), in the weights' buffer too.
     quantized: dict[str, QuantLayout] = field(default_factory=dict)
 
+    def with_local_fds(self, fd_map: dict[int, int]) -> WorkerInit:
+        """This message with the engine's descriptor numbers replaced by this process's
+        (``fd_passing.receive_fds``' map). Raises KeyError for a descriptor not handed over."""
+        broadcast = self.broadcast
+        if broadcast is not None:
+            broadcast = replace(broadcast, fd=fd_map[broadcast.fd])
+        return replace(
+            self, weights_fd=fd_map[self.weights_fd], io_fd=fd_map[self.io_fd], broadcast=broadcast
+        )
+
 
 @dataclass(frozen=True)
 class Reply:
@@ -112,7 +123,10 @@ def serve(conn: Connection) -> int:
     Returns the process exit code. A failure to start is sent as ``Failed(traceback)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        init: WorkerInit = conn.recv()
+        fd_map = receive_fds(conn)
+        if fd_map is None:
+            return 0  # the engine stopped before it had anything to run
+        init: WorkerInit = conn.recv().with_local_fds(fd_map)
         if init.spec.num_threads is not None:
             torch.set_num_threads(init.spec.num_threads)
         weights_mem = SharedBuffer(init.weights_fd, init.weights_nbytes)

@@ -3,6 +3,7 @@ says why."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -12,11 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from baton.engine import LLM, SamplingParams
 from baton.engine.executor import worker_process
 from baton.engine.executor.base import ExecutorError
 from baton.engine.executor.multiproc import MultiprocExecutor
-from baton.engine.loader import load_checkpoint
+from baton.engine.loader import ModelLoadError, load_checkpoint
+from baton.engine.processing import model_setup
 from baton.engine.worker.build import RunnerSpec
+from baton.engine.worker.fd_passing import receive_fds, send_fds
+from baton.engine.worker.shared_memory import SharedBuffer
 
 pytestmark = pytest.mark.slow
 
@@ -93,3 +98,73 @@ def test_a_worker_killed_while_starting_says_how_it_ended(tiny_model_dir: Path, 
     )
     with pytest.raises(ExecutorError, match="killed by signal SIGKILL"):
         MultiprocExecutor(_spec(ckpt), ckpt.weights)
+
+
+def test_descriptors_follow_over_the_connection():
+    ours, theirs = multiprocessing.Pipe()  # a Unix socket pair on Linux
+    a, b = SharedBuffer.create(64, "baton-test-a"), SharedBuffer.create(64, "baton-test-b")
+    try:
+        send_fds(ours, [a.fd, b.fd])
+        ours.send("after")  # a Connection message behind the descriptors is read intact
+        mapping = receive_fds(theirs)
+        assert mapping is not None and sorted(mapping) == sorted([a.fd, b.fd])
+        assert theirs.recv() == "after"
+        for buf, byte in ((a, b"A"), (b, b"B")):
+            os.pwrite(buf.fd, byte * 4, 8)
+            local = mapping[buf.fd]
+            assert local != buf.fd  # this process's own descriptor of the same file
+            assert os.pread(local, 4, 8) == byte * 4
+            os.close(local)
+    finally:
+        a.close()
+        b.close()
+        ours.close()
+        theirs.close()
+
+
+def test_a_closed_connection_hands_over_nothing():
+    ours, theirs = multiprocessing.Pipe()
+    ours.close()
+    assert receive_fds(theirs) is None
+    theirs.close()
+
+
+def test_a_worker_stopped_before_its_descriptors_leaves_quietly():
+    worker = worker_process.WorkerProcess()
+    worker.stop()
+    assert worker.exit_description() == "exit code 0"
+
+
+@pytest.mark.timeout(180)
+def test_the_worker_imports_while_the_model_is_read(tiny_model_dir: Path, monkeypatch):
+    events: list[str] = []
+    started: list[worker_process.WorkerProcess] = []
+    real_init, real_load = worker_process.WorkerProcess.__init__, model_setup.load_checkpoint
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        events.append("worker")
+        started.append(self)
+
+    def load(*args, **kwargs):
+        events.append("load")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(worker_process.WorkerProcess, "__init__", init)
+    monkeypatch.setattr(model_setup, "load_checkpoint", load)
+    llm = LLM(str(tiny_model_dir), executor="mp", async_scheduling=True, max_model_len=128)
+    try:
+        assert events == ["worker", "load"]
+        assert llm.engine.core.executor.worker_pid == started[0].pid
+        out = llm.generate(["hi"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+
+    def broken(*args, **kwargs):
+        raise ModelLoadError("no such model (test)")
+
+    monkeypatch.setattr(model_setup, "load_checkpoint", broken)
+    with pytest.raises(ModelLoadError, match="no such model"):
+        LLM(str(tiny_model_dir), executor="mp", async_scheduling=True, max_model_len=128)
+    assert started[-1].exit_description() == "exit code 0"  # stopped, not left behind
