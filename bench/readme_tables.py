@@ -17,6 +17,7 @@ from baton.bench.tables import (
     num_cell,
     pct_cell,
     section,
+    string,
     table,
     text,
 )
@@ -37,7 +38,7 @@ def engine_label(d: dict[str, Any]) -> str:
 
 def forward_table(d: dict[str, Any]) -> str:
     columns = [
-        Column("case", text("case")),
+        Column("case", string("case")),
         Column("baton ms", fixed("baton_ms", ".1f")),
         Column("transformers ms", fixed("transformers_ms", ".1f")),
         Column("baton / transformers", fixed("ratio", ".2f")),
@@ -55,7 +56,7 @@ def forward_table(d: dict[str, Any]) -> str:
 
 
 THROUGHPUT = (
-    Column("dtype", text("dtype")),
+    Column("dtype", string("dtype")),
     Column("baton tok/s", lambda r: f"{r['baton']['tok_per_s']:.0f}"),
     Column("transformers tok/s", lambda r: f"{r['transformers']['tok_per_s']:.0f}"),
     Column("same dtype", fixed("ratio", ".2f")),
@@ -73,8 +74,8 @@ def throughput_table(d: dict[str, Any]) -> str:
 
 
 STRUCTURED = (
-    Column("schemas", text("workload")),
-    Column("scheduling", text("mode")),
+    Column("schemas", string("workload")),
+    Column("scheduling", string("mode")),
     Column("batch", text("batch")),
     Column("free TPOT ms", fixed("free_tpot_ms", ".1f")),
     Column("JSON TPOT ms", fixed("structured_tpot_ms", ".1f")),
@@ -206,7 +207,7 @@ def _spread(r: dict[str, Any]) -> str:
 
 
 PEERS = (
-    Column("engine", text("label")),
+    Column("engine", string("label")),
     Column("concurrency", text("concurrency")),
     Column("output tok/s", lambda r: num_cell(r["tok_per_s"], ".1f")),
     Column("spread", _spread),
@@ -293,7 +294,7 @@ def soak_table(d: dict[str, Any]) -> str:
 
 
 TENSOR_PARALLEL = (
-    Column("model", text("model")),
+    Column("model", string("model")),
     Column("batch", text("batch")),
     Column("ranks x threads", lambda r: f"{r['tp']} x {r['threads_per_rank']}"),
     Column("ms / step", fixed("step_ms", ".1f")),
@@ -318,7 +319,7 @@ def _errors(r: dict[str, Any]) -> str:
 
 
 COMPILE_BURST = (
-    Column("run", text("label")),
+    Column("run", string("label")),
     Column("commit", lambda r: r["run"]["commit"][:10]),
     Column("busy processes", text("hog_processes")),
     Column("schemas accepted", lambda r: f"{r['accepted']} of {r['schemas']}"),
@@ -346,12 +347,12 @@ def compile_burst_table(d: dict[str, Any]) -> str:
 
 
 DATA_PARALLEL_THROUGHPUT = (
-    Column("engine", text("label")),
+    Column("engine", string("label")),
     Column("output tok/s", fixed("tok_s", ".1f")),
     Column("failed", text("failures")),
 )
 DATA_PARALLEL_AFFINITY = (
-    Column("routing", text("label")),
+    Column("routing", string("label")),
     Column("cache hit rate", lambda r: f"{100 * r['cache_hit_rate']:.1f}%"),
     Column("grammars compiled", lambda r: " + ".join(str(int(n)) for n in r["grammars_compiled"])),
     Column("failed", text("failures")),
@@ -373,7 +374,7 @@ def data_parallel_table(d: dict[str, Any]) -> str:
 
 
 OPEN_OBJECTS = (
-    Column("backend", text("backend")),
+    Column("backend", string("backend")),
     Column("ended by itself", text("stopped")),
     Column("cut at the limit", text("cut")),
     Column("valid", text("valid")),

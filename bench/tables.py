@@ -36,8 +36,14 @@ def fixed(key: str, spec: str) -> Callable[[Row], str]:
 
 
 def text(key: str) -> Callable[[Row], str]:
-    """A cell that shows ``row[key]`` as it is."""
+    """A cell that shows ``str(row[key])`` (a count, a batch size)."""
     return lambda r: str(r[key])
+
+
+def string(key: str) -> Callable[[Row], str]:
+    """A cell that shows ``row[key]``, a string, as it is; any other value raises TypeError
+    when the table is joined (a result the page cannot render)."""
+    return lambda r: r[key]
 
 
 def table(rows: Iterable[Row], columns: Sequence[Column], rule: str = SPACED) -> str:
