@@ -77,21 +77,32 @@ def test_the_benchmarks_are_their_own_distribution() -> None:
     assert plugins == {"bench": "baton.bench.cli:register"} and callable(register)
 
 
-@pytest.mark.slow
-def test_baton_wheel_leaves_the_benchmarks_out(tmp_path: Path) -> None:
+def _wheel(tmp_path: Path, project: str) -> list[str]:
+    """The file names in the wheel of ``project`` (a folder of the copy), built from a copy of
+    the checkout (bench/ included) so that the build writes nothing into it."""
     pytest.importorskip("setuptools")
-    # Built from a copy, bench/ included, so the build writes nothing into the checkout.
     src = tmp_path / "src"
-    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "results", "*.png")
-    for folder in (*PRODUCT_FOLDERS, "bench"):
-        shutil.copytree(ROOT / folder, src / folder, ignore=skip)
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
+    if not src.exists():
+        skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "results", "*.png")
+        for folder in (*PRODUCT_FOLDERS, "bench"):
+            shutil.copytree(ROOT / folder, src / folder, ignore=skip)
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy(ROOT / name, src / name)
+    out = tmp_path / f"wheel-{project or 'main'}"
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    cmd += ["--no-index", "-w", str(tmp_path / "wheel"), str(src)]
+    cmd += ["--no-index", "-w", str(out), str(src / project)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
-    (wheel,) = (tmp_path / "wheel").glob("baton-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    folders = {n.split("/")[1] for n in names if n.startswith("baton/")}
-    assert folders == set(PRODUCT_FOLDERS)
+    (wheel,) = out.glob("*.whl")
+    return zipfile.ZipFile(wheel).namelist()
+
+
+@pytest.mark.slow
+def test_the_wheels_split_the_product_from_the_benchmarks(tmp_path: Path) -> None:
+    names = _wheel(tmp_path, "")
+    assert {n.split("/")[1] for n in names if n.startswith("baton/")} == set(PRODUCT_FOLDERS)
     assert "baton/engine/cli/main.py" in names
+    bench = _wheel(tmp_path, "bench")
+    assert {n.split("/")[1] for n in bench if n.startswith("baton/")} == {"bench"}
+    assert {"baton/bench/cli.py", "baton/bench/gpu_check.sh"} <= set(bench)
+    (entry_points,) = [n for n in bench if n.endswith(".dist-info/entry_points.txt")]
+    assert entry_points.startswith("baton_bench-")
