@@ -120,6 +120,7 @@ def _add_plugins(sub: argparse._SubParsersAction) -> None:
 
 
 def _missing(name: str, hint: str, args: argparse.Namespace) -> int:
+    """Raises ValueError, which ``main`` prints as one line with exit status 2."""
     raise ValueError(f"`baton {name}` is not installed: {hint}")
 
 
