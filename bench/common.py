@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from baton.bench.plotting import save_results
+from baton.bench.tables import num_cell
 
 T = TypeVar("T")
 
@@ -249,9 +250,8 @@ def csv_of(kind: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
     return parse
 
 
-def fmt(value: float | None, spec: str) -> str:
-    """``value`` formatted with ``spec`` for a table cell, ``-`` when it is None."""
-    return "-" if value is None else format(value, spec)
+# A table cell: ``value`` in ``spec``'s format, "-" for None (the tables' own, bench/tables.py).
+fmt = num_cell
 
 
 def ratio(num: float | None, den: float | None) -> float | None:

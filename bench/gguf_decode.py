@@ -36,6 +36,7 @@ from typing import Any
 
 from baton.bench.common import add_common_args, run_order, write_results
 from baton.bench.memory_bandwidth import memory_bandwidth, weight_bytes_per_token
+from baton.bench.tables import COMPACT, markdown_table, where_run
 from baton.engine.loader import default_model_path
 
 DEFAULT_CONFIGS = tuple(
@@ -112,15 +113,22 @@ def _huge(rows: list[dict[str, Any]]) -> str:
     return f"{min(values):.0f}" if values else "-"
 
 
+GGUF_DECODE_HEADER = (
+    "dtype:quantization",
+    "start s (min)",
+    "b1 tok/s (best)",
+    "b16 tok/s (best)",
+    "peak RSS MiB (after imports)",
+    "on huge pages MiB",
+    "b1 weights GB/s (of copy, of read)",
+    "load avg",
+)
+
+
 def _table(rows: dict[str, list[dict[str, Any]]], result: dict[str, Any] | None = None) -> str:
     bandwidth = (result or {}).get("memory_bandwidth")
     weight_bytes = (result or {}).get("weight_bytes_per_token")
-    lines = [
-        "| dtype:quantization | start s (min) | b1 tok/s (best) | b16 tok/s (best) | "
-        "peak RSS MiB (after imports) | on huge pages MiB | b1 weights GB/s (of copy, of read) "
-        "| load avg |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    out = []
     for name, rs in rows.items():
         best_b1 = max(r["b1_tok_s"] for r in rs)
         reads = "-"
@@ -130,15 +138,20 @@ def _table(rows: dict[str, list[dict[str, Any]]], result: dict[str, Any] | None 
                 f"{gb_s:.1f} ({gb_s / bandwidth['copy_gb_s']:.0%}, "
                 f"{gb_s / bandwidth['read_gb_s']:.0%})"
             )
-        lines.append(
-            f"| {name} | {min(r['start_s'] for r in rs):.2f} | "
-            f"{best_b1:.1f} | {max(r['b16_tok_s'] for r in rs):.1f} | "
-            f"{max(r['peak_rss_mib'] for r in rs):.0f} "
-            f"({max(r['rss_imports_mib'] for r in rs):.0f}) | {_huge(rs)} | {reads} | "
-            + ", ".join(f"{r['load_avg']:.1f}" for r in rs)
-            + " |"
+        out.append(
+            [
+                name,
+                f"{min(r['start_s'] for r in rs):.2f}",
+                f"{best_b1:.1f}",
+                f"{max(r['b16_tok_s'] for r in rs):.1f}",
+                f"{max(r['peak_rss_mib'] for r in rs):.0f} "
+                f"({max(r['rss_imports_mib'] for r in rs):.0f})",
+                _huge(rs),
+                reads,
+                ", ".join(f"{r['load_avg']:.1f}" for r in rs),
+            ]
         )
-    return "\n".join(lines)
+    return markdown_table(GGUF_DECODE_HEADER, out, COMPACT)
 
 
 def readme_table(result: dict[str, Any]) -> str:
@@ -148,8 +161,7 @@ def readme_table(result: dict[str, Any]) -> str:
     head = (
         f"{model}, {result['steps']} greedy tokens per request, {run.get('torch_threads', '?')} "
         f"torch threads, the in-process executor, each configuration in a fresh process; "
-        f"{run.get('cpu', '?')} at commit {str(run.get('commit', '?'))[:7]}, "
-        f"{str(run.get('date', '?'))[:10]}. Configurations: dtype:quantization, "
+        f"{where_run(result)}. Configurations: dtype:quantization, "
         '`float-activations` = `gguf_activations="float32"` (else int8 for the K-quants).'
     )
     bandwidth = result.get("memory_bandwidth")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton.bench.readme_tables import goal_lines, markdown_table
+from baton.bench.tables import goal_lines, markdown_table
 
 
 def _rows_by_case(engine: dict[str, Any] | None) -> dict[tuple[int, float, bool], dict[str, Any]]:

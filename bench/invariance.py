@@ -33,6 +33,7 @@ from typing import Any
 
 from baton.bench.common import RESULTS_DIR, csv_of, write_results
 from baton.bench.peers import SCHEMA
+from baton.bench.tables import COMPACT, markdown_table, where_run
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 
 TOPICS = (
@@ -183,27 +184,22 @@ def run(
 def readme_table(result: dict[str, Any]) -> str:
     """The README's section body: identical requests per setting, a row per dtype, engine
     arguments and sampling."""
-    run = result.get("run", {})
     settings = result["settings"]
     head = (
         f"{len(TOPICS)} prompts, {result['max_tokens']} tokens each, each alone on a fresh "
         "engine against the same under each setting"
         f"{' (every request constrained to the peers schema)' if result.get('json') else ''}; "
-        f"{run.get('cpu', '?')} at commit {str(run.get('commit', '?'))[:7]}, "
-        f"{str(run.get('date', '?'))[:10]}. Cells: requests with identical tokens."
+        f"{where_run(result)}. Cells: requests with identical tokens."
     )
-    lines = [
-        "| dtype | engine args | sampling | " + " | ".join(settings) + " |",
-        "|---|---|---|" + "---|" * len(settings),
-    ]
     groups: dict[tuple[str, str, str], dict[str, str]] = {}
     for r in result["rows"]:
         key = (r["dtype"], json.dumps(r["engine_args"]) if r["engine_args"] else "-", r["sampling"])
         groups.setdefault(key, {})[r["setting"]] = f"{r['identical']}/{r['of']}"
-    for (dtype, args, sampling), cells in groups.items():
-        row = " | ".join(cells.get(s, "") for s in settings)
-        lines.append(f"| {dtype} | {args} | {sampling} | {row} |")
-    return head + "\n\n" + "\n".join(lines)
+    rows = [
+        [*map(str, key), *(cells.get(s, "") for s in settings)] for key, cells in groups.items()
+    ]
+    header = ["dtype", "engine args", "sampling", *settings]
+    return head + "\n\n" + markdown_table(header, rows, COMPACT)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

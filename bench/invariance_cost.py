@@ -45,7 +45,8 @@ from typing import Any
 
 SIDES = ("base", "invariant", "not invariant")
 GOAL = "invariant / base >= 0.95 in every free and JSON cell"
-# The product's packages, as the worktree's shim folder maps them (pyproject's package-dir).
+# baton's packages, as the worktree's shim folder maps them (the package-dir of pyproject.toml
+# and bench/pyproject.toml).
 PACKAGES = ("engine", "grammar", "sampler", "kernels", "bench")
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -207,6 +208,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def readme_table(result: dict[str, Any]) -> str:
     """The README's section body: tokens/s per side and the ratio, per dtype and cell."""
+    from baton.bench.tables import COMPACT, markdown_table
+
     run, cfg = result.get("run", {}), result["config"]
     commits = result["commits"]
     head = (
@@ -220,17 +223,21 @@ def readme_table(result: dict[str, Any]) -> str:
         f"({'met' if result['goal'][GOAL] else 'missed'}, "
         f"worst {result['goal']['worst']:.3f})."
     )
-    lines = [
-        "| dtype | cell | base tok/s | invariant tok/s | not invariant tok/s | invariant / base |",
-        "|---|---|---|---|---|---|",
+    rows = [
+        [
+            dtype,
+            cell,
+            f"{v['base']:.1f}",
+            f"{v['invariant']:.1f}",
+            f"{v['not invariant']:.1f}",
+            f"{v['invariant / base']:.3f}",
+        ]
+        for dtype, cells in result["tok_s_median"].items()
+        for cell, v in cells.items()
     ]
-    for dtype, cells in result["tok_s_median"].items():
-        for cell, v in cells.items():
-            lines.append(
-                f"| {dtype} | {cell} | {v['base']:.1f} | {v['invariant']:.1f} | "
-                f"{v['not invariant']:.1f} | {v['invariant / base']:.3f} |"
-            )
-    return head + "\n\n" + "\n".join(lines)
+    header = ["dtype", "cell", "base tok/s", "invariant tok/s", "not invariant tok/s"]
+    header.append("invariant / base")
+    return head + "\n\n" + markdown_table(header, rows, COMPACT)
 
 
 def plot(result: dict[str, Any], out: Path) -> None:

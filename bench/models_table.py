@@ -22,6 +22,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from baton.bench.common import cpu_description, git_commit
+from baton.bench.tables import COMPACT, markdown_table
 from baton.engine.models.architectures import ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,39 +133,15 @@ def render(results: dict[str, str], commit: str, cpu: str) -> str:
         f"{commit[:7]} on {cpu}; tiny random-weight models in float32, greedy tokens checked "
         "against transformers' argmax after every prefix.",
         "",
-        "| variant | " + " | ".join(COLUMNS.values()) + " |",
-        "|---|" + "---|" * len(COLUMNS),
     ]
-    for variant in variants:
-        cells = [results.get(f"{test}[{variant}]", "not tested") for test in COLUMNS]
-        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
-    lines += ["", "| also checked | outcome |", "|---|---|"]
-    lines += [f"| {what} | {results.get(test, 'not tested')} |" for what, test in ALSO.items()]
-    lines += [
-        "",
-        "## Features by architecture",
-        "",
-        "| architecture | Hugging Face classes | GGUF name | tensor parallel | CUDA graphs "
-        '| `quantization="gguf"` kernels | `quantization="int8"` |',
-        "|---|---|---|---|---|---|---|",
+    cells = [
+        [variant, *(results.get(f"{test}[{variant}]", "not tested") for test in COLUMNS)]
+        for variant in variants
     ]
-    for a in ARCHITECTURES.values():
-        experts = a.experts
-        tp = "refused (experts)" if experts else "refused (Gemma)" if a.gemma else "yes"
-        graphs = (
-            "off (experts)"
-            if experts
-            else "off (sliding window, soft-caps)"
-            if a.gemma
-            else "yes (off with a sliding window)"
-        )
-        lines.append(
-            f"| {a.name} | {', '.join(a.hf_classes)} | {a.gguf_name}"
-            + (" (with an expert count)" if experts and a.gguf_name == "llama" else "")
-            + f" | {tp} | {graphs}"
-            + f" | {'every linear and routed expert' if experts else 'every linear'}"
-            + f" | {'refused (experts)' if experts else 'yes'} |"
-        )
+    lines.append(markdown_table(["variant", *COLUMNS.values()], cells, COMPACT))
+    also = [[what, results.get(test, "not tested")] for what, test in ALSO.items()]
+    lines += ["", markdown_table(["also checked", "outcome"], also, COMPACT)]
+    lines += ["", "## Features by architecture", "", markdown_table(FEATURES, features(), COMPACT)]
     lines += [
         "",
         "RoPE scaling: linear, Llama 3, YaRN and LongRoPE (from folders and GGUF; its short "
@@ -175,6 +152,45 @@ def render(results: dict[str, str], commit: str, cpu: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+FEATURES = (
+    "architecture",
+    "Hugging Face classes",
+    "GGUF name",
+    "tensor parallel",
+    "CUDA graphs",
+    '`quantization="gguf"` kernels',
+    '`quantization="int8"`',
+)
+
+
+def features() -> list[list[str]]:
+    """One row per architecture: what baton does with it beyond the verified forward pass."""
+    rows = []
+    for a in ARCHITECTURES.values():
+        experts = a.experts
+        tp = "refused (experts)" if experts else "refused (Gemma)" if a.gemma else "yes"
+        graphs = (
+            "off (experts)"
+            if experts
+            else "off (sliding window, soft-caps)"
+            if a.gemma
+            else "yes (off with a sliding window)"
+        )
+        expert_count = " (with an expert count)" if experts and a.gguf_name == "llama" else ""
+        rows.append(
+            [
+                str(a.name),
+                ", ".join(a.hf_classes),
+                f"{a.gguf_name}{expert_count}",
+                tp,
+                graphs,
+                "every linear and routed expert" if experts else "every linear",
+                "refused (experts)" if experts else "yes",
+            ]
+        )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ import torch
 from baton.bench.common import RESULTS_DIR, csv_of, judge_goal, print_goals, write_results
 from baton.bench.forward import BatonCase
 from baton.bench.plotting import pyplot
+from baton.bench.tables import COMPACT, markdown_table, where_run
 from baton.engine.config import auto_dtype
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM
@@ -51,6 +52,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     "mixtral": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=2816),
     "qwen3moe": dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256),
 }
+# The models of a shape (`configs`), in the order the table and the plot show them.
+MOE_ROLES = ("moe", "dense_active", "dense_total")
 
 
 def configs(shape: str) -> dict[str, ModelConfig]:
@@ -175,23 +178,22 @@ def readme_table(result: dict[str, Any]) -> str:
         f"Random-weight models (hidden 1024, 8 layers) in {result['dtype']} on the engine's "
         f"CPU kernels, {run.get('torch_threads', run.get('threads', '?'))} threads, context "
         f"{result['context']}, median of {result['trials']} interleaved trials; "
-        f"{run.get('cpu', '?')} at commit {str(run.get('commit', '?'))[:7]}, "
-        f"{str(run.get('date', '?'))[:10]}. dense act: the MLP as wide as the k experts a "
+        f"{where_run(result)}. dense act: the MLP as wide as the k experts a "
         "token uses (same active parameters); dense tot: as wide as all experts (same total)."
     )
     step = {(r["shape"], r["role"], r["batch"]): r["step_ms"] for r in result["rows"]}
-    lines = [
-        "| shape | batch | MoE ms | dense act ms | dense tot ms | MoE / act | MoE / tot |",
-        "|---|---|---|---|---|---|---|",
+    rows = [
+        [
+            f"{r['shape']}-like",
+            str(r["batch"]),
+            *(f"{step[r['shape'], role, r['batch']]:.1f}" for role in MOE_ROLES),
+            f"{r['moe_over_dense_active']:.2f}",
+            f"{r['moe_over_dense_total']:.2f}",
+        ]
+        for r in result["ratios"]
     ]
-    for r in result["ratios"]:
-        s, b = r["shape"], r["batch"]
-        lines.append(
-            f"| {s}-like | {b} | {step[s, 'moe', b]:.1f} | {step[s, 'dense_active', b]:.1f} | "
-            f"{step[s, 'dense_total', b]:.1f} | {r['moe_over_dense_active']:.2f} | "
-            f"{r['moe_over_dense_total']:.2f} |"
-        )
-    return head + "\n\n" + "\n".join(lines)
+    header = ["shape", "batch", "MoE ms", "dense act ms", "dense tot ms", "MoE / act", "MoE / tot"]
+    return head + "\n\n" + markdown_table(header, rows, COMPACT)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -199,7 +201,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     shapes = sorted({r["shape"] for r in result["rows"]})
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.6), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):
-        for role in ("moe", "dense_active", "dense_total"):
+        for role in MOE_ROLES:
             rows = sorted(
                 (r for r in result["rows"] if r["shape"] == shape and r["role"] == role),
                 key=lambda r: r["batch"],

@@ -34,6 +34,7 @@ import torch
 
 from baton.bench.common import add_common_args, run_order, write_results
 from baton.bench.plotting import pyplot
+from baton.bench.tables import COMPACT, markdown_table
 from baton.engine.loader import default_model_path
 from baton.engine.loader.gguf_reader import read_gguf_file
 from baton.engine.models.packed import pack_linear, packed_linear, packing_available
@@ -349,21 +350,15 @@ def readme_table(result: dict) -> str:
         "llama.cpp's numerics); the others multiply the same weights dequantised."
     ]
     for w in result["workloads"]:
-        rows = [r["rows"] for r in w["rows"]]
-        lines = [
-            f"**{w['name']}**",
-            "",
-            "| kernel | weight MB | M=1 GB/s (of copy) | "
-            + " | ".join(f"M={m} ms" for m in rows)
-            + " |",
-            "|---|---|---|" + "---|" * len(rows),
-        ]
+        header = ["kernel", "weight MB", "M=1 GB/s (of copy)"]
+        header += [f"M={r['rows']} ms" for r in w["rows"]]
+        rows = []
         for k in w["kernels"]:
             bw = w["m1_weight_bandwidth"].get(k)
             m1 = f"{bw['GB/s']:.1f} ({bw['of_copy']:.0%})" if bw else "-"
-            ms = " | ".join(f"{r[f'{k}_ms']:.2f}" for r in w["rows"])
-            lines.append(f"| {k} | {w['weight_bytes'][k] / 1e6:.1f} | {m1} | {ms} |")
-        parts.append("\n".join(lines))
+            ms = [f"{r[f'{k}_ms']:.2f}" for r in w["rows"]]
+            rows.append([str(k), f"{w['weight_bytes'][k] / 1e6:.1f}", m1, *ms])
+        parts.append(f"**{w['name']}**\n\n" + markdown_table(header, rows, COMPACT))
     return "\n\n".join(parts)
 
 

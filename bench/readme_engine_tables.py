@@ -3,45 +3,43 @@ simulated device, and speculative decoding (used by bench/readme_results.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from baton.bench.engine_sim_report import mode_label
-from baton.bench.readme_tables import goal_lines, markdown_table, num_cell, pct_cell
+from baton.bench.tables import (
+    Column,
+    fixed,
+    goal_lines,
+    num_cell,
+    pct_cell,
+    section,
+    string,
+    table,
+    text,
+)
+
+ENGINE = (
+    Column("regime", string("regime")),
+    Column("async", mode_label),
+    Column("JSON", fixed("json_fraction", ".0%")),
+    Column("batch", text("batch")),
+    Column("tok/s", fixed("tok_per_s", ".0f")),
+    Column("TPOT ms", fixed("tpot_ms", ".1f")),
+    Column("device busy (steady)", fixed("steady_device_busy", ".2f")),
+    Column("deferred steps", text("deferred_steps")),
+    Column("step / max(cpu, device)", fixed("step_over_bound", ".2f")),
+)
 
 
 def engine_table(d: dict[str, Any]) -> str:
-    rows = []
-    for r in d["rows"]:
-        rows.append(
-            [
-                r["regime"],
-                mode_label(r),
-                f"{r['json_fraction']:.0%}",
-                str(r["batch"]),
-                f"{r['tok_per_s']:.0f}",
-                f"{r['tpot_ms']:.1f}",
-                f"{r['steady_device_busy']:.2f}",
-                str(r["deferred_steps"]),
-                f"{r['step_over_bound']:.2f}",
-            ]
-        )
-    header = [
-        "regime",
-        "async",
-        "JSON",
-        "batch",
-        "tok/s",
-        "TPOT ms",
-        "device busy (steady)",
-        "deferred steps",
-        "step / max(cpu, device)",
-    ]
+    rows = table(d["rows"], ENGINE)
     lines = goal_lines(d.get("goals") or [], digits=3)
     caption = (
         "Regime a: the default model. Regime b: a tiny random-weight model with the "
         "real vocabulary (CPU work weighs more, as next to a GPU).\n\n"
     )
-    return caption + markdown_table(header, rows) + ("\n\n" + "\n".join(lines) if lines else "")
+    return section(caption, rows, notes=lines)
 
 
 def _cpu_cell(r: dict[str, Any]) -> str:
@@ -50,55 +48,46 @@ def _cpu_cell(r: dict[str, Any]) -> str:
     return f"{r['cpu_ms_per_step']:.2f} ({r['cores_busy']:.2f})"
 
 
+def _maybe(key: str, spec: str) -> Callable[[dict[str, Any]], str]:
+    """A cell of ``row.get(key)`` in ``spec``'s format, "-" for an older result without it."""
+    return lambda r: num_cell(r.get(key), spec)
+
+
+def _phases(r: dict[str, Any]) -> str:
+    phases = r.get("phase_ms_per_step") or {}
+    names = ("schedule", "bitmask", "launch", "update", "output", "gc")
+    return " / ".join(num_cell(phases.get(p), ".2f") for p in names)
+
+
+ENGINE_SIM = (
+    Column("async", mode_label),
+    Column("JSON", fixed("json_fraction", ".0%")),
+    Column("batch", text("batch")),
+    Column("tok/s", fixed("tok_per_s", ".0f")),
+    Column("device idle (steady)", lambda r: pct_cell(r.get("steady_idle"))),
+    Column("device ms/step", _maybe("device_ms_per_step", ".2f")),
+    Column("host ms/step", _maybe("host_ms_per_step", ".2f")),
+    Column("host µs/request-step", _maybe("host_us_per_request_step", ".1f")),
+    Column("CPU ms/step, all threads (cores busy)", _cpu_cell),
+    Column("schedule / bitmask / launch / update / output / gc ms", _phases),
+    Column("deferred steps", text("deferred_steps")),
+    Column("late wake-up ms/step (OS)", _maybe("wake_late_ms_per_step", ".2f")),
+    Column(
+        "errors, invalid JSON", lambda r: f"{r['errors']}, {r['json_invalid']}/{r['json_checked']}"
+    ),
+)
+ENGINE_SIM_RATIOS = (
+    Column("batch", text("batch")),
+    Column("JSON", fixed("json_fraction", ".0%")),
+    Column("async / sync", lambda x: num_cell(x["async_over_sync"], ".2f")),
+    Column("structured / free (async)", lambda x: num_cell(x["structured_over_free"], ".2f")),
+    Column("fill thread on / off (async)", _maybe("fill_thread_gain", ".2f")),
+)
+
+
 def engine_sim_table(d: dict[str, Any]) -> str:
-    rows = []
-    for r in d["rows"]:
-        phases = r.get("phase_ms_per_step") or {}
-        rows.append(
-            [
-                mode_label(r),
-                f"{r['json_fraction']:.0%}",
-                str(r["batch"]),
-                f"{r['tok_per_s']:.0f}",
-                pct_cell(r.get("steady_idle")),
-                num_cell(r.get("device_ms_per_step"), ".2f"),
-                num_cell(r.get("host_ms_per_step"), ".2f"),
-                num_cell(r.get("host_us_per_request_step"), ".1f"),
-                _cpu_cell(r),
-                " / ".join(
-                    num_cell(phases.get(p), ".2f")
-                    for p in ("schedule", "bitmask", "launch", "update", "output", "gc")
-                ),
-                str(r["deferred_steps"]),
-                num_cell(r.get("wake_late_ms_per_step"), ".2f"),
-                f"{r['errors']}, {r['json_invalid']}/{r['json_checked']}",
-            ]
-        )
-    header = [
-        "async",
-        "JSON",
-        "batch",
-        "tok/s",
-        "device idle (steady)",
-        "device ms/step",
-        "host ms/step",
-        "host µs/request-step",
-        "CPU ms/step, all threads (cores busy)",
-        "schedule / bitmask / launch / update / output / gc ms",
-        "deferred steps",
-        "late wake-up ms/step (OS)",
-        "errors, invalid JSON",
-    ]
-    ratios = [
-        [
-            str(x["batch"]),
-            f"{x['json_fraction']:.0%}",
-            num_cell(x["async_over_sync"], ".2f"),
-            num_cell(x["structured_over_free"], ".2f"),
-            num_cell(x.get("fill_thread_gain"), ".2f"),
-        ]
-        for x in d["ratios"]
-    ]
+    rows = table(d["rows"], ENGINE_SIM)
+    ratios = table(d["ratios"], ENGINE_SIM_RATIOS)
     lines = goal_lines(d.get("goals") or [], digits=3)
     caption = (
         f"The real engine on the host against a simulated {d['gpu']['name']} running the "
@@ -110,64 +99,41 @@ def engine_sim_table(d: dict[str, Any]) -> str:
         "a host short of cores shows them all busy, a host held up by the engine thread's "
         "serial work does not.\n\n"
     )
-    return (
-        caption
-        + markdown_table(header, rows)
-        + "\n\n"
-        + markdown_table(
-            [
-                "batch",
-                "JSON",
-                "async / sync",
-                "structured / free (async)",
-                "fill thread on / off (async)",
-            ],
-            ratios,
-        )
-        + ("\n\n" + "\n".join(lines) if lines else "")
-        + (
-            f"\n\n![timeline of steady steps](bench/results/{d['timeline_png']})"
-            if d.get("timeline_png")
-            else ""
-        )
-    )
+    body = section(caption, rows, ratios, notes=lines)
+    if d.get("timeline_png"):
+        body += f"\n\n![timeline of steady steps](bench/results/{d['timeline_png']})"
+    return body
 
 
-def _spec_cells(r: dict[str, Any]) -> list[str]:
-    """The cells a CPU row and a simulated row of the spec tables share."""
+def _spec_columns(tok_per_s: str) -> list[Column]:
+    """The columns a CPU row and a simulated row of the spec tables share."""
     return [
-        r["workload"],
-        r["mode"],
-        str(r["concurrency"]),
-        num_cell(r["tok_per_s"], ".1f"),
-        num_cell(r["tokens_per_step"], ".2f"),
-        num_cell(r["drafts_per_step"], ".2f"),
-        pct_cell(r["acceptance_rate"]),
+        Column("workload", string("workload")),
+        Column("spec", string("mode")),
+        Column("concurrency", text("concurrency")),
+        Column(tok_per_s, lambda r: num_cell(r["tok_per_s"], ".1f")),
+        Column("tokens/step", lambda r: num_cell(r["tokens_per_step"], ".2f")),
+        Column("drafts/step", lambda r: num_cell(r["drafts_per_step"], ".2f")),
+        Column("acceptance", lambda r: pct_cell(r["acceptance_rate"])),
     ]
+
+
+SPEC = (
+    *_spec_columns("output tok/s"),
+    Column("valid JSON", lambda r: pct_cell(r["valid_share"])),
+    Column(
+        "same tokens as off",
+        lambda r: {True: "yes", False: "no", None: "-"}[r["same_tokens_as_off"]],
+    ),
+    Column(
+        "load (1 min avg)",
+        lambda r: " -> ".join(f"{x:.1f}" for x in r["load_avg_1m"]) if "load_avg_1m" in r else "",
+    ),
+)
 
 
 def spec_table(d: dict[str, Any]) -> str:
-    rows = [
-        [
-            *_spec_cells(r),
-            pct_cell(r["valid_share"]),
-            {True: "yes", False: "no", None: "-"}[r["same_tokens_as_off"]],
-            " -> ".join(f"{x:.1f}" for x in r["load_avg_1m"]) if "load_avg_1m" in r else "",
-        ]
-        for r in d["rows"]
-    ]
-    header = [
-        "workload",
-        "spec",
-        "concurrency",
-        "output tok/s",
-        "tokens/step",
-        "drafts/step",
-        "acceptance",
-        "valid JSON",
-        "same tokens as off",
-        "load (1 min avg)",
-    ]
+    rows = table(d["rows"], SPEC)
     cfg = d["config"]
     caption = (
         f"Greedy JSON workloads (peers: invent a person; extraction: fill a schema from facts "
@@ -189,16 +155,13 @@ def spec_table(d: dict[str, Any]) -> str:
     sim = d.get("sim") or {}
     if sim and not sim.get("measured"):
         notes.append(f"- simulated device: not measured ({sim.get('reason')})")
-    text = caption + markdown_table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
+    body = section(caption, rows, notes=notes)
     if sim.get("measured"):
-        text += "\n\n" + _spec_sim_table(sim)
-    return text
+        body += "\n\n" + _spec_sim_table(sim)
+    return body
 
 
 def _spec_sim_table(sim: dict[str, Any]) -> str:
-    rows = [_spec_cells(r) for r in sim["rows"]]
-    header = ["workload", "spec", "concurrency", "tok/s", "tokens/step", "drafts/step"]
-    header.append("acceptance")
     caption = (
         f"The same prompts on the simulated accelerator (`{sim['device']}`, {sim['shape']} "
         "shape): the real engine replays the spec-off outputs above as its traces, so every "
@@ -207,7 +170,7 @@ def _spec_sim_table(sim: dict[str, Any]) -> str:
         "its token in flight, and it sits out the step planned while they are verified).\n\n"
     )
     notes = [f"- {r['name']}: {num_cell(r['value'], '.2f')}" for r in sim.get("ratios") or []]
-    return caption + markdown_table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
+    return section(caption, table(sim["rows"], _spec_columns("tok/s")), notes=notes)
 
 
 # (file, title, command, renderer)

@@ -1,5 +1,6 @@
 """The README's result tables, one renderer per result file of bench/results/ (used by
-bench/readme_results.py)."""
+bench/readme_results.py), each a caption and its tables declared column by column
+(bench/tables.py renders them)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+from baton.bench.tables import (
+    Column,
+    code_cell,
+    fixed,
+    goal_lines,
+    markdown_table,
+    num_cell,
+    pct_cell,
+    section,
+    string,
+    table,
+    text,
+)
 
 
 def engine_label(d: dict[str, Any]) -> str:
@@ -28,77 +37,58 @@ def engine_label(d: dict[str, Any]) -> str:
 
 
 def forward_table(d: dict[str, Any]) -> str:
-    engine = "baton_engine_ms" in d["rows"][0]
-    header = ["case", "baton ms", "transformers ms", "baton / transformers"]
-    if engine:
-        header += [
-            f"baton as the engine builds it ({engine_label(d)}) ms",
-            "transformers float32 ms",
-            "engine / transformers float32",
+    columns = [
+        Column("case", string("case")),
+        Column("baton ms", fixed("baton_ms", ".1f")),
+        Column("transformers ms", fixed("transformers_ms", ".1f")),
+        Column("baton / transformers", fixed("ratio", ".2f")),
+    ]
+    if "baton_engine_ms" in d["rows"][0]:
+        columns += [
+            Column(
+                f"baton as the engine builds it ({engine_label(d)}) ms",
+                fixed("baton_engine_ms", ".1f"),
+            ),
+            Column("transformers float32 ms", fixed("transformers_float32_ms", ".1f")),
+            Column("engine / transformers float32", fixed("engine_vs_transformers_float32", ".2f")),
         ]
-    rows = []
-    for r in d["rows"]:
-        row = [
-            r["case"],
-            f"{r['baton_ms']:.1f}",
-            f"{r['transformers_ms']:.1f}",
-            f"{r['ratio']:.2f}",
-        ]
-        if engine:
-            row += [
-                f"{r['baton_engine_ms']:.1f}",
-                f"{r['transformers_float32_ms']:.1f}",
-                f"{r['engine_vs_transformers_float32']:.2f}",
-            ]
-        rows.append(row)
-    return markdown_table(header, rows)
+    return table(d["rows"], columns)
+
+
+THROUGHPUT = (
+    Column("dtype", string("dtype")),
+    Column("baton tok/s", lambda r: f"{r['baton']['tok_per_s']:.0f}"),
+    Column("transformers tok/s", lambda r: f"{r['transformers']['tok_per_s']:.0f}"),
+    Column("same dtype", fixed("ratio", ".2f")),
+    Column(
+        "vs transformers fp32",
+        lambda r: "" if (x := r.get("ratio_vs_transformers_float32")) is None else f"{x:.2f}",
+    ),
+)
 
 
 def throughput_table(d: dict[str, Any]) -> str:
-    rows = []
-    for r in d["rows"]:
-        vs32 = r.get("ratio_vs_transformers_float32")
-        rows.append(
-            [
-                r["dtype"],
-                f"{r['baton']['tok_per_s']:.0f}",
-                f"{r['transformers']['tok_per_s']:.0f}",
-                f"{r['ratio']:.2f}",
-                "" if vs32 is None else f"{vs32:.2f}",
-            ]
-        )
-    header = ["dtype", "baton tok/s", "transformers tok/s", "same dtype", "vs transformers fp32"]
+    rows = table(d["rows"], THROUGHPUT)
     caption = f"{d['num_prompts']} prompts x {d['output_len']} tokens, greedy.\n\n"
-    return caption + markdown_table(header, rows)
+    return section(caption, rows)
+
+
+STRUCTURED = (
+    Column("schemas", string("workload")),
+    Column("scheduling", string("mode")),
+    Column("batch", text("batch")),
+    Column("free TPOT ms", fixed("free_tpot_ms", ".1f")),
+    Column("JSON TPOT ms", fixed("structured_tpot_ms", ".1f")),
+    Column("structured / free", fixed("ratio", ".3f")),
+    Column("bitmask ms / step", fixed("bitmask_ms_per_step", ".2f")),
+    Column("valid / stopped", lambda r: f"{r['stopped'] - len(r['invalid'])}/{r['stopped']}"),
+    Column("errors", lambda r: str(len(r["errors"]))),
+)
 
 
 def structured_table(d: dict[str, Any]) -> str:
+    rows = table(d["rows"], STRUCTURED)
     cfg = d["config"]
-    rows = [
-        [
-            r["workload"],
-            r["mode"],
-            str(r["batch"]),
-            f"{r['free_tpot_ms']:.1f}",
-            f"{r['structured_tpot_ms']:.1f}",
-            f"{r['ratio']:.3f}",
-            f"{r['bitmask_ms_per_step']:.2f}",
-            f"{r['stopped'] - len(r['invalid'])}/{r['stopped']}",
-            str(len(r["errors"])),
-        ]
-        for r in d["rows"]
-    ]
-    header = [
-        "schemas",
-        "scheduling",
-        "batch",
-        "free TPOT ms",
-        "JSON TPOT ms",
-        "structured / free",
-        "bitmask ms / step",
-        "valid / stopped",
-        "errors",
-    ]
     caption = (
         f"Model {Path(cfg['model']).name}, greedy, at most {cfg['max_tokens']} tokens, "
         f"median of {cfg['rounds']} rounds; each round's free run decodes as many tokens per "
@@ -114,12 +104,7 @@ def structured_table(d: dict[str, Any]) -> str:
     )
     notes = goal_lines(d.get("goals") or [], digits=3)
     notes += [f"- dropped at warm-up ({x['mode']}): {x['schema']}" for x in d.get("dropped", [])]
-    return caption + markdown_table(header, rows) + ("\n\n" + "\n".join(notes) if notes else "")
-
-
-def _cell(text: str) -> str:
-    """``text`` as inline code that a Markdown table cell can hold."""
-    return "`" + text.replace("`", "'").replace("|", "\\|") + "`"
+    return section(caption, rows, notes=notes)
 
 
 def masks_table(d: dict[str, Any]) -> str:
@@ -152,7 +137,13 @@ def masks_table(d: dict[str, Any]) -> str:
     for n in names:
         for w in d["worst"][n][: 10 if n == names[0] else 3]:
             worst_rows.append(
-                [n, w["schema"], f"{w['max_us']:.0f}", ", ".join(w["families"]), _cell(w["before"])]
+                [
+                    n,
+                    w["schema"],
+                    f"{w['max_us']:.0f}",
+                    ", ".join(w["families"]),
+                    code_cell(w["before"]),
+                ]
             )
     worst = markdown_table(
         ["backend", "schema", "slowest state µs", "families", "after"], worst_rows
@@ -164,13 +155,8 @@ def masks_table(d: dict[str, Any]) -> str:
         for g in d.get("goals") or []
         if g.get("worst_schema")
     ]
-    return (
-        caption
-        + markdown_table(header, rows)
-        + "\n\nThe schemas with the slowest states:\n\n"
-        + worst
-        + ("\n\n" + "\n".join(lines) if lines else "")
-    )
+    slowest = "The schemas with the slowest states:"
+    return section(caption, markdown_table(header, rows), slowest, worst, notes=lines)
 
 
 def grammar_table(d: dict[str, Any]) -> str:
@@ -214,50 +200,24 @@ def grammar_overhead_table(d: dict[str, Any]) -> str:
     return markdown_table(["batch", "raw xgrammar µs/token", "baton µs/token", "ratio"], rows)
 
 
-def pct_cell(value: float | None) -> str:
-    """A share as a whole percentage; "-" for none."""
-    return "-" if value is None else f"{value:.0%}"
-
-
-def num_cell(value: float | None, spec: str) -> str:
-    """A number in ``spec``'s format; "-" for none."""
-    return "-" if value is None else format(value, spec)
-
-
-def goal_lines(goals: list[Any], digits: int = 2) -> list[str]:
-    """One line per goal: met, MISSED (with the measured value) or not measured."""
-    lines = []
-    for g in goals:
-        if not isinstance(g, dict):
-            continue
-        if g.get("value") is None:
-            lines.append(f"- not measured: {g['goal']} {g['target']}")
-        else:
-            verdict = "met" if g["met"] else "MISSED"
-            lines.append(f"- {verdict}: {g['goal']} {g['target']}: {g['value']:.{digits}f}")
-    return lines
-
-
 def _spread(r: dict[str, Any]) -> str:
     if r.get("tok_per_s_min") is None or r.get("runs", 1) < 2:
         return "-"
     return f"{r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f}"
 
 
+PEERS = (
+    Column("engine", string("label")),
+    Column("concurrency", text("concurrency")),
+    Column("output tok/s", lambda r: num_cell(r["tok_per_s"], ".1f")),
+    Column("spread", _spread),
+    Column("TPOT ms", lambda r: num_cell(r["tpot_ms"], ".1f")),
+    Column("valid JSON", lambda r: pct_cell(r["valid_share"])),
+)
+
+
 def peers_table(d: dict[str, Any]) -> str:
-    rows = [
-        [
-            r["label"],
-            str(r["concurrency"]),
-            num_cell(r["tok_per_s"], ".1f"),
-            _spread(r),
-            num_cell(r["tpot_ms"], ".1f"),
-            pct_cell(r["valid_share"]),
-        ]
-        for r in d["rows"]
-    ]
-    header = ["engine", "concurrency", "output tok/s", "spread", "TPOT ms", "valid JSON"]
-    table = markdown_table(header, rows)
+    rows = table(d["rows"], PEERS)
     skipped = [f"- skipped {s['label']}: {s['reason']}" for s in d.get("skipped", [])]
     repeats = d.get("repeats", 1)
     runs = (
@@ -277,38 +237,32 @@ def peers_table(d: dict[str, Any]) -> str:
         )
         + "\n\n"
     )
-    notes = goal_lines(d.get("goals") or []) + skipped
-    return caption + table + ("\n\n" + "\n".join(notes) if notes else "")
+    return section(caption, rows, notes=goal_lines(d.get("goals") or []) + skipped)
+
+
+def _p50_p99(key: str, spec: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: f"{num_cell(r[f'{key}_p50_ms'], spec)} / {num_cell(r[f'{key}_p99_ms'], spec)}"
+
+
+SERVE = (
+    Column("concurrency", text("concurrency")),
+    Column("done", lambda r: f"{r['done']}/{r['issued']}"),
+    Column("output tok/s", lambda r: num_cell(r["tok_per_s"], ".0f")),
+    Column("TTFT p50 / p99 ms", _p50_p99("ttft", ".0f")),
+    Column("TPOT p50 / p99 ms", _p50_p99("tpot", ".1f")),
+    Column("valid JSON / stopped", lambda r: f"{r['json_valid']}/{r['json_checked']}"),
+    Column("JSON cut by length", lambda r: str(r.get("json_length_cut", "-"))),
+)
 
 
 def serve_table(d: dict[str, Any]) -> str:
-    rows = [
-        [
-            str(r["concurrency"]),
-            f"{r['done']}/{r['issued']}",
-            num_cell(r["tok_per_s"], ".0f"),
-            f"{num_cell(r['ttft_p50_ms'], '.0f')} / {num_cell(r['ttft_p99_ms'], '.0f')}",
-            f"{num_cell(r['tpot_p50_ms'], '.1f')} / {num_cell(r['tpot_p99_ms'], '.1f')}",
-            f"{r['json_valid']}/{r['json_checked']}",
-            str(r.get("json_length_cut", "-")),
-        ]
-        for r in d["rows"]
-    ]
-    header = [
-        "concurrency",
-        "done",
-        "output tok/s",
-        "TTFT p50 / p99 ms",
-        "TPOT p50 / p99 ms",
-        "valid JSON / stopped",
-        "JSON cut by length",
-    ]
+    rows = table(d["rows"], SERVE)
     caption = (
         f"Streaming clients against `baton serve` over loopback: model {d['model']} "
         f"({d['dtype']}), {d['json_fraction']:.0%} JSON-schema requests, at most "
         f"{d['max_tokens']} tokens each.\n\n"
     )
-    return caption + markdown_table(header, rows)
+    return section(caption, rows)
 
 
 def soak_table(d: dict[str, Any]) -> str:
@@ -336,7 +290,16 @@ def soak_table(d: dict[str, Any]) -> str:
         f"{c['requests']} mixed requests at concurrency {c['concurrency']} on model "
         f"{c['model']}, at most {c['max_tokens']} tokens each: {verdict}.\n\n"
     )
-    return caption + markdown_table(["figure", "value"], rows)
+    return section(caption, markdown_table(["figure", "value"], rows))
+
+
+TENSOR_PARALLEL = (
+    Column("model", string("model")),
+    Column("batch", text("batch")),
+    Column("ranks x threads", lambda r: f"{r['tp']} x {r['threads_per_rank']}"),
+    Column("ms / step", fixed("step_ms", ".1f")),
+    Column("collectives", lambda r: f"{100 * r['collective_share']:.0f}%" if r["tp"] > 1 else "-"),
+)
 
 
 def tensor_parallel_table(d: dict[str, Any]) -> str:
@@ -347,52 +310,54 @@ def tensor_parallel_table(d: dict[str, Any]) -> str:
         "and the token broadcast (waiting for the other ranks included) over its device time."
         "\n\n"
     )
-    rows = [
-        [
-            r["model"],
-            str(r["batch"]),
-            f"{r['tp']} x {r['threads_per_rank']}",
-            f"{r['step_ms']:.1f}",
-            f"{100 * r['collective_share']:.0f}%" if r["tp"] > 1 else "-",
-        ]
-        for r in d["rows"]
-    ]
-    header = ["model", "batch", "ranks x threads", "ms / step", "collectives"]
-    return caption + markdown_table(header, rows)
+    return section(caption, table(d["rows"], TENSOR_PARALLEL))
+
+
+def _errors(r: dict[str, Any]) -> str:
+    causes = ", ".join(f"{n} {c}" for c, n in sorted(r["error_causes"].items())) or "-"
+    return f"{r['errors']} ({causes})"
+
+
+COMPILE_BURST = (
+    Column("run", string("label")),
+    Column("commit", lambda r: r["run"]["commit"][:10]),
+    Column("busy processes", text("hog_processes")),
+    Column("schemas accepted", lambda r: f"{r['accepted']} of {r['schemas']}"),
+    Column(
+        "stop / length",
+        lambda r: f"{r['finishes'].get('stop', 0)} / {r['finishes'].get('length', 0)}",
+    ),
+    Column('"error" finishes', _errors),
+    Column("wall s", fixed("wall_s", ".0f")),
+    Column(
+        "load before",
+        lambda r: f"{r['load_avg_before'][0]:.1f}" if r.get("load_avg_before") else "",
+    ),
+)
 
 
 def compile_burst_table(d: dict[str, Any]) -> str:
-    rows = []
-    for r in d["runs"]:
-        causes = ", ".join(f"{n} {c}" for c, n in sorted(r["error_causes"].items())) or "-"
-        rows.append(
-            [
-                r["label"],
-                r["run"]["commit"][:10],
-                str(r["hog_processes"]),
-                f"{r['accepted']} of {r['schemas']}",
-                f"{r['finishes'].get('stop', 0)} / {r['finishes'].get('length', 0)}",
-                f"{r['errors']} ({causes})",
-                f"{r['wall_s']:.0f}",
-                f"{r['load_avg_before'][0]:.1f}" if r.get("load_avg_before") else "",
-            ]
-        )
-    header = [
-        "run",
-        "commit",
-        "busy processes",
-        "schemas accepted",
-        "stop / length",
-        '"error" finishes',
-        "wall s",
-        "load before",
-    ]
+    rows = table(d["runs"], COMPILE_BURST)
     caption = (
         "Every shared schema that passes submission, each once, in one `LLM.generate` call on "
         "a tiny random-weight model (grammar compile limit 10 s); beside it, busy-looping "
         "processes when the run says so.\n\n"
     )
-    return caption + markdown_table(header, rows)
+    return section(caption, rows)
+
+
+DATA_PARALLEL_THROUGHPUT = (
+    Column("engine", string("label")),
+    Column("output tok/s", fixed("tok_s", ".1f")),
+    Column("failed", text("failures")),
+)
+DATA_PARALLEL_AFFINITY = (
+    Column("routing", string("label")),
+    Column("cache hit rate", lambda r: f"{100 * r['cache_hit_rate']:.1f}%"),
+    Column("grammars compiled", lambda r: " + ".join(str(int(n)) for n in r["grammars_compiled"])),
+    Column("failed", text("failures")),
+    Column("wall s", fixed("wall_s", ".1f")),
+)
 
 
 def data_parallel_table(d: dict[str, Any]) -> str:
@@ -404,20 +369,20 @@ def data_parallel_table(d: dict[str, Any]) -> str:
         "2 replicas with empty caches; hit rate = (cache hits + joined compiles) / lookups over "
         "both replicas.\n\n"
     )
-    rows = [[r["label"], f"{r['tok_s']:.1f}", str(r["failures"])] for r in d["throughput"]]
-    table = markdown_table(["engine", "output tok/s", "failed"], rows)
-    rows = [
-        [
-            r["label"],
-            f"{100 * r['cache_hit_rate']:.1f}%",
-            " + ".join(str(int(n)) for n in r["grammars_compiled"]),
-            str(r["failures"]),
-            f"{r['wall_s']:.1f}",
-        ]
-        for r in d["affinity"]
-    ]
-    header = ["routing", "cache hit rate", "grammars compiled", "failed", "wall s"]
-    return caption + table + "\n\n" + markdown_table(header, rows)
+    throughput = table(d["throughput"], DATA_PARALLEL_THROUGHPUT)
+    return section(caption, throughput, table(d["affinity"], DATA_PARALLEL_AFFINITY))
+
+
+OPEN_OBJECTS = (
+    Column("backend", string("backend")),
+    Column("ended by itself", text("stopped")),
+    Column("cut at the limit", text("cut")),
+    Column("valid", text("valid")),
+    Column(
+        "with undeclared keys", lambda r: f"{r['with_undeclared']} ({r['undeclared_keys']} keys)"
+    ),
+    Column("tokens", text("tokens")),
+)
 
 
 def open_objects_table(d: dict[str, Any]) -> str:
@@ -428,23 +393,4 @@ def open_objects_table(d: dict[str, Any]) -> str:
         f"model ({c['dtype']}), greedy, at most {c['max_tokens']} tokens, one chat request per "
         "schema and backend.\n\n"
     )
-    rows = [
-        [
-            r["backend"],
-            str(r["stopped"]),
-            str(r["cut"]),
-            str(r["valid"]),
-            f"{r['with_undeclared']} ({r['undeclared_keys']} keys)",
-            str(r["tokens"]),
-        ]
-        for r in d["rows"]
-    ]
-    header = [
-        "backend",
-        "ended by itself",
-        "cut at the limit",
-        "valid",
-        "with undeclared keys",
-        "tokens",
-    ]
-    return caption + markdown_table(header, rows)
+    return section(caption, table(d["rows"], OPEN_OBJECTS))

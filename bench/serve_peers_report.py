@@ -8,6 +8,7 @@ from typing import Any
 
 from baton.bench.common import fmt, judge_goal, print_goals, ratio
 from baton.bench.plotting import pyplot
+from baton.bench.tables import COMPACT, markdown_table
 
 PEER = "llama-server"
 RSS_SLACK_MIB = 300  # the memory goal: <= 1.25 x file + KV cache + 300 MB
@@ -80,14 +81,31 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+CELL_HEADER = (
+    "engine",
+    "mode",
+    "conc",
+    "tok/s",
+    "objects/s",
+    "valid",
+    "TTFT p50 / p99 ms",
+    "TPOT p50 ms",
+    "vs llama-server (tok/s; objects/s)",
+)
+ENGINE_HEADER = (
+    "engine",
+    "load s",
+    "PSS after load MiB",
+    "peak PSS MiB",
+    "KV cache MiB",
+    "CPU variant",
+)
+
+
 def table(result: dict[str, Any]) -> str:
     """Markdown: one row per engine and cell, then one per engine's load and memory."""
-    lines = [
-        "| engine | mode | conc | tok/s | objects/s | valid | TTFT p50 / p99 ms | TPOT p50 ms "
-        "| vs llama-server (tok/s; objects/s) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
     by = {(r["engine"], r["mode"], r["concurrency"]): r for r in result["ratios"]}
+    cells = []
     for e in result["engines"]:
         for c in e["cells"]:
             r = by.get((e["engine"], c["mode"], c["concurrency"]))
@@ -97,22 +115,36 @@ def table(result: dict[str, Any]) -> str:
                 else f"{fmt(r['tok_per_s'], '.2f')}; {fmt(r['objects_per_s'], '.2f')}"
             )
             valid = "-" if c["valid_share"] is None else f"{c['valid_share']:.0%}"
-            lines.append(
-                f"| {e['engine']} | {c['mode']} | {c['concurrency']} | {c['tok_per_s']:.1f} | "
-                f"{fmt(c['objects_per_s'], '.3f')} | {valid} | {fmt(c['ttft_p50_ms'], '.0f')} / "
-                f"{fmt(c['ttft_p99_ms'], '.0f')} | {fmt(c['tpot_p50_ms'], '.1f')} | {vs} |"
+            ttft = f"{fmt(c['ttft_p50_ms'], '.0f')} / {fmt(c['ttft_p99_ms'], '.0f')}"
+            cells.append(
+                [
+                    str(e["engine"]),
+                    str(c["mode"]),
+                    str(c["concurrency"]),
+                    f"{c['tok_per_s']:.1f}",
+                    fmt(c["objects_per_s"], ".3f"),
+                    valid,
+                    ttft,
+                    fmt(c["tpot_p50_ms"], ".1f"),
+                    vs,
+                ]
             )
-    lines += [
-        "",
-        "| engine | load s | PSS after load MiB | peak PSS MiB | KV cache MiB | CPU variant |",
-        "|---|---|---|---|---|---|",
+    engines = [
+        [
+            str(e["engine"]),
+            f"{e['load_s']:.1f}",
+            f"{e['pss_after_load_mib']:.0f}",
+            f"{e['peak_pss_mib']:.0f}",
+            f"{e['kv_cache_mib']:.0f}",
+            str(e["cpu_variant"] or "-"),
+        ]
+        for e in result["engines"]
     ]
-    for e in result["engines"]:
-        lines.append(
-            f"| {e['engine']} | {e['load_s']:.1f} | {e['pss_after_load_mib']:.0f} | "
-            f"{e['peak_pss_mib']:.0f} | {e['kv_cache_mib']:.0f} | {e['cpu_variant'] or '-'} |"
-        )
-    return "\n".join(lines)
+    return (
+        markdown_table(CELL_HEADER, cells, COMPACT)
+        + "\n\n"
+        + markdown_table(ENGINE_HEADER, engines, COMPACT)
+    )
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -154,7 +186,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def readme_table(d: dict[str, Any]) -> str:
     """The README section's body: what ran, the tables, the goals."""
-    from baton.bench.readme_tables import goal_lines
+    from baton.bench.tables import goal_lines
 
     run = d.get("run", {})
     cfg = d["config"]

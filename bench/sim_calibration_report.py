@@ -7,11 +7,23 @@ from typing import Any
 
 import numpy as np
 
+from baton.bench.tables import Column, fixed, table, text
+
+SIM_CALIBRATION = (
+    Column("forward", lambda r: "graphs" if r["graphs"] else "eager"),
+    Column("scheduling", lambda r: "async" if r["async"] else "sync"),
+    Column("requests", lambda r: "JSON" if r["json_fraction"] else "free"),
+    Column("batch", text("batch")),
+    Column("GPU TPOT ms", fixed("gpu_tpot_ms", ".2f")),
+    Column("sim TPOT ms", fixed("sim_tpot_ms", ".2f")),
+    Column("sim / GPU", lambda r: f"{r['sim_over_gpu']:.2f}" + ("" if r["within"] else " (out)")),
+)
+
 
 def readme_table(result: dict[str, Any]) -> str:
     """The README's table of a ``check`` result: each GPU cell's TPOT beside the simulator's."""
     run = result.get("run", {})
-    lines = [
+    caption = (
         f"Every cell of the GPU check (`{Path(result['gpu_result']).name}`) run again on "
         f"`sim:h200` with the calibration `{Path(result['calibration']).name}` "
         f"({result['calibration_source']}), playing the GPU machine's host at time scale "
@@ -25,19 +37,9 @@ def readme_table(result: dict[str, Any]) -> str:
             "the policy saves, not a calibration error."
             if result.get("drafts") == "adaptive"
             else ""
-        ),
-        "",
-        "| forward | scheduling | requests | batch | GPU TPOT ms | sim TPOT ms | sim / GPU |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in result["rows"]:
-        flag = "" if r["within"] else " (out)"
-        lines.append(
-            f"| {'graphs' if r['graphs'] else 'eager'} | {'async' if r['async'] else 'sync'} | "
-            f"{'JSON' if r['json_fraction'] else 'free'} | {r['batch']} | "
-            f"{r['gpu_tpot_ms']:.2f} | {r['sim_tpot_ms']:.2f} | {r['sim_over_gpu']:.2f}{flag} |"
         )
-    return "\n".join(lines)
+    )
+    return caption + "\n\n" + table(result["rows"], SIM_CALIBRATION)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The ``baton`` command line: ``baton generate``, ``baton serve`` and ``baton bench NAME``."""
+"""The ``baton`` command line: ``baton generate``, ``baton serve``, and the commands other
+distributions add (``baton bench NAME`` from baton-bench)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from functools import partial
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 from baton.engine.entrypoints.args import add_engine_args, config_from_args
@@ -87,38 +90,38 @@ def _structured_outputs(args: argparse.Namespace) -> object | None:
     return None
 
 
-# `baton bench NAME ...` runs `baton.bench.NAME.main(argv)`.
-BENCHMARKS = {
-    "engine": "async vs sync scheduling, free vs JSON requests",
-    "grammar": "compile and mask times of the grammar backends on schema files (MaskBench)",
-    "masks": "mask fill time per row per schema feature family, every grammar backend",
-    "forward": "baton's forward pass vs transformers' on the same weights",
-    "linear_kernels": "the model's linear layers as float32, bfloat16 and int8 by rows",
-    "quant_linear": "GGUF block-quantised linears (baton's kernel) vs the dense paths, by rows",
-    "gguf_decode": "quantization none / gguf / int8 on a GGUF model: start, decode tok/s, RSS",
-    "throughput": "offline throughput, baton vs transformers batched generate",
-    "structured": "structured vs free time per output token",
-    "serve": "load test of baton serve: concurrent clients, TTFT and TPOT",
-    "peers": "the same JSON-schema workload on baton and its peers",
-    "serve_peers": "baton serve vs llama.cpp's llama-server over HTTP on the same GGUF",
-    "soak": "reliability soak of baton serve: mixed, invalid and disconnecting clients",
-    "tensor_parallel": "tensor parallel vs one worker: decode step time, collective share",
-    "compile_burst": "every shared schema at once: failed requests and wall time of the burst",
-    "spec": "speculative decoding off / grammar / ngram / auto on JSON workloads",
-    "data_parallel": "replicas on Ray vs one engine; grammar affinity and the compile cache",
-    "open_objects": "xgrammar (objects closed) vs guidance (open): the model's outputs",
-    "moe_decode": "mixture-of-experts decode step vs dense models of the same active / total size",
-    "invariance": "same request alone and under other loads and settings: identical tokens?",
-    "invariance_cost": "free and JSON tok/s of batch invariance against a base commit",
+# Commands that other distributions add to `baton`: each registers `NAME = module:function` in
+# this entry point group, and the function, given `baton`'s subparsers, adds the subcommand `NAME`.
+# Its parser's defaults name `func(args) -> int`; `passes_unknown_args=True` hands the arguments
+# the parser does not know over as `args.passthrough`. engine/ never imports one by name.
+PLUGIN_GROUP = "baton.cli_plugins"
+# The ones this checkout ships beside baton, and how to install each when it is missing.
+OPTIONAL_COMMANDS = {
+    "bench": "the benchmarks are the baton-bench distribution: pip install -e ./bench "
+    "(or make setup)",
 }
 
 
-def _bench(args: argparse.Namespace) -> int:
-    import importlib
+def cli_plugins() -> dict[str, EntryPoint]:
+    """The installed distributions' subcommands (entry point group ``baton.cli_plugins``)."""
+    return {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
 
-    # Imported here: nothing in the product imports bench at module level.
-    module = importlib.import_module(f"baton.bench.{args.benchmark}")
-    return module.main(list(args.passthrough))
+
+def _add_plugins(sub: argparse._SubParsersAction) -> None:
+    """Adds every installed plugin's subcommand, and a stand-in for each missing one that
+    says how to install it (a one-line error, exit status 2)."""
+    plugins = cli_plugins()
+    for name in sorted(plugins):
+        plugins[name].load()(sub)
+    for name, hint in OPTIONAL_COMMANDS.items():
+        if name not in plugins:
+            stand_in = sub.add_parser(name, add_help=False, help=f"not installed: {hint}")
+            stand_in.set_defaults(func=partial(_missing, name, hint), passes_unknown_args=True)
+
+
+def _missing(name: str, hint: str, args: argparse.Namespace) -> int:
+    """Raises ValueError, which ``main`` prints as one line with exit status 2."""
+    raise ValueError(f"`baton {name}` is not installed: {hint}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,13 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
-    bench = sub.add_parser("bench", help="run a benchmark")
-    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
-    # No -h here: every argument, --help included, belongs to the benchmark's own parser.
-    for name, help_text in BENCHMARKS.items():
-        bench_sub.add_parser(
-            name, add_help=False, help=f"{help_text} (see baton bench {name} --help)"
-        ).set_defaults(func=_bench, passes_unknown_args=True)
+    _add_plugins(sub)
     return parser
 
 

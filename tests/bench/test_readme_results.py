@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from baton.bench.readme_results import (
     BEGIN,
@@ -82,3 +83,25 @@ def test_main_writes_both_files_and_then_nothing(tmp_path: Path) -> None:
     before = (readme.read_text(), page.read_text())
     main(args)
     assert (readme.read_text(), page.read_text()) == before
+
+
+def test_one_renderer_draws_every_table() -> None:
+    from baton.bench.tables import COMPACT, Column, section, string, table, text
+
+    rows = [{"name": "a", "n": 1}, {"name": "b", "n": 22}]
+    columns = (Column("name", string("name")), Column("n", text("n")))
+    assert table(rows, columns) == "| name | n |\n| --- | --- |\n| a | 1 |\n| b | 22 |"
+    assert table(rows, columns, COMPACT).splitlines()[1] == "|---|---|"
+    assert section("Caption.\n\n", "T1", "T2") == "Caption.\n\nT1\n\nT2"
+    assert section("", "T", notes=["- met: x"]) == "T\n\n- met: x"
+    # A string cell that is not one fails the table, and the page says it cannot render the file.
+    with pytest.raises(TypeError):
+        table([{"name": None, "n": 1}], columns)
+    # No table module of bench/ joins Markdown rows by hand any more.
+    modules = (ROOT / "bench").glob("*.py")
+    hand_made = [
+        p.name
+        for p in modules
+        if p.name != "tables.py" and any(rule in p.read_text() for rule in ('"|---|', '"| --- |'))
+    ]
+    assert hand_made == []

@@ -118,6 +118,26 @@ def test_imports_point_one_way() -> None:
     assert _violations() == []
 
 
+def _names_bench(path: Path) -> list[str]:
+    """Strings in a module that name ``baton.bench`` (an ``importlib.import_module`` target
+    escapes the import rules above)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [
+        f"{path}:{node.lineno} {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and "baton.bench" in node.value
+    ]
+
+
+def test_the_product_never_names_bench() -> None:
+    # baton.bench is the baton-bench distribution, absent from an install for serving: the
+    # product reaches `baton bench` only through the `baton.cli_plugins` entry point group.
+    product = [p for p in _modules() if p.relative_to(ROOT).parts[0] != "bench"]
+    assert [hit for path in product for hit in _names_bench(path)] == []
+
+
 def test_the_checker_catches_a_wrong_import(tmp_path: Path) -> None:
     fake = tmp_path / "m.py"
     fake.write_text("from baton.engine.core.scheduler import Scheduler\nimport baton.engine\n")
@@ -136,6 +156,8 @@ def test_the_checker_catches_a_wrong_import(tmp_path: Path) -> None:
     assert not _allowed_in_grammar("baton.grammar.validation", "baton.grammar.guidance.backend")
     assert _allowed_in_grammar("baton.grammar.xgrammar.backend", "baton.grammar.xgrammar.keywords")
     assert _allowed_in_grammar("baton.grammar.outlines.backend", "baton.grammar.schema.refs")
+    fake.write_text('import importlib\nimportlib.import_module(f"baton.bench.{name}")\n')
+    assert _names_bench(fake) != []
 
 
 @pytest.mark.parametrize("room", sorted(set(ENGINE_ROOMS) - {"shared"}))
