@@ -109,10 +109,16 @@ def cli_plugins() -> dict[str, EntryPoint]:
 
 def _add_plugins(sub: argparse._SubParsersAction) -> None:
     """Adds every installed plugin's subcommand, and a stand-in for each missing one that
-    says how to install it (a one-line error, exit status 2)."""
+    says how to install it (a one-line error, exit status 2). A plugin that fails to load
+    gets a stand-in that names the failure: the other commands keep working."""
     plugins = cli_plugins()
     for name in sorted(plugins):
-        plugins[name].load()(sub)
+        try:
+            plugins[name].load()(sub)
+        except Exception as exc:  # noqa: BLE001 - another package's bug, reported when used
+            why = f"its plugin {plugins[name].value} failed to load: {type(exc).__name__}: {exc}"
+            stand_in = sub.add_parser(name, add_help=False, help=f"broken: {why}")
+            stand_in.set_defaults(func=partial(_missing, name, why), passes_unknown_args=True)
     for name, hint in OPTIONAL_COMMANDS.items():
         if name not in plugins:
             stand_in = sub.add_parser(name, add_help=False, help=f"not installed: {hint}")
@@ -121,6 +127,8 @@ def _add_plugins(sub: argparse._SubParsersAction) -> None:
 
 def _missing(name: str, hint: str, args: argparse.Namespace) -> int:
     """Raises ValueError, which ``main`` prints as one line with exit status 2."""
+    if hint.startswith("its plugin "):
+        raise ValueError(f"`baton {name}` cannot run: {hint}")
     raise ValueError(f"`baton {name}` is not installed: {hint}")
 
 

@@ -100,6 +100,22 @@ def test_a_distribution_adds_a_command_through_its_entry_point(tmp_path, monkeyp
     assert capsys.readouterr().out == "hello --loud x\n"
 
 
+def test_a_broken_plugin_leaves_the_other_commands_working(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_plugin.py").write_text("raise ImportError('no such thing (test)')\n")
+    info = tmp_path / "broken_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\nbroken = broken_plugin:register\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["broken", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "`baton broken` cannot run" in err and "no such thing (test)" in err
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--help"])
+    assert done.value.code == 0
+
+
 def test_baton_bench_registers_every_benchmark(monkeypatch):
     from baton.bench.cli import BENCHMARKS
 
