@@ -13,6 +13,7 @@ transformers does for the same file:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,11 +104,19 @@ SUPPORTED_GGUF_PRE_TYPES = tuple(sorted(_GPT2_REGEX_PRE_TYPES | set(_PRE_TOKENIZ
 
 SUPPORTED_GGUF_MODELS = ("gpt2", "llama")
 
+# A character outside GPT-2's byte alphabet: a token with one is stored as raw text. (A regex
+# search over 128k tokens took half the time of building a set of each token's characters.)
+_OUTSIDE_BYTE_ALPHABET = re.compile(
+    "[^" + "".join(re.escape(c) for c in sorted(set(byte_to_unicode().values()))) + "]"
+)
 
-def gguf_backend(metadata: Mapping[str, Any], specials: GgufSpecials) -> BackendTokenizer:
+
+def gguf_backend(
+    metadata: Mapping[str, Any], specials: GgufSpecials
+) -> tuple[BackendTokenizer, frozenset[int] | None]:
     """The tokenizer ``tokenizer.ggml.model`` names, its control tokens (and ``specials``'
     named tokens) special and its user-defined ones added (no BOS/EOS post-processor: the
-    caller sets that).
+    caller sets that); and the ids it made special, where known (None: ask the backend).
 
     Raises:
         ValueError: another tokenizer model or ``pre`` type, or missing or inconsistent
@@ -129,7 +138,7 @@ def gguf_backend(metadata: Mapping[str, Any], specials: GgufSpecials) -> Backend
             f"expected one per token ({len(tokens)})"
         )
     if kind == "llama":
-        return _sentencepiece(metadata, tokens, token_types)
+        return _sentencepiece(metadata, tokens, token_types), None
     return _byte_level(metadata, tokens, token_types, specials)
 
 
@@ -166,7 +175,7 @@ def _byte_level(
     tokens: list[str],
     token_types: Sequence[int],
     specials: GgufSpecials,
-) -> BackendTokenizer:
+) -> tuple[BackendTokenizer, frozenset[int]]:
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in _GPT2_REGEX_PRE_TYPES and pre not in _PRE_TOKENIZER_SPLITS:
         raise ValueError(
@@ -179,11 +188,11 @@ def _byte_level(
     # A byte-level vocabulary spells every token in GPT-2's byte alphabet; respell the few
     # that llama.cpp stored as raw text (transformers does the same).
     byte_map = byte_to_unicode()
-    alphabet = set(byte_map.values())
+    outside = _OUTSIDE_BYTE_ALPHABET.search
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         spelled = (
-            token if set(token) <= alphabet else "".join(byte_map[b] for b in token.encode("utf-8"))
+            token if outside(token) is None else "".join(byte_map[b] for b in token.encode("utf-8"))
         )
         vocab.setdefault(spelled, index)
     if len(vocab) != len(tokens):
@@ -220,13 +229,15 @@ def _byte_level(
     # those too). The named special tokens are special whatever their type.
     named = {i for i in (specials.bos_token_id, specials.unk_token_id, specials.pad_token_id)}
     named.add(specials.eos_token_ids[0])
-    control = [
-        AddedToken(token, normalized=False, special=True)
+    special_ids = [
+        index
         for index, (token, kind) in enumerate(zip(tokens, token_types, strict=True))
-        if (kind == _TOKEN_TYPE_CONTROL and set(token) <= alphabet) or index in named
+        if (kind == _TOKEN_TYPE_CONTROL and outside(token) is None) or index in named
     ]
-    if control:
-        backend.add_special_tokens(control)
+    if special_ids:
+        backend.add_special_tokens(
+            [AddedToken(tokens[i], normalized=False, special=True) for i in special_ids]
+        )
     user_defined = [
         AddedToken(token, normalized=False, special=False)
         for token, kind in zip(tokens, token_types, strict=True)
@@ -234,7 +245,7 @@ def _byte_level(
     ]
     if user_defined:
         backend.add_tokens(user_defined)
-    return backend
+    return backend, frozenset(special_ids)
 
 
 @dataclass(frozen=True)

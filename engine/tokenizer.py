@@ -8,7 +8,7 @@ same source, so that baton and transformers see the same ids.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -130,8 +130,10 @@ class Tokenizer:
 
     Attributes are read-only by convention. ``vocab_size`` counts every id the tokenizer can
     produce, added tokens included. ``eos_token_ids`` holds every id that ends a generation;
-    ``eos_token_id`` is the first of them. Constructors raise ``ValueError`` for inconsistent
-    input (unknown special ids, no end-of-sequence token).
+    ``eos_token_id`` is the first of them. ``special_ids``: the ids the backend holds as special
+    tokens where the caller knows them (None: read from the backend); ``all_special_ids`` adds
+    the named ones. Constructors raise ``ValueError`` for inconsistent input (unknown special
+    ids, no end-of-sequence token).
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class Tokenizer:
         unk_token_id: int | None = None,
         chat_template: str | None = None,
         add_bos_token: bool = False,
+        special_ids: Collection[int] | None = None,
     ) -> None:
         self.backend = backend
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -167,7 +170,12 @@ class Tokenizer:
         self.unk_token_id: int | None = unk_token_id
         self.chat_template: str | None = chat_template
         self.add_bos_token: bool = add_bos_token
-        special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        # The caller that built the backend may know its special ids: asking the backend
+        # builds an object per added token (79k in the bench's padded GGUF vocabularies).
+        if special_ids is None:
+            special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        else:
+            special = set(special_ids)
         special.update(i for i in (bos_token_id, pad_token_id, unk_token_id, *eos) if i is not None)
         self.all_special_ids: frozenset[int] = frozenset(special)
         self._token_strings: tuple[str, ...] | None = None
@@ -185,7 +193,7 @@ class Tokenizer:
         missing/inconsistent vocabulary data.
         """
         specials = gguf_specials(metadata)
-        backend = gguf_backend(metadata, specials)
+        backend, special_ids = gguf_backend(metadata, specials)
         if specials.add_bos or specials.add_eos:
             backend.post_processor = _bos_eos_post_processor(specials.bos_token, specials.eos_token)
         else:  # transformers' SentencePiece class brings its own BOS template
@@ -198,6 +206,7 @@ class Tokenizer:
             unk_token_id=specials.unk_token_id,
             chat_template=specials.chat_template,
             add_bos_token=specials.add_bos,
+            special_ids=special_ids,
         )
 
     @classmethod
