@@ -355,18 +355,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len < 2
-        ):
-            raise ValueError(
-                f"EngineConfig.max_model_len must be an int >= 2, got {self.max_model_len!r}"
-            )
-        if self.num_kv_blocks is not None and (
-            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
-        ):
-            raise ValueError(
-                f"EngineConfig.num_kv_blocks must be an int >= 2, got {self.num_kv_blocks!r}"
-            )
+        for name in ("max_model_len", "num_kv_blocks"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 2):
+                raise ValueError(f"EngineConfig.{name} must be an int >= 2, got {v!r}")
         if not isinstance(self.grammar_compile_timeout_s, (int, float)) or not (
             self.grammar_compile_timeout_s > 0
         ):
