@@ -115,10 +115,12 @@ class WorkerProcess:
         return f"exit code {code}"
 
     def stop(self) -> None:
-        """Asks the worker to stop, then ends it if it does not; idempotent. A worker still
-        waiting for its descriptors is stopped by closing the connection (it leaves quietly)."""
-        if not self._handed and not self.conn.closed:
-            self.conn.close()
+        """Asks the worker to stop, then ends it if it does not; idempotent. A worker that
+        never got its descriptors holds nothing of the engine's: it is terminated at once
+        rather than waited for (it may still be importing torch)."""
+        if not self._handed and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait()
         if self._proc.poll() is None:
             with contextlib.suppress(OSError, EOFError, BrokenPipeError, ValueError):
                 self.conn.send(Shutdown())
