@@ -27,7 +27,13 @@ from baton.grammar.backend import (
     filled_now,
     token_bitmask_row,
 )
-from baton.grammar.schema.normalise import close_object_schemas
+from baton.grammar.schema.normalise import (
+    close_object_schemas,
+    map_schemas,
+    object_policy,
+    open_object_schemas,
+    uses_keyword,
+)
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.structural_tag import (
     json_schema_formats,
@@ -81,6 +87,54 @@ def _ebnf_grammar(text: str) -> xgr.Grammar:
 
 
 _XGR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def _policy_normal_form(schema: Any, spec: StructuredOutputsParams) -> Any:
+    """``schema`` under the spec's object policy, in xgrammar's normal form. Strict mode reads
+    an absent ``additionalProperties`` as false, so closed objects are written out
+    (``object_policy``) and so are open ones (``open_object_schemas``: additionalProperties
+    {}, what JSON Schema reads there)."""
+    schema = object_policy(schema, spec.open_objects)
+    if spec.open_objects:
+        schema = open_object_schemas(schema)
+    return xgrammar_normal_form(schema)
+
+
+def _open_objects_refused(schema: Any, spec: StructuredOutputsParams) -> str | None:
+    """Why xgrammar cannot honour ``open_objects`` for ``schema``, or None. Beside an
+    ``unevaluatedProperties`` the written-out ``additionalProperties: {}`` would evaluate
+    every name and so switch it off; and xgrammar's rule for the other names excludes a
+    declared name by its plain spelling only, so one that JSON escapes ("a\\nb") would come
+    in again as another name, with any value (both wider than asked)."""
+    if not spec.open_objects:
+        return None
+    if uses_keyword(schema, "unevaluatedProperties"):
+        return (
+            "xgrammar cannot honour open_objects in a schema that uses unevaluatedProperties "
+            "(use closed objects)"
+        )
+    escaped = _escaped_property_names(schema)
+    if escaped:
+        return (
+            "xgrammar cannot honour open_objects beside property names that JSON escapes "
+            f"({', '.join(map(repr, escaped[:3]))}): they would also match as other names "
+            "(use the guidance backend, or closed objects)"
+        )
+    return None
+
+
+def _escaped_property_names(schema: Any) -> list[str]:
+    """Declared property names whose JSON spelling differs from the name (an escape)."""
+    found: list[str] = []
+
+    def look(node: dict[str, Any], _: tuple[str, ...]) -> dict[str, Any]:
+        props = node.get("properties")
+        if isinstance(props, dict):
+            found.extend(k for k in props if json.dumps(k, ensure_ascii=False)[1:-1] != k)
+        return node
+
+    map_schemas(schema, look)
+    return found
 
 
 def _reason(exc: BaseException) -> str:
@@ -320,7 +374,7 @@ class XGrammarBackend(GrammarBackend):
         if spec.kind == "grammar":
             error = ebnf_grammar_error(spec.grammar or "")
             return None if error is None else f"xgrammar reads EBNF grammars only: {error}"
-        if spec.allow_unenforced or spec.kind not in ("json", "structural_tag"):
+        if spec.kind not in ("json", "structural_tag"):
             return None
         try:
             if spec.kind == "json":
@@ -330,9 +384,15 @@ class XGrammarBackend(GrammarBackend):
                 schemas = [f["json_schema"] for f in json_schema_formats(st)]
         except ValueError:
             return None  # compile() reports the bad spec text
+        for schema in schemas:
+            refused = _open_objects_refused(schema, spec)
+            if refused is not None:
+                return refused
+        if spec.allow_unenforced:
+            return None
         unenforced: set[str] = set()
         for schema in schemas:
-            unenforced |= xgrammar_unenforced_keywords(xgrammar_normal_form(schema))
+            unenforced |= xgrammar_unenforced_keywords(_policy_normal_form(schema, spec))
         if not unenforced:
             return None
         where = "" if spec.kind == "json" else " (in the structural tag's JSON schemas)"
@@ -398,11 +458,16 @@ class XGrammarBackend(GrammarBackend):
 
     def _json_grammar(self, schema: Any, spec: StructuredOutputsParams) -> xgr.Grammar:
         """The grammar of a JSON schema as baton compiles it: strict mode, the spec's
-        whitespace and additional-properties options, and baton's rewrites of xgrammar's
-        EBNF (see ``_rewritten``)."""
-        if spec.disable_additional_properties:
-            schema = close_object_schemas(schema)
-        schema = xgrammar_normal_form(schema)
+        whitespace and object policy (``_policy_normal_form``), and baton's rewrites of
+        xgrammar's EBNF (see ``_rewritten``).
+
+        Raises:
+            GrammarError: open objects asked for where xgrammar cannot write them exactly.
+        """
+        refused = _open_objects_refused(schema, spec)
+        if refused is not None:
+            raise GrammarError(refused)
+        schema = _policy_normal_form(schema, spec)
         grammar = xgr.Grammar.from_json_schema(
             json.dumps(schema), strict_mode=True, **self._json_options(spec)
         )
