@@ -204,3 +204,31 @@ def test_the_http_field_and_the_400_on_a_contradiction() -> None:
         assert "open_objects" in str(info.value) and "disable_additional_properties" in str(
             info.value
         )
+
+
+def test_structural_tag_schemas_follow_the_policy(
+    backends: dict[str, GrammarBackend], tokenizer: Tokenizer
+) -> None:
+    def tag(**options: Any) -> dict[str, Any]:
+        content = {"type": "json_schema", "json_schema": SCHEMA, **options}
+        return {
+            "type": "structural_tag",
+            "format": {"type": "tag", "begin": "<a>", "content": content, "end": "</a>"},
+        }
+
+    xgrammar = backends["xgrammar"]
+    closed = xgrammar.compile(Spec(structural_tag=tag()))
+    opened = xgrammar.compile(Spec(structural_tag=tag(), open_objects=True))
+    for grammar, extra_ok in ((closed, False), (opened, True)):
+        matcher = grammar.new_matcher()
+        assert matcher.accept_tokens(ids(tokenizer, f"<a>{text(DECLARED)}</a>"))
+        matcher = grammar.new_matcher()
+        taken = all(matcher.accept_tokens([t]) for t in ids(tokenizer, f"<a>{text(EXTRA)}</a>"))
+        assert taken == extra_ok
+    # A format xgrammar compiles itself (its own options) would be closed: refused open.
+    own = Spec(structural_tag=tag(any_order=True), open_objects=True)
+    reason = xgrammar.unsupported_reason(own)
+    assert reason is not None and "open_objects" in reason, reason
+    with pytest.raises(GrammarError, match="open_objects"):
+        xgrammar.compile(own)
+    assert xgrammar.unsupported_reason(Spec(structural_tag=tag(any_order=True))) is None

@@ -27,13 +27,7 @@ from baton.grammar.backend import (
     filled_now,
     token_bitmask_row,
 )
-from baton.grammar.schema.normalise import (
-    close_object_schemas,
-    map_schemas,
-    object_policy,
-    open_object_schemas,
-    uses_keyword,
-)
+from baton.grammar.schema.normalise import close_object_schemas
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.structural_tag import (
     json_schema_formats,
@@ -49,7 +43,10 @@ from baton.grammar.xgrammar.keywords import (
     XGRAMMAR_UNENFORCED_KEYWORDS,
     xgrammar_unenforced_keywords,
 )
-from baton.grammar.xgrammar.normal_form import xgrammar_normal_form
+from baton.grammar.xgrammar.normal_form import (
+    open_objects_refusal,
+    xgrammar_policy_form,
+)
 from baton.grammar.xgrammar.patterns import ebnf_string_literal
 from baton.grammar.xgrammar.rewrites import rewrite_json_ebnf, unshare_root
 
@@ -57,6 +54,23 @@ from baton.grammar.xgrammar.rewrites import rewrite_json_ebnf, unshare_root
 _PLAIN_JSON_FORMAT_KEYS = frozenset(
     {"type", "json_schema", "style", "any_order", "excludes", "max_whitespace_cnt"}
 )
+# xgrammar compiles such a format's schema itself, in strict mode: closed objects only.
+_OPEN_OWN_OPTIONS = (
+    "xgrammar cannot honour open_objects in a structural tag's JSON format with its own "
+    "options (style, any_order, excludes, max_whitespace_cnt): it compiles those closed"
+)
+
+
+def _own_options(fmt: dict[str, Any]) -> bool:
+    """Whether a structural tag's JSON-schema format has options that xgrammar reads itself
+    (then it compiles the format, not baton)."""
+    return bool(
+        fmt.get("style", "json") != "json"
+        or fmt.get("any_order")
+        or fmt.get("excludes")
+        or fmt.get("max_whitespace_cnt") is not None
+        or set(fmt) - _PLAIN_JSON_FORMAT_KEYS
+    )
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -87,54 +101,6 @@ def _ebnf_grammar(text: str) -> xgr.Grammar:
 
 
 _XGR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-
-
-def _policy_normal_form(schema: Any, spec: StructuredOutputsParams) -> Any:
-    """``schema`` under the spec's object policy, in xgrammar's normal form. Strict mode reads
-    an absent ``additionalProperties`` as false, so closed objects are written out
-    (``object_policy``) and so are open ones (``open_object_schemas``: additionalProperties
-    {}, what JSON Schema reads there)."""
-    schema = object_policy(schema, spec.open_objects)
-    if spec.open_objects:
-        schema = open_object_schemas(schema)
-    return xgrammar_normal_form(schema)
-
-
-def _open_objects_refused(schema: Any, spec: StructuredOutputsParams) -> str | None:
-    """Why xgrammar cannot honour ``open_objects`` for ``schema``, or None. Beside an
-    ``unevaluatedProperties`` the written-out ``additionalProperties: {}`` would evaluate
-    every name and so switch it off; and xgrammar's rule for the other names excludes a
-    declared name by its plain spelling only, so one that JSON escapes ("a\\nb") would come
-    in again as another name, with any value (both wider than asked)."""
-    if not spec.open_objects:
-        return None
-    if uses_keyword(schema, "unevaluatedProperties"):
-        return (
-            "xgrammar cannot honour open_objects in a schema that uses unevaluatedProperties "
-            "(use closed objects)"
-        )
-    escaped = _escaped_property_names(schema)
-    if escaped:
-        return (
-            "xgrammar cannot honour open_objects beside property names that JSON escapes "
-            f"({', '.join(map(repr, escaped[:3]))}): they would also match as other names "
-            "(use the guidance backend, or closed objects)"
-        )
-    return None
-
-
-def _escaped_property_names(schema: Any) -> list[str]:
-    """Declared property names whose JSON spelling differs from the name (an escape)."""
-    found: list[str] = []
-
-    def look(node: dict[str, Any], _: tuple[str, ...]) -> dict[str, Any]:
-        props = node.get("properties")
-        if isinstance(props, dict):
-            found.extend(k for k in props if json.dumps(k, ensure_ascii=False)[1:-1] != k)
-        return node
-
-    map_schemas(schema, look)
-    return found
 
 
 def _reason(exc: BaseException) -> str:
@@ -380,19 +346,23 @@ class XGrammarBackend(GrammarBackend):
             if spec.kind == "json":
                 schemas = [spec.schema]
             else:
-                st = normalise_structural_tag(spec.structural_tag or {})
-                schemas = [f["json_schema"] for f in json_schema_formats(st)]
+                formats = json_schema_formats(normalise_structural_tag(spec.structural_tag or {}))
+                if spec.open_objects and any(_own_options(f) for f in formats):
+                    return _OPEN_OWN_OPTIONS
+                schemas = [f["json_schema"] for f in formats]
         except ValueError:
             return None  # compile() reports the bad spec text
         for schema in schemas:
-            refused = _open_objects_refused(schema, spec)
+            refused = open_objects_refusal(schema) if spec.open_objects else None
             if refused is not None:
                 return refused
         if spec.allow_unenforced:
             return None
         unenforced: set[str] = set()
         for schema in schemas:
-            unenforced |= xgrammar_unenforced_keywords(_policy_normal_form(schema, spec))
+            unenforced |= xgrammar_unenforced_keywords(
+                xgrammar_policy_form(schema, spec.open_objects)
+            )
         if not unenforced:
             return None
         where = "" if spec.kind == "json" else " (in the structural tag's JSON schemas)"
@@ -458,16 +428,16 @@ class XGrammarBackend(GrammarBackend):
 
     def _json_grammar(self, schema: Any, spec: StructuredOutputsParams) -> xgr.Grammar:
         """The grammar of a JSON schema as baton compiles it: strict mode, the spec's
-        whitespace and object policy (``_policy_normal_form``), and baton's rewrites of
+        whitespace and object policy (``xgrammar_policy_form``), and baton's rewrites of
         xgrammar's EBNF (see ``_rewritten``).
 
         Raises:
             GrammarError: open objects asked for where xgrammar cannot write them exactly.
         """
-        refused = _open_objects_refused(schema, spec)
+        refused = open_objects_refusal(schema) if spec.open_objects else None
         if refused is not None:
             raise GrammarError(refused)
-        schema = _policy_normal_form(schema, spec)
+        schema = xgrammar_policy_form(schema, spec.open_objects)
         grammar = xgr.Grammar.from_json_schema(
             json.dumps(schema), strict_mode=True, **self._json_options(spec)
         )
@@ -481,14 +451,9 @@ class XGrammarBackend(GrammarBackend):
         tag = normalise_structural_tag(spec.structural_tag or {})
 
         def as_grammar(fmt: dict[str, Any]) -> dict[str, Any]:
-            own_options = (
-                fmt.get("style", "json") != "json"
-                or fmt.get("any_order")
-                or fmt.get("excludes")
-                or fmt.get("max_whitespace_cnt") is not None
-                or set(fmt) - _PLAIN_JSON_FORMAT_KEYS
-            )
-            if own_options:
+            if _own_options(fmt):
+                if spec.open_objects:
+                    raise GrammarError(_OPEN_OWN_OPTIONS)
                 return fmt
             return {"type": "grammar", "grammar": str(self._json_grammar(fmt["json_schema"], spec))}
 
