@@ -7,6 +7,7 @@ for open and closed objects at once."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import jsonschema
@@ -174,6 +175,26 @@ def test_auto_picks_per_schema_a_backend_that_takes_the_policy(tokenizer: Tokeni
         # A free-form object: outlines writes any object, so all three take it open.
         free = Spec(json={"type": "object"}, open_objects=True)
         assert service.candidates(free)[0] == ["xgrammar", "outlines", "guidance"]
+        # Compiled in the workers: each policy its own grammar, served by the chosen backend.
+        results = {}
+        for name, spec in {
+            "closed": Spec(json=escaped),
+            "open": Spec(json=escaped, open_objects=True),
+            "unevaluated": Spec(json=unevaluated, open_objects=True),
+        }.items():
+            handle = service.submit(spec)
+            deadline = time.monotonic() + 120
+            while (result := handle.result()) is None:
+                assert time.monotonic() < deadline, "the compile never ended"
+                time.sleep(0.01)
+            results[name] = result
+        assert results["closed"].backend == "xgrammar" and results["open"].backend == "guidance"
+        assert results["unevaluated"].grammar is None
+        assert "open_objects" in (results["unevaluated"].error or "")
+        valid = XGRAMMAR_REFUSES_OPEN["escaped name"][1]
+        for name, accepts in (("closed", False), ("open", True)):
+            grammar = results[name].grammar
+            assert grammar is not None and walk(tokenizer, grammar, valid) == accepts
     finally:
         service.shutdown()
 
