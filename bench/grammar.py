@@ -9,10 +9,15 @@ accepted when every token and then EOS are accepted. A crash, hang (killed at --
 out-of-memory of a backend is recorded and the run goes on. The summary puts the backends side
 by side in MaskBench's terms, plus "auto" (baton's per-request fallback, derived from the
 results of the backends it tries); it writes JSON, a CSV (one row per schema x backend) and a
-PNG (CDFs of mask time per token and compile time).
+PNG (CDFs of mask time per token and compile time). A valid instance rejected only because of
+baton's closed-object policy counts apart ("policy", see ``grammar_report``). Then, lenient
+mode (issue 55: ``strict: false``, ``allow_unenforced``): every schema a backend refused as
+unsupported is compiled again with ``allow_unenforced`` and its tests walked; the summary's
+"lenient" part says how many then compile and how many invalid instances they accept (the
+keywords dropped no longer hold), apart from the strict figures.
 
     baton bench grammar [--data PATH ...] [--backends xgrammar,outlines,guidance]
-        [--tokenizer default] [--limit N] [--timeout 30] [--jobs 1]
+        [--tokenizer default] [--limit N] [--timeout 30] [--jobs 1] [--no-lenient]
         [--out bench/results/grammar.json]
 
 Input: JSONSchemaBench's maskbench files ({"description", "schema", "tests": [{"description",
@@ -23,6 +28,7 @@ recursing into directories (``*.json``). Default data: $BATON_DATA_DIR or ../sha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -94,6 +100,8 @@ class GrammarBenchConfig:
         whitespace: the spec's whitespace mode ("compact" is baton's default).
         max_memory_gb: address-space limit per worker (None: none).
         progress: show a tqdm bar on stderr.
+        lenient: compile the schemas refused as unsupported again with ``allow_unenforced``
+            and walk their tests (the summary's "lenient" part).
 
     Raises:
         ValueError: naming the bad field and what was expected.
@@ -108,6 +116,7 @@ class GrammarBenchConfig:
     whitespace: Whitespace = "compact"
     max_memory_gb: float | None = 8.0
     progress: bool = True
+    lenient: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", tuple(Path(p) for p in self.data))
@@ -288,12 +297,7 @@ def run_benchmark(
     records = run_tasks(tasks, worker_config, config.timeout_s, config.jobs, config.progress)
     wall_s = time.perf_counter() - t0
 
-    rows: list[dict[str, Any]] = []
-    times: dict[tuple[str, str], np.ndarray] = {}
-    for record in records:
-        row, row_times = record_row(record)
-        rows.append(row)
-        times[(row["schema"], row["backend"])] = row_times
+    rows, times = _rows(records, "strict")
     names = list(config.backends)
     if all(name in config.backends for name in AUTO_ORDER):
         extra, extra_times = auto_rows(rows, times)
@@ -301,6 +305,11 @@ def run_benchmark(
         times.update(extra_times)
         names.append("auto")
     summary = {name: summarize(rows, times, name) for name in names}
+    lenient = None
+    if config.lenient:
+        t1 = time.perf_counter()
+        lenient = _lenient(rows, records, worker_config, config, names)
+        lenient["wall_s"] = time.perf_counter() - t1
     cdf = {}
     for name in names:
         parts = [times[(r["schema"], name)] for r in rows if (r["schema"], name) in times]
@@ -326,13 +335,62 @@ def run_benchmark(
         "summary": summary,
         "rows": rows,
         "mask_us_cdf": cdf,
+        **({} if lenient is None else {"lenient": lenient}),
     }
 
 
+def _rows(
+    records: Iterable[Any], mode: str
+) -> tuple[list[dict[str, Any]], dict[tuple[str, str], np.ndarray]]:
+    """The result rows of ``records`` and their mask times by (schema, backend)."""
+    rows: list[dict[str, Any]] = []
+    times: dict[tuple[str, str], np.ndarray] = {}
+    for record in records:
+        row, row_times = record_row(record, mode)
+        rows.append(row)
+        times[(row["schema"], row["backend"])] = row_times
+    return rows, times
+
+
+def _lenient(
+    rows: list[dict[str, Any]],
+    records: list[Any],
+    worker_config: WorkerConfig,
+    config: GrammarBenchConfig,
+    names: list[str],
+) -> dict[str, Any]:
+    """Lenient mode on the schemas refused as unsupported: each (schema, backend) that was
+    compiled again with ``allow_unenforced`` and walked; "auto" on the schemas that no
+    backend served strictly and some refused as unsupported, each backend's lenient result
+    standing in for its refusal. Returns {"summary": per name, "rows": lenient rows}."""
+    refused = [r for r in records if r.status == "compile_error" and r.error_kind == "unsupported"]
+    lenient_config = dataclasses.replace(worker_config, allow_unenforced=True)
+    done = run_tasks(
+        [r.task for r in refused], lenient_config, config.timeout_s, config.jobs, config.progress
+    )
+    lenient_rows, times = _rows(done, "lenient")
+    if "auto" in names:
+        again = {r["schema"] for r in lenient_rows}
+        served = {r["schema"] for r in rows if r["backend"] == "auto" and r["compiled"]}
+        mine = {(r["schema"], r["backend"]): r for r in lenient_rows}
+        merged = [
+            mine.get((r["schema"], r["backend"]), r)
+            for r in rows
+            if r["backend"] != "auto" and r["schema"] in again - served
+        ]
+        extra, extra_times = auto_rows(merged, times)
+        lenient_rows += extra
+        times.update(extra_times)
+    summary = {name: summarize(lenient_rows, times, name) for name in names}
+    return {"summary": summary, "rows": lenient_rows}
+
+
 def write_results(result: dict[str, Any], out: Path) -> None:
-    """Writes ``out`` (JSON, with the run's provenance), the CSV and the PNG beside it."""
+    """Writes ``out`` (JSON, with the run's provenance), the CSV (strict rows, then lenient
+    ones: column "mode") and the PNG beside it."""
     common.write_results(result, out, plot)
-    write_csv(result["rows"], out.with_suffix(".csv"))
+    lenient_rows = result.get("lenient", {}).get("rows", [])
+    write_csv([*result["rows"], *lenient_rows], out.with_suffix(".csv"))
 
 
 # ------------------------------------------------------------------------------------- CLI
@@ -396,6 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
+        "--no-lenient",
+        action="store_true",
+        help="skip lenient mode (the schemas refused as unsupported, again with allow_unenforced)",
+    )
+    p.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help="JSON path; the CSV and PNG go beside it"
     )
     return p
@@ -418,6 +481,7 @@ def config_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> Gramm
             whitespace=a.whitespace,
             max_memory_gb=a.max_memory_gb or None,
             progress=not a.no_progress,
+            lenient=not a.no_lenient,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -1,15 +1,16 @@
 """What each JSON backend's reading of open objects does to the model's output.
 
 JSON Schema leaves an object with declared ``properties`` and no ``additionalProperties``
-open to other keys; xgrammar's strict mode (baton's first choice in ``auto``) closes it,
-llguidance (``guidance``) keeps it open. This runs the default model on the shared
+open to other keys; baton closes it by default in every backend, and a request opens it with
+``open_objects``. This compares xgrammar with the default (closed) against llguidance
+(``guidance``) with ``open_objects``. This runs the default model on the shared
 SchemaStore schemas that have such an object and that both backends take (``--schemas`` of
 them, evenly spaced by name), greedy, one request per schema and backend, the same chat
 prompt for both ("Write an example JSON document for the schema 'TITLE'."), at most
 ``--max-tokens`` tokens, and counts per backend: outputs that ended by themselves, outputs cut
 at the token limit, those valid against the schema (``jsonschema``), and keys the schema
-declares nowhere (the open objects' doing). The question it answers: whether putting
-guidance first in ``auto`` (fewer valid instances refused by the grammar) costs output quality.
+declares nowhere (the open objects' doing). The question it answers: whether open objects
+(fewer valid instances refused by the grammar) cost output quality.
 
     baton bench open_objects [--schemas 40] [--max-tokens 256]
 """
@@ -84,7 +85,9 @@ def pick_schemas(llm: LLM, data: Path, count: int) -> list[tuple[str, dict[str, 
             continue
         try:
             for backend in BACKENDS:
-                spec = StructuredOutputsParams(json=schema, backend=backend)
+                spec = StructuredOutputsParams(
+                    json=schema, backend=backend, open_objects=backend == "guidance"
+                )
                 llm.engine.validate_params(SamplingParams(structured_outputs=spec))
         except ValueError:
             continue
@@ -103,7 +106,9 @@ def run_backend(
         title = schema.get("title") if isinstance(schema.get("title"), str) else name
         content = f"Write an example JSON document for the schema '{title}'."
         prompts.append(tok.apply_chat_template([{"role": "user", "content": content}]))
-        spec = StructuredOutputsParams(json=schema, backend=backend)
+        spec = StructuredOutputsParams(
+            json=schema, backend=backend, open_objects=backend == "guidance"
+        )
         params.append(
             SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=spec)
         )
@@ -150,7 +155,9 @@ def plot(result: dict, path: Path) -> None:
         ax.bar(xs, [row[k] for k in keys], width, label=row["backend"])
     ax.set_xticks([i + width * (len(rows) - 1) / 2 for i in range(len(keys))], labels)
     ax.set_ylabel(f"outputs (of {rows[0]['schemas']} schemas)")
-    ax.set_title("Open objects: xgrammar (closed) vs guidance (open), default model, greedy")
+    ax.set_title(
+        "Open objects: xgrammar (closed) vs guidance (open_objects), default model, greedy"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -168,7 +168,9 @@ def grammar_table(d: dict[str, Any]) -> str:
         ("compile errors (unsupported)", lambda s: f"{s['compile_errors']} ({s['unsupported']})"),
         ("time-outs / crashes", lambda s: f"{s['timeouts']} / {s['crashes']}"),
         ("valid rejected", lambda s: f"{s['valid_rejected']} of {s['valid_tests']}"),
+        ("valid rejected by policy", lambda s: str(s.get("policy_rejected", "-"))),
         ("invalid accepted", lambda s: f"{s['invalid_accepted']} of {s['invalid_tests']}"),
+        ("mask/accept mismatches", lambda s: str(s["mask_mismatches"])),
         (
             "compile ms avg / p50 / p99",
             lambda s: "{avg:.0f} / {p50:.1f} / {p99:.0f}".format(**s["compile_ms"]),
@@ -179,7 +181,35 @@ def grammar_table(d: dict[str, Any]) -> str:
         ),
     ]
     rows = [[label] + [fn(summary[n]) for n in names] for label, fn in metrics]
-    return markdown_table([""] + names, rows)
+    text = markdown_table([""] + names, rows)
+    text += (
+        "\n\nValid rejected by policy: valid instances refused only because baton closes "
+        "objects that do not say `additionalProperties` (invalid against the schema as "
+        "`close_object_schemas` reads it); not counted as misses."
+    )
+    lenient = d.get("lenient")
+    if lenient:
+        text += "\n\n" + _grammar_lenient_table(lenient["summary"])
+    return text
+
+
+def _grammar_lenient_table(summary: dict[str, Any]) -> str:
+    names = list(summary)
+    metrics: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("schemas refused as unsupported", lambda s: str(s["schemas"])),
+        ("compiled with strict: false", lambda s: str(s["compiled"])),
+        ("still unsupported", lambda s: str(s["unsupported"])),
+        ("time-outs / crashes", lambda s: f"{s['timeouts']} / {s['crashes']}"),
+        ("invalid accepted", lambda s: f"{s['invalid_accepted']} of {s['invalid_tests']}"),
+        ("valid rejected (policy)", lambda s: f"{s['valid_rejected']} ({s['policy_rejected']})"),
+    ]
+    rows = [[label] + [fn(summary[n]) for n in names] for label, fn in metrics]
+    return (
+        "Lenient mode (`strict: false`, `allow_unenforced`) on the schemas each refused as "
+        "unsupported: the keywords it does not enforce are dropped, so invalid instances may "
+        "be accepted (counted apart from the strict figures above).\n\n"
+        + markdown_table([""] + names, rows)
+    )
 
 
 def grammar_overhead_table(d: dict[str, Any]) -> str:

@@ -11,8 +11,11 @@ BackendName = Literal["auto", "xgrammar", "outlines", "guidance"]
 KINDS: tuple[Kind, ...] = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 BACKENDS: tuple[BackendName, ...] = ("auto", "xgrammar", "outlines", "guidance")
 AUTO_ORDER: tuple[str, ...] = ("xgrammar", "outlines", "guidance")
-"""The backends ``backend="auto"`` tries, in this order: the first that takes a spec whole
-compiles it (the one place that holds the order)."""
+"""The backends ``backend="auto"`` tries, in this order (the one place that holds it): per spec,
+the first that takes it whole under the request's object policy (closed objects by default,
+``open_objects`` on request) compiles it; one that refuses it or fails to compile it passes it
+to the next. Every backend reads the policy the same way, so the choice changes how fast a
+spec compiles and is masked, never which outputs it allows."""
 
 
 def allowed_backends(backend: str) -> tuple[str, ...]:
@@ -39,13 +42,19 @@ class StructuredOutputsParams:
             model cannot loop on newlines) or "any" (free whitespace, at most
             ``max_whitespace_cnt`` characters in a row).
         max_whitespace_cnt: cap on a whitespace run with whitespace="any".
-        disable_additional_properties: treat every object schema as
-            ``additionalProperties: false`` unless it says otherwise.
+        disable_additional_properties: vLLM's option, kept for compatibility: every object
+            schema that does not say ``additionalProperties`` is read as
+            ``additionalProperties: false``, which is now what every backend does anyway.
+        open_objects: read an object schema without ``additionalProperties`` as JSON Schema
+            does (any other property, with any value) instead of closed. A backend that
+            cannot write such objects exactly refuses the spec (``auto`` then takes one that
+            can); none closes them silently.
         allow_unenforced: accept a schema using keywords the chosen backend
             does not enforce (they are then ignored).
 
     Raises:
-        ValueError: zero or several constraints, or an option out of range.
+        ValueError: zero or several constraints, an option out of range, or
+            ``open_objects`` together with ``disable_additional_properties``.
         Deeper checks (schema meta-validation, regex and EBNF syntax) happen in
         ``baton.grammar.validation.validate_spec`` when the request is submitted.
     """
@@ -61,6 +70,7 @@ class StructuredOutputsParams:
     max_whitespace_cnt: int = 4
     disable_additional_properties: bool = False
     allow_unenforced: bool = False
+    open_objects: bool = False
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -78,6 +88,13 @@ class StructuredOutputsParams:
             )
         if self.json_object is not False and self.json_object is not True:
             raise ValueError("json_object must be a bool")
+        if not isinstance(self.open_objects, bool):
+            raise ValueError(f"open_objects must be a bool, got {self.open_objects!r}")
+        if self.open_objects and self.disable_additional_properties:
+            raise ValueError(
+                "open_objects and disable_additional_properties contradict each other "
+                "(open objects vs. closed ones); set at most one"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.whitespace not in ("compact", "any"):
@@ -178,9 +195,11 @@ class StructuredOutputsParams:
 
     @property
     def options_key(self) -> tuple[Any, ...]:
-        """Options that change the compiled grammar (part of the cache key)."""
+        """Options that change the compiled grammar (part of the cache key):
+        (whitespace, max_whitespace_cnt or None, open_objects). ``disable_additional_properties``
+        is not one: closed objects are the default."""
         return (
             self.whitespace,
             self.max_whitespace_cnt if self.whitespace == "any" else None,
-            self.disable_additional_properties,
+            self.open_objects,
         )

@@ -26,11 +26,13 @@ from baton.grammar.spec import BACKENDS, StructuredOutputsParams
 
 # The backend "auto" tries first: what vLLM's disable_fallback keeps.
 AUTO_FIRST = "xgrammar"
-# vLLM's backend options ("xgrammar:disable-any-whitespace"); baton's JSON is compact anyway.
+# vLLM's backend options ("xgrammar:disable-any-whitespace"); baton's JSON is compact anyway,
+# and its objects closed unless a request asks for open ones (baton's own "open-objects").
 _BACKEND_FLAGS: dict[str, dict[str, Any]] = {
     "disable-any-whitespace": {"whitespace": "compact"},
     "no-fallback": {},
     "disable-additional-properties": {"disable_additional_properties": True},
+    "open-objects": {"open_objects": True},
 }
 
 
@@ -71,6 +73,7 @@ def from_field(field: StructuredOutputsField, options: dict[str, Any]) -> Struct
         "max_whitespace_cnt",
         "disable_additional_properties",
         "allow_unenforced",
+        "open_objects",
     ):
         value = getattr(field, name)
         if value is not None:

@@ -79,6 +79,7 @@ class StructuredOutputsField(_Body):
     max_whitespace_cnt: int | None = None
     disable_additional_properties: bool | None = None
     allow_unenforced: bool | None = None
+    open_objects: bool | None = None
     disable_any_whitespace: bool | None = None
     whitespace_pattern: str | None = None
     disable_fallback: bool | None = None

@@ -209,6 +209,7 @@ def tool_constraint(plan: ToolPlan, answer: Constraint | None, backend: str) -> 
             "whitespace": base.whitespace,
             "max_whitespace_cnt": base.max_whitespace_cnt,
             "disable_additional_properties": base.disable_additional_properties,
+            "open_objects": base.open_objects,
         }
     return Constraint(
         "tools", StructuredOutputsParams(structural_tag=tag, backend="xgrammar", **options)

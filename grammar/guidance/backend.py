@@ -33,10 +33,10 @@ from baton.grammar.backend import (
     token_bitmask_row,
 )
 from baton.grammar.schema.normalise import (
-    close_object_schemas,
     disjoint_one_of_as_any_of,
     drop_unknown_formats,
     integral_counts,
+    object_policy,
 )
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import Vocab, VocabSource
@@ -365,9 +365,9 @@ class GuidanceBackend(GrammarBackend):
         matcher = llguidance.LLMatcher
         if kind == "json":
             schema = spec.schema
-            if spec.disable_additional_properties:
-                schema = close_object_schemas(schema)
-            schema = guidance_normal_form(schema)
+            # llguidance reads schemas as JSON Schema does (open objects): closed ones are
+            # written out unless the request asked for open objects.
+            schema = guidance_normal_form(object_policy(schema, spec.open_objects))
             return matcher.grammar_from_json_schema(schema, defaults=self._json_defaults(spec))
         if kind == "json_object":
             return matcher.grammar_from_json_schema(

@@ -75,7 +75,7 @@ writing it before the DFA size check could even run)."""
 
 @lru_cache(maxsize=256)
 def _spec_regex(kind: str, spec_text: str, options: tuple[Any, ...], allow_unenforced: bool) -> str:
-    whitespace, max_ws, disable_additional = options
+    whitespace, max_ws, open_objects = options
     ws = whitespace_pattern(whitespace, max_ws)
     if kind == "regex":
         return strip_anchors(spec_text)
@@ -84,9 +84,15 @@ def _spec_regex(kind: str, spec_text: str, options: tuple[Any, ...], allow_unenf
     if kind == "json_object":
         return build_regex_from_schema('{"type": "object"}', ws)
     if kind == "json":
-        checked = check_outlines_schema(json.loads(spec_text), ws, disable_additional)
+        checked = check_outlines_schema(json.loads(spec_text), ws, open_objects)
         if checked.error is not None:
             raise GrammarError(f"outlines-core cannot take this schema: {checked.error}")
+        if open_objects and checked.open_with_properties:
+            # Never narrowed silently to the declared names, lenient or not.
+            raise GrammarError(
+                "outlines-core cannot honour open_objects: it writes only an object's declared "
+                "properties (use xgrammar or guidance, or closed objects)"
+            )
         if checked.unenforced and not allow_unenforced:
             raise GrammarError(
                 "outlines-core would not enforce these schema keywords: "

@@ -40,9 +40,9 @@ from baton.grammar.schema.normalise import (
     SCHEMA_LIST_KEYWORDS,
     SCHEMA_MAP_KEYWORDS,
     Path,
-    close_object_schemas,
     integral_counts,
     map_schemas,
+    object_policy,
 )
 from baton.grammar.schema.pattern_regex import PatternRefused, may_search, outlines_pattern
 from baton.grammar.schema.types import (
@@ -96,12 +96,15 @@ class OutlinesSchema:
         unenforced: what outlines would ignore, sorted ("minimum", "pattern (lookaround)").
         error: why outlines cannot write the schema at all, or None.
         regex_chars: the predicted length of the regex outlines writes for it.
+        open_with_properties: some object declares properties and admits other names too
+            (outlines writes only the declared ones: a narrowing).
     """
 
     schema: Any
     unenforced: tuple[str, ...]
     error: str | None
     regex_chars: int
+    open_with_properties: bool = False
 
 
 class _Refused(Exception):
@@ -117,13 +120,12 @@ def _is_legacy_draft(root: Any) -> bool:
     return isinstance(schema, str) and bool(re.search(r"draft-0[3-7]", schema))
 
 
-def _normal_form(schema: Any, disable_additional: bool) -> Any:
-    """The request's schema with the exact normalisations of the module docstring."""
+def _normal_form(schema: Any, open_objects: bool) -> Any:
+    """The request's schema with the exact normalisations of the module docstring, under the
+    request's object policy (closed unless ``open_objects``)."""
     if schema is True:
         return {}
-    schema = integral_counts(copy.deepcopy(schema))
-    if disable_additional:
-        schema = close_object_schemas(schema)
+    schema = object_policy(integral_counts(copy.deepcopy(schema)), open_objects)
     legacy = _is_legacy_draft(schema)
 
     def fix(value: Any) -> Any:
@@ -529,19 +531,19 @@ def _check_value(value: Any) -> None:
             _check_value(item)
 
 
-def check_outlines_schema(
-    schema: Any, ws: str = "", disable_additional_properties: bool = False
-) -> OutlinesSchema:
-    """The normalised schema outlines-core would be handed for ``schema`` and what it would not
-    enforce (see the module docstring); ``ws`` is the whitespace regex between JSON tokens."""
+def check_outlines_schema(schema: Any, ws: str = "", open_objects: bool = False) -> OutlinesSchema:
+    """The normalised schema outlines-core would be handed for ``schema`` under the object
+    policy (closed objects unless ``open_objects``) and what it would not enforce (see the
+    module docstring); ``ws`` is the whitespace regex between JSON tokens."""
     if schema is False:
         return OutlinesSchema(None, (), "the schema false matches nothing", 0)
     walk = None
     try:
-        normal = _normal_form(schema, disable_additional_properties)
+        normal = _normal_form(schema, open_objects)
         walk = _Walk(normal, ws)
         size, _ = walk.walk(normal, 0)
-        return OutlinesSchema(normal, tuple(sorted(walk.unenforced)), None, size)
+        unenforced = tuple(sorted(walk.unenforced))
+        return OutlinesSchema(normal, unenforced, None, size, _open_with_properties(normal))
     except _RefLimit:
         error = f"a $ref nested more than {MAX_REF_DEPTH + 1} deep outside any property"
     except _Refused as exc:
@@ -550,6 +552,24 @@ def check_outlines_schema(
         error = "schema nesting is too deep"
     unenforced = tuple(sorted(walk.unenforced)) if walk is not None else ()
     return OutlinesSchema(None, unenforced, error, 0)
+
+
+def _open_with_properties(schema: Any) -> bool:
+    """Whether a subschema declares properties and admits other names as well (neither
+    ``additionalProperties`` nor ``unevaluatedProperties`` false)."""
+    found = False
+
+    def look(node: dict[str, Any], _: Path) -> dict[str, Any]:
+        nonlocal found
+        found = found or (
+            bool(node.get("properties"))
+            and node.get("additionalProperties") is not False
+            and node.get("unevaluatedProperties") is not False
+        )
+        return node
+
+    map_schemas(schema, look)
+    return found
 
 
 __all__ = ["MAX_REF_DEPTH", "OutlinesSchema", "check_outlines_schema"]

@@ -1,5 +1,6 @@
 """Normalisation passes over JSON schemas, shared by the backends: each returns a schema with
-the same instances (or, for ``close_object_schemas``, the narrowing the request asked for)."""
+the same instances (or, for ``close_object_schemas``, the closed objects baton reads by
+default)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,28 @@ from baton.grammar.schema.refs import inside_a_target, ref_target_paths
 
 def close_object_schemas(schema: Any) -> Any:
     """A copy of ``schema`` where every object schema without ``additionalProperties`` (or
-    ``unevaluatedProperties``) gets ``additionalProperties: false``."""
+    ``unevaluatedProperties``) gets ``additionalProperties: false``: baton's default reading
+    (closed objects), as xgrammar's strict mode and vLLM read such schemas."""
+    return _set_absent_additional(schema, False)
+
+
+def open_object_schemas(schema: Any) -> Any:
+    """A copy of ``schema`` where every object schema without ``additionalProperties`` (or
+    ``unevaluatedProperties``) gets ``additionalProperties: {}``: what JSON Schema reads there,
+    written out for a backend that reads it absent as false (xgrammar's strict mode). The same
+    instances as ``schema`` unless an ``unevaluatedProperties`` looks at the object's names
+    (it would then see them all evaluated): callers refuse such schemas
+    (``uses_keyword(schema, "unevaluatedProperties")``)."""
+    return _set_absent_additional(schema, {})
+
+
+def object_policy(schema: Any, open_objects: bool) -> Any:
+    """``schema`` as a request reads it: closed objects (``close_object_schemas``) unless it
+    asked for open ones, when it is returned as given (JSON Schema's own reading)."""
+    return schema if open_objects else close_object_schemas(schema)
+
+
+def _set_absent_additional(schema: Any, value: Any) -> Any:
     schema = copy.deepcopy(schema)
     stack = [schema]
     while stack:
@@ -28,22 +50,44 @@ def close_object_schemas(schema: Any) -> Any:
         if (is_object or (t is None and "properties" in node)) and not (
             "additionalProperties" in node or "unevaluatedProperties" in node
         ):
-            node["additionalProperties"] = False
-        for key, value in node.items():
-            if key in (
-                "properties",
-                "patternProperties",
-                "$defs",
-                "definitions",
-                "dependentSchemas",
-            ):
-                if isinstance(value, dict):
-                    stack.extend(value.values())
-            elif key in ("enum", "const", "default", "examples", "required"):
+            node["additionalProperties"] = copy.deepcopy(value)
+        for key, child in node.items():
+            if key in _DATA_KEYWORDS:
                 continue
-            elif isinstance(value, (dict, list)):
-                stack.append(value)
+            if key in _NAME_MAPS:
+                if isinstance(child, dict):
+                    stack.extend(child.values())
+            elif isinstance(child, (dict, list)):
+                stack.append(child)
     return schema
+
+
+# Keys whose value is data (or names), never a subschema.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required"})
+# Keys whose value maps names to subschemas.
+_NAME_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+
+
+def uses_keyword(schema: Any, keyword: str) -> bool:
+    """Whether any subschema of ``schema`` has the key ``keyword`` (data values such as
+    ``enum`` and ``const`` are not looked into)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if keyword in node:
+                return True
+            for key, child in node.items():
+                if key in _DATA_KEYWORDS:
+                    continue
+                stack.extend(
+                    child.values() if key in _NAME_MAPS and isinstance(child, dict) else [child]
+                )
+    return False
 
 
 # Keywords whose value is one schema, a list of schemas, or a map of name -> schema.
@@ -209,4 +253,7 @@ __all__ = [
     "drop_unknown_formats",
     "integral_counts",
     "map_schemas",
+    "object_policy",
+    "open_object_schemas",
+    "uses_keyword",
 ]

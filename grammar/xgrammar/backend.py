@@ -43,7 +43,10 @@ from baton.grammar.xgrammar.keywords import (
     XGRAMMAR_UNENFORCED_KEYWORDS,
     xgrammar_unenforced_keywords,
 )
-from baton.grammar.xgrammar.normal_form import xgrammar_normal_form
+from baton.grammar.xgrammar.normal_form import (
+    open_objects_refusal,
+    xgrammar_policy_form,
+)
 from baton.grammar.xgrammar.patterns import ebnf_string_literal
 from baton.grammar.xgrammar.rewrites import rewrite_json_ebnf, unshare_root
 
@@ -51,6 +54,23 @@ from baton.grammar.xgrammar.rewrites import rewrite_json_ebnf, unshare_root
 _PLAIN_JSON_FORMAT_KEYS = frozenset(
     {"type", "json_schema", "style", "any_order", "excludes", "max_whitespace_cnt"}
 )
+# xgrammar compiles such a format's schema itself, in strict mode: closed objects only.
+_OPEN_OWN_OPTIONS = (
+    "xgrammar cannot honour open_objects in a structural tag's JSON format with its own "
+    "options (style, any_order, excludes, max_whitespace_cnt): it compiles those closed"
+)
+
+
+def _own_options(fmt: dict[str, Any]) -> bool:
+    """Whether a structural tag's JSON-schema format has options that xgrammar reads itself
+    (then it compiles the format, not baton)."""
+    return bool(
+        fmt.get("style", "json") != "json"
+        or fmt.get("any_order")
+        or fmt.get("excludes")
+        or fmt.get("max_whitespace_cnt") is not None
+        or set(fmt) - _PLAIN_JSON_FORMAT_KEYS
+    )
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -320,19 +340,29 @@ class XGrammarBackend(GrammarBackend):
         if spec.kind == "grammar":
             error = ebnf_grammar_error(spec.grammar or "")
             return None if error is None else f"xgrammar reads EBNF grammars only: {error}"
-        if spec.allow_unenforced or spec.kind not in ("json", "structural_tag"):
+        if spec.kind not in ("json", "structural_tag"):
             return None
         try:
             if spec.kind == "json":
                 schemas = [spec.schema]
             else:
-                st = normalise_structural_tag(spec.structural_tag or {})
-                schemas = [f["json_schema"] for f in json_schema_formats(st)]
+                formats = json_schema_formats(normalise_structural_tag(spec.structural_tag or {}))
+                if spec.open_objects and any(_own_options(f) for f in formats):
+                    return _OPEN_OWN_OPTIONS
+                schemas = [f["json_schema"] for f in formats]
         except ValueError:
             return None  # compile() reports the bad spec text
+        for schema in schemas:
+            refused = open_objects_refusal(schema) if spec.open_objects else None
+            if refused is not None:
+                return refused
+        if spec.allow_unenforced:
+            return None
         unenforced: set[str] = set()
         for schema in schemas:
-            unenforced |= xgrammar_unenforced_keywords(xgrammar_normal_form(schema))
+            unenforced |= xgrammar_unenforced_keywords(
+                xgrammar_policy_form(schema, spec.open_objects)
+            )
         if not unenforced:
             return None
         where = "" if spec.kind == "json" else " (in the structural tag's JSON schemas)"
@@ -398,11 +428,16 @@ class XGrammarBackend(GrammarBackend):
 
     def _json_grammar(self, schema: Any, spec: StructuredOutputsParams) -> xgr.Grammar:
         """The grammar of a JSON schema as baton compiles it: strict mode, the spec's
-        whitespace and additional-properties options, and baton's rewrites of xgrammar's
-        EBNF (see ``_rewritten``)."""
-        if spec.disable_additional_properties:
-            schema = close_object_schemas(schema)
-        schema = xgrammar_normal_form(schema)
+        whitespace and object policy (``xgrammar_policy_form``), and baton's rewrites of
+        xgrammar's EBNF (see ``_rewritten``).
+
+        Raises:
+            GrammarError: open objects asked for where xgrammar cannot write them exactly.
+        """
+        refused = open_objects_refusal(schema) if spec.open_objects else None
+        if refused is not None:
+            raise GrammarError(refused)
+        schema = xgrammar_policy_form(schema, spec.open_objects)
         grammar = xgr.Grammar.from_json_schema(
             json.dumps(schema), strict_mode=True, **self._json_options(spec)
         )
@@ -416,14 +451,9 @@ class XGrammarBackend(GrammarBackend):
         tag = normalise_structural_tag(spec.structural_tag or {})
 
         def as_grammar(fmt: dict[str, Any]) -> dict[str, Any]:
-            own_options = (
-                fmt.get("style", "json") != "json"
-                or fmt.get("any_order")
-                or fmt.get("excludes")
-                or fmt.get("max_whitespace_cnt") is not None
-                or set(fmt) - _PLAIN_JSON_FORMAT_KEYS
-            )
-            if own_options:
+            if _own_options(fmt):
+                if spec.open_objects:
+                    raise GrammarError(_OPEN_OWN_OPTIONS)
                 return fmt
             return {"type": "grammar", "grammar": str(self._json_grammar(fmt["json_schema"], spec))}
 

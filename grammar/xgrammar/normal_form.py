@@ -5,13 +5,21 @@ decides what xgrammar enforces is ``keywords``.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from baton.grammar.schema.merge import cousins_ok, merge_schemas
-from baton.grammar.schema.normalise import Path, integral_counts, map_schemas
+from baton.grammar.schema.normalise import (
+    Path,
+    integral_counts,
+    map_schemas,
+    object_policy,
+    open_object_schemas,
+    uses_keyword,
+)
 from baton.grammar.schema.pattern_regex import outside_classes, split_top_level
 from baton.grammar.schema.refs import (
     inside_a_target,
@@ -492,10 +500,52 @@ def xgrammar_normal_form(schema: Any) -> Any:
     return out if any_change else schema
 
 
+def xgrammar_policy_form(schema: Any, open_objects: bool) -> Any:
+    """``schema`` under the request's object policy, in xgrammar's normal form. Strict mode
+    reads an absent ``additionalProperties`` as false, so closed objects are written out
+    (``object_policy``) and so are open ones (``open_object_schemas``: additionalProperties
+    {}, what JSON Schema reads there; check ``open_objects_refusal`` first)."""
+    schema = object_policy(schema, open_objects)
+    if open_objects:
+        schema = open_object_schemas(schema)
+    return xgrammar_normal_form(schema)
+
+
+def open_objects_refusal(schema: Any) -> str | None:
+    """Why xgrammar cannot write ``schema``'s open objects exactly, or None. Beside an
+    ``unevaluatedProperties`` the written-out ``additionalProperties: {}`` would evaluate
+    every name and so switch it off; and xgrammar's rule for the other names excludes a
+    declared name by its plain spelling only, so one that JSON escapes ("a\\nb") would come
+    in again as another name, with any value (both wider than the schema)."""
+    if uses_keyword(schema, "unevaluatedProperties"):
+        return (
+            "xgrammar cannot honour open_objects in a schema that uses unevaluatedProperties "
+            "(use closed objects)"
+        )
+    escaped: list[str] = []
+
+    def look(node: dict[str, Any], _: Path) -> dict[str, Any]:
+        props = node.get("properties")
+        if isinstance(props, dict):
+            escaped.extend(k for k in props if json.dumps(k, ensure_ascii=False)[1:-1] != k)
+        return node
+
+    map_schemas(schema, look)
+    if escaped:
+        return (
+            "xgrammar cannot honour open_objects beside property names that JSON escapes "
+            f"({', '.join(map(repr, escaped[:3]))}): they would also match as other names "
+            "(use the guidance backend, or closed objects)"
+        )
+    return None
+
+
 __all__ = [
     "URI_REFERENCE_PATTERN",
     "URI_TEMPLATE_PATTERN",
     "anchored_search",
     "counted_optional_groups",
+    "open_objects_refusal",
     "xgrammar_normal_form",
+    "xgrammar_policy_form",
 ]

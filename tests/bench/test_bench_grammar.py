@@ -30,8 +30,9 @@ from baton.bench.grammar import (
     parse_schema_file,
     run_benchmark,
 )
-from baton.bench.grammar_report import auto_rows
+from baton.bench.grammar_report import auto_rows, format_report
 from baton.bench.grammar_worker import fed_as_written, serialize_instance
+from baton.bench.readme_tables import grammar_table
 from baton.grammar.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import VocabSource
@@ -53,6 +54,7 @@ SUMMARY_KEYS = {
     "valid_tests",
     "invalid_tests",
     "valid_rejected",
+    "policy_rejected",
     "invalid_accepted",
     "instance_errors",
     "tokens",
@@ -312,8 +314,13 @@ def test_cli_on_shared_data_with_every_backend(shared_data: Path, tmp_path: Path
     assert out.with_suffix(".png").stat().st_size > 0
     with out.with_suffix(".csv").open() as fh:
         csv_rows = list(csv.DictReader(fh))
-    assert len(csv_rows) == len(result["rows"]) == 4 * len(files)
+    assert len(result["rows"]) == 4 * len(files)
+    lenient_rows = result["lenient"]["rows"]
+    assert len(csv_rows) == len(result["rows"]) + len(lenient_rows)
     assert {r["backend"] for r in csv_rows} == {"xgrammar", "outlines", "guidance", "auto"}
+    assert [r["mode"] for r in csv_rows] == ["strict"] * len(result["rows"]) + ["lenient"] * len(
+        lenient_rows
+    )
 
     summary = result["summary"]
     assert list(summary) == ["xgrammar", "outlines", "guidance", "auto"]
@@ -370,6 +377,74 @@ def test_bare_schema_directory_and_exact_verdicts(tmp_path: Path, tokenizer: Voc
     assert list(summary) == ["xgrammar"]  # no auto without outlines
     _check_summary(summary["xgrammar"])
     assert (summary["xgrammar"]["passing"], summary["xgrammar"]["schemas"]) == (3, 4)
+
+
+# A schema whose objects are open under JSON Schema and closed under baton's policy.
+POLICY_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.slow
+def test_policy_rejections_and_lenient_mode_are_counted_apart(
+    tmp_path: Path, tokenizer: VocabSource
+) -> None:
+    data = tmp_path / "data"
+    tests = [
+        {"description": "declared only", "valid": True, "data": {"a": 1}},
+        {"description": "another name", "valid": True, "data": {"a": 1, "b": 2}},
+        {"description": "mislabelled", "valid": True, "data": {"a": [1]}},
+        {"description": "a string", "valid": False, "data": {"a": "x"}},
+    ]
+    _write(data / "mixed.json", {"schema": POLICY_SCHEMA, "tests": tests})
+    only_policy = [
+        tests[0],
+        {"description": "more names", "valid": True, "data": {"a": 2, "z": None}},
+    ]
+    _write(data / "policy.json", {"schema": POLICY_SCHEMA, "tests": only_policy})
+    # xgrammar does not enforce uniqueItems: refused strictly, accepted (and a duplicate with
+    # it) leniently.
+    unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    unique_tests = [
+        {"description": "distinct", "valid": True, "data": [1, 2]},
+        {"description": "duplicate", "valid": False, "data": [1, 1]},
+    ]
+    _write(data / "unique.json", {"schema": unique, "tests": unique_tests})
+    for test in tests + only_policy + unique_tests:
+        schema = unique if test in unique_tests else POLICY_SCHEMA
+        assert jsonschema.Draft202012Validator(schema).is_valid(test["data"]) == (
+            test["valid"] and test["description"] != "mislabelled"
+        )
+    config = GrammarBenchConfig(data=(data,), backends=("xgrammar",), progress=False)
+    result = run_benchmark(config, tokenizer=tokenizer, vocab_size=VOCAB_SIZE)
+    rows = _rows(result)
+    mixed, policy = rows[("mixed.json", "xgrammar")], rows[("policy.json", "xgrammar")]
+    assert (mixed["valid_rejected"], mixed["policy_rejected"], mixed["passing"]) == (1, 1, False)
+    assert mixed["failures"] == [
+        "valid rejected: mislabelled",
+        "valid rejected (closed-object policy): another name",
+    ]
+    assert (policy["valid_rejected"], policy["policy_rejected"], policy["passing"]) == (0, 1, True)
+    strict = result["summary"]["xgrammar"]
+    _check_summary(strict)
+    assert (strict["valid_rejected"], strict["policy_rejected"], strict["unsupported"]) == (1, 2, 1)
+    assert strict["invalid_accepted"] == 0
+    # Lenient mode: only the refused schema, compiled again; its duplicate counted there.
+    (lenient_row,) = result["lenient"]["rows"]
+    assert (lenient_row["schema"], lenient_row["mode"], lenient_row["compiled"]) == (
+        "unique.json",
+        "lenient",
+        True,
+    )
+    lenient = result["lenient"]["summary"]["xgrammar"]
+    _check_summary(lenient)
+    assert (lenient["schemas"], lenient["compiled"], lenient["unsupported"]) == (1, 1, 0)
+    assert (lenient["invalid_accepted"], lenient["invalid_tests"]) == (1, 1)
+    assert lenient["valid_rejected"] == 0
+    report = format_report(result)
+    assert "closed-object policy" in report and "schemas refused" in report
+    table = grammar_table(result)
+    assert "| valid rejected by policy | 2 |" in table
+    assert "| compiled with strict: false | 1 |" in table
+    assert "| invalid accepted | 1 of 1 |" in table
 
 
 @pytest.mark.slow

@@ -422,7 +422,7 @@ def test_taken_schemas(
 
 def test_false_branches_and_properties_are_left_out() -> None:
     checked = check_outlines_schema(
-        {"anyOf": [{"type": "integer"}, False], "properties": {"a": False}}
+        {"anyOf": [{"type": "integer"}, False], "properties": {"a": False}}, open_objects=True
     )
     assert checked.error is None and checked.unenforced == ("anyOf",)
     assert checked.schema == {"anyOf": [{"type": "integer"}], "properties": {}}
@@ -450,9 +450,12 @@ def test_nested_any_value_stays_one_alternative() -> None:
 
 def test_disable_additional_properties(backend: OutlinesBackend, tokenizer: Tokenizer) -> None:
     schema = {"type": "object", "additionalProperties": {"type": "integer"}}
-    spec = StructuredOutputsParams(json={"type": "object"}, disable_additional_properties=True)
-    assert _accepts(backend, tokenizer, spec, "{}")
-    assert not _accepts(backend, tokenizer, spec, '{"a":1}')
+    for spec in (
+        StructuredOutputsParams(json={"type": "object"}, disable_additional_properties=True),
+        StructuredOutputsParams(json={"type": "object"}),  # the default reads it the same
+    ):
+        assert _accepts(backend, tokenizer, spec, "{}")
+        assert not _accepts(backend, tokenizer, spec, '{"a":1}')
     assert _accepts(backend, tokenizer, StructuredOutputsParams(json=schema), '{"a":1}')
     assert not _accepts(backend, tokenizer, StructuredOutputsParams(json=schema), '{"a":"x"}')
 

@@ -18,6 +18,7 @@ from grammar_testing import EOS, IM_START, VOCAB, allowed, compact, ids, schema_
 from baton.engine.core.fill_thread import FillThread
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask
+from baton.grammar.schema.normalise import uses_keyword
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.xgrammar.backend import (
     XGRAMMAR_ENFORCED_FORMATS,
@@ -248,11 +249,15 @@ def test_disable_additional_properties(backend: XGrammarBackend, tokenizer: Toke
         "$defs": {"open": {"type": ["object", "null"]}},
     }
     text = '{"inner":{"x":1},"extra":2}'
-    assert walk(tokenizer, compile_spec(backend, json=schema), text)
-    closed = compile_spec(backend, json=schema, disable_additional_properties=True)
-    assert not walk(tokenizer, closed, text)
-    assert not walk(tokenizer, closed, '{"inner":{"x":1}}')
-    assert walk(tokenizer, closed, '{"inner":{},"extra":2}')  # its own setting stays
+    assert walk(tokenizer, compile_spec(backend, json=schema, open_objects=True), text)
+    # vLLM's option is still taken, and reads the schema as the default does.
+    for closed in (
+        compile_spec(backend, json=schema, disable_additional_properties=True),
+        compile_spec(backend, json=schema),
+    ):
+        assert not walk(tokenizer, closed, text)
+        assert not walk(tokenizer, closed, '{"inner":{"x":1}}')
+        assert walk(tokenizer, closed, '{"inner":{},"extra":2}')  # its own setting stays
     copy_ = close_object_schemas(schema)
     assert copy_["properties"]["inner"]["additionalProperties"] is False
     assert copy_["$defs"]["open"]["additionalProperties"] is False
@@ -610,8 +615,15 @@ VALIDATORS = {
 }
 
 
-def accepts(backend: XGrammarBackend, tokenizer: Tokenizer, schema: Any, value: Any) -> bool:
-    return walk(tokenizer, compile_spec(backend, json=schema), compact(value))
+def accepts(
+    backend: XGrammarBackend,
+    tokenizer: Tokenizer,
+    schema: Any,
+    value: Any,
+    open_objects: bool = False,
+) -> bool:
+    spec = compile_spec(backend, json=schema, open_objects=open_objects)
+    return walk(tokenizer, spec, compact(value))
 
 
 @pytest.mark.parametrize("keyword", sorted(ENFORCED_EVIDENCE))
@@ -1236,14 +1248,20 @@ def test_draft_forms_and_arrays_without_items_are_enforced(
 ) -> None:
     # xgrammar refuses the draft forms ("propertyNames must be an object", "items must be a
     # boolean or an object") and narrows an array without items: baton hands it forms that mean
-    # what the schema says.
+    # what the schema says. An object without declared properties is read as JSON Schema
+    # reads it (open_objects: closed, it would admit {} only); the others closed, the default
+    # (their valid instances here have no other names).
+    open_ = not uses_keyword(schema, "properties") and not uses_keyword(
+        schema, "unevaluatedProperties"
+    )
     validator = VALIDATORS[draft](schema)
     assert xgrammar_unenforced_keywords(xgrammar_normal_form(schema)) == set()
     for value in valid:
-        assert validator.is_valid(value) and accepts(backend, tokenizer, schema, value), value
+        assert validator.is_valid(value), value
+        assert accepts(backend, tokenizer, schema, value, open_), value
     for value in invalid:
         assert not validator.is_valid(value), value
-        assert not accepts(backend, tokenizer, schema, value), value
+        assert not accepts(backend, tokenizer, schema, value, open_), value
 
 
 def test_strings_hold_no_utf8_surrogates(backend: XGrammarBackend, tokenizer: Tokenizer) -> None:

@@ -198,6 +198,18 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         "no schema",
     ),
     ("chat", {"structured_outputs": {"json": FILM, "x": 1}}, "structured_outputs.x", "permitted"),
+    (
+        "chat",
+        {
+            "structured_outputs": {
+                "json": FILM,
+                "open_objects": True,
+                "disable_additional_properties": True,
+            }
+        },
+        "structured_outputs",
+        "open_objects and disable_additional_properties",
+    ),
     ("chat", {"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
     ("chat", {"tool_choice": "required"}, "tool_choice", "needs tools"),
     (
