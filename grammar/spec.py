@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from baton.grammar.schema.normalise import close_every_object
+
 Kind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 BackendName = Literal["auto", "xgrammar", "outlines", "guidance"]
 KINDS: tuple[Kind, ...] = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -42,9 +44,10 @@ class StructuredOutputsParams:
             model cannot loop on newlines) or "any" (free whitespace, at most
             ``max_whitespace_cnt`` characters in a row).
         max_whitespace_cnt: cap on a whitespace run with whitespace="any".
-        disable_additional_properties: vLLM's option, kept for compatibility: every object
-            schema that does not say ``additionalProperties`` is read as
-            ``additionalProperties: false``, which is now what every backend does anyway.
+        disable_additional_properties: vLLM's option: every object schema that does not say
+            ``additionalProperties`` is read as ``additionalProperties: false``, those that
+            declare no property names too (the default closes only objects that declare
+            some: ``{"type": "object"}`` stays any object).
         open_objects: read an object schema without ``additionalProperties`` as JSON Schema
             does (any other property, with any value) instead of closed. A backend that
             cannot write such objects exactly refuses the spec (``auto`` then takes one that
@@ -149,6 +152,13 @@ class StructuredOutputsParams:
         Raises:
             ValueError: the schema text is not JSON.
         """
+        schema = self._given_schema()
+        if self.disable_additional_properties and schema is not None:
+            # vLLM's option closes every object, those that declare no names too.
+            return close_every_object(schema)
+        return schema
+
+    def _given_schema(self) -> dict[str, Any] | bool | None:
         s = self.json
         if s is None:
             return None
@@ -197,7 +207,7 @@ class StructuredOutputsParams:
     def options_key(self) -> tuple[Any, ...]:
         """Options that change the compiled grammar (part of the cache key):
         (whitespace, max_whitespace_cnt or None, open_objects). ``disable_additional_properties``
-        is not one: closed objects are the default."""
+        is not one: it is written into ``schema`` (and so into ``spec_text``)."""
         return (
             self.whitespace,
             self.max_whitespace_cnt if self.whitespace == "any" else None,

@@ -13,9 +13,19 @@ from baton.grammar.schema.refs import inside_a_target, ref_target_paths
 
 
 def close_object_schemas(schema: Any) -> Any:
-    """A copy of ``schema`` where every object schema without ``additionalProperties`` (or
+    """A copy of ``schema`` where every object schema that declares its names (``properties``
+    or ``patternProperties``) and says nothing of the others (no ``additionalProperties`` or
     ``unevaluatedProperties``) gets ``additionalProperties: false``: baton's default reading
-    (closed objects), as xgrammar's strict mode and vLLM read such schemas."""
+    (closed objects), as xgrammar's strict mode and vLLM read such schemas. An object that
+    declares no names (``{"type": "object"}``: any object) stays open: closed, it would admit
+    ``{}`` alone, which no schema author means by it."""
+    return _set_absent_additional(schema, False, declared_only=True)
+
+
+def close_every_object(schema: Any) -> Any:
+    """A copy of ``schema`` where every object schema without ``additionalProperties`` (or
+    ``unevaluatedProperties``) gets ``additionalProperties: false``, those that declare no names
+    too (then ``{}`` alone): vLLM's ``disable_additional_properties``."""
     return _set_absent_additional(schema, False)
 
 
@@ -35,7 +45,7 @@ def object_policy(schema: Any, open_objects: bool) -> Any:
     return schema if open_objects else close_object_schemas(schema)
 
 
-def _set_absent_additional(schema: Any, value: Any) -> Any:
+def _set_absent_additional(schema: Any, value: Any, declared_only: bool = False) -> Any:
     schema = copy.deepcopy(schema)
     stack = [schema]
     while stack:
@@ -47,8 +57,11 @@ def _set_absent_additional(schema: Any, value: Any) -> Any:
             continue
         t = node.get("type")
         is_object = t == "object" or (isinstance(t, list) and "object" in t)
-        if (is_object or (t is None and "properties" in node)) and not (
-            "additionalProperties" in node or "unevaluatedProperties" in node
+        declares = "properties" in node or "patternProperties" in node
+        if (
+            (is_object or (t is None and "properties" in node))
+            and (declares or not declared_only)
+            and not ("additionalProperties" in node or "unevaluatedProperties" in node)
         ):
             node["additionalProperties"] = copy.deepcopy(value)
         for key, child in node.items():

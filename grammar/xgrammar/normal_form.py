@@ -504,9 +504,12 @@ def xgrammar_policy_form(schema: Any, open_objects: bool) -> Any:
     """``schema`` under the request's object policy, in xgrammar's normal form. Strict mode
     reads an absent ``additionalProperties`` as false, so closed objects are written out
     (``object_policy``) and so are open ones (``open_object_schemas``: additionalProperties
-    {}, what JSON Schema reads there; check ``open_objects_refusal`` first)."""
+    {}, what JSON Schema reads there; check ``open_objects_refusal`` first), the objects that
+    declare no names included."""
     schema = object_policy(schema, open_objects)
-    if open_objects:
+    # Closed, the objects that declare no names stay open (close_object_schemas), written out
+    # here too; beside an unevaluatedProperties that would switch it off, so they stay closed.
+    if open_objects or not uses_keyword(schema, "unevaluatedProperties"):
         schema = open_object_schemas(schema)
     return xgrammar_normal_form(schema)
 

@@ -69,9 +69,19 @@ def test_every_backend_closes_an_undeclared_property_by_default(
         matcher = grammar.new_matcher()
         assert matcher.accept_tokens(ids(tokenizer, '{"a":1'))
         assert ids(tokenizer, ",")[0] not in allowed(matcher)
-    # A free-form object is closed too: {} only.
+    # An object that declares no names is any object, closed policy or not.
     free = backend.compile(Spec(json={"type": "object"}))
-    assert walk(tokenizer, free, {}) and not walk(tokenizer, free, {"k": 1})
+    assert walk(tokenizer, free, {}) and walk(tokenizer, free, {"k": [1, "x"]})
+    nested = {"type": "object", "properties": {"meta": {"type": "object"}}, "required": ["meta"]}
+    grammar = backend.compile(Spec(json=nested))
+    assert walk(tokenizer, grammar, {"meta": {"k": 1}})
+    assert not walk(tokenizer, grammar, {"meta": {}, "b": 2})
+    # vLLM's disable_additional_properties closes it too.
+    closed = backend.compile(Spec(json={"type": "object"}, disable_additional_properties=True))
+    assert walk(tokenizer, closed, {}) and not walk(tokenizer, closed, {"k": 1})
+    # A tool without parameters declares none by name: {} only.
+    no_args = backend.compile(Spec(json={"type": "object", "properties": {}}))
+    assert walk(tokenizer, no_args, {}) and not walk(tokenizer, no_args, {"k": 1})
 
 
 @pytest.mark.parametrize("name", ["xgrammar", "outlines", "guidance"])
