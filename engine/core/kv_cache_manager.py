@@ -53,32 +53,20 @@ lookup stops at full blocks (no partial block).
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 
-from baton.engine.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, KVCacheBlock
+from baton.engine.core.block_pool import (
+    NULL_BLOCK_ID,
+    BlockHash,
+    BlockPool,
+    KVCacheBlock,
+    group_key,
+    hash_block_tokens,
+)
 
 __all__ = ["NULL_BLOCK_ID", "BlockHash", "KVCacheManager", "hash_block_tokens"]
 
 Blocks = list[list[KVCacheBlock]]  # a request's blocks per group
-
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """The hash of one full block: sha256 over the parent's hash and the int64 token ids.
-
-    Raises:
-        OverflowError: for a token id outside the int64 range.
-    """
-    h = hashlib.sha256(parent_hash or b"")
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
-
-
-def _group_key(block_hash: BlockHash, group: int) -> BlockHash:
-    """The pool's key of a group's block of this hash: one pool holds every group's blocks,
-    and equal tokens in two groups are two blocks."""
-    return block_hash if group == 0 else block_hash + bytes((group,))
 
 
 def _check_count(name: str, value: int) -> None:
@@ -268,7 +256,7 @@ class KVCacheManager:
 
     def _cached(self, block_hash: BlockHash, group: int) -> KVCacheBlock | None:
         """Group ``group``'s cached block of this hash (group 0's key is the hash itself)."""
-        return self._pool.get_cached_block(_group_key(block_hash, group))
+        return self._pool.get_cached_block(group_key(block_hash, group))
 
     def _partial_hit(
         self, request_id: str, token_ids: Sequence[int], num_hits: int
@@ -475,9 +463,9 @@ class KVCacheManager:
             parent = self._req_hashes[request_id][i - 1] if i else None
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             for g, blocks in enumerate(groups):
-                key = _group_key(block_hash, g)
+                key = group_key(block_hash, g)
                 self._pool.cache_block(
-                    blocks[i], key, None if parent is None else _group_key(parent, g), tokens
+                    blocks[i], key, None if parent is None else group_key(parent, g), tokens
                 )
         if num_full > start:
             self._req_num_cached[request_id] = num_full
