@@ -142,13 +142,17 @@ def mixed_folder(request: pytest.FixtureRequest, tmp_path_factory, tokenizer: To
     return folder
 
 
-def _hf_greedy_ok(folder: Path, prompt: list[int], tokens: list[int]) -> bool:
+def _hf_greedy_ok(folder: Path, runs: list[tuple[list[int], list[int]]]) -> bool:
+    """Whether each (prompt, tokens) is transformers' greedy continuation (teacher-forced)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + tokens])).logits[0]
-    return logits[len(prompt) - 1 : -1].argmax(-1).tolist() == tokens
+    for prompt, tokens in runs:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0]
+        if logits[len(prompt) - 1 : -1].argmax(-1).tolist() != tokens:
+            return False
+    return True
 
 
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[Any]:
@@ -187,7 +191,39 @@ def test_mixed_model_runs_a_long_request_in_a_cache_one_table_cannot_hold(mixed_
     finally:
         llm.shutdown()
     assert short.num_cached_tokens == 0 and long.num_cached_tokens == 36
-    for ids, out in ((prompt[:36], short), (prompt, long)):
-        tokens = list(out.outputs[0].token_ids)
-        assert len(tokens) == (4 if out is short else 24)
-        assert _hf_greedy_ok(mixed_folder, ids, tokens)
+    runs = [(prompt[:36], short), (prompt, long)]
+    tokens = [list(out.outputs[0].token_ids) for _, out in runs]
+    assert [len(t) for t in tokens] == [4, 24]
+    pairs = [(ids, t) for (ids, _), t in zip(runs, tokens, strict=True)]
+    assert _hf_greedy_ok(mixed_folder, pairs)
+
+
+@pytest.mark.timeout(300)
+def test_mixed_model_with_drafts_and_preemption_keeps_greedy_tokens(mixed_folder, tokenizer):
+    """Four requests in a cache too small for them together (preemptions), with prompt-lookup
+    drafts (rejected drafts truncate every group) and chunks of 16: each gets transformers'
+    greedy tokens, and every block is back in the pool at the end."""
+    text = "one two three four five six seven eight nine ten. "
+    prompts = [(tokenizer.encode(f"{i} {text}") * 4)[: 30 + 3 * i] for i in range(4)]
+    llm = LLM(
+        str(mixed_folder),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        block_size=BS,
+        num_kv_blocks=40,
+        max_num_batched_tokens=16,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    try:
+        outs = _generate(llm, prompts, 16)
+        sched = llm.engine.core.scheduler
+        assert sched.num_preemptions > 0
+        assert sched.num_accepted_tokens < sched.num_draft_tokens  # some were rejected
+        assert sched.kv.num_used_blocks == 0
+        sched.kv.check_invariants()
+    finally:
+        llm.shutdown()
+    tokens = [list(out.outputs[0].token_ids) for out in outs]
+    assert all(len(t) == 16 for t in tokens)
+    assert _hf_greedy_ok(mixed_folder, list(zip(prompts, tokens, strict=True)))
