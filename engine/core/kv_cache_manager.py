@@ -1,7 +1,7 @@
 """Which KV cache blocks each request owns, with prefix caching, per KV cache group.
 
-This is the bookkeeping half of the paged KV cache; the device tensors (per layer
-``[num_blocks, block_size, num_kv_heads, head_dim]``) live in the model runner. Block id
+This is the bookkeeping half of the paged KV cache; the device tensors (per layer, or per
+slot with groups, ``[num_blocks, block_size, num_kv_heads, head_dim]``) live in the runner. Block id
 ``NULL_BLOCK_ID`` (0) is reserved as the null/pad block: block tables are padded with it and
 it is never allocated, so a request's blocks are always in ``1 .. num_blocks-1``.
 
