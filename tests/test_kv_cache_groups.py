@@ -8,6 +8,7 @@ in a cache that one shared block table could not hold."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,11 @@ from baton.engine.config import EngineConfig
 from baton.engine.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager, hash_block_tokens
 from baton.engine.core.request import Request
 from baton.engine.core.scheduler import Scheduler
-from baton.engine.kv_layout import kv_cache_layout
+from baton.engine.kv_layout import KVCacheLayout, kv_cache_layout
 from baton.engine.loader import load_checkpoint
+from baton.engine.processing import model_setup
 from baton.engine.tokenizer import Tokenizer
+from baton.engine.worker import build, model_runner
 
 BS = 4
 WINDOW = 8
@@ -231,3 +234,42 @@ def test_mixed_model_with_drafts_and_preemption_keeps_greedy_tokens(mixed_folder
     tokens = [list(out.outputs[0].token_ids) for out in outs]
     assert all(len(t) == 16 for t in tokens)
     assert _hf_greedy_ok(mixed_folder, list(zip(prompts, tokens, strict=True)))
+
+
+def _one_table(windows: Sequence[int | None]) -> KVCacheLayout:
+    """The layout before groups: one block table for every layer (windows still applied)."""
+    n = len(windows)
+    return KVCacheLayout((None,), (0,) * n, tuple(range(n)), n)
+
+
+@pytest.mark.timeout(300)
+def test_groups_give_the_tokens_of_one_shared_table(mixed_folder, tokenizer, monkeypatch):
+    """The same requests (a 64-token prompt in chunks of 8, then one that hits its cached
+    prefix) with groups and with one block table for every layer: the same greedy tokens."""
+    prompt = (tokenizer.encode("A bird in the hand is worth two in the bush. ") * 8)[:64]
+    prompts = [prompt[:40], prompt]
+
+    def run(num_groups: int) -> list[list[int]]:
+        llm = LLM(
+            str(mixed_folder),
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=1,
+            block_size=BS,
+            num_kv_blocks=64,
+            max_num_batched_tokens=8,
+            executor="uni",  # the patched layout must reach the runner: one process
+            async_scheduling=False,
+        )
+        try:
+            assert llm.engine.core.scheduler.kv.num_groups == num_groups
+            outs = [_generate(llm, [p], 16)[0] for p in prompts]
+        finally:
+            llm.shutdown()
+        assert outs[1].num_cached_tokens == 40
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    grouped = run(2)
+    for module in (model_setup, build, model_runner):
+        monkeypatch.setattr(module, "kv_cache_layout", _one_table)
+    assert run(1) == grouped
