@@ -22,13 +22,32 @@ with the same tokens and reuse that part of it (``children``).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 NULL_BLOCK_ID = 0
 
 BlockHash = bytes
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The hash of one full block: sha256 over the parent's hash and the int64 token ids.
+
+    Raises:
+        OverflowError: for a token id outside the int64 range.
+    """
+    h = hashlib.sha256(parent_hash or b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The pool's key of a group's block of this hash: one pool holds every group's blocks,
+    and equal tokens in two groups are two blocks."""
+    return block_hash if group == 0 else block_hash + bytes((group,))
 
 
 @dataclass(eq=False, slots=True)

@@ -1,7 +1,7 @@
-"""Which KV cache blocks each request owns, with prefix caching (one KV cache group).
+"""Which KV cache blocks each request owns, with prefix caching, per KV cache group.
 
-This is the bookkeeping half of the paged KV cache; the device tensors (per layer
-``[num_blocks, block_size, num_kv_heads, head_dim]``) live in the model runner. Block id
+This is the bookkeeping half of the paged KV cache; the device tensors (per layer, or per
+slot with groups, ``[num_blocks, block_size, num_kv_heads, head_dim]``) live in the runner. Block id
 ``NULL_BLOCK_ID`` (0) is reserved as the null/pad block: block tables are padded with it and
 it is never allocated, so a request's blocks are always in ``1 .. num_blocks-1``.
 
@@ -37,28 +37,36 @@ Call protocol (the scheduler's side):
 
 A request's token ids must only grow (append-only) between admission and ``free``: the
 block hashes computed for it are kept and extended incrementally.
+
+KV cache groups (``group_windows``, from ``engine/kv_layout.py``): a model that mixes
+sliding-window layers with full-attention ones has a group per kind, each with its own
+blocks for every request, all from one pool. A request holds as many block slots in every
+group (index i holds positions ``i * block_size ..``); a windowed group's slots wholly before
+its window hold the null block once released (``release_outside_window``), or from the
+start where a prefix-cache hit did not need them. ``get_block_ids`` and ``allocate_slots``
+list block ids interleaved by group: entry ``i * num_groups + g`` is group g's block i (one
+group: the blocks in order). A prefix-cache hit needs, in a windowed group, only the blocks
+that the window of the first position to compute reaches (vLLM's rule); where those were
+evicted, the lookup takes the longest shorter hit that has them. With several groups the
+lookup stops at full blocks (no partial block).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 
-from baton.engine.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, KVCacheBlock
+from baton.engine.core.block_pool import (
+    NULL_BLOCK_ID,
+    BlockHash,
+    BlockPool,
+    KVCacheBlock,
+    group_key,
+    hash_block_tokens,
+)
 
 __all__ = ["NULL_BLOCK_ID", "BlockHash", "KVCacheManager", "hash_block_tokens"]
 
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """The hash of one full block: sha256 over the parent's hash and the int64 token ids.
-
-    Raises:
-        OverflowError: for a token id outside the int64 range.
-    """
-    h = hashlib.sha256(parent_hash or b"")
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+Blocks = list[list[KVCacheBlock]]  # a request's blocks per group
 
 
 def _check_count(name: str, value: int) -> None:
@@ -69,9 +77,14 @@ def _check_count(name: str, value: int) -> None:
 class KVCacheManager:
     """Allocates KV cache blocks to requests and shares full blocks through prefix caching.
 
+    ``sliding_window``: every layer's window (one group); ``group_windows``: each KV cache
+    group's window (None: full attention), for a model that mixes kinds (``sliding_window``
+    then must be None).
+
     Raises:
-        ValueError: if ``num_blocks`` is not an int >= 2 (block 0 is reserved) or
-            ``block_size`` is not an int >= 1.
+        ValueError: if ``num_blocks`` is not an int >= 2 (block 0 is reserved),
+            ``block_size`` is not an int >= 1, a window is not an int, or both
+            ``sliding_window`` and ``group_windows`` are given.
     """
 
     def __init__(
@@ -80,27 +93,35 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        group_windows: tuple[int | None, ...] | None = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        if sliding_window is not None and (
-            isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-        ):
-            raise ValueError(f"sliding_window must be an int or None, got {sliding_window!r}")
-        # Every layer's attention window (None: some layer sees every token): blocks wholly
-        # before it are released by ``release_outside_window``.
-        self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
+        if group_windows is not None and sliding_window is not None:
+            raise ValueError("give sliding_window (one group) or group_windows, not both")
+        windows = group_windows or (sliding_window,)
+        for window in windows:
+            if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+                raise ValueError(f"sliding_window must be an int or None, got {window!r}")
+        self.group_windows: tuple[int | None, ...] = tuple(
+            w if w and w > 0 else None for w in windows
+        )
+        self.num_groups = len(self.group_windows)
+        # Every layer's attention window (None: some layer sees every token).
+        self.sliding_window = self.group_windows[0] if self.num_groups == 1 else None
+        # Whether ``release_outside_window`` can release anything (some group is windowed).
+        self.releases_blocks = any(w is not None for w in self.group_windows)
         self._pool = BlockPool(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._req_blocks: dict[str, Blocks] = {}
         # How many leading blocks of the request are already registered (or were hits).
         self._req_num_cached: dict[str, int] = {}
         self._req_hashes: dict[str, list[BlockHash]] = {}
-        # How many leading blocks of the request were released past its window (they stay in
-        # its list as the null block, so that positions keep their index).
-        self._req_released: dict[str, int] = {}
+        # How many leading blocks of the request each group released past its window (they
+        # stay in its list as the null block, so that positions keep their index).
+        self._req_released: dict[str, list[int]] = {}
         # Number of hit blocks recorded by the last lookup, until allocate_slots takes them,
         # and the cached block whose first tokens the lookup reuses past them (and how many).
         self._pending_hits: dict[str, int] = {}
@@ -155,8 +176,19 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """A copy of the request's block ids in sequence order ([] for an unknown id)."""
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+        """A copy of the request's block ids in sequence order, interleaved by group (entry
+        ``i * num_groups + g`` is group g's block i); [] for an unknown id."""
+        groups = self._req_blocks.get(request_id)
+        if not groups:
+            return []
+        if len(groups) == 1:
+            return [b.block_id for b in groups[0]]
+        return [b.block_id for row in zip(*groups, strict=True) for b in row]
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """A copy of the request's block ids per group, each in sequence order (released
+        or unneeded slots of a windowed group hold ``NULL_BLOCK_ID``); [] for an unknown id."""
+        return [[b.block_id for b in g] for g in self._req_blocks.get(request_id, ())]
 
     # --- the protocol -----------------------------------------------------------------
 
@@ -174,7 +206,7 @@ class KVCacheManager:
             ValueError: if the request already holds blocks (look up only before the first
                 allocation after admission or preemption).
         """
-        if self._req_blocks.get(request_id):
+        if any(self._req_blocks.get(request_id, ())):
             raise ValueError(
                 f"request {request_id!r} already holds blocks; free it before a new lookup"
             )
@@ -183,21 +215,48 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return 0
         max_blocks = (len(token_ids) - 1) // self.block_size if token_ids else 0
+        # The groups that need every block of a hit: the full-attention ones (one group: it).
+        whole = [g for g, w in enumerate(self.group_windows) if w is None] or [0]
         num_hits = 0
         while num_hits < max_blocks:
             block_hash = self._block_hash(request_id, token_ids, num_hits)
-            if self._pool.get_cached_block(block_hash) is None:
+            if any(self._cached(block_hash, g) is None for g in whole):
                 break
             num_hits += 1
+        if self.num_groups > 1:
+            while num_hits and not self._window_hit(request_id, num_hits):
+                num_hits -= 1
         self._pending_hits[request_id] = num_hits
         found = num_hits * self.block_size
-        partial = self._partial_hit(request_id, token_ids, num_hits)
+        partial = (
+            self._partial_hit(request_id, token_ids, num_hits) if self.num_groups == 1 else None
+        )
         if partial is not None:
             self._pending_partial[request_id] = partial
             found += partial[1]
         self._queried_tokens += len(token_ids)
         self._hit_tokens += found
         return found
+
+    def _window_hit(self, request_id: str, num_hits: int) -> bool:
+        """Whether every windowed group still caches the blocks of the first ``num_hits`` that
+        the window of the position after them reaches."""
+        hashes = self._req_hashes[request_id]
+        for g, window in enumerate(self.group_windows):
+            if window is None:
+                continue
+            first = self._first_in_window(window, num_hits * self.block_size)
+            if any(self._cached(h, g) is None for h in hashes[first:num_hits]):
+                return False
+        return True
+
+    def _first_in_window(self, window: int, position: int) -> int:
+        """The first block that a query at ``position`` sees through ``window``."""
+        return max(0, position - window + 1) // self.block_size
+
+    def _cached(self, block_hash: BlockHash, group: int) -> KVCacheBlock | None:
+        """Group ``group``'s cached block of this hash (group 0's key is the hash itself)."""
+        return self._pool.get_cached_block(group_key(block_hash, group))
 
     def _partial_hit(
         self, request_id: str, token_ids: Sequence[int], num_hits: int
@@ -237,9 +296,13 @@ class KVCacheManager:
         (``take_block_copies``). New blocks come from the free list, then by evicting the
         least recently freed cached blocks.
 
-        Returns the ids of the newly allocated blocks (hit blocks not included; [] if the
-        request already holds enough), or None when too few blocks are free, in which case
-        nothing changes (all or nothing).
+        Every group gets as many new blocks; in a windowed group of several, hit blocks that
+        the window of the first position to compute does not reach are not taken (their slots
+        hold the null block).
+
+        Returns the ids of the newly allocated blocks, interleaved by group (hit blocks not
+        included; [] if the request already holds enough), or None when too few blocks are
+        free, in which case nothing changes (all or nothing).
 
         Raises:
             ValueError: for negative counts; ``num_new_computed_tokens`` that is neither a
@@ -248,12 +311,12 @@ class KVCacheManager:
                 blocks; or a lookup gone stale (a hit block evicted between lookup and
                 allocation).
         """
-        blocks = self._req_blocks.get(request_id)
+        groups = self._req_blocks.get(request_id)
         if (
-            blocks is not None
+            groups is not None
             and num_new_computed_tokens == 0
             and type(num_tokens) is int
-            and 0 <= num_tokens <= len(blocks) * self.block_size
+            and 0 <= num_tokens <= len(groups[0]) * self.block_size
         ):
             # Most decode steps: the blocks held already have room (the general path below
             # gives the same answer, at about 4 us a request a step).
@@ -266,27 +329,42 @@ class KVCacheManager:
                 f"num_new_computed_tokens ({num_new_computed_tokens}) exceeds "
                 f"num_tokens ({num_tokens})"
             )
-        hits, source = self._take_hits(request_id, bool(blocks), num_new_computed_tokens)
-        num_new = self.num_blocks_needed(num_tokens) - len(blocks or ()) - len(hits)
+        holds = bool(groups and groups[0])
+        hits, skipped, source = self._take_hits(request_id, holds, num_new_computed_tokens)
+        num_hits = skipped[0] + len(hits[0])  # slots the hits fill, in every group
+        num_new = self.num_blocks_needed(num_tokens) - len(groups[0] if groups else ()) - num_hits
         num_new = max(num_new, 0)
         # Hit blocks nobody holds sit in the evictable LRU, so taking them costs free space.
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
-        if num_new + num_revived > self._pool.num_free_blocks:
+        taken = [b for group_hits in hits for b in group_hits]
+        num_revived = sum(1 for b in taken if b.ref_cnt == 0)
+        if num_new * self.num_groups + num_revived > self._pool.num_free_blocks:
             return None
-        self._pool.touch(hits)
-        new_blocks = self._pool.allocate(num_new)
-        if blocks is None:
-            blocks = self._req_blocks[request_id] = []
+        self._pool.touch(taken)
+        new_blocks = self._pool.allocate(num_new * self.num_groups)
+        if groups is None:
+            groups = self._req_blocks[request_id] = [[] for _ in self.group_windows]
             self._req_num_cached[request_id] = 0
-        if hits:
-            blocks.extend(hits)
-            self._req_num_cached[request_id] = len(hits)
-        blocks.extend(new_blocks)
+            self._req_released[request_id] = [0] * self.num_groups
+        if num_hits:
+            null = self._pool.blocks[NULL_BLOCK_ID]
+            for g, blocks in enumerate(groups):
+                blocks.extend([null] * skipped[g])
+                blocks.extend(hits[g])
+            self._req_released[request_id] = list(skipped)
+            self._req_num_cached[request_id] = num_hits
+        for g, blocks in enumerate(groups):
+            blocks.extend(new_blocks[g * num_new : (g + 1) * num_new])
         if source is not None and new_blocks:
             self._copies.append((source.block_id, new_blocks[0].block_id))
         self._pending_hits.pop(request_id, None)
         self._pending_partial.pop(request_id, None)
-        return [b.block_id for b in new_blocks]
+        if self.num_groups == 1:
+            return [b.block_id for b in new_blocks]
+        return [
+            new_blocks[g * num_new + i].block_id
+            for i in range(num_new)
+            for g in range(self.num_groups)
+        ]
 
     def take_block_copies(self) -> tuple[tuple[int, int], ...]:
         """The (source, destination) block copies that allocations since the last call
@@ -298,27 +376,36 @@ class KVCacheManager:
         return copies
 
     def release_outside_window(self, request_id: str, next_position: int) -> int:
-        """With a ``sliding_window`` W: releases the request's leading blocks that hold only
-        positions before ``next_position - W + 1``, which no query from ``next_position`` on
-        sees (the lowest position the request may compute again, rewinds included). They
-        stay in its block list as the null block (its table keeps its layout; attention masks
-        those positions). With prefix caching only registered blocks go, and stay findable at
-        ref count 0. Returns how many blocks it released (0 without a window, for an unknown
-        request, or when none left the window since the last call)."""
-        blocks = self._req_blocks.get(request_id)
-        if self.sliding_window is None or not blocks:
+        """In each group with a window W (``sliding_window``, or a windowed group of
+        ``group_windows``): releases the request's leading blocks that hold only positions
+        before ``next_position - W + 1``, which no query from ``next_position`` on sees (the
+        lowest position the request may compute again, rewinds included). They stay in its
+        block list as the null block (its table keeps its layout; attention masks those
+        positions). With prefix caching only registered blocks go, and stay findable at ref
+        count 0; a block another request holds stays its. Returns how many blocks it released
+        (0 without a window, for an unknown request, or when none left the window since the
+        last call)."""
+        groups = self._req_blocks.get(request_id)
+        if not self.releases_blocks or not groups or not groups[0]:
             return 0
-        end = max(0, next_position - self.sliding_window + 1) // self.block_size
-        if self.enable_prefix_caching:
-            end = min(end, self._req_num_cached[request_id])
-        start = self._req_released.get(request_id, 0)
-        if end <= start:
-            return 0
-        released = blocks[start:end]
-        blocks[start:end] = [self._pool.blocks[NULL_BLOCK_ID]] * (end - start)
-        self._pool.release(reversed(released))
-        self._req_released[request_id] = end
-        return end - start
+        done = self._req_released[request_id]
+        count = 0
+        for g, window in enumerate(self.group_windows):
+            if window is None:
+                continue
+            end = self._first_in_window(window, next_position)
+            if self.enable_prefix_caching:
+                end = min(end, self._req_num_cached[request_id])
+            start = done[g]
+            if end <= start:
+                continue
+            blocks = groups[g]
+            released = blocks[start:end]
+            blocks[start:end] = [self._pool.blocks[NULL_BLOCK_ID]] * (end - start)
+            self._pool.release(reversed(released))
+            done[g] = end
+            count += end - start
+        return count
 
     def fills_new_block(self, request_id: str, num_known_tokens: int) -> bool:
         """Whether ``cache_blocks`` with ``num_known_tokens`` has a block to register: False
@@ -349,8 +436,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        blocks = self._req_blocks.get(request_id)
-        if blocks is None:
+        groups = self._req_blocks.get(request_id)
+        if groups is None:
             raise ValueError(f"request {request_id!r} holds no blocks; allocate_slots first")
         if (
             type(num_known_tokens) is int
@@ -364,10 +451,10 @@ class KVCacheManager:
                 f"num_known_tokens ({num_known_tokens}) exceeds len(token_ids) ({len(token_ids)})"
             )
         num_full = num_known_tokens // self.block_size
-        if num_full > len(blocks):
+        if num_full > len(groups[0]):
             raise ValueError(
                 f"request {request_id!r} has {num_full} full blocks of known tokens but holds "
-                f"only {len(blocks)} blocks"
+                f"only {len(groups[0])} blocks"
             )
         start = self._req_num_cached[request_id]
         bs = self.block_size
@@ -375,13 +462,18 @@ class KVCacheManager:
             block_hash = self._block_hash(request_id, token_ids, i)
             parent = self._req_hashes[request_id][i - 1] if i else None
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            self._pool.cache_block(blocks[i], block_hash, parent, tokens)
+            for g, blocks in enumerate(groups):
+                key = group_key(block_hash, g)
+                self._pool.cache_block(
+                    blocks[i], key, None if parent is None else group_key(parent, g), tokens
+                )
         if num_full > start:
             self._req_num_cached[request_id] = num_full
 
     def truncate(self, request_id: str, num_tokens: int) -> int:
         """Releases the request's tail blocks beyond those that hold ``num_tokens`` tokens
-        (its slots past a rejected draft), tail first; returns how many blocks it still holds.
+        (its slots past a rejected draft), tail first, in every group; returns how many block
+        ids ``get_block_ids`` lists for it now.
 
         Released blocks were never full of known tokens, so none carries a prefix-cache hash.
 
@@ -390,8 +482,8 @@ class KVCacheManager:
                 (hashed) blocks hold.
         """
         _check_count("num_tokens", num_tokens)
-        blocks = self._req_blocks.get(request_id)
-        if blocks is None:
+        groups = self._req_blocks.get(request_id)
+        if groups is None:
             raise ValueError(f"request {request_id!r} holds no blocks")
         keep = self.num_blocks_needed(num_tokens)
         if keep < self._req_num_cached[request_id]:
@@ -399,16 +491,18 @@ class KVCacheManager:
                 f"cannot truncate request {request_id!r} to {num_tokens} tokens: its first "
                 f"{self._req_num_cached[request_id]} blocks are registered in the prefix cache"
             )
-        if keep < self._req_released.get(request_id, 0):
+        released = max(self._req_released[request_id])
+        if keep < released:
             raise ValueError(
                 f"cannot truncate request {request_id!r} to {num_tokens} tokens: its first "
-                f"{self._req_released[request_id]} blocks were released past its window"
+                f"{released} blocks were released past its window"
             )
-        if keep < len(blocks):
-            tail = blocks[keep:]
-            del blocks[keep:]
-            self._pool.release(reversed(tail))
-        return len(blocks)
+        for blocks in groups:
+            if keep < len(blocks):
+                tail = blocks[keep:]
+                del blocks[keep:]
+                self._pool.release(reversed(tail))
+        return len(groups[0]) * self.num_groups
 
     def free(self, request_id: str) -> None:
         """Releases the request's blocks and forgets its lookup and hashes.
@@ -420,10 +514,11 @@ class KVCacheManager:
         self._pending_partial.pop(request_id, None)
         self._req_hashes.pop(request_id, None)
         self._req_num_cached.pop(request_id, None)
-        released = self._req_released.pop(request_id, 0)
-        blocks = self._req_blocks.pop(request_id, None)
-        if blocks:
-            self._pool.release(reversed(blocks[released:]))
+        released = self._req_released.pop(request_id, None)
+        groups = self._req_blocks.pop(request_id, None)
+        for g, blocks in enumerate(groups or ()):
+            assert released is not None
+            self._pool.release(reversed(blocks[released[g] :]))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block hash (e.g. after the weights change).
@@ -443,17 +538,20 @@ class KVCacheManager:
         self._pool.check_invariants()
         refs = [0] * self.num_blocks
         assert self._req_blocks.keys() == self._req_num_cached.keys(), "request maps disagree"
-        for request_id, held in self._req_blocks.items():
-            released = self._req_released.get(request_id, 0)
-            assert all(b.block_id == NULL_BLOCK_ID for b in held[:released]), (
-                f"request {request_id!r}: a released block is still listed"
-            )
-            blocks = held[released:]
-            ids = [b.block_id for b in blocks]
+        assert self._req_blocks.keys() == self._req_released.keys(), "request maps disagree"
+        for request_id, groups in self._req_blocks.items():
+            assert len(groups) == self.num_groups, f"request {request_id!r}: groups"
+            assert len({len(held) for held in groups}) == 1, f"request {request_id!r}: slots"
+            ids = []
+            for held, released in zip(groups, self._req_released[request_id], strict=True):
+                assert all(b.block_id == NULL_BLOCK_ID for b in held[:released]), (
+                    f"request {request_id!r}: a released block is still listed"
+                )
+                ids += [b.block_id for b in held[released:]]
             assert len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice"
             assert NULL_BLOCK_ID not in ids, f"request {request_id!r} holds the null block"
             num_cached = self._req_num_cached[request_id]
-            assert 0 <= num_cached <= len(held), f"request {request_id!r} cache progress"
+            assert 0 <= num_cached <= len(groups[0]), f"request {request_id!r} cache progress"
             if self.enable_prefix_caching:
                 assert len(self._req_hashes.get(request_id, ())) >= num_cached
             for block_id in ids:
@@ -478,11 +576,14 @@ class KVCacheManager:
 
     def _take_hits(
         self, request_id: str, holds_blocks: bool, num_new_computed_tokens: int
-    ) -> tuple[list[KVCacheBlock], KVCacheBlock | None]:
-        """Resolves the recorded lookup's first hit blocks again (without taking them), and
-        the partial block's source when every token found is taken."""
+    ) -> tuple[Blocks, list[int], KVCacheBlock | None]:
+        """Resolves the recorded lookup's first hit blocks again (without taking them): per
+        group the blocks to take and how many leading ones it leaves out (a windowed group
+        of several: those before the window of the first position to compute); and the
+        partial block's source when every token found is taken."""
+        skipped = [0] * self.num_groups
         if not num_new_computed_tokens:
-            return [], None
+            return [[] for _ in self.group_windows], skipped, None
         if holds_blocks:
             raise ValueError(
                 f"request {request_id!r} already holds blocks; num_new_computed_tokens is only "
@@ -502,15 +603,22 @@ class KVCacheManager:
                 f"num_new_computed_tokens ({num_new_computed_tokens}) must be a multiple of "
                 f"block_size ({self.block_size}) or all {found} tokens found"
             )
-        hits: list[KVCacheBlock] = []
-        for block_hash in self._req_hashes.get(request_id, [])[:num_hits]:
-            block = self._pool.get_cached_block(block_hash)
-            if block is None:
-                raise ValueError(
-                    f"the prefix-cache lookup of request {request_id!r} is stale (a hit block "
-                    "was evicted since); call get_computed_blocks right before allocate_slots"
-                )
-            hits.append(block)
+        hits: Blocks = []
+        hashes = self._req_hashes.get(request_id, [])[:num_hits]
+        for g, window in enumerate(self.group_windows):
+            if window is not None and self.num_groups > 1:
+                skipped[g] = self._first_in_window(window, num_hits * self.block_size)
+            group_hits = []
+            for block_hash in hashes[skipped[g] :]:
+                block = self._cached(block_hash, g)
+                if block is None:
+                    raise ValueError(
+                        f"the prefix-cache lookup of request {request_id!r} is stale (a hit "
+                        "block was evicted since); call get_computed_blocks right before "
+                        "allocate_slots"
+                    )
+                group_hits.append(block)
+            hits.append(group_hits)
         source = None
         if shared:
             assert partial is not None
@@ -521,4 +629,4 @@ class KVCacheManager:
                     "it shares tokens with was evicted since); call get_computed_blocks right "
                     "before allocate_slots"
                 )
-        return hits, source
+        return hits, skipped, source

@@ -129,7 +129,7 @@ class Scheduler:
         drafter, policy, depth = self.drafter, self.draft_policy, self._draft_depth()
         offered: list[int] = []  # drafts each drafting request proposed, for the policy
         allocate = self.kv.allocate_slots
-        release, window = self.kv.release_outside_window, self.kv.sliding_window is not None
+        release, window = self.kv.release_outside_window, self.kv.releases_blocks
         running = RequestStatus.RUNNING
         for req in list(self.running):
             if req.status is not running:  # preempted earlier in this loop

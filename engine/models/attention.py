@@ -208,6 +208,24 @@ class AttentionMetadata:
         )
 
 
+StepMetadata = AttentionMetadata | tuple[AttentionMetadata, ...]
+"""A step's attention metadata: one for every layer, or one per layer where the layers are in
+several KV cache groups (``engine/kv_layout.py``: each group's own block tables and window)."""
+
+
+def layer_metadata(meta: StepMetadata, num_layers: int) -> tuple[AttentionMetadata, ...]:
+    """Each layer's metadata of a step's.
+
+    Raises:
+        ValueError: a per-layer tuple of another length than ``num_layers``.
+    """
+    if isinstance(meta, AttentionMetadata):
+        return (meta,) * num_layers
+    if len(meta) != num_layers:
+        raise ValueError(f"attention metadata for {len(meta)} layers, the model has {num_layers}")
+    return meta
+
+
 def _host_int64(value: np.ndarray | torch.Tensor, name: str) -> np.ndarray:
     """``value`` as an int64 numpy array (a view when it already is one)."""
     if isinstance(value, torch.Tensor):

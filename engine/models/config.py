@@ -211,6 +211,10 @@ class ModelConfig:
         token) where there is none or the layer is one of ``full_attention_layers``."""
         return None if layer in self.full_attention_layers else self.sliding_window
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's ``layer_window``, in order (what ``kv_cache_layout`` groups)."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
     @property
     def max_context(self) -> int:
         """The longest sequence baton computes exactly as the model's reference does:

@@ -22,7 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.engine.models.attention import AttentionMetadata, sdpa_backends
+from baton.engine.models.attention import (
+    AttentionMetadata,
+    StepMetadata,
+    layer_metadata,
+    sdpa_backends,
+)
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.gguf_linear import QuantParts
 from baton.engine.models.kv_cache import KVCache
@@ -123,7 +128,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: KVCache,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         """As ``LlamaForCausalLM.forward``, with Gemma's scaled embeddings and per-layer RoPE."""
         x = self.embed(input_ids)
@@ -133,9 +138,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         local = rope if self.local_rope is None else self.local_rope.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
         with sdpa_backends(x.device):
-            for layer, kv in zip(self.layers, kv_caches, strict=True):
+            metas = layer_metadata(meta, len(self.layers))
+            for layer, kv, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
                 assert isinstance(layer, GemmaDecoderLayer)
-                x, residual = layer(x, residual, local if layer.windowed else rope, kv, meta)
+                cos_sin = local if layer.windowed else rope
+                x, residual = layer(x, residual, cos_sin, kv, layer_meta)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.forward_add(x, residual)[0]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from baton.engine.kv_layout import KVCacheLayout, kv_cache_layout
 from baton.engine.models.config import ModelConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -19,26 +20,38 @@ def allocate_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    layout: KVCacheLayout | None = None,
 ) -> KVCache:
     """Per-layer (key, value) caches of shape ``[num_blocks, block_size, kv_heads, head_dim]``,
-    zeros. On the CPU their pages are mapped by the OS on first write (`untouched_zeros`), so a
-    cache sized for the worst case holds memory only for the blocks used so far."""
+    zeros, one pair per layer. With ``layout`` (the model's ``kv_cache_layout``, KV cache
+    groups), one pair per slot instead: the layers of different groups in a slot share it (the
+    list holds the same tensor objects at their indices), each indexing it with its own
+    group's block ids. On the CPU their pages are mapped by the OS on first
+    write (`untouched_zeros`), so a cache sized for the worst case holds memory only for the
+    blocks used so far."""
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    if layout is None:
+        layout = kv_cache_layout((None,) * config.num_layers)  # a slot per layer
+    elif len(layout.layer_slots) != config.num_layers:
+        raise ValueError(f"a layout of {len(layout.layer_slots)} layers for {config.num_layers}")
 
     def zeros() -> torch.Tensor:
         if torch.device(device).type == "cpu":
             return untouched_zeros(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    return [(zeros(), zeros()) for _ in range(config.num_layers)]
+    slots = [(zeros(), zeros()) for _ in range(layout.num_slots)]
+    return [slots[slot] for slot in layout.layer_slots]
 
 
 def copy_kv_blocks(kv_caches: KVCache, copies: Sequence[tuple[int, int]]) -> None:
-    """Copies whole blocks ``source -> destination`` in every layer's keys and values, in
-    the order given, on the caches' device (queued on the current stream there). A block
-    both written and read in one call reads what the earlier copies left."""
+    """Copies whole blocks ``source -> destination`` in every cache tensor's keys and values
+    (each tensor shared by several layers once), in the order given, on the caches' device
+    (queued on the current stream there). A block both written and read in one call reads what
+    the earlier copies left."""
+    unique = list({id(kv[0]): kv for kv in kv_caches}.values())
     for src, dst in copies:
-        for keys, values in kv_caches:
+        for keys, values in unique:
             keys[dst].copy_(keys[src])
             values[dst].copy_(values[src])
 

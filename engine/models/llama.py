@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.engine.models.attention import AttentionMetadata, paged_attention, sdpa_backends
+from baton.engine.models.attention import (
+    AttentionMetadata,
+    StepMetadata,
+    layer_metadata,
+    paged_attention,
+    sdpa_backends,
+)
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.cpu_decode import FusedLayer, attention_isa, fused_layers, step_fits
 from baton.engine.models.gguf_linear import (
@@ -514,24 +520,27 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: KVCache,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         """Runs the decoder on flat tokens; writes their keys/values into ``kv_caches``.
+        ``meta``: one for all layers, or each layer's (KV cache groups).
 
         Returns hidden states ``[T, hidden_size]`` after the final norm.
         """
         x = self.embed(input_ids)
         rope = self.rope.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
-        fused = self._fused_layers(x, rope, kv_caches, meta)
+        metas = layer_metadata(meta, len(self.layers))
+        # The fused decode keeps to one metadata for every layer (no groups).
+        fused = self._fused_layers(x, rope, kv_caches, meta) if meta is metas[0] else None
         if fused is not None:  # a CPU decode step: one C++ call a layer, the same bits
             isa = attention_isa()
             for call, kv in zip(fused, kv_caches, strict=True):
                 x, residual = call(x, residual, rope, kv, meta, isa)
             return self.norm.forward_add(x, residual)[0]
         with sdpa_backends(x.device):
-            for layer, kv in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, rope, kv, meta)
+            for layer, kv, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
+                x, residual = layer(x, residual, rope, kv, layer_meta)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.forward_add(x, residual)[0]

@@ -75,7 +75,7 @@ class LLMEngine:
             model.num_kv_blocks,
             config.block_size,
             config.enable_prefix_caching,
-            sliding_window=model.kv_window,
+            group_windows=model.kv_group_windows,
         )
         self._executor = model.executor
         workers = config.grammar_compile_workers or default_compile_workers()

@@ -23,6 +23,7 @@ from baton.engine.executor.sim_traces import TraceBook
 from baton.engine.executor.uni import UniExecutor
 from baton.engine.executor.worker_process import WorkerProcess
 from baton.engine.host_speed import host_speed_seconds
+from baton.engine.kv_layout import kv_cache_layout
 from baton.engine.loader import Checkpoint, ShardSpec, load_checkpoint, load_tokenizer
 from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
 from baton.engine.sync_check import SyncChecker
@@ -53,9 +54,11 @@ class ModelSetup:
     sampling_defaults: dict[str, float | int]
     # quantization="gguf": the kernel weights by GGUF type (``Checkpoint.quantized_types``).
     quantized_types: dict[str, int] = field(default_factory=dict)
-    # The attention window when every layer keeps to it (Mistral v0.1): a sequence's blocks
-    # wholly before its window can go back to the pool. None: some layer sees every token.
-    kv_window: int | None = None
+    # Each KV cache group's attention window (None: full attention; kv_layout.py): one group
+    # for a model of one kind, e.g. (None,) or (4096,) (Mistral v0.1); (None, W) where
+    # windowed layers and full ones keep blocks of their own (Gemma 2). A windowed group's
+    # blocks wholly before its window can go back to the pool.
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
 
 def setup_model(
@@ -105,7 +108,10 @@ def _setup_loaded(
     c = ckpt.config
     max_model_len = _max_model_len(config, ckpt)
     element = torch.tensor([], dtype=config.dtype).element_size()
-    per_block = 2 * c.num_layers * config.block_size * c.num_kv_heads * c.head_dim * element
+    # A block costs one cache tensor pair per slot: every layer, or the layers of one KV cache
+    # group where windowed layers and full ones keep blocks of their own (kv_layout.py).
+    layout = kv_cache_layout(c.layer_windows())
+    per_block = 2 * layout.num_slots * config.block_size * c.num_kv_heads * c.head_dim * element
     num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_bytes // per_block)
     eos = tuple(sorted(set(c.eos_token_ids) | set(ckpt.tokenizer.eos_token_ids)))
     threads = _worker_threads(config) if config.executor == "mp" else None
@@ -142,7 +148,7 @@ def _setup_loaded(
         threads,
         dict(ckpt.sampling_defaults),
         ckpt.quantized_types(),
-        c.sliding_window if not c.full_attention_layers else None,
+        layout.group_windows,
     )
 
 

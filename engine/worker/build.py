@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from baton.engine.kv_layout import kv_cache_layout
 from baton.engine.models.causal_lm import causal_lm_class
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.kv_cache import allocate_kv_cache
@@ -154,7 +155,12 @@ def build_runner(
     model.to(device)
     add_cpu_kernels(model, spec.quantization, spec.batch_invariant)
     caches = allocate_kv_cache(
-        model.local_config, spec.num_kv_blocks, spec.block_size, spec.dtype, device
+        model.local_config,
+        spec.num_kv_blocks,
+        spec.block_size,
+        spec.dtype,
+        device,
+        kv_cache_layout(model.local_config.layer_windows()),
     )
     runner_cls = ModelRunner if tp is None else ParallelModelRunner
     # An MoE step reads its experts' token counts on the host (models/moe.py); a sliding

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from baton.engine.kv_layout import kv_cache_layout
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.kv_cache import KVCache, copy_kv_blocks
 from baton.engine.models.llama import LlamaForCausalLM
@@ -66,10 +67,18 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.vocab_size = model.config.vocab_size
+        # KV cache groups (engine/kv_layout.py): a row's block table holds every group's block
+        # ids interleaved, as the scheduler sends them; group g's table is its g-th column of
+        # every num_groups.
+        self.kv_layout = kv_cache_layout(model.config.layer_windows())
         max_blocks = -(-max_model_len // block_size)
         with self.io.on_stream():  # zero-filled on the stream that will read them
             self.states = RequestStates(
-                max_num_reqs, max_model_len, max_blocks, self.vocab_size, self.io
+                max_num_reqs,
+                max_model_len,
+                max_blocks * self.kv_layout.num_groups,
+                self.vocab_size,
+                self.io,
             )
         self.sampler = Sampler()
         self.graphs = (
@@ -183,15 +192,32 @@ class ModelRunner:
         # the CPU scheduler never has to know them.
         input_ids = self.states.input_ids(token_rows, positions)
         self.host_times.lap("plan_and_copy")
-        meta = AttentionMetadata.build(
-            plan.query_lens,
-            plan.seq_lens,
-            self.states.block_table[plan.rows],
-            self.block_size,
-            self.io.device,
-            stage=self.io.to_device,
-            sliding_window=self.model.config.sliding_window,
-        )
+        tables = self.states.block_table[plan.rows]
+        layout = self.kv_layout
+        if layout.num_groups == 1:
+            meta: AttentionMetadata | tuple[AttentionMetadata, ...] = AttentionMetadata.build(
+                plan.query_lens,
+                plan.seq_lens,
+                tables,
+                self.block_size,
+                self.io.device,
+                stage=self.io.to_device,
+                sliding_window=self.model.config.sliding_window,
+            )
+        else:  # each group's own table and window; each layer gets its group's
+            groups = [
+                AttentionMetadata.build(
+                    plan.query_lens,
+                    plan.seq_lens,
+                    tables[:, g :: layout.num_groups],
+                    self.block_size,
+                    self.io.device,
+                    stage=self.io.to_device,
+                    sliding_window=window,
+                )
+                for g, window in enumerate(layout.group_windows)
+            ]
+            meta = tuple(groups[g] for g in layout.layer_groups)
         return self.model(input_ids, positions, self.kv_caches, meta), hidden_index, sample_rows
 
     def _prompt_logprobs(
