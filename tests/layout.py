@@ -49,6 +49,7 @@ PLACES: dict[str, str] = {
     "test_engine_stats.py": "engine/core",
     "test_fill_thread.py": "engine/core",
     "test_kv_cache_manager.py": "engine/core",
+    "test_kv_cache_groups.py": "engine/core",
     "test_kv_cache_random.py": "engine/core",
     "test_scheduler.py": "engine/core",
     "test_spec_decode.py": "engine/core",
