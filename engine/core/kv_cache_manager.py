@@ -38,17 +38,9 @@ Call protocol (the scheduler's side):
 A request's token ids must only grow (append-only) between admission and ``free``: the
 block hashes computed for it are kept and extended incrementally.
 
-KV cache groups (``group_windows``, from ``engine/kv_layout.py``): a model that mixes
-sliding-window layers with full-attention ones has a group per kind, each with its own
-blocks for every request, all from one pool. A request holds as many block slots in every
-group (index i holds positions ``i * block_size ..``); a windowed group's slots wholly before
-its window hold the null block once released (``release_outside_window``), or from the
-start where a prefix-cache hit did not need them. ``get_block_ids`` and ``allocate_slots``
-list block ids interleaved by group: entry ``i * num_groups + g`` is group g's block i (one
-group: the blocks in order). A prefix-cache hit needs, in a windowed group, only the blocks
-that the window of the first position to compute reaches (vLLM's rule); where those were
-evicted, the lookup takes the longest shorter hit that has them. With several groups the
-lookup stops at full blocks (no partial block).
+KV cache groups (``group_windows``, ``engine/kv_layout.py``; docs/design.md, "KV cache
+groups"): one block list per layer kind for every request, all from one pool, index-aligned;
+ids are listed interleaved by group (entry ``i * num_groups + g``).
 """
 
 from __future__ import annotations
@@ -63,10 +55,18 @@ from baton.engine.core.block_pool import (
     group_key,
     hash_block_tokens,
 )
+from baton.engine.core.kv_invariants import RequestBlocks, check_request_blocks
 
 __all__ = ["NULL_BLOCK_ID", "BlockHash", "KVCacheManager", "hash_block_tokens"]
 
 Blocks = list[list[KVCacheBlock]]  # a request's blocks per group
+
+
+def _stale(request_id: str, why: str) -> ValueError:
+    return ValueError(
+        f"the prefix-cache lookup of request {request_id!r} is stale ({why}); call "
+        "get_computed_blocks right before allocate_slots"
+    )
 
 
 def _check_count(name: str, value: int) -> None:
@@ -82,9 +82,8 @@ class KVCacheManager:
     then must be None).
 
     Raises:
-        ValueError: if ``num_blocks`` is not an int >= 2 (block 0 is reserved),
-            ``block_size`` is not an int >= 1, a window is not an int, or both
-            ``sliding_window`` and ``group_windows`` are given.
+        ValueError: ``num_blocks`` not an int >= 2 (block 0 is reserved), ``block_size`` not
+            an int >= 1, a window not an int, or both ``sliding_window`` and ``group_windows``.
     """
 
     def __init__(
@@ -128,8 +127,9 @@ class KVCacheManager:
         self._pending_partial: dict[str, tuple[BlockHash, int]] = {}
         # (source, destination) block ids the runner copies before the next step's forward.
         self._copies: list[tuple[int, int]] = []
-        self._queried_tokens = 0
-        self._hit_tokens = 0
+        # Prompt tokens looked up by get_computed_blocks so far, and those found (read-only).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # --- accounting -------------------------------------------------------------------
 
@@ -154,22 +154,11 @@ class KVCacheManager:
         return self._pool.num_used_blocks / self._pool.num_usable_blocks
 
     @property
-    def prefix_cache_queries(self) -> int:
-        """Prompt tokens looked up by ``get_computed_blocks`` so far."""
-        return self._queried_tokens
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        """Tokens found in the prefix cache by ``get_computed_blocks`` so far."""
-        return self._hit_tokens
-
-    @property
     def prefix_cache_hit_rate(self) -> float:
-        """Hit tokens / queried tokens over all lookups (0.0 before the first lookup).
-
-        A waiting request that is looked up again every step counts every time.
-        """
-        return self._hit_tokens / self._queried_tokens if self._queried_tokens else 0.0
+        """Hit tokens / queried tokens over all lookups (0.0 before the first lookup); a
+        waiting request that is looked up again every step counts every time."""
+        queried = self.prefix_cache_queries
+        return self.prefix_cache_hits / queried if queried else 0.0
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens (ceil division)."""
@@ -234,8 +223,8 @@ class KVCacheManager:
         if partial is not None:
             self._pending_partial[request_id] = partial
             found += partial[1]
-        self._queried_tokens += len(token_ids)
-        self._hit_tokens += found
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += found
         return found
 
     def _window_hit(self, request_id: str, num_hits: int) -> bool:
@@ -536,30 +525,17 @@ class KVCacheManager:
                 hash map, per-request progress).
         """
         self._pool.check_invariants()
-        refs = [0] * self.num_blocks
-        assert self._req_blocks.keys() == self._req_num_cached.keys(), "request maps disagree"
-        assert self._req_blocks.keys() == self._req_released.keys(), "request maps disagree"
-        for request_id, groups in self._req_blocks.items():
-            assert len(groups) == self.num_groups, f"request {request_id!r}: groups"
-            assert len({len(held) for held in groups}) == 1, f"request {request_id!r}: slots"
-            ids = []
-            for held, released in zip(groups, self._req_released[request_id], strict=True):
-                assert all(b.block_id == NULL_BLOCK_ID for b in held[:released]), (
-                    f"request {request_id!r}: a released block is still listed"
-                )
-                ids += [b.block_id for b in held[released:]]
-            assert len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice"
-            assert NULL_BLOCK_ID not in ids, f"request {request_id!r} holds the null block"
-            num_cached = self._req_num_cached[request_id]
-            assert 0 <= num_cached <= len(groups[0]), f"request {request_id!r} cache progress"
-            if self.enable_prefix_caching:
-                assert len(self._req_hashes.get(request_id, ())) >= num_cached
-            for block_id in ids:
-                refs[block_id] += 1
-        for block in self._pool.blocks:
-            assert block.ref_cnt == refs[block.block_id], (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs[block.block_id]}"
-            )
+        check_request_blocks(
+            RequestBlocks(
+                self.num_blocks,
+                self.num_groups,
+                self._req_blocks,
+                self._req_released,
+                self._req_num_cached,
+                self._req_hashes if self.enable_prefix_caching else None,
+            ),
+            self._pool.blocks,
+        )
 
     # --- internals --------------------------------------------------------------------
 
@@ -612,11 +588,7 @@ class KVCacheManager:
             for block_hash in hashes[skipped[g] :]:
                 block = self._cached(block_hash, g)
                 if block is None:
-                    raise ValueError(
-                        f"the prefix-cache lookup of request {request_id!r} is stale (a hit "
-                        "block was evicted since); call get_computed_blocks right before "
-                        "allocate_slots"
-                    )
+                    raise _stale(request_id, "a hit block was evicted since")
                 group_hits.append(block)
             hits.append(group_hits)
         source = None
@@ -624,9 +596,5 @@ class KVCacheManager:
             assert partial is not None
             source = self._pool.get_cached_block(partial[0])
             if source is None:
-                raise ValueError(
-                    f"the prefix-cache lookup of request {request_id!r} is stale (the block "
-                    "it shares tokens with was evicted since); call get_computed_blocks right "
-                    "before allocate_slots"
-                )
+                raise _stale(request_id, "the block it shares tokens with was evicted since")
         return hits, skipped, source
