@@ -15,6 +15,7 @@ import torch
 
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.loader import Checkpoint
+from baton.engine.models import decoder_layer as decoder_layer_module
 from baton.engine.models import llama as llama_module
 from baton.engine.models.quant import Int8Weight
 from baton.engine.processing.llm_engine import LLMEngine
@@ -54,7 +55,9 @@ def spy_int8_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         rows.append(x.shape[0])
         return real(x, weight, bias)
 
-    monkeypatch.setattr(llama_module, "int8_linear", spy)
+    # the layers' projections (decoder_layer) and the LM head (llama)
+    for module in (decoder_layer_module, llama_module):
+        monkeypatch.setattr(module, "int8_linear", spy)
     return rows
 
 

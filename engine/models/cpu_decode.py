@@ -29,7 +29,7 @@ from baton.kernels.quant_linear import extension as quant_extension
 
 if TYPE_CHECKING:
     from baton.engine.models.attention import AttentionMetadata
-    from baton.engine.models.llama import DecoderLayer
+    from baton.engine.models.decoder_layer import DecoderLayer
 
 
 class FusedLayer:

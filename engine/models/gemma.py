@@ -29,10 +29,11 @@ from baton.engine.models.attention import (
     sdpa_backends,
 )
 from baton.engine.models.config import ModelConfig
+from baton.engine.models.decoder_layer import DecoderLayer
 from baton.engine.models.gguf_linear import QuantParts
 from baton.engine.models.kv_cache import KVCache
 from baton.engine.models.layers import RMSNorm, RotaryEmbedding
-from baton.engine.models.llama import DecoderLayer, LlamaForCausalLM
+from baton.engine.models.llama import LlamaForCausalLM
 from baton.kernels.quant_formats import QuantWeight
 
 
