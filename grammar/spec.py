@@ -43,6 +43,9 @@ class StructuredOutputsParams:
             ``additionalProperties: false`` unless it says otherwise.
         allow_unenforced: accept a schema using keywords the chosen backend
             does not enforce (they are then ignored).
+        writes_reasoning: the constraint covers the model's thoughts too (a harmony tool
+            call's analysis channel), so an engine with a reasoning parser holds it from the
+            first token instead of after the thoughts.
 
     Raises:
         ValueError: zero or several constraints, or an option out of range.
@@ -61,6 +64,7 @@ class StructuredOutputsParams:
     max_whitespace_cnt: int = 4
     disable_additional_properties: bool = False
     allow_unenforced: bool = False
+    writes_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -76,8 +80,9 @@ class StructuredOutputsParams:
                 f"{', '.join(KINDS)}; got {len(given)}"
                 + (f" ({', '.join(given)})" if given else "")
             )
-        if self.json_object is not False and self.json_object is not True:
-            raise ValueError("json_object must be a bool")
+        for name in ("json_object", "writes_reasoning"):
+            if self._raw(name) is not False and self._raw(name) is not True:
+                raise ValueError(f"{name} must be a bool")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.whitespace not in ("compact", "any"):
