@@ -150,36 +150,56 @@ def tool_call_tag(
 
 # Harmony (gpt-oss): the prompt opened the assistant's message (``<|start|>assistant``); a
 # message is ``<|channel|>...<|message|>BODY`` closed by <|end|> (the next one then opens
-# with <|start|>assistant) or, for a call, by <|call|>.
-HARMONY_ANALYSIS = "<|channel|>analysis<|message|>"
+# with <|start|>assistant), <|call|> (a call) or <|return|> (the final answer).
 HARMONY_NEXT = "<|start|>assistant"
+
+
+def _harmony_message(
+    channel: str, body: dict[str, Any], end: str, markers: Markers
+) -> dict[str, Any]:
+    """``<|channel|>CHANNEL<|message|>BODY`` then ``end``, the markers as their tokens."""
+    return {
+        "type": "sequence",
+        "elements": [
+            *literal_parts(f"<|channel|>{channel}<|message|>", markers),
+            body,
+            *literal_parts(end, markers),
+        ],
+    }
 
 
 def harmony_call_tag(
     tools: Sequence[FunctionTool],
     markers: Markers,
     *,
+    mode: ToolChoiceMode = "required",
     parallel: bool = True,
     reasoning: bool = True,
     max_reasoning_tokens: int | None = None,
+    answer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The structural tag of a harmony answer that calls tools (tool_choice required or a
-    named function): with ``reasoning``, an optional analysis message (free tokens but
-    harmony's markers, at most ``max_reasoning_tokens``, then ``<|end|>``), then a call
+    """The structural tag of a harmony answer with tools. With ``reasoning`` it may open
+    with an analysis message (free tokens but harmony's markers, at most
+    ``max_reasoning_tokens``, then ``<|end|><|start|>assistant``). Then, "required": a call
     ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`` of
     one of ``tools`` (ARGS its parameters schema), with ``parallel`` more calls each after
-    ``<|start|>assistant``. Every marker is its token (``markers``: harmony's texts to ids).
-    The tag writes the thoughts itself: the engine must not hold it back until they end.
+    ``<|start|>assistant``; "auto": optionally a preamble (a commentary message without a
+    recipient, free; not with ``answer``), then either such calls or the final message
+    ``<|channel|>final<|message|>ANSWER<|return|>`` (ANSWER in the ``answer`` format, else
+    free but harmony's markers). Every marker is its token (``markers``: harmony's texts to
+    ids). The tag writes the thoughts itself: the engine must not hold it back until they end.
 
     Raises:
-        ValueError: no tools, duplicate names, a marker missing from ``markers``, or a
-            negative budget.
+        ValueError: no tools, duplicate names, a marker missing from ``markers``, a negative
+            budget, or ``answer`` with mode "required".
     """
     missing = [m for m in OPENAI.markers if m not in markers]
     if missing:
         raise ValueError(f"harmony needs its markers as tokens; missing {', '.join(missing)}")
     if max_reasoning_tokens is not None and max_reasoning_tokens < 0:
         raise ValueError(f"max_reasoning_tokens must be >= 0, got {max_reasoning_tokens}")
+    if answer is not None and mode != "auto":
+        raise ValueError("an answer format needs mode 'auto'")
     if not tools:
         raise ValueError("harmony_call_tag needs at least one tool")
     names = [t.name for t in tools]
@@ -198,30 +218,28 @@ def harmony_call_tag(
             ],
         }
 
+    def free(budget: int | None = None) -> dict[str, Any]:
+        text: dict[str, Any] = {"type": "any_tokens", "exclude_tokens": sorted(markers.values())}
+        if budget is not None:
+            text["max_tokens"] = budget
+        return text
+
     calls: dict[str, Any] = {"type": "or", "elements": [call(t) for t in tools]}
     if parallel:
         more = {"type": "sequence", "elements": [*literal_parts(HARMONY_NEXT, markers), calls]}
         calls = {"type": "sequence", "elements": [calls, {"type": "star", "content": more}]}
-    if not reasoning:
-        return {"type": "structural_tag", "format": calls}
-    thoughts: dict[str, Any] = {
-        "type": "any_tokens",
-        "exclude_tokens": sorted(set(markers.values())),
-    }
-    if max_reasoning_tokens is not None:
-        thoughts["max_tokens"] = max_reasoning_tokens
-    analysis = {
-        "type": "sequence",
-        "elements": [
-            *literal_parts(HARMONY_ANALYSIS, markers),
-            thoughts,
-            *literal_parts("<|end|>" + HARMONY_NEXT, markers),
-        ],
-    }
-    return {
-        "type": "structural_tag",
-        "format": {
-            "type": "sequence",
-            "elements": [{"type": "optional", "content": analysis}, calls],
-        },
-    }
+    elements: list[dict[str, Any]] = []
+    between = "<|end|>" + HARMONY_NEXT
+    if reasoning:
+        analysis = _harmony_message("analysis", free(max_reasoning_tokens), between, markers)
+        elements.append({"type": "optional", "content": analysis})
+    if mode == "auto":
+        if answer is None:  # a preamble is content: with an answer format, only the answer
+            preamble = _harmony_message("commentary", free(), between, markers)
+            elements.append({"type": "optional", "content": preamble})
+        final = _harmony_message("final", answer or free(), "<|return|>", markers)
+        elements.append({"type": "or", "elements": [calls, final]})
+    else:
+        elements.append(calls)
+    body = elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
+    return {"type": "structural_tag", "format": body}

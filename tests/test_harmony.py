@@ -483,6 +483,9 @@ def test_required_and_named_tool_choice_force_harmony_calls(harmony_server, choi
             assert tokens.index("<|end|>") - tokens.index("<|message|>") - 1 <= 6, tokens
         if choice == NAMED:
             assert calls == 1
+        spent = reply.json()["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        headers = [i for i, t in enumerate(tokens) if t == "<|channel|>"]
+        assert spent == (headers[1] if "<|end|>" in tokens else 0), tokens  # the analysis
 
 
 def test_forced_harmony_calls_stream_as_deltas(harmony_server):
@@ -546,3 +549,33 @@ def test_a_harmony_tool_schema_that_cannot_compile_is_a_400_naming_it(harmony_se
         ServerConfig(served_model_name="m", tool_call_parser="openai")
     with pytest.raises(ValueError, match="qwen3_coder, openai"):
         ServerConfig(served_model_name="m", tool_call_parser="harmony")
+
+
+def test_auto_tool_choice_gives_valid_calls_or_the_answer(harmony_server):
+    """tool_choice auto, 3 seeds, with and without a response format: each answer is
+    either calls whose arguments validate or the final channel's content (the response
+    format's object where one is given), never a call with invalid arguments."""
+
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    called = 0
+    for extra in ({}, {"response_format": schema}):
+        for seed in range(3):
+            reply = _forced(harmony_server, "auto", seed, **extra)
+            assert reply.status_code == 200, reply.text
+            out = reply.json()["choices"][0]
+            calls = out["message"].get("tool_calls") or []
+            called += bool(calls)
+            for call in calls:
+                name = call["function"]["name"]
+                jsonschema.validate(json.loads(call["function"]["arguments"]), _SCHEMAS[name])
+            if calls:
+                assert out["finish_reason"] == "tool_calls"
+            elif extra:
+                jsonschema.validate(json.loads(out["message"]["content"]), SCHEMA)
+            tokens = [t["token"] for t in out["logprobs"]["content"]]
+            assert ("<|call|>" in tokens) is bool(calls), tokens
+            if out["finish_reason"] == "stop" and not calls:  # the final message ended
+                assert "<|return|>" in tokens, tokens
+            if extra:  # a final answer is the object and ends: free text only runs on
+                assert out["finish_reason"] != "length", out
+    assert called  # random weights write a valid harmony call only where a grammar leads

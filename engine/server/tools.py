@@ -139,8 +139,8 @@ def tool_plan(
     Raises:
         APIError: 400 naming the field: a tool that is not a function, a bad name or
             parameters schema, duplicate names, a tool_choice without tools, an unknown
-            tool_choice, one naming a function not in tools, or one that forces harmony
-            calls ("openai" parser) on a vocabulary without harmony's marker tokens.
+            tool_choice, one naming a function not in tools, or harmony calls ("openai"
+            parser) on a vocabulary without harmony's marker tokens.
     """
     choice = body.tool_choice
     if not body.tools:
@@ -180,12 +180,11 @@ def tool_plan(
             "a named function or allowed_tools)",
             "tool_choice",
         )
-    if mode == "required" and fmt.name == "openai" and len(markers) < len(fmt.markers):
-        # Harmony's calls are its special tokens: a grammar can only force them by id.
+    if mode != "none" and fmt.name == "openai" and len(markers) < len(fmt.markers):
+        # Harmony's calls are its special tokens: a grammar can only write them by id.
         raise bad_request(
-            "tool_choice 'required', a named function or allowed_tools mode 'required' "
-            "with --tool-call-parser openai needs harmony's markers as tokens of the model's "
-            "vocabulary; use 'auto' or 'none'",
+            "tools with --tool-call-parser openai need harmony's markers as tokens of the "
+            "model's vocabulary; use tool_choice 'none'",
             "tool_choice",
         )
     return ToolPlan(
@@ -207,20 +206,21 @@ def tool_constraint(
     max_reasoning_tokens: int | None = None,
 ) -> Constraint | None:
     """The constraint of a request with tools: ``answer`` (its own constraint, if any) for
-    tool_choice "none" and for harmony's "auto" (its calls are free: the answer's grammar
-    holds from the final channel on); else a structural tag admitting the calls the plan
-    allows (and, with "auto", ``answer``'s format as the alternative to calling), compiled
-    by xgrammar with ``answer``'s whitespace options. Harmony's forced calls come after a
-    free analysis message of at most ``max_reasoning_tokens`` (``harmony_call_tag``).
+    tool_choice "none"; else a structural tag admitting the calls the plan allows (and, with
+    "auto", ``answer``'s format as the alternative to calling), compiled by xgrammar with
+    ``answer``'s whitespace options. Harmony's calls or final answer come after a free
+    analysis message of at most ``max_reasoning_tokens`` (``harmony_call_tag``).
 
     Raises:
         APIError: 400 when the request asks for another backend than xgrammar (the only one
             that reads structural tags), or its constraint cannot be placed in a tag.
     """
-    if plan.mode == "none" or (plan.harmony and plan.mode == "auto"):
+    if plan.mode == "none":
         return answer
     base = answer.spec if answer is not None else None
     chosen = base.backend if base is not None else backend
+    if plan.harmony and plan.mode == "auto" and chosen not in ("auto", "xgrammar"):
+        return answer  # harmony's auto calls are free under another backend, as before
     if chosen not in ("auto", "xgrammar"):
         raise bad_request(
             f"tool calls need the xgrammar backend, but {chosen!r} was asked for", "tools"
@@ -257,8 +257,10 @@ def plan_tag(
         return harmony_call_tag(
             functions,
             markers,
+            mode=plan.mode if plan.mode == "auto" else "required",
             parallel=plan.parallel,
             max_reasoning_tokens=max_reasoning_tokens,
+            answer=answer,
         )
     return tool_call_tag(
         functions, plan.mode, parallel=plan.parallel, fmt=plan.fmt, answer=answer, markers=markers
