@@ -579,3 +579,30 @@ def test_auto_tool_choice_gives_valid_calls_or_the_answer(harmony_server):
             if extra:  # a final answer is the object and ends: free text only runs on
                 assert out["finish_reason"] != "length", out
     assert called  # random weights write a valid harmony call only where a grammar leads
+
+
+def test_responses_force_harmony_calls(harmony_server):
+    """/v1/responses with tool_choice required: function_call items whose arguments
+    validate, the analysis a reasoning item before them."""
+    import httpx
+
+    body = {
+        "model": "oss",
+        "input": "Weather?",
+        "tools": [{"type": "function", "name": "get_time", "parameters": TIME}],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 120,
+        "temperature": 1.0,
+        "max_reasoning_tokens": 6,
+    }
+    for seed in range(2):
+        reply = httpx.post(
+            f"{harmony_server}/v1/responses", json=body | {"seed": seed}, timeout=120
+        )
+        assert reply.status_code == 200, reply.text
+        items = reply.json()["output"]
+        calls = [i for i in items if i["type"] == "function_call"]
+        assert [c["name"] for c in calls] == ["get_time"], items
+        jsonschema.validate(json.loads(calls[0]["arguments"]), TIME)
+        assert {i["type"] for i in items} <= {"reasoning", "function_call"}, items

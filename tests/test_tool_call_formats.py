@@ -494,7 +494,11 @@ def test_a_control_token_is_allowed_only_where_a_tag_names_it(marker_folder: Any
         StructuredOutputsParams(grammar='root ::= [^"]*'),
     ):
         assert markers["[TOOL_CALLS]"] not in first(free)
-    for fmt, marker in ((MISTRAL, "[TOOL_CALLS]"), (HERMES, "<tool_call>")):
+    for fmt, marker in (
+        (MISTRAL, "[TOOL_CALLS]"),
+        (HERMES, "<tool_call>"),
+        (QWEN3_CODER, "<tool_call>"),
+    ):
         tag = tool_call_tag(TOOLS, "required", fmt=fmt, markers=markers)
         assert first(StructuredOutputsParams(structural_tag=tag)) == [markers[marker]]
         unbound = first(
