@@ -71,12 +71,18 @@ __all__ = [
 ToolChoiceMode = Literal["auto", "required"]
 
 
+# Whitespace in a row inside XML-style arguments (xgrammar's own reading, which baton's JSON
+# grammar does not replace): unbounded, a small model wrote newlines until max_tokens.
+XML_MAX_WHITESPACE = 4
+
+
 def _call_tags(tools: Sequence[FunctionTool], fmt: ToolCallFormat) -> list[dict[str, Any]]:
     tags = []
     for t in tools:
         content: dict[str, Any] = {"type": "json_schema", "json_schema": t.parameters}
         if fmt.arguments != "json":
             content["style"] = fmt.arguments
+            content["max_whitespace_cnt"] = XML_MAX_WHITESPACE
         tags.append({"type": "tag", "begin": fmt.begin(t.name), "content": content, "end": fmt.end})
     return tags
 
