@@ -54,6 +54,9 @@ class StructuredOutputsParams:
             can); none closes them silently.
         allow_unenforced: accept a schema using keywords the chosen backend
             does not enforce (they are then ignored).
+        writes_reasoning: the constraint covers the model's thoughts too (a harmony tool
+            call's analysis channel), so an engine with a reasoning parser holds it from the
+            first token instead of after the thoughts.
 
     Raises:
         ValueError: zero or several constraints, an option out of range, or
@@ -74,6 +77,7 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     allow_unenforced: bool = False
     open_objects: bool = False
+    writes_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -89,8 +93,9 @@ class StructuredOutputsParams:
                 f"{', '.join(KINDS)}; got {len(given)}"
                 + (f" ({', '.join(given)})" if given else "")
             )
-        if self.json_object is not False and self.json_object is not True:
-            raise ValueError("json_object must be a bool")
+        for name in ("json_object", "writes_reasoning"):
+            if self._raw(name) is not False and self._raw(name) is not True:
+                raise ValueError(f"{name} must be a bool")
         if not isinstance(self.open_objects, bool):
             raise ValueError(f"open_objects must be a bool, got {self.open_objects!r}")
         if self.open_objects and self.disable_additional_properties:

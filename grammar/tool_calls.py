@@ -16,7 +16,11 @@ each call's arguments constrained to its function's parameters schema:
 - ``required``: calls only, at least one;
 - a named function: ``required`` with that one function.
 
-Without ``parallel`` at most one call is made. ``parse_tool_calls``
+Without ``parallel`` at most one call is made. Given the tokenizer's ids of the format's
+markers, calls that start at the first token (required, named, or auto with an answer format)
+write each marker as its one token (``baton.grammar.tool_markers``). gpt-oss's harmony
+(``harmony_call_tag``) is all markers: its free analysis channel, then the calls, as tokens.
+``parse_tool_calls``
 (``baton.grammar.tool_parse``) reads calls back from (possibly unfinished) text, so a stream
 can send each call's arguments as they grow. Nothing here depends on a backend or on the
 engine.
@@ -32,6 +36,7 @@ from baton.grammar.tool_formats import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    OPENAI,
     QWEN3_CODER,
     TOOL_CALL_FORMATS,
     FunctionTool,
@@ -40,6 +45,7 @@ from baton.grammar.tool_formats import (
     detect_tool_call_format,
     tool_call_format,
 )
+from baton.grammar.tool_markers import Markers, bind_markers, literal_parts
 from baton.grammar.tool_parse import ParsedOutput, ParsedToolCall, parse_tool_calls
 
 __all__ = [
@@ -55,6 +61,7 @@ __all__ = [
     "ToolCallFormat",
     "ToolChoiceMode",
     "choose_tool_call_format",
+    "harmony_call_tag",
     "detect_tool_call_format",
     "parse_tool_calls",
     "tool_call_format",
@@ -64,12 +71,18 @@ __all__ = [
 ToolChoiceMode = Literal["auto", "required"]
 
 
+# Whitespace in a row inside XML-style arguments (xgrammar's own reading, which baton's JSON
+# grammar does not replace): unbounded, a small model wrote newlines until max_tokens.
+XML_MAX_WHITESPACE = 4
+
+
 def _call_tags(tools: Sequence[FunctionTool], fmt: ToolCallFormat) -> list[dict[str, Any]]:
     tags = []
     for t in tools:
         content: dict[str, Any] = {"type": "json_schema", "json_schema": t.parameters}
         if fmt.arguments != "json":
             content["style"] = fmt.arguments
+            content["max_whitespace_cnt"] = XML_MAX_WHITESPACE
         tags.append({"type": "tag", "begin": fmt.begin(t.name), "content": content, "end": fmt.end})
     return tags
 
@@ -81,6 +94,7 @@ def tool_call_tag(
     parallel: bool = True,
     fmt: ToolCallFormat = HERMES,
     answer: dict[str, Any] | None = None,
+    markers: Markers | None = None,
 ) -> dict[str, Any]:
     """The structural tag (xgrammar's form) admitting the tool calls a request allows.
 
@@ -92,6 +106,10 @@ def tool_call_tag(
         answer: with "auto", a structural-tag format the answer must follow when no tool is
             called (e.g. ``{"type": "json_schema", ...}`` for a response format); the output
             is then either calls only or such an answer.
+        markers: the token ids of ``fmt.markers`` that are one token of the model's
+            vocabulary; calls that start at the first token write them as those tokens (in
+            "auto" without an answer the calls start inside free text, at ``fmt.trigger``
+            as text, and keep the markers as text).
 
     Raises:
         ValueError: no tools, duplicate names, or ``answer`` with mode "required".
@@ -120,9 +138,9 @@ def tool_call_tag(
     if mode == "required":
         if answer is not None:
             raise ValueError("an answer format needs mode 'auto'")
-        return {"type": "structural_tag", "format": calls_only}
+        return {"type": "structural_tag", "format": bind_markers(calls_only, markers or {})}
     if answer is not None:
-        either = {"type": "or", "elements": [calls_only, answer]}
+        either = {"type": "or", "elements": [bind_markers(calls_only, markers or {}), answer]}
         return {"type": "structural_tag", "format": either}
     return {
         "type": "structural_tag",
@@ -134,3 +152,100 @@ def tool_call_tag(
             "stop_after_first": block or not parallel,
         },
     }
+
+
+# Harmony (gpt-oss): the prompt opened the assistant's message (``<|start|>assistant``); a
+# message is ``<|channel|>...<|message|>BODY`` closed by <|end|> (the next one then opens
+# with <|start|>assistant), <|call|> (a call) or <|return|> (the final answer).
+HARMONY_NEXT = "<|start|>assistant"
+
+
+def _harmony_message(
+    channel: str, body: dict[str, Any], end: str, markers: Markers
+) -> dict[str, Any]:
+    """``<|channel|>CHANNEL<|message|>BODY`` then ``end``, the markers as their tokens."""
+    return {
+        "type": "sequence",
+        "elements": [
+            *literal_parts(f"<|channel|>{channel}<|message|>", markers),
+            body,
+            *literal_parts(end, markers),
+        ],
+    }
+
+
+def harmony_call_tag(
+    tools: Sequence[FunctionTool],
+    markers: Markers,
+    *,
+    mode: ToolChoiceMode = "required",
+    parallel: bool = True,
+    reasoning: bool = True,
+    max_reasoning_tokens: int | None = None,
+    answer: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The structural tag of a harmony answer with tools. With ``reasoning`` it may open
+    with an analysis message (free tokens but harmony's markers, at most
+    ``max_reasoning_tokens``, then ``<|end|><|start|>assistant``). Then, "required": a call
+    ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`` of
+    one of ``tools`` (ARGS its parameters schema), with ``parallel`` more calls each after
+    ``<|start|>assistant``; "auto": optionally a preamble (a commentary message without a
+    recipient, free; not with ``answer``), then either such calls or the final message
+    ``<|channel|>final<|message|>ANSWER<|return|>`` (ANSWER in the ``answer`` format, else
+    free but harmony's markers). Every marker is its token (``markers``: harmony's texts to
+    ids). The tag writes the thoughts itself: the engine must not hold it back until they end.
+
+    Raises:
+        ValueError: no tools, duplicate names, a marker missing from ``markers``, a negative
+            budget, or ``answer`` with mode "required".
+    """
+    missing = [m for m in OPENAI.markers if m not in markers]
+    if missing:
+        raise ValueError(f"harmony needs its markers as tokens; missing {', '.join(missing)}")
+    if max_reasoning_tokens is not None and max_reasoning_tokens < 0:
+        raise ValueError(f"max_reasoning_tokens must be >= 0, got {max_reasoning_tokens}")
+    if answer is not None and mode != "auto":
+        raise ValueError("an answer format needs mode 'auto'")
+    if not tools:
+        raise ValueError("harmony_call_tag needs at least one tool")
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate function names in {names}")
+
+    def call(tool: FunctionTool) -> dict[str, Any]:
+        begin = OPENAI.begin(tool.name).removeprefix(HARMONY_NEXT)
+        arguments = {"type": "json_schema", "json_schema": tool.parameters}
+        return {
+            "type": "sequence",
+            "elements": [
+                *literal_parts(begin, markers),
+                arguments,
+                *literal_parts(OPENAI.end, markers),
+            ],
+        }
+
+    def free(budget: int | None = None) -> dict[str, Any]:
+        text: dict[str, Any] = {"type": "any_tokens", "exclude_tokens": sorted(markers.values())}
+        if budget is not None:
+            text["max_tokens"] = budget
+        return text
+
+    calls: dict[str, Any] = {"type": "or", "elements": [call(t) for t in tools]}
+    if parallel:
+        more = {"type": "sequence", "elements": [*literal_parts(HARMONY_NEXT, markers), calls]}
+        calls = {"type": "sequence", "elements": [calls, {"type": "star", "content": more}]}
+    elements: list[dict[str, Any]] = []
+    between = "<|end|>" + HARMONY_NEXT
+    if reasoning:
+        analysis = _harmony_message("analysis", free(max_reasoning_tokens), between, markers)
+        elements.append({"type": "optional", "content": analysis})
+    if mode == "auto":
+        if answer is None:  # a preamble is content: with an answer format, only the answer
+            preamble = _harmony_message("commentary", free(), between, markers)
+            elements.append({"type": "optional", "content": preamble})
+        final = _harmony_message("final", answer or free(), "<|return|>", markers)
+        elements.append({"type": "or", "elements": [calls, final]})
+    else:
+        elements.append(calls)
+    body = elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
+    return {"type": "structural_tag", "format": body}

@@ -17,8 +17,9 @@ in one block (Mistral's ``[TOOL_CALLS][...]``) the text around that block. The c
 - ``openai``: gpt-oss's harmony, ``<|start|>assistant<|channel|>commentary to=functions.f
   <|constrain|>json<|message|>{...}<|call|>``. Its markers are special tokens the detokenised
   text leaves out, so the server reads them from the token ids (its ``openai_gptoss`` reasoning
-  parser) and writes each call in this text for the parser; no grammar writes them
-  (``TOOL_CALL_PARSERS``, not ``TOOL_CALL_FORMATS``).
+  parser) and writes each call in this text for the parser (``TOOL_CALL_PARSERS``, not
+  ``TOOL_CALL_FORMATS``: its constraint is ``baton.grammar.tool_calls.harmony_call_tag``, the
+  markers as their tokens).
 
 Nothing here depends on a backend or on the engine.
 """
@@ -69,7 +70,9 @@ class ToolCallFormat:
     arguments a JSON object (style "json") or Qwen's XML parameters (style "qwen_xml").
     ``trigger`` (a prefix of ``block_begin + call_prefix``) starts the calls inside free text;
     ``drop`` is marker text the model may write just before the trigger, left out of the
-    content.
+    content. ``markers`` are the texts in the syntax that a model's vocabulary may hold as one
+    token each (added or control tokens): a constraint writes them as that token
+    (``baton.grammar.tool_markers``).
 
     Raises:
         ValueError: ``trigger`` is not a non-empty prefix of ``block_begin + call_prefix``.
@@ -85,6 +88,7 @@ class ToolCallFormat:
     block_end: str = ""
     arguments: ArgumentStyle = "json"
     drop: str = ""
+    markers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.trigger or not (self.block_begin + self.call_prefix).startswith(self.trigger):
@@ -126,6 +130,7 @@ HERMES = ToolCallFormat(
     name_suffix='", "arguments": ',
     end="}\n</tool_call>",
     separator="\n",
+    markers=("<tool_call>", "</tool_call>"),
 )
 
 LLAMA3_JSON = ToolCallFormat(
@@ -147,6 +152,7 @@ MISTRAL = ToolCallFormat(
     separator=", ",
     block_begin="[TOOL_CALLS][",
     block_end="]",
+    markers=("[TOOL_CALLS]",),
 )
 
 QWEN3_CODER = ToolCallFormat(
@@ -157,6 +163,7 @@ QWEN3_CODER = ToolCallFormat(
     end="\n</function>\n</tool_call>",
     separator="\n",
     arguments="qwen_xml",
+    markers=("<tool_call>", "</tool_call>"),
 )
 
 TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
@@ -171,6 +178,15 @@ OPENAI = ToolCallFormat(
     name_suffix=" <|constrain|>json<|message|>",
     end="<|call|>",
     separator="",
+    markers=(
+        "<|start|>",
+        "<|channel|>",
+        "<|constrain|>",
+        "<|message|>",
+        "<|end|>",
+        "<|call|>",
+        "<|return|>",
+    ),
 )
 
 TOOL_CALL_PARSERS: dict[str, ToolCallFormat] = {**TOOL_CALL_FORMATS, OPENAI.name: OPENAI}

@@ -153,13 +153,14 @@ class StructuredOutputManager:
         """Starts compiling; the request waits for the result. With a reasoning parser the
         request's matcher lets it think first (``grammar/reasoning.py``): from its first
         token unless ``prompt_token_ids`` closed the thoughts already (a chat template with
-        thinking off), at most ``max_reasoning_tokens`` thinking tokens.
+        thinking off), at most ``max_reasoning_tokens`` thinking tokens; a spec that
+        ``writes_reasoning`` holds from the first token (its own budget bounds the thoughts).
 
         Raises:
             CompileQueueFull: as ``check_room``.
         """
         reasoning = None
-        if self.reasoning is not None:
+        if self.reasoning is not None and not spec.writes_reasoning:
             reasoning = self.reasoning.spec(
                 self.reasoning.thinks_first(prompt_token_ids),
                 max_reasoning_tokens,

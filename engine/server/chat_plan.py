@@ -172,7 +172,7 @@ def plan_chat(state: ServerState, body: ChatCompletionRequest) -> ChatPlan:
             ``render_chat``).
     """
     check_request_template(body.chat_template, state.config)
-    tools = tool_plan(body, state.tool_call_format)
+    tools = tool_plan(body, state.tool_call_format, *state.tool_markers)
     params, constraint = chat_sampling_params(
         body, state.config, tools, defaults=state.engine.sampling_defaults()
     )

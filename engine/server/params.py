@@ -127,7 +127,11 @@ def chat_sampling_params(
     backend = config.structured_outputs_backend
     constraint = request_constraint(req, backend)
     if tools is not None:
-        constraint = tool_constraint(tools, constraint, requested_backend(req, backend))
+        budget = req.max_reasoning_tokens
+        budget = config.max_reasoning_tokens if budget is None else budget
+        constraint = tool_constraint(tools, constraint, requested_backend(req, backend), budget)
+        if tools.forces_special_tokens:  # the parser reads the marker from the text
+            kwargs["skip_special_tokens"] = False
     _set_constraint(kwargs, constraint, config)
     return _build(kwargs), constraint
 

@@ -113,13 +113,24 @@ class HarmonySplitter(ReasoningSplitter):
         return "".join(reasoning), None if content is None else "".join(content)
 
     def reasoning_tokens(self, token_ids: Sequence[int], thinks_first: bool) -> int:
-        """Tokens up to the end of the thoughts (``<|channel|>final<|message|>``)."""
+        """Tokens up to the end of the thoughts (``<|channel|>final<|message|>``), or up to
+        the header of the first message in another channel than analysis (a call or a
+        preamble: no final message follows a call)."""
         if not thinks_first:
             return 0
         ids, end = list(token_ids), self.markers.end
         for i in range(len(ids) - len(end) + 1):
             if tuple(ids[i : i + len(end)]) == end:
                 return i + len(end)
+        channel, message = self.special.ids["<|channel|>"], self.special.ids["<|message|>"]
+        for i, token in enumerate(ids):
+            if token != channel:
+                continue
+            if message not in ids[i:]:
+                break  # a header still being written
+            header = self.tokenizer.decode(ids[i + 1 : ids.index(message, i)])
+            if header.split()[:1] != ["analysis"]:
+                return i
         return len(ids)
 
 

@@ -32,6 +32,19 @@ class ServerState:
         template = self.config.chat_template or self.engine.get_tokenizer().chat_template
         return choose_tool_call_format(self.config.tool_call_parser, template)
 
+    @functools.cached_property
+    def tool_markers(self) -> tuple[tuple[tuple[str, int], ...], bool]:
+        """The markers of ``tool_call_format`` that are one token of the model's vocabulary,
+        with their ids, and whether one of them is a control token (``ToolPlan``)."""
+        tokenizer = self.engine.get_tokenizer()
+        found = []
+        for marker in self.tool_call_format.markers:
+            ids = tokenizer.encode(marker, add_special_tokens=False)
+            if len(ids) == 1:
+                found.append((marker, ids[0]))
+        control = any(i in tokenizer.all_special_ids for _, i in found)
+        return tuple(found), control
+
 
 def get_state(request: Request) -> ServerState:
     """The state of the app serving ``request``."""

@@ -34,6 +34,7 @@ from baton.grammar.tool_calls import (
     FunctionTool,
     ToolCallFormat,
     detect_tool_call_format,
+    harmony_call_tag,
     tool_call_tag,
 )
 from baton.grammar.validation import check_schema_value, validate_spec
@@ -54,6 +55,10 @@ class ToolPlan:
         mode: "none", "auto" or "required".
         parallel: several calls allowed in one answer.
         fmt: the tool-call syntax.
+        markers: ``fmt``'s markers that are one token of the model's vocabulary, with their
+            ids (``ServerState.tool_markers``); forced calls write them as those tokens.
+        control_markers: whether one of them is a control token (its text is left out of
+            the detokenised answer unless the request keeps special tokens).
     """
 
     definitions: tuple[dict[str, Any], ...]
@@ -62,6 +67,19 @@ class ToolPlan:
     mode: Mode
     parallel: bool
     fmt: ToolCallFormat = HERMES
+    markers: tuple[tuple[str, int], ...] = ()
+    control_markers: bool = False
+
+    @property
+    def harmony(self) -> bool:
+        """Whether the calls are gpt-oss's harmony messages (parser "openai")."""
+        return self.fmt.name == "openai"
+
+    @property
+    def forces_special_tokens(self) -> bool:
+        """Whether the constraint may write a control token the answer's text must keep for
+        the parser to read (harmony's are read from the token ids instead)."""
+        return self.control_markers and not self.harmony and self.mode != "none"
 
 
 def _function(i: int, tool: Any) -> tuple[dict[str, Any], FunctionTool]:
@@ -109,14 +127,20 @@ def _pick(
     return [by_name[n] for n in dict.fromkeys(names)]
 
 
-def tool_plan(body: ChatCompletionRequest, fmt: ToolCallFormat = HERMES) -> ToolPlan | None:
-    """The request's tool plan, its calls in the syntax ``fmt``; None when it has no tools.
+def tool_plan(
+    body: ChatCompletionRequest,
+    fmt: ToolCallFormat = HERMES,
+    markers: tuple[tuple[str, int], ...] = (),
+    control_markers: bool = False,
+) -> ToolPlan | None:
+    """The request's tool plan, its calls in the syntax ``fmt`` (``markers``,
+    ``control_markers``: as ``ToolPlan``'s); None when it has no tools.
 
     Raises:
         APIError: 400 naming the field: a tool that is not a function, a bad name or
             parameters schema, duplicate names, a tool_choice without tools, an unknown
-            tool_choice, one naming a function not in tools, or one that forces calls with
-            the "openai" (harmony) parser.
+            tool_choice, one naming a function not in tools, or harmony calls ("openai"
+            parser) on a vocabulary without harmony's marker tokens.
     """
     choice = body.tool_choice
     if not body.tools:
@@ -156,13 +180,11 @@ def tool_plan(body: ChatCompletionRequest, fmt: ToolCallFormat = HERMES) -> Tool
             "a named function or allowed_tools)",
             "tool_choice",
         )
-    if mode == "required" and fmt.name == "openai":
-        # Harmony's calls are written in the commentary channel, before the final answer the
-        # reasoning matcher hands to a grammar: nothing can force one.
+    if mode != "none" and fmt.name == "openai" and len(markers) < len(fmt.markers):
+        # Harmony's calls are its special tokens: a grammar can only write them by id.
         raise bad_request(
-            "tool_choice 'required', a named function or allowed_tools mode 'required' "
-            "cannot be enforced with --tool-call-parser openai (gpt-oss's harmony); use "
-            "'auto' or 'none'",
+            "tools with --tool-call-parser openai need harmony's markers as tokens of the "
+            "model's vocabulary; use tool_choice 'none'",
             "tool_choice",
         )
     return ToolPlan(
@@ -172,24 +194,33 @@ def tool_plan(body: ChatCompletionRequest, fmt: ToolCallFormat = HERMES) -> Tool
         mode=mode,
         parallel=parallel,
         fmt=fmt,
+        markers=markers,
+        control_markers=control_markers,
     )
 
 
-def tool_constraint(plan: ToolPlan, answer: Constraint | None, backend: str) -> Constraint | None:
+def tool_constraint(
+    plan: ToolPlan,
+    answer: Constraint | None,
+    backend: str,
+    max_reasoning_tokens: int | None = None,
+) -> Constraint | None:
     """The constraint of a request with tools: ``answer`` (its own constraint, if any) for
-    tool_choice "none" and for harmony's calls (parser "openai": written before the answer,
-    in the commentary channel, where no grammar holds); else a structural tag admitting the
-    calls the plan allows (and, with "auto", ``answer``'s format as the alternative to
-    calling), compiled by xgrammar with ``answer``'s whitespace options.
+    tool_choice "none"; else a structural tag admitting the calls the plan allows (and, with
+    "auto", ``answer``'s format as the alternative to calling), compiled by xgrammar with
+    ``answer``'s whitespace options. Harmony's calls or final answer come after a free
+    analysis message of at most ``max_reasoning_tokens`` (``harmony_call_tag``).
 
     Raises:
         APIError: 400 when the request asks for another backend than xgrammar (the only one
             that reads structural tags), or its constraint cannot be placed in a tag.
     """
-    if plan.mode == "none" or plan.fmt.name == "openai":  # harmony's calls: see tool_plan
+    if plan.mode == "none":
         return answer
     base = answer.spec if answer is not None else None
     chosen = base.backend if base is not None else backend
+    if plan.harmony and plan.mode == "auto" and chosen not in ("auto", "xgrammar"):
+        return answer  # harmony's auto calls are free under another backend, as before
     if chosen not in ("auto", "xgrammar"):
         raise bad_request(
             f"tool calls need the xgrammar backend, but {chosen!r} was asked for", "tools"
@@ -200,12 +231,10 @@ def tool_constraint(plan: ToolPlan, answer: Constraint | None, backend: str) -> 
             answer_format = spec_format(answer.spec)
         except ValueError as exc:
             raise bad_request(f"{answer.param}: {exc}", answer.param) from None
-    tag = tool_call_tag(
-        plan.callable, plan.mode, parallel=plan.parallel, fmt=plan.fmt, answer=answer_format
-    )
-    options: dict[str, Any] = {}
+    tag = plan_tag(plan, plan.callable, answer_format, max_reasoning_tokens)
+    options: dict[str, Any] = {"writes_reasoning": plan.harmony}
     if base is not None:
-        options = {
+        options |= {
             "whitespace": base.whitespace,
             "max_whitespace_cnt": base.max_whitespace_cnt,
             "disable_additional_properties": base.disable_additional_properties,
@@ -213,6 +242,29 @@ def tool_constraint(plan: ToolPlan, answer: Constraint | None, backend: str) -> 
         }
     return Constraint(
         "tools", StructuredOutputsParams(structural_tag=tag, backend="xgrammar", **options)
+    )
+
+
+def plan_tag(
+    plan: ToolPlan,
+    functions: Sequence[FunctionTool],
+    answer: dict[str, Any] | None = None,
+    max_reasoning_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The structural tag of the plan's calls of ``functions`` in its syntax (``answer``:
+    auto's alternative format), the markers as their tokens."""
+    markers = dict(plan.markers)
+    if plan.harmony:
+        return harmony_call_tag(
+            functions,
+            markers,
+            mode=plan.mode if plan.mode == "auto" else "required",
+            parallel=plan.parallel,
+            max_reasoning_tokens=max_reasoning_tokens,
+            answer=answer,
+        )
+    return tool_call_tag(
+        functions, plan.mode, parallel=plan.parallel, fmt=plan.fmt, answer=answer, markers=markers
     )
 
 
@@ -224,7 +276,7 @@ def name_the_tool(error: APIError, plan: ToolPlan | None) -> APIError:
     if plan is None or error.status != 400 or error.param != "tools":
         return error
     for i, function in enumerate(plan.functions):
-        tag = tool_call_tag([function], "required", fmt=plan.fmt)
+        tag = plan_tag(plan, [function])
         try:
             validate_spec(StructuredOutputsParams(structural_tag=tag, backend="xgrammar"))
             failing = bool(xgrammar_unenforced_keywords(xgrammar_normal_form(function.parameters)))

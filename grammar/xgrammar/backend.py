@@ -100,6 +100,9 @@ def _ebnf_grammar(text: str) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(fixed, root_rule_name="root")
 
 
+CONTROL_PREFIX = b"\xff"
+"""What a control token's text follows in xgrammar's vocabulary (never a byte of UTF-8 text)."""
+
 _XGR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
@@ -140,8 +143,9 @@ class XGrammarCompiledGrammar(CompiledGrammar):
 class XGrammarMatcher(GrammarMatcher):
     """One request's position in an xgrammar grammar.
 
-    Token ids outside the model vocabulary, control tokens and anything after
-    termination are rejected here, before xgrammar (which would log a warning).
+    Token ids outside the model vocabulary and anything after termination are rejected
+    here, before xgrammar (which would log a warning); a control token is xgrammar's to
+    reject unless the grammar names it (``CONTROL_PREFIX``).
     A terminated matcher's bitmask row allows only the EOS ids. Rollback depth
     is unlimited (xgrammar 0.2 keeps the whole history).
     """
@@ -286,19 +290,18 @@ class XGrammarBackend(GrammarBackend):
         self.vocab_key: str = f"{vocab.key}:{vocab_size}"
         self.vocab_size = vocab_size
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
-        # Empty tokens are xgrammar's "special" tokens: never allowed inside a grammar; the stop
-        # ids are then allowed exactly where the grammar may end.
+        # A control token is its text after a 0xFF byte, which no UTF-8 text holds: no string,
+        # regex or schema can spell it, only a structural tag's token format names it (a tool
+        # call's marker, harmony's channels). The stop ids are allowed where the grammar may end.
         encoded = [
-            b"" if i in vocab.special_ids else tok
+            CONTROL_PREFIX + tok if i in vocab.special_ids else tok
             for i, tok in enumerate(vocab.token_bytes[:vocab_size])
         ]
         # build_vocab already decoded byte-level / byte-fallback pieces to raw bytes, so RAW.
         self.tokenizer_info = xgr.TokenizerInfo(
             encoded, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(eos)
         )
-        self._never = frozenset(vocab.special_ids - set(eos)) | frozenset(
-            range(len(encoded), vocab_size)
-        )
+        self._never = frozenset(range(len(encoded), vocab_size))
         self._compiler = xgr.GrammarCompiler(
             self.tokenizer_info,
             max_threads=max_threads,
@@ -314,7 +317,8 @@ class XGrammarBackend(GrammarBackend):
         self.eos_row = token_bitmask_row(eos, vocab_size)
 
     def never_allowed(self, token: int) -> bool:
-        """True for ids no grammar may produce: out of range, control tokens, padding ids."""
+        """True for ids no grammar may produce: out of range, padding ids (a control token only
+        where a structural tag's token format names it: xgrammar's masks decide)."""
         return not 0 <= token < self.vocab_size or token in self._never
 
     def check_bitmask(self, bitmask: torch.Tensor) -> None:

@@ -181,3 +181,45 @@ def test_incremental_parses_only_grow(text: str) -> None:
             assert now.name == before.name and now.arguments.startswith(before.arguments)
         prev_content, prev_calls = out.content, list(out.tool_calls)
     assert (prev_content, tuple(prev_calls)) == (final.content, final.tool_calls)
+
+
+def test_markers_become_their_tokens() -> None:
+    """Marker texts with an id become token formats (the longest first), the text between
+    them stays text; a tag keeps a leading marker as its begin token, a trailing one as its
+    end token, and a begin or end without markers as it is."""
+    from baton.grammar.tool_formats import MISTRAL
+    from baton.grammar.tool_markers import bind_markers, literal_parts
+
+    ids = {"<|start|>": 1, "<|start|>x": 2, "<tool_call>": 3, "</tool_call>": 4, "[TOOL_CALLS]": 5}
+    assert literal_parts("a<|start|>b<|start|>x", ids) == [
+        {"type": "const_string", "value": "a"},
+        {"type": "token", "token": 1},
+        {"type": "const_string", "value": "b"},
+        {"type": "token", "token": 2},
+    ]
+    assert bind_markers({"type": "regex", "pattern": "<tool_call>"}, ids)["type"] == "regex"
+    tag = tool_call_tag([TIME], "required", parallel=False, markers=ids)["format"]
+    (call,) = tag["tags"]
+    assert call["begin"] == {"type": "token", "token": 3}
+    assert call["end"] == {"type": "token", "token": 4}
+    assert call["content"]["elements"][0]["value"].startswith('\n{"name": "get_time"')
+    block = tool_call_tag(TOOLS, "required", fmt=MISTRAL, markers=ids)["format"]
+    assert block["begin"] == {"type": "token", "token": 5} and block["end"] == "]"
+    auto = tool_call_tag(TOOLS, "auto", markers=ids)["format"]
+    assert auto["triggers"] == ["<tool_call>"]  # free text: the trigger stays text
+
+
+def test_harmony_tag_needs_its_markers() -> None:
+    from baton.grammar.tool_calls import harmony_call_tag
+    from baton.grammar.tool_formats import OPENAI
+
+    ids = {m: i for i, m in enumerate(OPENAI.markers)}
+    with pytest.raises(ValueError, match="missing <\\|call\\|>"):
+        harmony_call_tag(TOOLS, {m: i for m, i in ids.items() if m != "<|call|>"})
+    with pytest.raises(ValueError, match="needs mode 'auto'"):
+        harmony_call_tag(TOOLS, ids, answer={"type": "json_schema", "json_schema": {}})
+    with pytest.raises(ValueError, match=">= 0"):
+        harmony_call_tag(TOOLS, ids, max_reasoning_tokens=-1)
+    with pytest.raises(ValueError, match="duplicate"):
+        harmony_call_tag([TIME, TIME], ids)
+    validate_spec(StructuredOutputsParams(structural_tag=harmony_call_tag(TOOLS, ids, mode="auto")))

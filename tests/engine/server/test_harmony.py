@@ -26,6 +26,7 @@ from baton.engine.server.reasoning import (
 from baton.grammar.backend import allocate_bitmask
 from baton.grammar.reasoning import ReasoningMatcher, ReasoningSpec
 from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.tool_formats import OPENAI
 
 # A vocabulary of 40 for the matcher: EOS 11, the end of thoughts 31 32 33 (as
 # <|channel|> final <|message|>), the forced prefix 34 35 (as <|end|> <|start|>assistant).
@@ -241,7 +242,7 @@ def harmony_server(harmony_folder):  # noqa: F811
         str(harmony_folder),
         dtype="float32",
         max_num_seqs=4,
-        max_model_len=256,
+        max_model_len=768,  # the tools' system message takes ~250 tokens
         reasoning_parser="openai_gptoss",
     )
     config = ServerConfig(
@@ -412,15 +413,125 @@ def test_harmony_tool_calls_stream_split_anywhere(harmony_tokenizer):
         ], step
 
 
-def test_forcing_calls_with_the_openai_parser_is_a_clear_400(harmony_server):
+def _forced(harmony_server: str, choice: Any, seed: int, **extra: Any) -> Any:
+    import httpx
+
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": FORECAST}},
+        {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+    ]
+    body = {
+        "model": "oss",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": tools,
+        "tool_choice": choice,
+        "max_tokens": 120,
+        "temperature": 1.0,
+        "seed": seed,
+        "max_reasoning_tokens": 6,
+        "logprobs": True,
+        **extra,
+    }
+    return httpx.post(f"{harmony_server}/v1/chat/completions", json=body, timeout=120)
+
+
+# Bounded: a random-weight model writes strings until max_tokens where it may.
+FORECAST = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+_SCHEMAS = {"get_weather": FORECAST, "get_time": TIME}
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_required_and_named_tool_choice_force_harmony_calls(harmony_server, choice):
+    """Random weights at temperature 1, 3 seeds: every answer is a call of an allowed
+    function whose arguments validate, written with harmony's marker tokens (one token
+    each, as the logprobs' tokens show), after at most 6 free analysis tokens."""
+    for seed in range(3):
+        reply = _forced(harmony_server, choice, seed)
+        assert reply.status_code == 200, reply.text
+        choice_out = reply.json()["choices"][0]
+        message = choice_out["message"]
+        assert message["tool_calls"], message
+        for call in message["tool_calls"]:
+            name = call["function"]["name"]
+            assert name == "get_time" if choice == NAMED else name in _SCHEMAS
+            jsonschema.validate(json.loads(call["function"]["arguments"]), _SCHEMAS[name])
+        assert choice_out["finish_reason"] == "tool_calls"
+        tokens = [t["token"] for t in choice_out["logprobs"]["content"]]
+        calls = len(message["tool_calls"])
+        assert tokens.count("<|constrain|>") == tokens.count("<|call|>") == calls, tokens
+        if tokens[-1] == "<|im_end|>":  # the tiny model's end of sequence
+            tokens.pop()
+        assert tokens[0] == "<|channel|>" and "<|" not in "".join(
+            t for t in tokens if t not in OPENAI.markers
+        )
+        if "<|end|>" in tokens:  # an analysis message: at most 6 tokens in it
+            assert tokens.index("<|end|>") - tokens.index("<|message|>") - 1 <= 6, tokens
+        if choice == NAMED:
+            assert calls == 1
+        spent = reply.json()["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        headers = [i for i, t in enumerate(tokens) if t == "<|channel|>"]
+        assert spent == (headers[1] if "<|end|>" in tokens else 0), tokens  # the analysis
+
+
+def test_forced_harmony_calls_stream_as_deltas(harmony_server):
+    """Streamed, the deltas add up to the call of the same request unstreamed."""
+    import httpx
+
+    whole = _forced(harmony_server, NAMED, 5).json()["choices"][0]["message"]
+    body = {
+        "model": "oss",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [{"type": "function", "function": {"name": "get_time", "parameters": TIME}}],
+        "tool_choice": NAMED,
+        "max_tokens": 120,
+        "temperature": 1.0,
+        "seed": 5,
+        "max_reasoning_tokens": 6,
+        "stream": True,
+    }
+    name, arguments, reasons = "", "", []
+    url = f"{harmony_server}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=120) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[len("data: ") :])["choices"]:
+                reasons.append(c.get("finish_reason"))
+                for call in c["delta"].get("tool_calls") or []:
+                    name += call["function"].get("name") or ""
+                    arguments += call["function"].get("arguments") or ""
+    (call,) = whole["tool_calls"]
+    assert name == "get_time" and json.loads(arguments) == json.loads(call["function"]["arguments"])
+    jsonschema.validate(json.loads(arguments), TIME)
+    assert "tool_calls" in reasons
+
+
+def test_a_harmony_tool_schema_that_cannot_compile_is_a_400_naming_it(harmony_server):
     import httpx
 
     from baton.engine.server.config import ServerConfig
 
-    url = f"{harmony_server}/v1/chat/completions"
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    for choice in ("required", named):
+    bad = {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+        {"type": "function", "function": {"name": "broken", "parameters": bad}},
+    ]
+    for choice in ("required", {"type": "function", "function": {"name": "broken"}}):
         body = {
             "model": "oss",
             "messages": [{"role": "user", "content": "Weather?"}],
@@ -428,13 +539,70 @@ def test_forcing_calls_with_the_openai_parser_is_a_clear_400(harmony_server):
             "tool_choice": choice,
             "max_tokens": 4,
         }
-        reply = httpx.post(url, json=body, timeout=120)
+        reply = httpx.post(f"{harmony_server}/v1/chat/completions", json=body, timeout=120)
         assert reply.status_code == 400, reply.text
-        assert reply.json()["error"]["param"] == "tool_choice"
-        assert "--tool-call-parser openai" in reply.json()["error"]["message"]
-    body |= {"tool_choice": "auto"}
-    assert httpx.post(url, json=body, timeout=120).status_code == 200
+        assert reply.json()["error"]["param"] == "tools"
+        assert "broken" in reply.json()["error"]["message"], reply.text
+    body |= {"tool_choice": "auto", "tools": tools[:1]}
+    assert httpx.post(f"{harmony_server}/v1/chat/completions", json=body, timeout=120).is_success
     with pytest.raises(ValueError, match="needs reasoning_parser 'openai_gptoss'"):
         ServerConfig(served_model_name="m", tool_call_parser="openai")
     with pytest.raises(ValueError, match="qwen3_coder, openai"):
         ServerConfig(served_model_name="m", tool_call_parser="harmony")
+
+
+def test_auto_tool_choice_gives_valid_calls_or_the_answer(harmony_server):
+    """tool_choice auto, 3 seeds, with and without a response format: each answer is
+    either calls whose arguments validate or the final channel's content (the response
+    format's object where one is given), never a call with invalid arguments."""
+
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    called = 0
+    for extra in ({}, {"response_format": schema}):
+        for seed in range(3):
+            reply = _forced(harmony_server, "auto", seed, **extra)
+            assert reply.status_code == 200, reply.text
+            out = reply.json()["choices"][0]
+            calls = out["message"].get("tool_calls") or []
+            called += bool(calls)
+            for call in calls:
+                name = call["function"]["name"]
+                jsonschema.validate(json.loads(call["function"]["arguments"]), _SCHEMAS[name])
+            if calls:
+                assert out["finish_reason"] == "tool_calls"
+            elif extra:
+                jsonschema.validate(json.loads(out["message"]["content"]), SCHEMA)
+            tokens = [t["token"] for t in out["logprobs"]["content"]]
+            assert ("<|call|>" in tokens) is bool(calls), tokens
+            if out["finish_reason"] == "stop" and not calls:  # the final message ended
+                assert "<|return|>" in tokens, tokens
+            if extra:  # a final answer is the object and ends: free text only runs on
+                assert out["finish_reason"] != "length", out
+    assert called  # random weights write a valid harmony call only where a grammar leads
+
+
+def test_responses_force_harmony_calls(harmony_server):
+    """/v1/responses with tool_choice required: function_call items whose arguments
+    validate, the analysis a reasoning item before them."""
+    import httpx
+
+    body = {
+        "model": "oss",
+        "input": "Weather?",
+        "tools": [{"type": "function", "name": "get_time", "parameters": TIME}],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 120,
+        "temperature": 1.0,
+        "max_reasoning_tokens": 6,
+    }
+    for seed in range(2):
+        reply = httpx.post(
+            f"{harmony_server}/v1/responses", json=body | {"seed": seed}, timeout=120
+        )
+        assert reply.status_code == 200, reply.text
+        items = reply.json()["output"]
+        calls = [i for i in items if i["type"] == "function_call"]
+        assert [c["name"] for c in calls] == ["get_time"], items
+        jsonschema.validate(json.loads(calls[0]["arguments"]), TIME)
+        assert {i["type"] for i in items} <= {"reasoning", "function_call"}, items

@@ -343,3 +343,185 @@ def test_earlier_calls_in_the_prompt_use_the_format(
     assert fmt.render_calls([PARIS, (UTC[0], '{"tz": "UTC"}')]) in text  # a dict: dumped
     shown = {"llama3_json": '"parameters"', "mistral": "[TOOL_CALLS]", "qwen3_coder": "<function="}
     assert shown[fmt.name] in text.split("<|im_start|>user")[0]  # the system message shows it
+
+
+# ------------------------------------------------------------ markers as their own tokens
+
+MARKERS = {"<tool_call>": False, "</tool_call>": False, "[TOOL_CALLS]": True}
+"""Qwen's <tool_call> pair (added tokens, not special) and Mistral v3's [TOOL_CALLS] (a
+control token), added to the tiny model's vocabulary: name -> special."""
+
+
+# Bounded: a random-weight model writes strings and numbers until max_tokens where it may.
+BOUNDED = {
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+    "get_time": {
+        "type": "object",
+        "properties": {"tz": {"enum": ["UTC", "CET"]}},
+        "required": ["tz"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def marker_folder(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny Llama with ``MARKERS`` added as its last ids, the embedding grown to them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    out = tmp_path_factory.mktemp("markers")
+    for file in tiny_model_dir.iterdir():
+        (out / file.name).write_bytes(file.read_bytes())
+    backend = Backend.from_file(str(out / "tokenizer.json"))
+    for text, special in MARKERS.items():
+        backend.add_tokens([AddedToken(text, special=special, normalized=False)])
+    backend.save(str(out / "tokenizer.json"))
+    tensors = load_file(str(out / "model.safetensors"))
+    generator = torch.Generator().manual_seed(5)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in tensors:
+            old = tensors[name]
+            rows = backend.get_vocab_size() - old.shape[0]
+            extra = 0.1 * torch.randn(rows, old.shape[1], generator=generator)
+            tensors[name] = torch.cat([old, extra.to(old.dtype)])
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    vocab = backend.get_vocab_size()
+    (out / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def marker_servers(marker_folder: Any) -> Any:
+    """``baton serve`` on the tiny model with marker tokens: one app per parser (hermes,
+    mistral, qwen3_coder) on one engine."""
+    from contextlib import ExitStack
+
+    from conftest import serve_in_thread
+
+    from baton.engine.entrypoints.async_llm import AsyncLLM
+    from baton.engine.server.app import build_app
+
+    engine = AsyncLLM.from_engine_args(
+        str(marker_folder), dtype="float32", max_num_seqs=4, max_model_len=768
+    )
+    try:
+        with ExitStack() as stack:
+            urls = {}
+            for name in ("hermes", "mistral", "qwen3_coder"):
+                config = ServerConfig(served_model_name="m", tool_call_parser=name)
+                urls[name] = stack.enter_context(serve_in_thread(build_app(engine, config)))
+            yield urls
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("parser", "markers"),
+    [
+        ("hermes", ("<tool_call>", "</tool_call>")),
+        ("mistral", ("[TOOL_CALLS]",)),
+        ("qwen3_coder", ("<tool_call>", "</tool_call>")),
+    ],
+)
+def test_forced_calls_write_the_markers_as_their_tokens(
+    marker_servers: dict[str, str], parser: str, markers: tuple[str, ...]
+) -> None:
+    """Random weights at temperature 1, required and named, 3 seeds each: the call validates
+    and each marker is written as its one token (the logprobs' tokens), never spelled in
+    pieces; Mistral's [TOOL_CALLS] is a control token the parser still finds."""
+    import httpx
+
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": p}} for n, p in BOUNDED.items()
+    ]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        for seed in range(3):
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": "Weather?"}],
+                "tools": tools,
+                "tool_choice": choice,
+                "max_tokens": 200,
+                "temperature": 1.0,
+                "seed": seed,
+                "logprobs": True,
+                "parallel_tool_calls": False,  # random weights would call until max_tokens
+            }
+            url = f"{marker_servers[parser]}/v1/chat/completions"
+            reply = httpx.post(url, json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            out = reply.json()["choices"][0]
+            calls = out["message"]["tool_calls"]
+            assert calls and out["finish_reason"] == "tool_calls", out
+            for call in calls:
+                args = json.loads(call["function"]["arguments"])
+                jsonschema.validate(args, BOUNDED[call["function"]["name"]])
+            tokens = [t["token"] for t in out["logprobs"]["content"]]
+            for marker in markers:
+                per_call = 1 if parser == "mistral" else len(calls)
+                assert tokens.count(marker) == per_call, (marker, tokens)
+                assert "".join(tokens).count(marker) == per_call, tokens  # no spelled copy
+
+
+def test_a_control_token_is_allowed_only_where_a_tag_names_it(marker_folder: Any) -> None:
+    """xgrammar gets a control token's text after a 0xFF byte: no string, regex or free text
+    can write [TOOL_CALLS], the required tag's token format must (and an added token that is
+    not special, <tool_call>, is then its one id too, not its spelling)."""
+    from baton.engine.loader import load_tokenizer
+
+    tok = load_tokenizer(marker_folder)
+    ids = {m: tok.encode(m, add_special_tokens=False) for m in MARKERS}
+    assert all(len(i) == 1 for i in ids.values()) and ids["[TOOL_CALLS]"][0] in tok.all_special_ids
+    backend = XGrammarBackend(tok, tok.vocab_size)
+    markers = {m: i[0] for m, i in ids.items()}
+
+    def first(spec: StructuredOutputsParams) -> list[int]:
+        bitmask = allocate_bitmask(1, tok.vocab_size)
+        backend.compile(spec).new_matcher().fill_bitmask(bitmask, 0)
+        return bitmask_allowed(bitmask, 0, tok.vocab_size)
+
+    for free in (
+        StructuredOutputsParams(regex=".*"),
+        StructuredOutputsParams(grammar='root ::= [^"]*'),
+    ):
+        assert markers["[TOOL_CALLS]"] not in first(free)
+    for fmt, marker in (
+        (MISTRAL, "[TOOL_CALLS]"),
+        (HERMES, "<tool_call>"),
+        (QWEN3_CODER, "<tool_call>"),
+    ):
+        tag = tool_call_tag(TOOLS, "required", fmt=fmt, markers=markers)
+        assert first(StructuredOutputsParams(structural_tag=tag)) == [markers[marker]]
+        unbound = first(
+            StructuredOutputsParams(structural_tag=tool_call_tag(TOOLS, "required", fmt=fmt))
+        )
+        # As text: the control token never, the added one among its pieces ("<", "[" ...).
+        assert (markers[marker] in unbound) is not MARKERS[marker]
+        assert unbound != [markers[marker]]
+
+
+def test_xml_arguments_bound_their_whitespace(
+    backend: XGrammarBackend, tokenizer: Tokenizer
+) -> None:
+    """Qwen3-Coder's XML arguments allow a few whitespace characters in a row, not a run a
+    small model would write until max_tokens."""
+    tag = tool_call_tag([TIME], "required", fmt=QWEN3_CODER)
+    call = QWEN3_CODER.render(*UTC)
+    assert accepts(backend, tokenizer, tag, call)
+    assert accepts(backend, tokenizer, tag, call.replace("<parameter=", "\n<parameter="))
+    assert not accepts(
+        backend, tokenizer, tag, call.replace("<parameter=", "\n" * 8 + "<parameter=")
+    )
