@@ -136,18 +136,9 @@ class AttentionMetadata:
         q = _host_int64(query_lens, "query_lens")
         s = _host_int64(seq_lens, "seq_lens")
         tables = _host_int64(block_tables, "block_tables")
-        if q.ndim != 1 or q.shape != s.shape:
-            raise ValueError("query_lens and seq_lens must be 1-D tensors of the same length")
+        _check_lengths(q, s, tables, block_size)
         num_seqs = q.shape[0]
-        if tables.ndim != 2 or tables.shape[0] != num_seqs:
-            raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks]")
-        if num_seqs == 0:
-            raise ValueError("attention metadata needs at least one sequence")
-        if (q < 1).any() or (s < q).any():
-            raise ValueError("each sequence needs 1 <= query_len <= seq_len")
         max_q, max_s = int(q.max()), int(s.max())
-        if max_s > tables.shape[1] * block_size:
-            raise ValueError("block_tables are too short for seq_lens")
 
         ctx_lens = s - q
         starts = np.cumsum(q) - q
@@ -224,6 +215,22 @@ def layer_metadata(meta: StepMetadata, num_layers: int) -> tuple[AttentionMetada
     if len(meta) != num_layers:
         raise ValueError(f"attention metadata for {len(meta)} layers, the model has {num_layers}")
     return meta
+
+
+def _check_lengths(q: np.ndarray, s: np.ndarray, tables: np.ndarray, block_size: int) -> None:
+    """Raises ValueError unless query_lens ``q`` and seq_lens ``s`` are 1-D of one length
+    with 1 <= q <= s, and ``tables`` ``[len(q), max_blocks]`` covers every sequence."""
+    if q.ndim != 1 or q.shape != s.shape:
+        raise ValueError("query_lens and seq_lens must be 1-D tensors of the same length")
+    num_seqs = q.shape[0]
+    if tables.ndim != 2 or tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks]")
+    if num_seqs == 0:
+        raise ValueError("attention metadata needs at least one sequence")
+    if (q < 1).any() or (s < q).any():
+        raise ValueError("each sequence needs 1 <= query_len <= seq_len")
+    if int(s.max()) > tables.shape[1] * block_size:
+        raise ValueError("block_tables are too short for seq_lens")
 
 
 def _host_int64(value: np.ndarray | torch.Tensor, name: str) -> np.ndarray:
@@ -343,6 +350,23 @@ def paged_attention(
             scale,
             **mods,
         )
+    return _gathered_attention(q, flat_k, flat_v, meta, scale, windowed, softcap, sinks)
+
+
+def _gathered_attention(
+    q: torch.Tensor,
+    flat_k: torch.Tensor,
+    flat_v: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    windowed: bool,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``paged_attention``'s padded path: every sequence's keys and values gathered from the
+    flat caches into ``[B, kv_heads, S, D]``, queries padded to ``[B, heads, Q, D]``, then SDPA
+    (or ``eager_attention`` for soft caps and sinks) under the step's mask."""
+    num_kv_heads, head_dim = flat_k.shape[1], flat_k.shape[2]
     b, qlen = meta.num_seqs, meta.max_query_len
     num_heads = q.shape[1]
     if meta.query_index is None:

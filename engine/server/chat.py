@@ -106,7 +106,6 @@ async def _stream(
 ) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     thoughts: list[ReasoningDeltas] | None = None
-    top_n = body.top_logprobs or 0
 
     chunk = sse_chunker(request_id, "chat.completion.chunk", created, model, include_usage)
 
@@ -133,36 +132,20 @@ async def _stream(
             if error is not None:
                 yield sse(error_body(error, "server_error"))
                 break
-            choices = []
-            for c in out.outputs:
-                text, ids, entries = trackers[c.index].delta(c)
-                if not text and not ids and not c.finished:
-                    continue
-                delta: dict[str, Any] = {"content": text} if text else {}
-                answer = c.text
-                if thoughts is not None:
-                    delta = thoughts[c.index].delta(c.text, c.token_ids)
-                    answer = thoughts[c.index].content
-                reason = c.finish_reason
-                if calls is not None:
-                    # Calls are read from the text after the thoughts only, as unstreamed; the
-                    # thoughts' delta stays beside them.
-                    deltas = calls[c.index]
-                    delta.pop("content", None)
-                    delta.update(deltas.delta(answer, c.finished))
-                    reason = finish_reason(reason, deltas.has_calls)
-                    if not delta and not c.finished and not body.logprobs:
-                        continue
-                choice: dict[str, Any] = {
-                    "index": c.index,
-                    "delta": delta,
-                    "finish_reason": reason,
-                }
-                if body.logprobs:
-                    choice["logprobs"] = {"content": chat_logprobs(ids, entries, top_n)}
-                if c.finished:
-                    choice["stop_reason"] = c.stop_reason
-                choices.append(choice)
+            choices = [
+                choice
+                for c in out.outputs
+                if (
+                    choice := _choice_delta(
+                        c,
+                        trackers[c.index],
+                        None if thoughts is None else thoughts[c.index],
+                        None if calls is None else calls[c.index],
+                        body,
+                    )
+                )
+                is not None
+            ]
             if choices:
                 yield chunk(choices)
     except EngineDeadError as exc:
@@ -203,3 +186,37 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except APIError as exc:  # a tool's schema the grammar cannot hold: say which tool
         raise name_the_tool(exc, plan.tools) from None
     return JSONResponse(_response(out, body, request_id, created, model, plan))
+
+
+def _choice_delta(
+    c: CompletionOutput,
+    tracker: DeltaTracker,
+    thoughts: ReasoningDeltas | None,
+    calls: ToolCallDeltas | None,
+    body: ChatCompletionRequest,
+) -> dict[str, Any] | None:
+    """One streamed choice's chunk entry for what ``c`` added since the last one (content or
+    thoughts, tool-call deltas, logprobs, finish), or None when there is nothing to send."""
+    text, ids, entries = tracker.delta(c)
+    if not text and not ids and not c.finished:
+        return None
+    delta: dict[str, Any] = {"content": text} if text else {}
+    answer = c.text
+    if thoughts is not None:
+        delta = thoughts.delta(c.text, c.token_ids)
+        answer = thoughts.content
+    reason = c.finish_reason
+    if calls is not None:
+        # Calls are read from the text after the thoughts only, as unstreamed; the thoughts'
+        # delta stays beside them.
+        delta.pop("content", None)
+        delta.update(calls.delta(answer, c.finished))
+        reason = finish_reason(reason, calls.has_calls)
+        if not delta and not c.finished and not body.logprobs:
+            return None
+    choice: dict[str, Any] = {"index": c.index, "delta": delta, "finish_reason": reason}
+    if body.logprobs:
+        choice["logprobs"] = {"content": chat_logprobs(ids, entries, body.top_logprobs or 0)}
+    if c.finished:
+        choice["stop_reason"] = c.stop_reason
+    return choice
