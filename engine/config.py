@@ -138,7 +138,8 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: longest sequence (prompt + output); None = the model's context.
         block_size: tokens per KV cache block.
-        kv_cache_memory_bytes: memory for the KV cache; sets the number of blocks.
+        kv_cache_memory_bytes: memory for the KV cache; sets the number of blocks (and caps
+            max_model_len at what one request can hold alone, with a warning).
         num_kv_blocks: explicit number of KV blocks (overrides kv_cache_memory_bytes).
         enable_prefix_caching: reuse cached blocks of identical prefixes.
         seed: base of the seeds drawn for requests that bring none.

@@ -23,7 +23,7 @@ from baton.engine.executor.sim_traces import TraceBook
 from baton.engine.executor.uni import UniExecutor
 from baton.engine.executor.worker_process import WorkerProcess
 from baton.engine.host_speed import host_speed_seconds
-from baton.engine.kv_layout import kv_cache_layout
+from baton.engine.kv_layout import KVCacheLayout, kv_cache_layout
 from baton.engine.loader import Checkpoint, ShardSpec, load_checkpoint, load_tokenizer
 from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
 from baton.engine.sync_check import SyncChecker
@@ -113,6 +113,7 @@ def _setup_loaded(
     layout = kv_cache_layout(c.layer_windows())
     per_block = 2 * layout.num_slots * config.block_size * c.num_kv_heads * c.head_dim * element
     num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_bytes // per_block)
+    max_model_len = _fit_kv_cache(config, max_model_len, num_blocks, layout)
     eos = tuple(sorted(set(c.eos_token_ids) | set(ckpt.tokenizer.eos_token_ids)))
     threads = _worker_threads(config) if config.executor == "mp" else None
     spec = RunnerSpec(
@@ -195,6 +196,42 @@ def _load_shard(config: EngineConfig, rank: int) -> Checkpoint:
     return load_checkpoint(
         config.model, dtype=config.dtype, shard=ShardSpec(rank, config.tensor_parallel_size)
     )
+
+
+def _fit_kv_cache(
+    config: EngineConfig, max_model_len: int, num_blocks: int, layout: KVCacheLayout
+) -> int:
+    """``max_model_len``, lowered (with a warning) to what one request can hold alone in
+    ``num_blocks`` blocks: past that a lone request would wait for blocks forever. Only for
+    models whose every layer sees every earlier token: a windowed layer holds its window and
+    a step's chunk at most, which depends on when blocks are released (such models keep the
+    length asked for).
+
+    Raises:
+        ValueError: the cache cannot hold even a two-token sequence.
+    """
+    if layout.group_windows != (None,):
+        return max_model_len
+    bs = config.block_size
+    spec = config.speculative_config
+    ahead = 1 + (spec.num_speculative_tokens if spec else 0)  # a step planned ahead, drafts
+    fits = (num_blocks - 1) * bs - ahead
+    if fits >= max_model_len:
+        return max_model_len
+    if fits < 2:
+        raise ValueError(
+            f"the KV cache's {num_blocks} blocks of {bs} tokens cannot hold a sequence: raise "
+            "kv_cache_memory_bytes (or num_kv_blocks)"
+        )
+    logger.warning(
+        "max_model_len %d lowered to %d: the KV cache (%d blocks of %d tokens) holds no "
+        "longer sequence; raise kv_cache_memory_bytes for longer ones",
+        max_model_len,
+        fits,
+        num_blocks,
+        bs,
+    )
+    return fits
 
 
 def _max_model_len(config: EngineConfig, checkpoint: Checkpoint) -> int:

@@ -99,6 +99,30 @@ def test_greedy_with_preemption(default_checkpoint, greedy_outputs):
         llm.shutdown()
 
 
+@pytest.mark.timeout(300)
+def test_a_request_longer_than_the_kv_cache_ends_at_its_length(default_checkpoint):
+    # 8 blocks of 4 tokens: 7 usable, 28 tokens, less a step planned ahead and its drafts.
+    # Asked for 512, the engine lowers max_model_len to what one request can hold alone;
+    # before, a request that grew past the cache waited for blocks forever.
+    llm = LLM.from_checkpoint(
+        default_checkpoint, dtype="float32", max_model_len=512, block_size=4, num_kv_blocks=8
+    )
+    try:
+        spec = llm.config.speculative_config
+        limit = 28 - 1 - (spec.num_speculative_tokens if spec else 0)
+        assert llm.engine.max_model_len == limit
+        params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        (out,) = llm.generate(["Tell me a long story about a fox."], params, use_tqdm=False)
+        done = out.outputs[0]
+        assert done.finish_reason == "length"
+        assert len(out.prompt_token_ids) + len(done.token_ids) == limit
+        with pytest.raises(ValueError, match=f"max_model_len is {limit}"):
+            llm.generate(["word " * 40], params, use_tqdm=False)
+        assert llm.engine.core.scheduler.kv.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+
+
 def test_same_seed_same_tokens_alone_or_in_batch(llm):
     sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
     alone = llm.generate(["Tell me a story about a dragon."], sp, use_tqdm=False)
