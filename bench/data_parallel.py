@@ -34,6 +34,7 @@ import torch
 from baton.bench.common import add_common_args, write_results
 from baton.bench.grammar import default_data_dir
 from baton.bench.plotting import pyplot
+from baton.engine.config import EngineConfig
 from baton.engine.entrypoints.args import engine_config
 from baton.engine.entrypoints.async_llm import AsyncLLM
 from baton.engine.entrypoints.serving import ServingEngine
@@ -176,7 +177,8 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """Returns the parser of ``baton bench data_parallel``'s options."""
     parser = argparse.ArgumentParser(prog="baton bench data_parallel", description=__doc__)
     add_common_args(parser, "data_parallel", model=False, dtype=None)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -186,7 +188,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--affinity-tokens", type=int, default=8)
     parser.add_argument("--data", type=Path, default=None, help="shared data folder")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _affinity_rows(
+    config: EngineConfig, schemas: list[tuple[str, Any]], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Runs the schema workload on two fresh replicas with grammar affinity on, then off
+    (printing a line each; Ray must be running); returns a row per run."""
+    from baton.engine.entrypoints.data_parallel import DataParallelLLM
+    from baton.engine.entrypoints.dp_config import DataParallelConfig
+
+    affinity_rows = []
+    for affinity in (True, False):
+        dp = DataParallelLLM(
+            config,
+            DataParallelConfig(size=2, cpus_per_replica=1, grammar_affinity=affinity),
+        )
+        try:
+            r = affinity_run(dp, schemas, args.repeats, args.concurrency, args.affinity_tokens)
+        finally:
+            dp.shutdown()
+        label = "affinity on" if affinity else "affinity off (load only)"
+        affinity_rows.append({"label": label, **r})
+        print(
+            f"{label}: cache hit rate {100 * r['cache_hit_rate']:.1f}%, compiled "
+            f"{r['grammars_compiled']}, {r['failures']} failed, {r['wall_s']:.1f} s"
+        )
+    return affinity_rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs both parts (one engine, then data parallel on a local Ray cluster), prints a line
+    per run and writes ``--out`` (JSON) and its PNG; exits with a message without Ray."""
+    args = _parser().parse_args(argv)
     try:
         import ray
     except ImportError:
@@ -223,22 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         print(f"{rows[-1]['label']}: {row['tok_s']:.1f} tok/s ({row['failures']} failed)")
-        affinity_rows = []
-        for affinity in (True, False):
-            dp = DataParallelLLM(
-                config,
-                DataParallelConfig(size=2, cpus_per_replica=1, grammar_affinity=affinity),
-            )
-            try:
-                r = affinity_run(dp, schemas, args.repeats, args.concurrency, args.affinity_tokens)
-            finally:
-                dp.shutdown()
-            label = "affinity on" if affinity else "affinity off (load only)"
-            affinity_rows.append({"label": label, **r})
-            print(
-                f"{label}: cache hit rate {100 * r['cache_hit_rate']:.1f}%, compiled "
-                f"{r['grammars_compiled']}, {r['failures']} failed, {r['wall_s']:.1f} s"
-            )
+        affinity_rows = _affinity_rows(config, schemas, args)
     finally:
         ray.shutdown()
     result = {

@@ -455,12 +455,8 @@ def run_regime(
 # ------------------------------------------------------------------ output
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark, prints the report and writes ``--out`` (JSON) and its PNG.
-
-    Loads the default model (regime a), starts one model worker process per
-    regime, and exits through argparse (SystemExit 2) on a bad argument.
-    """
+def build_parser() -> argparse.ArgumentParser:
+    """Returns the parser of ``baton bench engine``'s options (the simulator's included)."""
     p = argparse.ArgumentParser(prog="baton bench engine", description=__doc__.splitlines()[0])
     p.add_argument(
         "--model",
@@ -512,19 +508,14 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=RESULTS / "engine.json", help="JSON path; the PNG goes beside"
     )
     add_sim_args(p)
-    a = p.parse_args(argv)
-    if a.device.startswith("sim:"):
-        if a.worker_threads is not None:
-            p.error("--worker-threads applies to the CPU model worker, not to a simulated device")
-        return main_sim(p, a)
-    cfg = common.config_from_args(
-        p,
-        a,
-        BenchConfig,
-        batches=a.batches or BenchConfig.batches,
-        json_fractions=a.json_fractions or BenchConfig.json_fractions,
-    )
+    return p
 
+
+def run_regimes(
+    cfg: BenchConfig,
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, str], TinyModelShape]:
+    """Runs every regime of ``cfg`` in turn; returns all rows, the step trace (of regime b when
+    it runs, else of the first regime), each regime's model path and the tiny model's shape."""
     trace_regime = "b" if "b" in cfg.regimes else cfg.regimes[0]
     trace_batch = cfg.goal_batch if cfg.goal_batch in cfg.batches else max(cfg.batches)
     trace_case = (trace_batch, max(cfg.json_fractions))
@@ -544,6 +535,29 @@ def main(argv: list[str] | None = None) -> int:
         rows += regime_rows
         trace = regime_trace or trace
         del ckpt
+    return rows, trace, models, tiny
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark, prints the report and writes ``--out`` (JSON) and its PNG.
+
+    Loads the default model (regime a), starts one model worker process per
+    regime, and exits through argparse (SystemExit 2) on a bad argument.
+    """
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.device.startswith("sim:"):
+        if a.worker_threads is not None:
+            p.error("--worker-threads applies to the CPU model worker, not to a simulated device")
+        return main_sim(p, a)
+    cfg = common.config_from_args(
+        p,
+        a,
+        BenchConfig,
+        batches=a.batches or BenchConfig.batches,
+        json_fractions=a.json_fractions or BenchConfig.json_fractions,
+    )
+    rows, trace, models, tiny = run_regimes(cfg)
     ratios = compute_ratios(rows)
     result = {
         "regimes": {r: REGIMES[r] for r in cfg.regimes},

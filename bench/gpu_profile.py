@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from baton.bench.engine import WARMUP_TOKENS, build_llm, conversations, request_params
+from baton.engine import LLM, SamplingParams
 from baton.engine.loader import load_checkpoint
 from baton.engine.worker.cuda_graphs import GRAPH_COPIES_ENV
 from baton.engine.worker.host_times import RUNNER_TIMES_ENV
@@ -64,6 +65,95 @@ def runner_laps(llm: Any) -> dict[str, float]:
     return runner.host_times.snapshot() if runner is not None else {}
 
 
+def _plain_run(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Runs ``prompts`` without a profiler; returns the wall seconds, the engine's phase times
+    and the runner's host laps, both in ms per engine step."""
+    before, laps_before = llm.stats(), runner_laps(llm)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)  # no profiler: the engine's own phases
+    plain_s = time.perf_counter() - t0
+    after = llm.stats()
+    phases = phase_ms_per_step(before, after)
+    steps_plain = max(1, after.get("steps", 0) - before.get("steps", 0))
+    laps = {
+        k: 1e3 * (v - laps_before.get(k, 0.0)) / steps_plain for k, v in runner_laps(llm).items()
+    }
+    return plain_s, phases, laps
+
+
+def _torch_profiled(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[profile, float, int, int]:
+    """Runs ``prompts`` under ``torch.profiler`` (CPU and CUDA); returns the profiler, the
+    wall seconds, the engine steps taken and the output tokens."""
+    t0 = time.perf_counter()
+    steps_before = llm.stats().get("steps", 0)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    profiled_s = time.perf_counter() - t0
+    profiled_steps = llm.stats().get("steps", 0) - steps_before
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return prof, profiled_s, profiled_steps, tokens
+
+
+def _cprofiled(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[cProfile.Profile, float, int]:
+    """Runs ``prompts`` under cProfile; returns the profile, the wall seconds and the engine
+    steps taken."""
+    steps_before = llm.stats().get("steps", 0)
+    py = cProfile.Profile()
+    t0 = time.perf_counter()
+    py.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    py.disable()
+    cprofile_s = time.perf_counter() - t0
+    steps = llm.stats().get("steps", 0) - steps_before
+    return py, cprofile_s, steps
+
+
+def _export_trace(prof: profile, trace: Path) -> Path:
+    """Writes the profiler's Chrome trace gzipped beside ``trace`` (``trace`` itself is not
+    kept); returns the ``.gz`` file's path."""
+    prof.export_chrome_trace(str(trace))
+    packed_path = Path(f"{trace}.gz")
+    with open(trace, "rb") as raw, gzip.open(packed_path, "wb") as packed:
+        packed.writelines(raw)
+    trace.unlink()
+    return packed_path
+
+
+def _gpu_totals(averages: Any) -> tuple[int, float]:
+    """Returns the count of GPU events (kernels and copies, graph replays' kernels included)
+    and the GPU's own time in microseconds, from the profiler's key averages."""
+    on_gpu = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = sum(e.count for e in on_gpu)
+    # What the GPU itself spent (kernels and copies), unlike the engine's event spans, which
+    # also hold the gaps where the GPU waits for the host's launches.
+    gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in on_gpu)
+    return events, gpu_us
+
+
+def _report_text(head: str, averages: Any, py: cProfile.Profile) -> str:
+    """Returns a case's report: ``head``, the top operators by device and by host time, and
+    the top Python functions by cumulative time."""
+    stats_text = io.StringIO()
+    pstats.Stats(py, stream=stats_text).sort_stats("cumulative").print_stats(45)
+    return "\n\n".join(
+        [
+            head,
+            "== operators by self device time ==",
+            averages.table(sort_by="self_cuda_time_total", row_limit=30),
+            "== operators by self host time ==",
+            averages.table(sort_by="self_cpu_time_total", row_limit=30),
+            "== Python functions by cumulative time (cProfile) ==",
+            stats_text.getvalue(),
+        ]
+    )
+
+
 def profile_case(
     name: str, model: str | None, batch: int, output_len: int, out: Path, device: str
 ) -> str:
@@ -84,50 +174,17 @@ def profile_case(
     params = request_params(batch, fraction, output_len)
     try:
         llm.generate(runs[0], params, use_tqdm=False)  # warm at this batch size
-        before, laps_before = llm.stats(), runner_laps(llm)
-        t0 = time.perf_counter()
-        llm.generate(runs[3], params, use_tqdm=False)  # no profiler: the engine's own phases
-        plain_s = time.perf_counter() - t0
-        after = llm.stats()
-        phases = phase_ms_per_step(before, after)
-        steps_plain = max(1, after.get("steps", 0) - before.get("steps", 0))
-        laps = {
-            k: 1e3 * (v - laps_before.get(k, 0.0)) / steps_plain
-            for k, v in runner_laps(llm).items()
-        }
-        t0 = time.perf_counter()
-        steps_before = llm.stats().get("steps", 0)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            outs = llm.generate(runs[1], params, use_tqdm=False)
-        profiled_s = time.perf_counter() - t0
-        profiled_steps = llm.stats().get("steps", 0) - steps_before
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        steps_before = llm.stats().get("steps", 0)
-        py = cProfile.Profile()
-        t0 = time.perf_counter()
-        py.enable()
-        llm.generate(runs[2], params, use_tqdm=False)
-        py.disable()
-        cprofile_s = time.perf_counter() - t0
-        steps = llm.stats().get("steps", 0) - steps_before
+        plain_s, phases, laps = _plain_run(llm, runs[3], params)
+        prof, profiled_s, profiled_steps, tokens = _torch_profiled(llm, runs[1], params)
+        py, cprofile_s, steps = _cprofiled(llm, runs[2], params)
     finally:
         llm.shutdown()
-    stats_text = io.StringIO()
-    pstats.Stats(py, stream=stats_text).sort_stats("cumulative").print_stats(45)
     # The timeline, gzipped: whether a replay's host call waits for the GPU (its
     # cudaGraphLaunch span against the previous graph's kernels) only shows on it.
-    trace = out / f"{name}.trace.json"
-    prof.export_chrome_trace(str(trace))
-    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-        packed.writelines(raw)
-    trace.unlink()
+    _export_trace(prof, out / f"{name}.trace.json")
     averages = prof.key_averages()
     # Kernels and copies on the GPU (graph replays' kernels included), per engine step.
-    on_gpu = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_events = sum(e.count for e in on_gpu)
-    # What the GPU itself spent (kernels and copies), unlike the engine's event spans, which
-    # also hold the gaps where the GPU waits for the host's launches.
-    gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in on_gpu)
+    gpu_events, gpu_us = _gpu_totals(averages)
     head = (
         f"{name}: batch {batch}, {tokens} tokens in {profiled_s:.3f} s and {profiled_steps} steps "
         f"under torch.profiler ({gpu_events / max(profiled_steps, 1):.0f} GPU kernels and copies "
@@ -138,18 +195,7 @@ def profile_case(
         + "; the runner's host parts in ms per step: "
         + (", ".join(f"{k} {v:.3f}" for k, v in laps.items()) or "-")
     )
-    text = "\n\n".join(
-        [
-            head,
-            "== operators by self device time ==",
-            averages.table(sort_by="self_cuda_time_total", row_limit=30),
-            "== operators by self host time ==",
-            averages.table(sort_by="self_cpu_time_total", row_limit=30),
-            "== Python functions by cumulative time (cProfile) ==",
-            stats_text.getvalue(),
-        ]
-    )
-    (out / f"{name}.txt").write_text(text)
+    (out / f"{name}.txt").write_text(_report_text(head, averages, py))
     return head
 
 

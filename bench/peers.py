@@ -69,7 +69,7 @@ from baton.bench.peer_runners import (
 )
 from baton.bench.peers_report import compute_ratios, evaluate_goals, plot, print_report
 from baton.engine.config import EngineConfig, auto_dtype, num_cpu_cores
-from baton.engine.loader import load_checkpoint, load_tokenizer
+from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
 from baton.engine.tokenizer import Tokenizer
 
 # A small object the default model fills in well under the default --max-tokens
@@ -313,17 +313,26 @@ def measure_once(runner: Runner, cfg: PeersConfig, cases: dict[int, CaseMeasure]
         print(f"  {runner.label} c={c}: {tps:.1f} tok/s", flush=True)
 
 
-def run(cfg: PeersConfig) -> dict[str, Any]:
-    """Runs every engine of ``cfg``; returns the result dict (rows, ratios, goals, notes)."""
-    tokenizer = load_tokenizer(cfg.model)
-    if cfg.tiny:
-        from baton.bench.engine import tiny_checkpoint
+def _skip_reason(engine: str, ckpt: Checkpoint) -> str | None:
+    """Returns why ``engine`` cannot run here (its package missing, or llama-cpp-python on a
+    model that is not a GGUF file), or None when it can."""
+    module = {
+        "transformers": "xgrammar.contrib.hf",
+        "outlines": "outlines",
+        "llama-cpp": "llama_cpp",
+    }[engine]
+    reason = unavailable(module)
+    if reason is None and engine == "llama-cpp" and ckpt.path.suffix != ".gguf":
+        reason = f"llama-cpp-python needs a GGUF file; the model is {ckpt.path}"
+    return reason
 
-        ckpt = tiny_checkpoint(tokenizer)
-    else:
-        ckpt = load_checkpoint(cfg.model)
-    workload = build_workload(tokenizer, max(cfg.concurrency), cfg.max_tokens)
-    engines: list[dict[str, Any]] = []
+
+def plan_builders(
+    cfg: PeersConfig, ckpt: Checkpoint, tokenizer: Tokenizer, workload: Workload
+) -> tuple[dict[Unit, Callable[[], Runner]], list[dict[str, str]]]:
+    """Returns a runner builder for every unit of ``cfg`` that can run here, and the engines
+    skipped (engine, label, reason; each printed once). The transformers model and tokenizer
+    are built at the first builder call that needs them and shared by the later ones."""
     skipped: list[dict[str, str]] = []
     hf_models: dict[str, Any] = {}
     hf_tok: Any = None
@@ -344,14 +353,7 @@ def run(cfg: PeersConfig) -> dict[str, Any]:
         if engine == "baton":
             builders[unit] = lambda d=dtype: BatonRunner(ckpt, d, workload, max_batch)
             continue
-        module = {
-            "transformers": "xgrammar.contrib.hf",
-            "outlines": "outlines",
-            "llama-cpp": "llama_cpp",
-        }[engine]
-        reason = unavailable(module)
-        if reason is None and engine == "llama-cpp" and ckpt.path.suffix != ".gguf":
-            reason = f"llama-cpp-python needs a GGUF file; the model is {ckpt.path}"
+        reason = _skip_reason(engine, ckpt)
         if reason is not None:
             if all(s["engine"] != engine for s in skipped):
                 skipped.append({"engine": engine, "label": ENGINES[engine], "reason": reason})
@@ -363,9 +365,18 @@ def run(cfg: PeersConfig) -> dict[str, Any]:
             builders[unit] = lambda d=dtype: OutlinesRunner(*hf_parts(d), workload, d)
         else:
             builders[unit] = lambda: LlamaCppRunner(ckpt.path, workload)
+    return builders, skipped
 
+
+def measure_repeats(
+    cfg: PeersConfig, builders: dict[Unit, Callable[[], Runner]]
+) -> tuple[dict[Unit, dict[int, CaseMeasure]], dict[Unit, str], list[dict[str, Any]]]:
+    """Builds, measures and closes every unit once per repeat (in ``run_order``); returns the
+    measures per unit and concurrency, each unit's runner label, and one entry per build
+    (engine, label, repeat, set-up seconds)."""
     cases: dict[Unit, dict[int, CaseMeasure]] = {u: {} for u in builders}
     labels: dict[Unit, str] = {}
+    engines: list[dict[str, Any]] = []
     for repeat in range(cfg.repeats):
         order = run_order(list(builders), repeat)
         print(
@@ -385,12 +396,12 @@ def run(cfg: PeersConfig) -> dict[str, Any]:
                 measure_once(runner, cfg, cases[unit])
             finally:
                 runner.close()
-    rows = [
-        summarize(labels[u], u.engine, u.dtype, c, case, workload.schema)
-        for u in builders
-        for c, case in sorted(cases[u].items())
-    ]
-    ratios = compute_ratios(rows)
+    return cases, labels, engines
+
+
+def _run_info(cfg: PeersConfig, ckpt: Checkpoint, workload: Workload) -> dict[str, Any]:
+    """Returns what describes the run besides its measures: model, settings, method notes,
+    threads, package versions, schema and prompt lengths (the result's leading keys)."""
     return {
         "model": str(ckpt.path),
         "tiny": cfg.tiny,
@@ -417,6 +428,29 @@ def run(cfg: PeersConfig) -> dict[str, Any]:
         },
         "schema": SCHEMA,
         "prompt_tokens": [len(p) for p in workload.prompt_ids],
+    }
+
+
+def run(cfg: PeersConfig) -> dict[str, Any]:
+    """Runs every engine of ``cfg``; returns the result dict (rows, ratios, goals, notes)."""
+    tokenizer = load_tokenizer(cfg.model)
+    if cfg.tiny:
+        from baton.bench.engine import tiny_checkpoint
+
+        ckpt = tiny_checkpoint(tokenizer)
+    else:
+        ckpt = load_checkpoint(cfg.model)
+    workload = build_workload(tokenizer, max(cfg.concurrency), cfg.max_tokens)
+    builders, skipped = plan_builders(cfg, ckpt, tokenizer, workload)
+    cases, labels, engines = measure_repeats(cfg, builders)
+    rows = [
+        summarize(labels[u], u.engine, u.dtype, c, case, workload.schema)
+        for u in builders
+        for c, case in sorted(cases[u].items())
+    ]
+    ratios = compute_ratios(rows)
+    return {
+        **_run_info(cfg, ckpt, workload),
         "engines": engines,
         "skipped": skipped,
         "rows": rows,

@@ -275,33 +275,29 @@ def rss_quarters(samples: Sequence[dict[str, float]]) -> tuple[float | None, flo
     )
 
 
-def summarize(
-    config: SoakConfig,
-    planned: int,
-    load: LoadRun,
-    metrics: dict[str, float],
-    health_status: int,
-    exit_code: int | None,
-    exit_s: float,
-) -> dict[str, Any]:
-    """The figures, the criteria (name: met) and whether all were met."""
+def _rss_growth(samples: Sequence[dict[str, float]]) -> float | None:
+    """Returns the VmRSS growth from the first quarter's median to the last's (0.1: 10%), or
+    None when a quarter has no samples."""
+    first_mb, last_mb = rss_quarters(samples)
+    return None if first_mb is None or last_mb is None else last_mb / first_mb - 1.0
+
+
+def _request_figures(planned: int, load: LoadRun) -> dict[str, Any]:
+    """Returns the client-side figures of one load: counts by kind and HTTP status, how many
+    of each kind met their criterion, and the valid requests' latency percentiles."""
     outs = load.outcomes
-    by_kind = Counter(o.kind for o in outs)
     valid = [o for o in outs if o.kind in VALID_KINDS]
     invalid = [o for o in outs if o.kind == "invalid"]
     disconnect = [o for o in outs if o.kind == "disconnect"]
-    statuses = Counter(str(o.status) for o in outs)
     latencies = sorted(o.latency_s for o in valid)
-    first_mb, last_mb = rss_quarters(load.samples)
-    growth = None if first_mb is None or last_mb is None else last_mb / first_mb - 1.0
-    figures: dict[str, Any] = {
+    return {
         "requests_planned": planned,
         "requests_sent": len(outs),
         "stopped_by_time_limit": load.stopped_by_time_limit,
         "seconds": round(load.seconds, 2),
         "requests_per_s": round(len(outs) / load.seconds, 2) if load.seconds else None,
-        "by_kind": dict(sorted(by_kind.items())),
-        "status_counts": dict(sorted(statuses.items())),
+        "by_kind": dict(sorted(Counter(o.kind for o in outs).items())),
+        "status_counts": dict(sorted(Counter(str(o.status) for o in outs).items())),
         "valid": len(valid),
         "valid_completed": sum(o.ok for o in valid),
         "finish_reasons": dict(sorted(Counter(str(o.finish_reason) for o in valid).items())),
@@ -319,6 +315,13 @@ def summarize(
             if latencies
             else None
         ),
+    }
+
+
+def _server_figures(metrics: dict[str, float]) -> dict[str, Any]:
+    """Returns the server's figures after the load, read from its /metrics: dtype, KV blocks,
+    requests still running or waiting, and its request totals by status."""
+    return {
         "dtype": served_dtype(metrics),
         "kv_free_blocks": metrics.get("baton_kv_free_blocks"),
         "kv_total_blocks": metrics.get("baton_kv_total_blocks"),
@@ -328,22 +331,39 @@ def summarize(
             s: metrics.get(f'baton_requests_total{{status="{s}"}}')
             for s in ("finished", "aborted", "error", "rejected")
         },
+    }
+
+
+def _rss_figures(samples: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """Returns the VmRSS figures in MB (first and last quarter medians, growth, peaks of the
+    tree and of the server alone); None where the samples do not tell."""
+    first_mb, last_mb = rss_quarters(samples)
+    growth = _rss_growth(samples)
+    return {
         "rss_first_quarter_mb": None if first_mb is None else round(first_mb, 1),
         "rss_last_quarter_mb": None if last_mb is None else round(last_mb, 1),
         "rss_growth": None if growth is None else round(growth, 4),
         "rss_growth_mb": None if growth is None else round(last_mb - first_mb, 1),
-        "rss_peak_mb": round(max(s["rss_mb"] for s in load.samples), 1) if load.samples else None,
+        "rss_peak_mb": round(max(s["rss_mb"] for s in samples), 1) if samples else None,
         "server_rss_peak_mb": (
-            round(max(s["server_rss_mb"] for s in load.samples), 1) if load.samples else None
+            round(max(s["server_rss_mb"] for s in samples), 1) if samples else None
         ),
-        "health_after": health_status,
-        "sigterm_exit_code": exit_code,
-        "sigterm_exit_s": round(exit_s, 2),
     }
+
+
+def _criteria(
+    config: SoakConfig,
+    figures: dict[str, Any],
+    load: LoadRun,
+    metrics: dict[str, float],
+    health_status: int,
+    exit_code: int | None,
+) -> dict[str, bool]:
+    """Returns each pass criterion (name: met), the RSS one only when ``config.check_rss``."""
     criteria: dict[str, bool] = {
-        "every_valid_request_completed": figures["valid_completed"] == len(valid),
-        "every_invalid_request_got_400": figures["invalid_400"] == len(invalid),
-        "every_disconnect_clean": figures["disconnect_clean"] == len(disconnect),
+        "every_valid_request_completed": figures["valid_completed"] == figures["valid"],
+        "every_invalid_request_got_400": figures["invalid_400"] == figures["invalid"],
+        "every_disconnect_clean": figures["disconnect_clean"] == figures["disconnect"],
         "no_5xx": figures["http_5xx"] == 0,
         "all_kv_blocks_free": (
             metrics.get("baton_kv_total_blocks") is not None
@@ -355,7 +375,31 @@ def summarize(
         "sigterm_exit_0": exit_code == 0,
     }
     if config.check_rss:
+        growth = _rss_growth(load.samples)
         criteria["rss_growth_below_limit"] = growth is not None and growth < config.rss_growth_limit
+    return criteria
+
+
+def summarize(
+    config: SoakConfig,
+    planned: int,
+    load: LoadRun,
+    metrics: dict[str, float],
+    health_status: int,
+    exit_code: int | None,
+    exit_s: float,
+) -> dict[str, Any]:
+    """The figures, the criteria (name: met) and whether all were met."""
+    figures: dict[str, Any] = {
+        **_request_figures(planned, load),
+        **_server_figures(metrics),
+        **_rss_figures(load.samples),
+        "health_after": health_status,
+        "sigterm_exit_code": exit_code,
+        "sigterm_exit_s": round(exit_s, 2),
+    }
+    criteria = _criteria(config, figures, load, metrics, health_status, exit_code)
+    outs = load.outcomes
     problems = [f"#{o.index} {o.kind}: {o.problem}" for o in outs if o.problem and not o.ok]
     return {
         "figures": figures,

@@ -64,7 +64,7 @@ from baton.bench.spec_sim import (
     trace_of,
 )
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
-from baton.engine.loader import load_checkpoint
+from baton.engine.loader import Checkpoint, load_checkpoint
 from baton.engine.sim_specs import GPUS, SHAPES
 from baton.engine.tokenizer import Tokenizer
 
@@ -256,90 +256,135 @@ def _median_row(mode: str, measured: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def run(cfg: SpecBenchConfig) -> dict[str, Any]:
-    """Measures every mode on every workload and concurrency; returns the result dict."""
-    checkpoint = load_checkpoint(cfg.model, keep_quantized=cfg.quantization == "gguf")
-    tokenizer = checkpoint.tokenizer
-    max_prompt = max(
+def _mode_workloads(cfg: SpecBenchConfig, mode: str) -> list[str]:
+    """Returns the workloads ``mode`` runs: every configured one, plus free text for spec off."""
+    return [*cfg.workloads, *(["free"] if mode == "off" else [])]
+
+
+def _max_prompt_len(cfg: SpecBenchConfig, tokenizer: Tokenizer) -> int:
+    """Returns the longest prompt in tokens over every workload's measured and warm-up prompts
+    (free text included)."""
+    return max(
         len(tokenizer.encode(p, add_special_tokens=False))
         for w in (*cfg.workloads, "free")
         for p in _prompts(tokenizer, w, max(cfg.num_prompts, *cfg.concurrency) + WARMUP)
     )
-    engines: dict[str, LLM] = {}
+
+
+def _measure_repeats(
+    cfg: SpecBenchConfig, engines: dict[str, LLM], tokenizer: Tokenizer
+) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
+    """Returns every run's row per (mode, workload, concurrency), each mode measured once per
+    repeat in alternating order (printing a line per run)."""
     runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for rep in range(cfg.repeats):
+        for mode in run_order(cfg.modes, rep):
+            for workload in _mode_workloads(cfg, mode):
+                for c in (1,) if workload == "free" else cfg.concurrency:
+                    row = measure(engines[mode], tokenizer, workload, c, cfg)
+                    runs.setdefault((mode, workload, c), []).append(row)
+                    print(
+                        f"{workload:10s} {mode:8s} c={c:<3d} run {rep + 1}/{cfg.repeats}"
+                        f" {fmt(row['tok_per_s'], '7.1f')} tok/s"
+                        f"  {fmt(row['tokens_per_step'], '.2f')} tok/step"
+                        f"  acceptance {fmt(row['acceptance_rate'], '.2f')}",
+                        flush=True,
+                    )
+    return runs
+
+
+def _measure_modes(
+    cfg: SpecBenchConfig, checkpoint: Checkpoint, tokenizer: Tokenizer, max_model_len: int
+) -> tuple[dict[tuple[str, str, int], list[dict[str, Any]]], str]:
+    """Builds an engine per mode, warms each up, measures the repeats and shuts every engine
+    down (also on errors); returns the runs per (mode, workload, concurrency) and the dtype
+    the engines computed in."""
+    engines: dict[str, LLM] = {}
     try:
         for mode in cfg.modes:
-            engines[mode] = _engine(checkpoint, mode, cfg, max_prompt + cfg.max_tokens + 1)
+            engines[mode] = _engine(checkpoint, mode, cfg, max_model_len)
         dtype_name = engines[cfg.modes[0]].stats()["dtype"]
         for mode, llm in engines.items():
-            for workload in [*cfg.workloads, *(["free"] if mode == "off" else [])]:
+            for workload in _mode_workloads(cfg, mode):
                 warm = _prompts(tokenizer, workload, WARMUP, offset=1000)
                 llm.generate(warm, _params(workload, cfg.max_tokens), use_tqdm=False)
         # This machine's speed drifts over minutes: every mode runs once per repeat, in
         # alternating order, and a row reports the median.
-        for rep in range(cfg.repeats):
-            for mode in run_order(cfg.modes, rep):
-                for workload in [*cfg.workloads, *(["free"] if mode == "off" else [])]:
-                    for c in (1,) if workload == "free" else cfg.concurrency:
-                        row = measure(engines[mode], tokenizer, workload, c, cfg)
-                        runs.setdefault((mode, workload, c), []).append(row)
-                        print(
-                            f"{workload:10s} {mode:8s} c={c:<3d} run {rep + 1}/{cfg.repeats}"
-                            f" {fmt(row['tok_per_s'], '7.1f')} tok/s"
-                            f"  {fmt(row['tokens_per_step'], '.2f')} tok/step"
-                            f"  acceptance {fmt(row['acceptance_rate'], '.2f')}",
-                            flush=True,
-                        )
+        runs = _measure_repeats(cfg, engines, tokenizer)
     finally:
         for llm in engines.values():
             llm.engine.shutdown()
+    return runs, dtype_name
+
+
+def _simulate(
+    cfg: SpecBenchConfig, rows: list[dict[str, Any]], tokenizer: Tokenizer, max_model_len: int
+) -> dict[str, Any]:
+    """Returns the simulated runs' result: spec off's measured outputs replayed as traces on
+    ``cfg.sim_device`` for every mode (printing a line per row), with their ratios; or a note
+    that nothing was simulated when ``cfg.sim_device`` is None."""
+    if cfg.sim_device is None:
+        return {"measured": False, "reason": "--sim-device none"}
+    eos = set(tokenizer.eos_token_ids)
+    runs = [
+        SimRun(
+            r["workload"],
+            r["concurrency"],
+            tuple(r["prompt_ids"]),
+            tuple(trace_of(t, f, eos) for t, f in zip(r["tokens"], r["finish"], strict=True)),
+            _params(r["workload"], cfg.max_tokens),
+        )
+        for r in rows
+        if r["mode"] == "off" and r["workload"] != "free"
+    ]
+    sim = measure_sim(
+        cfg.model,
+        cfg.sim_device,
+        cfg.sim_shape,
+        runs,
+        cfg.modes,
+        cfg.num_speculative_tokens,
+        max_model_len,
+    )
+    sim["ratios"] = _sim_ratios(sim["rows"])
+    for r in sim["rows"]:
+        print(
+            f"sim {r['workload']:10s} {r['mode']:11s} c={r['concurrency']:<3d} "
+            f"{fmt(r['tok_per_s'], '8.1f')} tok/s  {fmt(r['tokens_per_step'], '.2f')} tok/step",
+            flush=True,
+        )
+    return sim
+
+
+def _config_of(cfg: SpecBenchConfig) -> dict[str, Any]:
+    """Returns the run's settings as the result's ``config`` entry."""
+    return {
+        "concurrency": list(cfg.concurrency),
+        "num_prompts": cfg.num_prompts,
+        "max_tokens": cfg.max_tokens,
+        "num_speculative_tokens": cfg.num_speculative_tokens,
+        "modes": list(cfg.modes),
+        "quantization": cfg.quantization,
+        # Modes without "-fixed" draft as the engine's draft policy chooses.
+        "draft_policy": True,
+        "workloads": list(cfg.workloads),
+        "repeats": cfg.repeats,
+    }
+
+
+def run(cfg: SpecBenchConfig) -> dict[str, Any]:
+    """Measures every mode on every workload and concurrency; returns the result dict."""
+    checkpoint = load_checkpoint(cfg.model, keep_quantized=cfg.quantization == "gguf")
+    tokenizer = checkpoint.tokenizer
+    max_model_len = _max_prompt_len(cfg, tokenizer) + cfg.max_tokens + 1
+    runs, dtype_name = _measure_modes(cfg, checkpoint, tokenizer, max_model_len)
     rows = [_median_row(mode, measured) for (mode, _, _), measured in runs.items()]
     _compare_tokens(rows)
-    sim = {"measured": False, "reason": "--sim-device none"}
-    if cfg.sim_device is not None:
-        eos = set(tokenizer.eos_token_ids)
-        runs = [
-            SimRun(
-                r["workload"],
-                r["concurrency"],
-                tuple(r["prompt_ids"]),
-                tuple(trace_of(t, f, eos) for t, f in zip(r["tokens"], r["finish"], strict=True)),
-                _params(r["workload"], cfg.max_tokens),
-            )
-            for r in rows
-            if r["mode"] == "off" and r["workload"] != "free"
-        ]
-        sim = measure_sim(
-            cfg.model,
-            cfg.sim_device,
-            cfg.sim_shape,
-            runs,
-            cfg.modes,
-            cfg.num_speculative_tokens,
-            max_prompt + cfg.max_tokens + 1,
-        )
-        sim["ratios"] = _sim_ratios(sim["rows"])
-        for r in sim["rows"]:
-            print(
-                f"sim {r['workload']:10s} {r['mode']:11s} c={r['concurrency']:<3d} "
-                f"{fmt(r['tok_per_s'], '8.1f')} tok/s  {fmt(r['tokens_per_step'], '.2f')} tok/step",
-                flush=True,
-            )
+    sim = _simulate(cfg, rows, tokenizer, max_model_len)
     for row in rows:
         del row["tokens"], row["prompt_ids"], row["finish"]
     return {
-        "config": {
-            "concurrency": list(cfg.concurrency),
-            "num_prompts": cfg.num_prompts,
-            "max_tokens": cfg.max_tokens,
-            "num_speculative_tokens": cfg.num_speculative_tokens,
-            "modes": list(cfg.modes),
-            "quantization": cfg.quantization,
-            # Modes without "-fixed" draft as the engine's draft policy chooses.
-            "draft_policy": True,
-            "workloads": list(cfg.workloads),
-            "repeats": cfg.repeats,
-        },
+        "config": _config_of(cfg),
         "rows": rows,
         "goals": _goals(rows),
         "sim": sim,
