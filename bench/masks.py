@@ -210,6 +210,97 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
+@dataclass(frozen=True)
+class _BackendSummary:
+    rows: list[dict[str, Any]]  # one per schema
+    families: dict[str, Any]  # family_summary
+    worst: list[dict[str, Any]]  # the slowest rows' schemas, families and context
+    compiled: dict[str, int]  # schemas, compiled, timeouts, crashes, states
+
+
+def _backend_summary(
+    backend: str,
+    mine: list[TaskRecord],
+    tokenizer: VocabSource,
+    token_bytes: Any,
+    whitespace: str,
+) -> _BackendSummary:
+    """One backend's records as the result's rows, family summary, worst rows and counts."""
+    rows: list[dict[str, Any]] = []
+    per_schema: dict[str, list[_State]] = {}
+    slowest: list[tuple[float, TaskRecord, _State]] = []
+    for record in mine:
+        states = record_states(record, tokenizer, token_bytes, whitespace)
+        stats = _stats([s.us for s in states])
+        row: dict[str, Any] = {
+            "schema": record.task.case.id,
+            "backend": backend,
+            "status": record.status,
+            "error": record.error,
+            "compile_ms": None if record.compile_s is None else record.compile_s * 1e3,
+            "states": stats["states"],
+            "fill_us_p50": stats["p50"],
+            "fill_us_p99": stats["p99"],
+            "fill_us_max": stats["max"],
+            "worst_families": None,
+            "worst_before": None,
+        }
+        if states:
+            per_schema[record.task.case.id] = states
+            top = max(states, key=lambda s: s.us)
+            row["worst_families"] = sorted(top.families) or [PLAIN]
+            slowest.append((top.us, record, top))
+        rows.append(row)
+    slowest.sort(key=lambda x: -x[0])
+    worst = []
+    for us, record, state in slowest[:WORST]:
+        before = _context(record, state, tokenizer, token_bytes, whitespace)
+        worst.append(
+            {
+                "schema": record.task.case.id,
+                "max_us": us,
+                "families": sorted(state.families) or [PLAIN],
+                "before": before,
+            }
+        )
+        for row in rows:
+            if row["schema"] == record.task.case.id:
+                row["worst_before"] = before
+    compiled = {
+        "schemas": len(mine),
+        "compiled": sum(1 for r in mine if r.compiled),
+        "timeouts": sum(1 for r in mine if r.status == "timeout"),
+        "crashes": sum(1 for r in mine if r.status in ("crash", "oom")),
+        "states": sum(len(s) for s in per_schema.values()),
+    }
+    return _BackendSummary(rows, family_summary(per_schema), worst, compiled)
+
+
+def _goals(
+    families: dict[str, dict[str, Any]], worst: dict[str, list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """The goal line: the goal backend's worst family p99 per row against GOAL_P99_US."""
+    if GOAL_BACKEND not in families:
+        return []
+    p99s = [
+        (families[GOAL_BACKEND][f]["p99"], f)
+        for f in FAMILIES
+        if families[GOAL_BACKEND][f]["p99"] is not None
+    ]
+    value, family = max(p99s) if p99s else (None, None)
+    top = worst[GOAL_BACKEND][0] if worst[GOAL_BACKEND] else None
+    return [
+        {
+            "goal": f"{GOAL_BACKEND} mask fill p99 per row, worst family ({family}),",
+            "target": f"<= {GOAL_P99_US:g} us",
+            "value": value,
+            "met": value is not None and value <= GOAL_P99_US,
+            "worst_schema": None if top is None else top["schema"],
+            "worst_schema_us": None if top is None else top["max_us"],
+        }
+    ]
+
+
 def run_masks(
     config: MaskBenchConfig,
     *,
@@ -267,72 +358,14 @@ def run_masks(
     compiled: dict[str, dict[str, int]] = {}
     for backend in run.backends:
         mine = [r for r in records if r.task.backend == backend]
-        per_schema: dict[str, list[_State]] = {}
-        slowest: list[tuple[float, TaskRecord, _State]] = []
-        for record in mine:
-            states = record_states(record, tokenizer, token_bytes, run.whitespace)
-            stats = _stats([s.us for s in states])
-            row: dict[str, Any] = {
-                "schema": record.task.case.id,
-                "backend": backend,
-                "status": record.status,
-                "error": record.error,
-                "compile_ms": None if record.compile_s is None else record.compile_s * 1e3,
-                "states": stats["states"],
-                "fill_us_p50": stats["p50"],
-                "fill_us_p99": stats["p99"],
-                "fill_us_max": stats["max"],
-                "worst_families": None,
-                "worst_before": None,
-            }
-            if states:
-                per_schema[record.task.case.id] = states
-                top = max(states, key=lambda s: s.us)
-                row["worst_families"] = sorted(top.families) or [PLAIN]
-                slowest.append((top.us, record, top))
-            rows.append(row)
-        families[backend] = family_summary(per_schema)
-        slowest.sort(key=lambda x: -x[0])
-        worst[backend] = []
-        for us, record, state in slowest[:WORST]:
-            before = _context(record, state, tokenizer, token_bytes, run.whitespace)
-            worst[backend].append(
-                {
-                    "schema": record.task.case.id,
-                    "max_us": us,
-                    "families": sorted(state.families) or [PLAIN],
-                    "before": before,
-                }
-            )
-            for row in rows:
-                if row["schema"] == record.task.case.id and row["backend"] == backend:
-                    row["worst_before"] = before
-        compiled[backend] = {
-            "schemas": len(mine),
-            "compiled": sum(1 for r in mine if r.compiled),
-            "timeouts": sum(1 for r in mine if r.status == "timeout"),
-            "crashes": sum(1 for r in mine if r.status in ("crash", "oom")),
-            "states": sum(len(s) for s in per_schema.values()),
-        }
-    goals = []
-    if GOAL_BACKEND in families:
-        p99s = [
-            (families[GOAL_BACKEND][f]["p99"], f)
-            for f in FAMILIES
-            if families[GOAL_BACKEND][f]["p99"] is not None
-        ]
-        value, family = max(p99s) if p99s else (None, None)
-        top = worst[GOAL_BACKEND][0] if worst[GOAL_BACKEND] else None
-        goals.append(
-            {
-                "goal": f"{GOAL_BACKEND} mask fill p99 per row, worst family ({family}),",
-                "target": f"<= {GOAL_P99_US:g} us",
-                "value": value,
-                "met": value is not None and value <= GOAL_P99_US,
-                "worst_schema": None if top is None else top["schema"],
-                "worst_schema_us": None if top is None else top["max_us"],
-            }
+        summary = _backend_summary(backend, mine, tokenizer, token_bytes, run.whitespace)
+        rows += summary.rows
+        families[backend], worst[backend], compiled[backend] = (
+            summary.families,
+            summary.worst,
+            summary.compiled,
         )
+    goals = _goals(families, worst)
     return {
         "config": {
             "data": [str(p) for p in run.data],
