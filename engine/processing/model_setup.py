@@ -213,9 +213,9 @@ def _fit_kv_cache(
     if layout.group_windows != (None,):
         return max_model_len
     bs = config.block_size
-    spec = config.speculative_config
-    ahead = 1 + (spec.num_speculative_tokens if spec else 0)  # a step planned ahead, drafts
-    fits = (num_blocks - 1) * bs - ahead
+    # The last token's keys are never written, which leaves the slot a step planned ahead
+    # takes; drafts take the slots that are left, or none.
+    fits = (num_blocks - 1) * bs
     if fits >= max_model_len:
         return max_model_len
     if fits < 2:
