@@ -157,11 +157,16 @@ class StructuredOutputsParams:
         Raises:
             ValueError: the schema text is not JSON.
         """
-        schema = self._given_schema()
-        if self.disable_additional_properties and schema is not None:
-            # vLLM's option closes every object, those that declare no names too.
-            return close_every_object(schema)
-        return schema
+        if not self.disable_additional_properties:
+            return self._given_schema()
+        # vLLM's option closes every object, those that declare no names too: one copy, kept
+        # (admission reads the schema several times).
+        closed = self.__dict__.get("_closed_schema")
+        if closed is None:
+            schema = self._given_schema()
+            closed = None if schema is None else close_every_object(schema)
+            object.__setattr__(self, "_closed_schema", closed)
+        return closed
 
     def _given_schema(self) -> dict[str, Any] | bool | None:
         s = self.json

@@ -136,9 +136,8 @@ class AttentionMetadata:
         q = _host_int64(query_lens, "query_lens")
         s = _host_int64(seq_lens, "seq_lens")
         tables = _host_int64(block_tables, "block_tables")
-        _check_lengths(q, s, tables, block_size)
+        max_q, max_s = _checked_lengths(q, s, tables, block_size)
         num_seqs = q.shape[0]
-        max_q, max_s = int(q.max()), int(s.max())
 
         ctx_lens = s - q
         starts = np.cumsum(q) - q
@@ -217,9 +216,12 @@ def layer_metadata(meta: StepMetadata, num_layers: int) -> tuple[AttentionMetada
     return meta
 
 
-def _check_lengths(q: np.ndarray, s: np.ndarray, tables: np.ndarray, block_size: int) -> None:
-    """Raises ValueError unless query_lens ``q`` and seq_lens ``s`` are 1-D of one length
-    with 1 <= q <= s, and ``tables`` ``[len(q), max_blocks]`` covers every sequence."""
+def _checked_lengths(
+    q: np.ndarray, s: np.ndarray, tables: np.ndarray, block_size: int
+) -> tuple[int, int]:
+    """The longest query and sequence, after checking that query_lens ``q`` and seq_lens
+    ``s`` are 1-D of one length with 1 <= q <= s and that ``tables`` ``[len(q), max_blocks]``
+    covers every sequence (ValueError otherwise)."""
     if q.ndim != 1 or q.shape != s.shape:
         raise ValueError("query_lens and seq_lens must be 1-D tensors of the same length")
     num_seqs = q.shape[0]
@@ -229,8 +231,10 @@ def _check_lengths(q: np.ndarray, s: np.ndarray, tables: np.ndarray, block_size:
         raise ValueError("attention metadata needs at least one sequence")
     if (q < 1).any() or (s < q).any():
         raise ValueError("each sequence needs 1 <= query_len <= seq_len")
-    if int(s.max()) > tables.shape[1] * block_size:
+    max_s = int(s.max())
+    if max_s > tables.shape[1] * block_size:
         raise ValueError("block_tables are too short for seq_lens")
+    return int(q.max()), max_s
 
 
 def _host_int64(value: np.ndarray | torch.Tensor, name: str) -> np.ndarray:

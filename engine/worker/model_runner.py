@@ -194,30 +194,22 @@ class ModelRunner:
         self.host_times.lap("plan_and_copy")
         tables = self.states.block_table[plan.rows]
         layout = self.kv_layout
-        if layout.num_groups == 1:
-            meta: AttentionMetadata | tuple[AttentionMetadata, ...] = AttentionMetadata.build(
+        # Each group's own table and window; each layer gets its group's. One group holds
+        # every layer: the whole table, and the model's window for its windowed layers.
+        one = layout.num_groups == 1
+        groups = [
+            AttentionMetadata.build(
                 plan.query_lens,
                 plan.seq_lens,
-                tables,
+                tables if one else tables[:, g :: layout.num_groups],
                 self.block_size,
                 self.io.device,
                 stage=self.io.to_device,
-                sliding_window=self.model.config.sliding_window,
+                sliding_window=self.model.config.sliding_window if one else window,
             )
-        else:  # each group's own table and window; each layer gets its group's
-            groups = [
-                AttentionMetadata.build(
-                    plan.query_lens,
-                    plan.seq_lens,
-                    tables[:, g :: layout.num_groups],
-                    self.block_size,
-                    self.io.device,
-                    stage=self.io.to_device,
-                    sliding_window=window,
-                )
-                for g, window in enumerate(layout.group_windows)
-            ]
-            meta = tuple(groups[g] for g in layout.layer_groups)
+            for g, window in enumerate(layout.group_windows)
+        ]
+        meta = groups[0] if len(groups) == 1 else tuple(groups[g] for g in layout.layer_groups)
         return self.model(input_ids, positions, self.kv_caches, meta), hidden_index, sample_rows
 
     def _prompt_logprobs(
