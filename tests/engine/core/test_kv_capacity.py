@@ -28,6 +28,7 @@ from baton.engine.kv_capacity import StepShape, blocks_of_span, lone_request_lim
 from baton.engine.kv_layout import kv_cache_layout
 from baton.engine.processing.model_setup import _fit_kv_cache
 from baton.engine.scheduler_output import ModelRunnerOutput
+from baton.engine.speculative_config import SpeculativeConfig
 
 BS = 4
 WINDOW = 8
@@ -46,9 +47,10 @@ def _config(budget: int = 8, blocks: int = 12, prefix_caching: bool = True) -> E
     )
 
 
-def _run(sched: Scheduler, lag: int = 0) -> dict[str, object]:
+def _run(sched: Scheduler, lag: int = 0, rng: random.Random | None = None) -> dict[str, object]:
     """Steps until every request finished (``lag`` steps in flight: 1 under async
-    scheduling); each request's finishing output. Fails after MAX_STEPS steps."""
+    scheduling; ``rng``: how many of a step's drafts are accepted, else none); each request's
+    finishing output. Fails after MAX_STEPS steps."""
     finished: dict[str, object] = {}
     in_flight: deque = deque()
     for _ in range(MAX_STEPS):
@@ -64,6 +66,11 @@ def _run(sched: Scheduler, lag: int = 0) -> dict[str, object]:
                 out = ModelRunnerOutput(ids, [[7] if g else [] for g in grew])
             else:
                 out = fake_output(sched, so)
+            for i, rid in enumerate(ids):  # accepted drafts come before the sampled token
+                drafts = so.scheduled_spec_decode_tokens.get(rid, ())
+                if drafts and out.sampled_token_ids[i] and rng is not None:
+                    kept = list(drafts[: rng.randint(0, len(drafts))])
+                    out.sampled_token_ids[i] = kept + out.sampled_token_ids[i]
             in_flight.append((so, out))
         if len(in_flight) > lag or not sched.has_unfinished_requests():
             so, out = in_flight.popleft()
@@ -96,7 +103,19 @@ def test_the_limit_by_kind_of_group():
     assert lone_request_limit((None, WINDOW), 40, BS, ahead) == 120
 
 
-def _peak_windowed_blocks(sched: Scheduler, lag: int) -> int:
+class _FixedDrafter:
+    """Proposes the same tokens for every request (``Drafter``'s interface)."""
+
+    config = SpeculativeConfig("ngram", 3)
+
+    def can_draft(self, req: Request) -> bool:
+        return True
+
+    def propose(self, req: Request, max_drafts: int) -> tuple[int, ...]:
+        return (5, 6, 5, 6, 5, 6)[:max_drafts]
+
+
+def _peak_windowed_blocks(sched: Scheduler, lag: int, rng: random.Random) -> int:
     """Runs the scheduler's requests to the end; the most blocks any windowed group of one
     request held after a step was planned (checking the full groups hold every block)."""
     kv = sched.kv
@@ -117,26 +136,27 @@ def _peak_windowed_blocks(sched: Scheduler, lag: int) -> int:
         return so
 
     sched.schedule = schedule  # type: ignore[method-assign]
-    finished = _run(sched, lag)
+    finished = _run(sched, lag, rng)
     assert all(o.finish_reason == "length" for o in finished.values())
     return peak
 
 
+@pytest.mark.parametrize("drafts", [0, 3], ids=["no-drafts", "drafts"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "cache"])
-def test_a_windowed_group_holds_at_most_the_rule(async_scheduling, prefix_caching):
-    """Random windows, chunks and lengths in a cache with room to spare: a windowed group
-    never holds more blocks than the rule says, and reaches it in some case (the rule is
-    not loose by a block)."""
+def test_a_windowed_group_holds_at_most_the_rule(async_scheduling, prefix_caching, drafts):
+    """Random windows, chunks and lengths in a cache with room to spare, with or without 3
+    drafts a step (some accepted): a windowed group never holds more blocks than the rule
+    says, and reaches it in some case (the rule is not loose by a block)."""
     rng = random.Random(53)
-    reached = 0
+    reached = drafted = 0
     for case in range(30):
         window, budget = rng.choice([1, 3, 4, 8, 13]), rng.choice([1, 4, 5, 8, 16])
         windows = rng.choice([(window,), (None, window)])
         cfg = _config(budget, 400, prefix_caching)
         kv = KVCacheManager(400, BS, prefix_caching, group_windows=windows)
         cls = AsyncScheduler if async_scheduling else Scheduler
-        sched = cls(cfg, kv, 1024)
+        sched = cls(cfg, kv, 1024, drafter=_FixedDrafter() if drafts else None)
         for i in range(rng.randint(1, 3)):
             prompt = rng.randint(1, 60)
             sched.add_request(
@@ -148,13 +168,14 @@ def test_a_windowed_group_holds_at_most_the_rule(async_scheduling, prefix_cachin
                     ignore_eos=True,
                 )
             )
-        step = StepShape(budget, 0, async_scheduling, prefix_caching)
+        step = StepShape(budget, drafts, async_scheduling, prefix_caching)
         bound = blocks_of_span(step.window_span(window), BS)
-        peak = _peak_windowed_blocks(sched, 1 if async_scheduling else 0)
+        peak = _peak_windowed_blocks(sched, 1 if async_scheduling else 0, rng)
         assert peak <= bound, (case, window, budget, windows)
         reached += peak == bound
+        drafted += sched.num_accepted_tokens
         assert kv.num_used_blocks == 0
-    assert reached
+    assert reached and (drafted > 0) == bool(drafts)
 
 
 # --- the engine's max_model_len ---------------------------------------------------------------
