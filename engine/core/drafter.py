@@ -15,6 +15,7 @@ with a forced ``"`` got none, almost all from that.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
@@ -23,6 +24,8 @@ import numpy as np
 
 from baton.engine.core.request import Request
 from baton.engine.speculative_config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 # Output tokens re-encoded with the forced text, so that its first token boundary is the one
 # the whole text's tokenisation has.
@@ -210,3 +213,41 @@ class Drafter:
             assert self._codec is not None
             piece = self._pieces[token] = self._codec.decode([token], False)
         return piece
+
+
+def propose_within(
+    drafter: Drafter, req: Request, n: int, budget: int, depth: int, max_model_len: int
+) -> tuple[int, ...]:
+    """Up to ``depth`` drafts of ``drafter`` (its ``can_draft`` and ``propose``) that a
+    decoding request (one token this step: ``n`` == 1, else none) feeds after its last token
+    this step, trimmed so that every outcome stays within the step's token ``budget``,
+    max_tokens and ``max_model_len``. A failing proposal is logged and costs the request its
+    drafts only.
+
+    Under async scheduling a request may have tokens in flight (one, or a drafted step's
+    drafts and the token after them): its drafts then follow the drafter's guess of those
+    (its first proposals, not fed). The step verifies them against the real tokens like
+    any draft, so a wrong guess costs rejected rows, never a different output."""
+    in_flight = req.num_output_placeholders
+    if (
+        n != 1
+        or req.num_computed_tokens != req.num_tokens + in_flight - 1
+        or not drafter.can_draft(req)
+    ):
+        return ()
+    sp = req.sampling_params
+    max_tokens = sp.max_tokens if sp.max_tokens is not None else max_model_len
+    # The step yields up to 1 + k tokens: k accepted drafts and one more.
+    room = min(
+        depth,
+        budget - 1,
+        max_tokens - req.num_output_tokens - in_flight - 1,
+        max_model_len - req.num_tokens - in_flight - 1,
+    )
+    if room <= 0:
+        return ()
+    try:
+        return drafter.propose(req, room + in_flight)[in_flight:]
+    except Exception:  # noqa: BLE001 - a drafter's bug costs this request its drafts only
+        logger.exception("request %s: drafting failed; no drafts this step", req.request_id)
+        return ()

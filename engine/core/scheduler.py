@@ -12,9 +12,10 @@ import torch
 from baton.engine.config import EngineConfig
 from baton.engine.core.bitmask_fill import BitmaskFill
 from baton.engine.core.draft_policy import DraftPolicy
-from baton.engine.core.drafter import Drafter
+from baton.engine.core.drafter import Drafter, propose_within
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request, RequestStatus
+from baton.engine.kv_capacity import refusal_message
 from baton.engine.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -70,6 +71,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
+        # Error outputs of requests refused while scheduling, for the next update.
+        self._refused: list[EngineCoreOutput] = []
         self._step_id = 0
         self.num_preemptions = 0
 
@@ -137,13 +140,18 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n <= 0:
                 continue
-            proposed = self._propose_drafts(req, n, budget, depth) if depth else ()
+            proposed = (
+                propose_within(drafter, req, n, budget, depth, self.max_model_len) if depth else ()
+            )
             if depth and policy is not None and drafter.can_draft(req):
                 offered.append(len(proposed))
             n += len(proposed)
             if window:  # the lowest position it may compute again: its last known token's
                 release(req.request_id, min(req.num_computed_tokens, req.num_tokens - 1))
             while (blocks := allocate(req.request_id, req.num_computed_tokens + n)) is None:
+                if len(self.running) == 1:  # alone, every other block free: it never fits
+                    self._refuse(req, req.num_computed_tokens + n)
+                    break
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -178,7 +186,12 @@ class Scheduler:
             blocks = self.kv.allocate_slots(req.request_id, cached + n, cached)
             if blocks is None:
                 req.num_computed_tokens = 0
-                break
+                if self.running:
+                    break
+                alone = self._allocate_alone(req, cached, budget)
+                if alone is None:
+                    continue  # refused: finished with an error
+                n = alone
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -259,41 +272,6 @@ class Scheduler:
         drafting = sum(1 for req in self.running if drafter.can_draft(req))
         return self.draft_policy.depth(len(self.running), drafting)
 
-    def _propose_drafts(self, req: Request, n: int, budget: int, depth: int) -> tuple[int, ...]:
-        """Up to ``depth`` drafts a decoding request feeds after its last token this step,
-        trimmed so that every outcome stays within the token budget, max_tokens and
-        max_model_len.
-
-        Under async scheduling a request may have tokens in flight (one, or a drafted step's
-        drafts and the token after them): its drafts then follow the drafter's guess of those
-        (its first proposals, not fed). The step verifies them against the real tokens like
-        any draft, so a wrong guess costs rejected rows, never a different output."""
-        drafter = self.drafter
-        in_flight = req.num_output_placeholders
-        if (
-            drafter is None
-            or n != 1
-            or req.num_computed_tokens != req.num_tokens + in_flight - 1
-            or not drafter.can_draft(req)
-        ):
-            return ()
-        sp = req.sampling_params
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
-        # The step yields up to 1 + k tokens: k accepted drafts and one more.
-        room = min(
-            depth,
-            budget - 1,
-            max_tokens - req.num_output_tokens - in_flight - 1,
-            self.max_model_len - req.num_tokens - in_flight - 1,
-        )
-        if room <= 0:
-            return ()
-        try:
-            return drafter.propose(req, room + in_flight)[in_flight:]
-        except Exception:  # noqa: BLE001 - a drafter's bug costs this request its drafts only
-            logger.exception("request %s: drafting failed; no drafts this step", req.request_id)
-            return ()
-
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         # Once per request a step: the properties' arithmetic inlined.
         in_flight = req.num_output_placeholders
@@ -308,6 +286,30 @@ class Scheduler:
         max_tokens = req.sampling_params.max_tokens or self.max_model_len
         produced = len(req.output_token_ids) + req.num_output_placeholders
         return produced >= max_tokens or len(req.prompt_token_ids) + produced >= self.max_model_len
+
+    def _allocate_alone(self, req: Request, cached: int, budget: int) -> int | None:
+        """Admits a request that found no room while nothing runs (every block free) without
+        its prefix hits (a windowed group takes them all until the next step's release): the
+        tokens it schedules, or None after refusing it (``_refuse``) if that finds no room."""
+        if cached:
+            req.num_computed_tokens = 0
+            req.num_cached_tokens = 0 if req.num_cached_tokens == cached else req.num_cached_tokens
+            n = self._num_new_tokens(req, budget)
+            if self.kv.allocate_slots(req.request_id, n) is not None:
+                return n
+        self._refuse(req, self._num_new_tokens(req, budget))
+        return None
+
+    def _refuse(self, req: Request, num_tokens: int) -> None:
+        """Fails a request whose ``num_tokens`` find no blocks while it is alone (waiting cannot
+        help); its output goes with the next update. ``kv_capacity.py`` says why it should not
+        happen: the engine's ``max_model_len`` is lowered to what fits."""
+        kv = self.kv
+        message = refusal_message(
+            req.request_id, num_tokens, kv.num_blocks, kv.block_size, self.max_model_len
+        )
+        logger.error("%s", message)
+        self._refused.append(self._fail(req, message))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -400,6 +402,8 @@ class Scheduler:
         if verdicts is None:
             verdicts = self.advance_grammars(so, out)
         results: list[EngineCoreOutput] = []
+        if self._refused:
+            results, self._refused = self._refused, []
         requests, spec = self.requests, so.scheduled_spec_decode_tokens
         preempted, step_id, running = so.preempted_request_ids, so.step_id, RequestStatus.RUNNING
         for rid, tokens in zip(out.request_ids, out.sampled_token_ids, strict=True):

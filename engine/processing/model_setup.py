@@ -23,6 +23,7 @@ from baton.engine.executor.sim_traces import TraceBook
 from baton.engine.executor.uni import UniExecutor
 from baton.engine.executor.worker_process import WorkerProcess
 from baton.engine.host_speed import host_speed_seconds
+from baton.engine.kv_capacity import StepShape, lone_request_limit
 from baton.engine.kv_layout import KVCacheLayout, kv_cache_layout
 from baton.engine.loader import Checkpoint, ShardSpec, load_checkpoint, load_tokenizer
 from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
@@ -201,35 +202,33 @@ def _load_shard(config: EngineConfig, rank: int) -> Checkpoint:
 def _fit_kv_cache(
     config: EngineConfig, max_model_len: int, num_blocks: int, layout: KVCacheLayout
 ) -> int:
-    """``max_model_len``, lowered (with a warning) to what one request can hold alone in
-    ``num_blocks`` blocks: past that a lone request would wait for blocks forever. Only for
-    models whose every layer sees every earlier token: a windowed layer holds its window and
-    a step's chunk at most, which depends on when blocks are released (such models keep the
-    length asked for).
+    """``max_model_len``, lowered (with a warning) to what one request can always hold alone
+    in ``num_blocks`` blocks (``kv_capacity.lone_request_limit``): past that a lone request
+    would wait for blocks forever. Full-attention groups hold every block of the sequence, a
+    windowed one its window and a step's tokens; a model whose every layer is windowed keeps
+    any length once its window's blocks fit.
 
     Raises:
         ValueError: the cache cannot hold even a two-token sequence.
     """
-    if layout.group_windows != (None,):
-        return max_model_len
     bs = config.block_size
-    # The last token's keys are never written, which leaves the slot a step planned ahead
-    # takes; drafts take the slots that are left, or none.
-    fits = (num_blocks - 1) * bs
-    if fits >= max_model_len:
+    fits = lone_request_limit(layout.group_windows, num_blocks, bs, StepShape.of(config))
+    if fits is None or fits >= max_model_len:
         return max_model_len
+    groups = "" if layout.num_groups == 1 else f" over {layout.num_groups} KV cache groups"
     if fits < 2:
         raise ValueError(
-            f"the KV cache's {num_blocks} blocks of {bs} tokens cannot hold a sequence: raise "
-            "kv_cache_memory_bytes (or num_kv_blocks)"
+            f"the KV cache's {num_blocks} blocks of {bs} tokens{groups} cannot hold a "
+            f"sequence: raise kv_cache_memory_bytes (or num_kv_blocks)"
         )
     logger.warning(
-        "max_model_len %d lowered to %d: the KV cache (%d blocks of %d tokens) holds no "
+        "max_model_len %d lowered to %d: the KV cache (%d blocks of %d tokens%s) holds no "
         "longer sequence; raise kv_cache_memory_bytes for longer ones",
         max_model_len,
         fits,
         num_blocks,
         bs,
+        groups,
     )
     return fits
 
