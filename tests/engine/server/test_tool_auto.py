@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 from test_tool_call_formats import (  # noqa: F401 - the tiny model with marker tokens
@@ -131,3 +132,52 @@ def test_auto_opens_calls_at_the_trigger_token(
     # The trigger spelled in pieces would read as a call the grammar never checked.
     assert not walk(backend, tok, auto, ["Let me look. ", spelled(tok, fmt.render(*UTC))])
     assert not walk(backend, tok, auto, ["About ", spelled(tok, fmt.trigger), " tags."])
+
+
+@pytest.mark.parametrize(
+    ("fmt", "ends"),
+    [(HERMES, ("</tool_call>",)), (MISTRAL, ()), (QWEN3_CODER, ("</tool_call>",))],
+    ids=lambda v: v.name if isinstance(v, ToolCallFormat) else "",
+)
+def test_auto_over_http_calls_at_the_trigger_token(
+    marker_servers: dict[str, str],  # noqa: F811
+    marker_tokenizer: Tokenizer,
+    fmt: ToolCallFormat,
+    ends: tuple[str, ...],
+) -> None:
+    """Random weights at temperature 1, the trigger's token pushed up by logit_bias so the
+    model opens a call, 3 seeds: one call whose arguments validate, the trigger and the end
+    marker each written as their one token (the logprobs' tokens), never spelled; without
+    the push the answer is text with no trigger in it."""
+    trigger = marker_ids(marker_tokenizer)[fmt.trigger]
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": p}} for n, p in BOUNDED.items()
+    ]
+    url = f"{marker_servers[fmt.name]}/v1/chat/completions"
+    for seed in range(3):
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "Weather?"}],
+            "tools": tools,
+            "tool_choice": "auto",
+            "max_tokens": 80,
+            "temperature": 1.0,
+            "seed": seed,
+            "logprobs": True,
+            "parallel_tool_calls": False,
+        }
+        reply = httpx.post(url, json=body | {"logit_bias": {str(trigger): 100}}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        out = reply.json()["choices"][0]
+        calls = out["message"]["tool_calls"]
+        assert len(calls) == 1, out
+        function = calls[0]["function"]
+        jsonschema.validate(json.loads(function["arguments"]), BOUNDED[function["name"]])
+        tokens = [t["token"] for t in out["logprobs"]["content"]]
+        for marker in (fmt.trigger, *ends):
+            assert tokens.count(marker) == 1, (marker, tokens)
+            assert "".join(tokens).count(marker) == 1, tokens  # no spelled copy
+    plain = httpx.post(url, json=body | {"max_tokens": 24}, timeout=120).json()
+    message = plain["choices"][0]["message"]
+    if not message.get("tool_calls"):
+        assert fmt.trigger not in (message["content"] or "")
