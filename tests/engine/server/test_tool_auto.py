@@ -23,17 +23,23 @@ from test_tool_call_formats import (  # noqa: F401 - the tiny model with marker 
     marker_servers,
 )
 
+from baton.engine.server.constraints import Constraint
+from baton.engine.server.errors import APIError
+from baton.engine.server.tools import ToolPlan, tool_constraint
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
+from baton.grammar.structural_tag import json_schema_formats
 from baton.grammar.tool_calls import (
     HERMES,
     MISTRAL,
     QWEN3_CODER,
+    TOOL_CALL_FORMATS,
     ToolCallFormat,
     parse_tool_calls,
     tool_call_tag,
 )
+from baton.grammar.tool_formats import OPENAI
 from baton.grammar.validation import validate_spec
 from baton.grammar.xgrammar.backend import XGrammarBackend, bitmask_allowed
 
@@ -181,3 +187,29 @@ def test_auto_over_http_calls_at_the_trigger_token(
     message = plain["choices"][0]["message"]
     if not message.get("tool_calls"):
         assert fmt.trigger not in (message["content"] or "")
+
+
+@pytest.mark.parametrize("fmt", [*TOOL_CALL_FORMATS.values(), OPENAI], ids=lambda f: f.name)
+def test_auto_is_never_left_unchecked_under_another_backend(fmt: ToolCallFormat) -> None:
+    """Only xgrammar reads structural tags: tool_choice auto with another backend is a 400
+    naming it (harmony's too, whose calls were left free before); auto picks xgrammar. With a
+    response format, auto keeps both: calls only, or an answer in that format."""
+    markers = tuple((m, i) for i, m in enumerate(fmt.markers, start=100))
+    plan = ToolPlan((), tuple(TOOLS), tuple(TOOLS), "auto", True, fmt, markers)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for backend in ("guidance", "outlines"):
+        answer = Constraint("response_format", StructuredOutputsParams(schema, backend=backend))
+        for given, default in ((None, backend), (answer, "xgrammar")):
+            with pytest.raises(APIError) as caught:
+                tool_constraint(plan, given, default)
+            error = caught.value
+            assert error.status == 400 and error.param == "tools", error
+            assert repr(backend) in str(error) and "xgrammar" in str(error)
+    for backend in ("auto", "xgrammar"):
+        answer = Constraint("response_format", StructuredOutputsParams(schema, backend=backend))
+        both = tool_constraint(plan, answer, backend)
+        assert both is not None and both.spec.backend == "xgrammar"
+        tag = both.spec.structural_tag
+        assert isinstance(tag, dict)
+        schemas = [f["json_schema"] for f in json_schema_formats(tag)]
+        assert schema in schemas and all(t.parameters in schemas for t in TOOLS)
