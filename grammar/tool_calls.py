@@ -170,10 +170,10 @@ def _auto_at_marker(
     parallel: bool,
 ) -> dict[str, Any]:
     """tool_choice "auto" where ``fmt.trigger`` is one token of the vocabulary: free text in
-    which the trigger's text never appears (spelled in pieces, a parser reading the text
-    would take it for a call the grammar did not check; a control token cannot appear in
-    text at all), each call opened by the trigger's token and constrained to the end of the
-    call (or of the block: Mistral's list), free text again after it. Calls follow one
+    which the trigger's text never appears (neither spelled in pieces, which the model never
+    wrote in training, nor inside another token), each call opened by the trigger's token
+    and constrained to the end of the call (or of the block: Mistral's list), its markers as
+    their tokens, free text again after it. Calls follow one
     another (``parallel``) or at most one call (or one block) is made. ``calls_only``,
     ``tags``: ``tool_call_tag``'s calls without free text, and each call's tag."""
     free: dict[str, Any] = {"type": "any_text", "excludes": [fmt.trigger]}

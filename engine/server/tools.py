@@ -222,9 +222,9 @@ def tool_constraint(
     chosen = base.backend if base is not None else backend
     if chosen not in ("auto", "xgrammar"):  # harmony's auto calls too: never left unchecked
         raise bad_request(
-            f"tool calls need the xgrammar backend (structural tags: tool_choice "
-            f"{plan.mode!r} opens calls at the format's trigger), but {chosen!r} was asked "
-            "for; use tool_choice 'none' or the xgrammar or auto backend",
+            f"tool calls need the xgrammar backend (the only one that reads structural "
+            f"tags), but {chosen!r} was asked for; use the xgrammar or auto backend, or "
+            "tool_choice 'none'",
             "tools",
         )
     answer_format = None
