@@ -17,13 +17,13 @@ each call's arguments constrained to its function's parameters schema:
 - a named function: ``required`` with that one function.
 
 Without ``parallel`` at most one call is made. Given the tokenizer's ids of the format's
-markers, calls that start at the first token (required, named, or auto with an answer format)
-write each marker as its one token (``baton.grammar.tool_markers``). gpt-oss's harmony
-(``harmony_call_tag``) is all markers: its free analysis channel, then the calls, as tokens.
-``parse_tool_calls``
-(``baton.grammar.tool_parse``) reads calls back from (possibly unfinished) text, so a stream
-can send each call's arguments as they grow. Nothing here depends on a backend or on the
-engine.
+markers, the calls write each marker as its one token (``baton.grammar.tool_markers``); in
+``auto`` a trigger that is one token opens each call as that token, and its text never appears
+in the free text around the calls (a trigger of several tokens is matched as text). gpt-oss's
+harmony (``harmony_call_tag``) is all markers: its free analysis channel, then the calls, as
+tokens. ``parse_tool_calls`` (``baton.grammar.tool_parse``) reads calls back from (possibly
+unfinished) text, so a stream can send each call's arguments as they grow. Nothing here
+depends on a backend or on the engine.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from baton.grammar.tool_formats import (
     detect_tool_call_format,
     tool_call_format,
 )
-from baton.grammar.tool_markers import Markers, bind_markers, literal_parts
+from baton.grammar.tool_markers import Markers, bind_markers, literal_parts, token_format
 from baton.grammar.tool_parse import ParsedOutput, ParsedToolCall, parse_tool_calls
 
 __all__ = [
@@ -107,9 +107,10 @@ def tool_call_tag(
             called (e.g. ``{"type": "json_schema", ...}`` for a response format); the output
             is then either calls only or such an answer.
         markers: the token ids of ``fmt.markers`` that are one token of the model's
-            vocabulary; calls that start at the first token write them as those tokens (in
-            "auto" without an answer the calls start inside free text, at ``fmt.trigger``
-            as text, and keep the markers as text).
+            vocabulary; the calls write them as those tokens. In "auto" without an answer
+            the calls start inside free text: at ``fmt.trigger``'s token where it is one
+            (the free text then never holds its text), else at its text (the markers then
+            stay text).
 
     Raises:
         ValueError: no tools, duplicate names, or ``answer`` with mode "required".
@@ -142,6 +143,13 @@ def tool_call_tag(
     if answer is not None:
         either = {"type": "or", "elements": [bind_markers(calls_only, markers or {}), answer]}
         return {"type": "structural_tag", "format": either}
+    if fmt.trigger in (markers or {}) and (fmt.block_begin or fmt.call_prefix).startswith(
+        fmt.trigger
+    ):
+        return {
+            "type": "structural_tag",
+            "format": _auto_at_marker(calls_only, tags, fmt, markers or {}, parallel),
+        }
     return {
         "type": "structural_tag",
         "format": {
@@ -152,6 +160,38 @@ def tool_call_tag(
             "stop_after_first": block or not parallel,
         },
     }
+
+
+def _auto_at_marker(
+    calls_only: dict[str, Any],
+    tags: list[dict[str, Any]],
+    fmt: ToolCallFormat,
+    markers: Markers,
+    parallel: bool,
+) -> dict[str, Any]:
+    """tool_choice "auto" where ``fmt.trigger`` is one token of the vocabulary: free text in
+    which the trigger's text never appears (neither spelled in pieces, which the model never
+    wrote in training, nor inside another token), each call opened by the trigger's token
+    and constrained to the end of the call (or of the block: Mistral's list), its markers as
+    their tokens, free text again after it. Calls follow one
+    another (``parallel``) or at most one call (or one block) is made. ``calls_only``,
+    ``tags``: ``tool_call_tag``'s calls without free text, and each call's tag."""
+    free: dict[str, Any] = {"type": "any_text", "excludes": [fmt.trigger]}
+    opened = {
+        "type": "tag",
+        "begin": "",
+        "content": free,
+        "end": token_format(markers[fmt.trigger]),
+    }
+    cut = len(fmt.trigger)
+    block = bool(fmt.block_begin or fmt.block_end)
+    if block:  # one block: [TOOL_CALLS] then [call, call]
+        rest: dict[str, Any] = {**calls_only, "begin": calls_only["begin"][cut:]}
+    else:  # each call opens with the trigger
+        rest = {"type": "or", "elements": [{**t, "begin": t["begin"][cut:]} for t in tags]}
+    call = {"type": "sequence", "elements": [opened, bind_markers(rest, markers)]}
+    repeat = "star" if parallel and not block else "optional"
+    return {"type": "sequence", "elements": [{"type": repeat, "content": call}, free]}
 
 
 # Harmony (gpt-oss): the prompt opened the assistant's message (``<|start|>assistant``); a

@@ -212,18 +212,20 @@ def tool_constraint(
     analysis message of at most ``max_reasoning_tokens`` (``harmony_call_tag``).
 
     Raises:
-        APIError: 400 when the request asks for another backend than xgrammar (the only one
-            that reads structural tags), or its constraint cannot be placed in a tag.
+        APIError: 400 when the request asks for another backend than xgrammar or auto (only
+            xgrammar reads structural tags; any tool_choice but "none", harmony's included),
+            or its constraint cannot be placed in a tag.
     """
     if plan.mode == "none":
         return answer
     base = answer.spec if answer is not None else None
     chosen = base.backend if base is not None else backend
-    if plan.harmony and plan.mode == "auto" and chosen not in ("auto", "xgrammar"):
-        return answer  # harmony's auto calls are free under another backend, as before
-    if chosen not in ("auto", "xgrammar"):
+    if chosen not in ("auto", "xgrammar"):  # harmony's auto calls too: never left unchecked
         raise bad_request(
-            f"tool calls need the xgrammar backend, but {chosen!r} was asked for", "tools"
+            f"tool calls need the xgrammar backend (the only one that reads structural "
+            f"tags), but {chosen!r} was asked for; use the xgrammar or auto backend, or "
+            "tool_choice 'none'",
+            "tools",
         )
     answer_format = None
     if plan.mode == "auto" and answer is not None:

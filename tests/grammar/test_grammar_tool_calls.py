@@ -205,8 +205,19 @@ def test_markers_become_their_tokens() -> None:
     assert call["content"]["elements"][0]["value"].startswith('\n{"name": "get_time"')
     block = tool_call_tag(TOOLS, "required", fmt=MISTRAL, markers=ids)["format"]
     assert block["begin"] == {"type": "token", "token": 5} and block["end"] == "]"
-    auto = tool_call_tag(TOOLS, "auto", markers=ids)["format"]
-    assert auto["triggers"] == ["<tool_call>"]  # free text: the trigger stays text
+    # auto: free text without the trigger's text, each call opened by the trigger's token.
+    calls, after = tool_call_tag(TOOLS, "auto", markers=ids)["format"]["elements"]
+    assert after == {"type": "any_text", "excludes": ["<tool_call>"]}
+    opened, call = calls["content"]["elements"]
+    assert opened == {"type": "tag", "begin": "", "content": after, "end": ids_token(3)}
+    assert [t["end"] for t in call["elements"]] == [ids_token(4)] * len(TOOLS)
+    assert call["elements"][0]["begin"].startswith('\n{"name": "')
+    text = tool_call_tag(TOOLS, "auto", markers={"</tool_call>": 4})["format"]
+    assert text["triggers"] == ["<tool_call>"]  # a trigger without its token stays text
+
+
+def ids_token(token_id: int) -> dict[str, object]:
+    return {"type": "token", "token": token_id}
 
 
 def test_harmony_tag_needs_its_markers() -> None:
