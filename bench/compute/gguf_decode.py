@@ -13,7 +13,7 @@ transparent huge pages at the end (``AnonHugePages``; where the GGUF blocks are 
 buffers ask for them: ``kernels/huge_pages.py``), and the load average when it started.
 For the configurations that keep the GGUF blocks it also reports the bandwidth a batch-1
 step reads the weights at (the file's bytes a step reads, times b1 tok/s) against this
-machine's copy and read bandwidth with the same threads (``bench/memory_bandwidth.py``).
+machine's copy and read bandwidth with the same threads (``bench/compute/memory_bandwidth.py``).
 Writes JSON.
 
     baton bench gguf_decode [--model PATH] [--steps 32] [--repeats 2]
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from baton.bench.common import add_common_args, run_order, write_results
-from baton.bench.memory_bandwidth import memory_bandwidth, weight_bytes_per_token
+from baton.bench.compute.memory_bandwidth import memory_bandwidth, weight_bytes_per_token
 from baton.bench.tables import COMPACT, markdown_table, where_run
 from baton.engine.loader import default_model_path
 

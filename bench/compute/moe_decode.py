@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from baton.bench.common import RESULTS_DIR, csv_of, judge_goal, print_goals, write_results
-from baton.bench.forward import BatonCase
+from baton.bench.offline.forward import BatonCase
 from baton.bench.plotting import pyplot
 from baton.bench.tables import COMPACT, markdown_table, where_run
 from baton.engine.config import auto_dtype

@@ -17,7 +17,7 @@ Without CUDA or triton it prints one line and exits 0 without writing anything. 
 in L2, so their times are a best case; where a call's host work (checks, launch) outlasts its
 GPU work, the time is the host's.
 
-    python -m baton.bench.paged_attention [--batches 1,8,32,64] [--contexts 256,1024,4096]
+    python -m baton.bench.compute.paged_attention [--batches 1,8,32,64] [--contexts 256,1024,4096]
         [--dtype bfloat16|float16|float32] [--block-n 64] [--repeats 15] [--inner 10]
         [--out bench/results/paged_attention.json]
 """

@@ -1,6 +1,6 @@
 """The one prepared GPU check (issue 9): GPU tests, async vs sync on CUDA, paged attention.
 
-Two halves, both driven by ``bench/gpu_check.sh``:
+Two halves, both driven by ``bench/gpu/gpu_check.sh``:
 
 ``prepare`` runs here, where PyPI is reachable: it downloads wheels of the packages baton needs
 that the GPU machine's Python (3.12, with torch and triton) lacks, and writes the default
@@ -17,19 +17,19 @@ the working tree). The default model itself (98 MB) is too large to travel.
    9 heads, 3 KV heads) over its real tokenizer, which costs the same per step. Decode steps
    replay CUDA graphs (the engine's default).
 4. ``engine_eager.json`` / ``engine_eager.png``: the same with ``--enforce-eager``.
-5. ``profile/``: ``bench/gpu_profile.py``, where a step's time goes (torch.profiler, cProfile).
+5. ``profile/``: ``bench/gpu/gpu_profile.py``, where a step's time goes (torch.profiler, cProfile).
 6. ``paged_attention.json``: the Triton decode kernel against the torch paths.
 7. ``graph_launch.json``: host time of a CUDA graph launch by node count and by what the GPU
-   is doing (``bench/graph_launch.py``).
+   is doing (``bench/gpu/graph_launch.py``).
 8. ``summary.txt``: the short summary it also prints; ``gpu_check.json``: all of it in one file
    (``collect``), which is what comes back to ``bench/results/`` and the README.
 
 Each stage has a time limit so that the whole check ends in under 8 minutes on an H200; a stage
 that fails or times out is reported and the others still run.
 
-    python -m baton.bench.gpu_check prepare [--dir .gpu_check]
-    python -m baton.bench.gpu_check run --out DIR [--prep .gpu_check]
-    python -m baton.bench.gpu_check collect --src DIR [--out bench/results/gpu_check.json]
+    python -m baton.bench.gpu.gpu_check prepare [--dir .gpu_check]
+    python -m baton.bench.gpu.gpu_check run --out DIR [--prep .gpu_check]
+    python -m baton.bench.gpu.gpu_check collect --src DIR [--out bench/results/gpu_check.json]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PREP = ROOT / ".gpu_check"
 # What the GPU machine's image lacks (its torch, triton, transformers, tokenizers, numpy, jinja2,
 # safetensors, attrs, pytest and hypothesis are used as they are), pinned to the versions
@@ -95,8 +95,8 @@ def prepare(directory: Path) -> None:
     Raises:
         subprocess.CalledProcessError: a wheel could not be downloaded.
     """
-    from baton.bench.engine import TinyModelShape
-    from baton.bench.server_process import write_tiny_model_dir
+    from baton.bench.offline.engine import TinyModelShape
+    from baton.bench.serving.server_process import write_tiny_model_dir
     from baton.engine.loader import load_tokenizer
 
     wheels = directory / "wheels"
@@ -142,8 +142,8 @@ def model_for_engine_bench(prep: Path, out: Path) -> str | None:
     else a folder with a random-weight model of the default model's shape."""
     if default_model_installed():
         return None
-    from baton.bench.engine import TinyModelShape
-    from baton.bench.server_process import write_tiny_model_dir
+    from baton.bench.offline.engine import TinyModelShape
+    from baton.bench.serving.server_process import write_tiny_model_dir
     from baton.engine.loader import load_tokenizer
 
     smollm2 = TinyModelShape(
@@ -166,14 +166,14 @@ PROFILE_CASES = (
     "async_json_graphs",
     "async_json_graphs_nofill",
 )
-"""The profile stage's cases (``bench/gpu_profile.py``): about 25 s each on the H200."""
+"""The profile stage's cases (``bench/gpu/gpu_profile.py``): about 25 s each on the H200."""
 
 
 def stages(out: Path, model: str | None, prep: Path = DEFAULT_PREP) -> list[Stage]:
     """The check's commands, in order, with their time limits (about 7 minutes in all)."""
     py = sys.executable
     models = [] if model is None else ["--model", model]
-    engine = [py, "-m", "baton.bench.engine", "--regimes", "a", "--device", "cuda", *models]
+    engine = [py, "-m", "baton.bench.offline.engine", "--regimes", "a", "--device", "cuda", *models]
     # Two repeats: the modes swap order between them, so a cost the first run in the process
     # pays (a plan cache, a compile) does not land on one mode only.
     engine += ["--batches", "1,8,32,64,256", "--json-fractions", "0,1"]
@@ -181,13 +181,13 @@ def stages(out: Path, model: str | None, prep: Path = DEFAULT_PREP) -> list[Stag
     # more than 100 s on the H200 at 07b53a1).
     eager = [*engine, "--repeats", "1", "--enforce-eager", "--out", str(out / "engine_eager.json")]
     engine += ["--repeats", "2", "--out", str(out / "engine.json")]
-    profile = [py, "-m", "baton.bench.gpu_profile", "--out", str(out / "profile"), *models]
+    profile = [py, "-m", "baton.bench.gpu.gpu_profile", "--out", str(out / "profile"), *models]
     profile += ["--cases", ",".join(PROFILE_CASES)]
     tests = [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--timeout", "120"]
     tests += [f"--junitxml={out / 'gpu_tests.xml'}", *gpu_test_files()]
-    attention = [py, "-m", "baton.bench.paged_attention", "--repeats", "7", "--inner", "10"]
+    attention = [py, "-m", "baton.bench.compute.paged_attention", "--repeats", "7", "--inner", "10"]
     attention += ["--out", str(out / "paged_attention.json")]
-    launch = [py, "-m", "baton.bench.graph_launch", "--out", str(out / "graph_launch.json")]
+    launch = [py, "-m", "baton.bench.gpu.graph_launch", "--out", str(out / "graph_launch.json")]
     launch += models  # the engine's own decode graph too
     return [
         # The tests' tiny models take the default model's tokenizer from the prepared folder.
@@ -277,8 +277,8 @@ def summarize_attention(data: dict[str, Any]) -> list[str]:
 
 
 def summarize_graph_launch(data: dict[str, Any]) -> list[str]:
-    """Host µs per graph launch by node count and situation (``bench/graph_launch.py``)."""
-    from baton.bench.graph_launch import table
+    """Host µs per graph launch by node count and situation (``bench/gpu/graph_launch.py``)."""
+    from baton.bench.gpu.graph_launch import table
 
     return table(data.get("rows", [])).splitlines()
 
@@ -331,7 +331,7 @@ def run(out: Path, prep: Path, only: frozenset[str] | None = None) -> int:
         "python": sys.version.split()[0],
         "default_model": default_model_installed(),
         # This host's speed at the engine's kind of work: the simulator's calibration
-        # (bench/sim_calibration.py) scales the runner's host costs between machines by it.
+        # (bench/sim/sim_calibration.py) scales the runner's host costs between machines by it.
         "host_speed_s": measure_host_speed(),
     }
     (out / "env.json").write_text(json.dumps(env, indent=2))

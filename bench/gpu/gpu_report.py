@@ -117,7 +117,7 @@ def _launch_line(d: dict[str, Any]) -> str | None:
     slopes = launch.get("per_node_us") or {}
     biggest = max(launch["rows"], key=lambda r: r["nodes"])
     return (
-        f"CUDA graph launch, host time (`bench/graph_launch.py`): {biggest['nodes']} nodes "
+        f"CUDA graph launch, host time (`bench/gpu/graph_launch.py`): {biggest['nodes']} nodes "
         + ", ".join(f"{s} {biggest[s]:.0f} us" for s in ("idle", "busy", "same", "other"))
         + "; per node: "
         + ", ".join(f"{s} {v:.2f} us" for s, v in slopes.items() if v is not None)

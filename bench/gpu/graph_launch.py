@@ -28,7 +28,7 @@ graph was launched on an idle GPU just before, so it is executing (not queued) a
 In the engine the previous step's graph may still run when the next is launched; the
 ``same`` situation only covers a launch still queued behind other work.
 
-    python -m baton.bench.graph_launch [--nodes 10,100,400,1000] [--repeats 50]
+    python -m baton.bench.gpu.graph_launch [--nodes 10,100,400,1000] [--repeats 50]
         [--kind-nodes 320] [--model DIR] [--out bench/results/graph_launch.json]
 """
 

@@ -7,7 +7,7 @@ accepted, finishes by reason, "error" finishes by cause, wall time, and the comp
 service's statistics when the engine has them. ``--hog N`` runs N busy-looping processes
 beside the burst (the loaded-machine case); they are stopped by pid afterwards.
 
-    python -m baton.bench.compile_burst [--label NAME] [--hog N] [--out PATH]
+    python -m baton.bench.grammars.compile_burst [--label NAME] [--hog N] [--out PATH]
 
 Each run is kept in the JSON file under its label (a later run of the same label replaces
 it), so the file holds e.g. a "before" and an "after" run side by side.
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from baton.bench.common import add_common_args, run_info, write_results
-from baton.bench.engine import TinyModelShape, tiny_checkpoint
-from baton.bench.grammar import default_data_dir
+from baton.bench.grammars.grammar import default_data_dir
+from baton.bench.offline.engine import TinyModelShape, tiny_checkpoint
 from baton.bench.plotting import pyplot
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.loader import load_tokenizer

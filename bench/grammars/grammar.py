@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from baton.bench import common
-from baton.bench.grammar_report import (
+from baton.bench.grammars.grammar_report import (
     auto_rows,
     format_report,
     mask_cdf,
@@ -53,8 +53,8 @@ from baton.bench.grammar_report import (
     summarize,
     write_csv,
 )
-from baton.bench.grammar_runner import run_tasks
-from baton.bench.grammar_worker import (
+from baton.bench.grammars.grammar_runner import run_tasks
+from baton.bench.grammars.grammar_worker import (
     BackendFactory,
     SchemaCase,
     Task,
@@ -68,7 +68,7 @@ from baton.bench.grammar_worker import (
 from baton.grammar.spec import AUTO_ORDER
 from baton.grammar.vocab import VocabSource
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 DEFAULT_OUT = RESULTS / "grammar.json"
 

@@ -4,7 +4,7 @@ Same compiled grammars, same token walks (valid instances of the shared
 schemas), the two interleaved schema by schema. Prints µs per token for each
 and the overhead ratio (goal: wrapper <= 1.10 x raw); writes JSON.
 
-    python -m baton.bench.grammar_overhead [--data PATH] [--limit 60]
+    python -m baton.bench.grammars.grammar_overhead [--data PATH] [--limit 60]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.xgrammar.backend import XGrammarBackend
 
 DEFAULT_DATA = Path(
-    os.environ.get("BATON_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")
+    os.environ.get("BATON_DATA_DIR", Path(__file__).resolve().parents[3] / "shared" / "data")
 )
 
 

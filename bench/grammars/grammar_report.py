@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from baton.bench.grammar_runner import TaskRecord
+from baton.bench.grammars.grammar_runner import TaskRecord
 from baton.bench.plotting import pyplot
 from baton.grammar.schema.normalise import close_object_schemas
 from baton.grammar.spec import AUTO_ORDER

@@ -23,13 +23,13 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext
 from typing import Any, Literal
 
-from baton.bench.grammar_worker import Task, WorkerConfig, worker_main
+from baton.bench.grammars.grammar_worker import Task, WorkerConfig, worker_main
 
 STARTUP_TIMEOUT_S = 300.0
 """A worker that has not built its backends by then stops the run."""
 
 PRELOAD = (
-    "baton.bench.grammar_worker",
+    "baton.bench.grammars.grammar_worker",
     "baton.grammar.xgrammar.backend",
     "baton.grammar.outlines.backend",
     "baton.grammar.guidance.backend",

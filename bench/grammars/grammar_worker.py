@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from baton.bench.common import require_positive_ints
-from baton.bench.mask_families import in_schema_order
+from baton.bench.grammars.mask_families import in_schema_order
 from baton.grammar.backend import CompiledGrammar, GrammarBackend, GrammarError, allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.validation import validate_spec

@@ -7,7 +7,7 @@ recorded, the run goes on; schemas compile with ``allow_unenforced`` unless
 order both backends generate), is walked token by token with ``--rows`` matchers side by
 side, and before each token the bitmask of all rows is filled with the backend's batched call,
 as the engine fills a batch. Every state is put in the feature families it stands inside
-(``bench/mask_families.py``: bounded strings, patterns, formats, enums and consts, nested
+(``bench/grammars/mask_families.py``: bounded strings, patterns, formats, enums and consts, nested
 objects, array bounds, anyOf/oneOf, deep $ref; "plain" for none) and its fill time per row
 goes to each. Reports p50/p99/max per family and backend, the 10 schemas with the slowest
 state per backend (named, with the text before that state), and the goal: p99 <= 200 us per
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from baton.bench import common
-from baton.bench.grammar import (
+from baton.bench.grammars.grammar import (
     BACKENDS,
     RESULTS,
     GrammarBenchConfig,
@@ -44,8 +44,8 @@ from baton.bench.grammar import (
     load_cases,
     load_model_tokenizer,
 )
-from baton.bench.grammar_runner import TaskRecord, run_tasks
-from baton.bench.grammar_worker import (
+from baton.bench.grammars.grammar_runner import TaskRecord, run_tasks
+from baton.bench.grammars.grammar_worker import (
     BackendFactory,
     SchemaCase,
     Task,
@@ -54,7 +54,7 @@ from baton.bench.grammar_worker import (
     fed_as_written,
     serialize_instance,
 )
-from baton.bench.mask_families import FAMILIES, PLAIN, state_families
+from baton.bench.grammars.mask_families import FAMILIES, PLAIN, state_families
 from baton.bench.plotting import pyplot
 from baton.grammar.vocab import VocabSource, build_vocab
 

@@ -26,7 +26,7 @@ from typing import Any
 import jsonschema
 
 from baton.bench.common import add_common_args, write_results
-from baton.bench.grammar import default_data_dir
+from baton.bench.grammars.grammar import default_data_dir
 from baton.bench.plotting import pyplot
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 

@@ -10,7 +10,7 @@ never whole in memory), then quantised by llama.cpp's ``llama-quantize`` (``Q4_K
 ``Q8_0``, ...). Files are cached under ``DEFAULT_DIR`` by shape and type; only the quantised
 file is kept.
 
-    python -m baton.bench.gguf_models --shape llama-1b --type Q4_K_M
+    python -m baton.bench.llama_server.gguf_models --shape llama-1b --type Q4_K_M
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from baton.bench.llama_cpp_build import LlamaCppBuild
-from baton.bench.llama_cpp_build import build as build_llama_cpp
+from baton.bench.llama_server.llama_cpp_build import LlamaCppBuild
+from baton.bench.llama_server.llama_cpp_build import build as build_llama_cpp
 from baton.engine.loader import default_model_path
 
 DEFAULT_DIR = Path.home() / ".cache" / "baton" / "gguf-models"
@@ -95,7 +95,7 @@ class LlamaShape:
 SHAPES: dict[str, LlamaShape] = {
     "llama-1b": LlamaShape(2048, 16, 32, 8, 8192, 128256, tied=True),
     "llama-8b": LlamaShape(4096, 32, 32, 8, 14336, 128256, tied=False),
-    # bench/moe_decode.py's scaled-down MoE shapes: Mixtral's 8 wide experts (top 2) and
+    # bench/compute/moe_decode.py's scaled-down MoE shapes: Mixtral's 8 wide experts (top 2) and
     # Qwen3-MoE's many narrow ones (64 of width 256 here, top 8).
     "mixtral-mini": LlamaShape(1024, 8, 16, 4, 2816, 49152, tied=False, experts=8, experts_used=2),
     "qwen3moe-mini": LlamaShape(1024, 8, 16, 4, 256, 49152, tied=False, experts=64, experts_used=8),

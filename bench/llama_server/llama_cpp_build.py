@@ -3,7 +3,8 @@ llama-cpp-python sdist, for the benchmarks that compare baton with it (nothing i
 needs them); and its ``convert_hf_to_gguf.py``, which the architecture tests run on tiny
 Hugging Face folders (``convert_hf``: only the converter's files are unpacked, nothing built).
 
-The recipe, which this module runs (``python -m baton.bench.llama_cpp_build [--dest DIR]``):
+The recipe, which this module runs
+(``python -m baton.bench.llama_server.llama_cpp_build [--dest DIR]``):
 
 1. ``pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36`` and unpack it;
 2. configure ``vendor/llama.cpp`` with CMake + Ninja: ``-DGGML_NATIVE=OFF

@@ -13,9 +13,9 @@ process tree (PSS: pages shared between its processes counted once), the KV cach
 and, for llama-server, the CPU variant it loaded. Then baton / llama-server per cell.
 
 Engines: ``baton`` (its defaults), ``baton-gguf`` (``--quantization gguf``: the file's blocks
-kept) and ``llama-server`` (built by ``baton.bench.llama_cpp_build`` when missing,
+kept) and ``llama-server`` (built by ``baton.bench.llama_server.llama_cpp_build`` when missing,
 ``--parallel`` = the highest concurrency). Models: ``--model PATH`` or ``--shape llama-1b``
-(a random-weight GGUF of that shape, ``baton.bench.gguf_models``; ``--type Q4_K_M``).
+(a random-weight GGUF of that shape, ``baton.bench.llama_server.gguf_models``; ``--type Q4_K_M``).
 
     baton bench serve_peers [--model PATH | --shape llama-1b --type Q4_K_M]
         [--engines baton,baton-gguf,llama-server] [--concurrency 1,8,16]
@@ -43,10 +43,10 @@ from baton.bench.common import (
     require_positive_ints,
     write_results,
 )
-from baton.bench.gguf_models import SHAPES
-from baton.bench.serve import LevelRun, ServeBenchConfig, percentile, run_level, warm_up
-from baton.bench.serve_peers_report import plot, print_report, ratios
-from baton.bench.server_process import ServerProcess, free_port, sigterm_as_exit
+from baton.bench.llama_server.gguf_models import SHAPES
+from baton.bench.llama_server.serve_peers_report import plot, print_report, ratios
+from baton.bench.serving.serve import LevelRun, ServeBenchConfig, percentile, run_level, warm_up
+from baton.bench.serving.server_process import ServerProcess, free_port, sigterm_as_exit
 from baton.engine.config import EngineConfig
 
 ENGINES = ("baton", "baton-gguf", "llama-server")
@@ -161,7 +161,7 @@ def server_for(engine: str, model: Path, cfg: ServePeersConfig) -> ServerProcess
         server = ServerProcess(str(model), dtype="auto", server_args=args)
         server.command = ["taskset", "-c", f"0-{cfg.threads - 1}", *server.command]
         return server
-    from baton.bench.llama_cpp_build import build
+    from baton.bench.llama_server.llama_cpp_build import build
 
     parallel = max(cfg.concurrency)
     port = free_port()
@@ -234,7 +234,7 @@ def run_engine(engine: str, model: Path, cfg: ServePeersConfig) -> dict[str, Any
     Raises:
         RuntimeError: the server did not start or could not serve the warm-up.
     """
-    from baton.bench.llama_cpp_build import loaded_variant
+    from baton.bench.llama_server.llama_cpp_build import loaded_variant
 
     server = server_for(engine, model, cfg)
     with server:
@@ -299,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     cfg = config_from_args(p, a, ServePeersConfig)  # a bad value: a usage error
     if a.shape is not None:
-        from baton.bench.gguf_models import quantized_model
+        from baton.bench.llama_server.gguf_models import quantized_model
 
         model = quantized_model(a.shape, a.qtype)
     else:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from baton.bench.common import add_common_args, write_results
-from baton.bench.grammar import default_data_dir
+from baton.bench.grammars.grammar import default_data_dir
 from baton.bench.plotting import pyplot
 from baton.engine.config import EngineConfig
 from baton.engine.entrypoints.args import engine_config

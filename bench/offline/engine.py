@@ -12,7 +12,7 @@ executor. Every JSON output that stopped by itself is
 validated against the schema. Prints a table, the ratios the goals need and
 whether each goal was met (it asserts nothing); writes JSON and a PNG.
 
-    python -m baton.bench.engine [--regimes a,b] [--batches 1,8,32,64]
+    python -m baton.bench.offline.engine [--regimes a,b] [--batches 1,8,32,64]
         [--output-len 64] [--json-fractions 0,1] [--repeats 2] [--worker-threads N]
 """
 
@@ -33,9 +33,9 @@ import torch
 
 from baton.bench import common
 from baton.bench.common import csv_of, require_positive_ints, write_results
-from baton.bench.engine_report import compute_ratios, evaluate_goals, plot, print_report
-from baton.bench.engine_sim import add_sim_args, main_sim
-from baton.bench.forward import RESULTS
+from baton.bench.offline.engine_report import compute_ratios, evaluate_goals, plot, print_report
+from baton.bench.offline.forward import RESULTS
+from baton.bench.sim.engine_sim import add_sim_args, main_sim
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.core.stats import StepRecord
 from baton.engine.loader import Checkpoint, expected_weight_shapes, load_checkpoint, load_tokenizer

@@ -29,7 +29,7 @@ import torch
 
 from baton.bench.common import RESULTS_DIR, add_common_args, write_results
 from baton.bench.plotting import pyplot
-from baton.bench.readme_tables import engine_label
+from baton.bench.readme.readme_tables import engine_label
 from baton.engine.loader import load_checkpoint
 from baton.engine.models.attention import AttentionMetadata
 from baton.engine.models.config import ModelConfig

@@ -16,7 +16,7 @@ reference, and the first token where the others differ:
 
 for each dtype asked for (bfloat16 forced where the machine's default is float32), and each
 ``--engine-args`` variant (e.g. ``quantization=int8``). With ``--json`` every request, the
-reference included, is constrained to ``bench/peers.py``'s schema (grammar drafts off but in
+reference included, is constrained to ``bench/offline/peers.py``'s schema (grammar drafts off but in
 their own setting). Writes JSON and a plot.
 
     baton bench invariance [--dtypes float32,bfloat16] [--max-tokens 64] [--settings a,b]
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from baton.bench.common import RESULTS_DIR, csv_of, write_results
-from baton.bench.peers import SCHEMA
+from baton.bench.offline.peers import SCHEMA
 from baton.bench.tables import COMPACT, markdown_table, where_run
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 

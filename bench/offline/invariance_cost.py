@@ -1,7 +1,7 @@
 """What batch invariance costs: this tree against a base commit, side by side in one run.
 
 The same-answer issue's cost goal: free and JSON tokens/s at concurrency 1 and 16 on the
-peers workload (``bench/peers.py``'s prompts and schema, greedy, the default model as the
+peers workload (``bench/offline/peers.py``'s prompts and schema, greedy, the default model as the
 engine loads it by default) must stay at or above 0.95x of the base, in each dtype. Three
 sides are measured, each in its own Python process so that they share nothing:
 
@@ -48,15 +48,19 @@ GOAL = "invariant / base >= 0.95 in every free and JSON cell"
 # baton's packages, as the worktree's shim folder maps them (the package-dir of pyproject.toml
 # and bench/pyproject.toml).
 PACKAGES = ("engine", "grammar", "sampler", "kernels", "bench")
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = Path(__file__).resolve().parents[2]
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     """One side in this process: tokens/s per (mode, concurrency) for ``args.dtype``."""
     import jsonschema
 
-    from baton.bench.peers import SCHEMA, conversation
     from baton.engine import LLM, SamplingParams, StructuredOutputsParams
+
+    try:
+        from baton.bench.offline.peers import SCHEMA, conversation
+    except ImportError:  # a base commit from before bench/'s family folders
+        from baton.bench.peers import SCHEMA, conversation  # type: ignore[no-redef]
 
     engine_args: dict[str, Any] = {"enable_prefix_caching": False}
     if args.not_invariant:

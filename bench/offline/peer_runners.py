@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from baton.bench.forward import build_transformers
+from baton.bench.offline.forward import build_transformers
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.config import num_cpu_cores
 from baton.engine.loader import Checkpoint
 from baton.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from baton.bench.peers import Workload
+    from baton.bench.offline.peers import Workload
 
 # Prompts and tokens each engine is warmed up with, outside the measurements.
 WARMUP_PROMPTS = 2

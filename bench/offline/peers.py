@@ -51,7 +51,7 @@ from baton.bench.common import (
     run_order,
     write_results,
 )
-from baton.bench.peer_runners import (
+from baton.bench.offline.peer_runners import (
     ENGINES,
     GGUF_DTYPE,
     WARMUP_PROMPTS,
@@ -67,7 +67,7 @@ from baton.bench.peer_runners import (
     package_version,
     unavailable,
 )
-from baton.bench.peers_report import compute_ratios, evaluate_goals, plot, print_report
+from baton.bench.offline.peers_report import compute_ratios, evaluate_goals, plot, print_report
 from baton.engine.config import EngineConfig, auto_dtype, num_cpu_cores
 from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
 from baton.engine.tokenizer import Tokenizer
@@ -435,7 +435,7 @@ def run(cfg: PeersConfig) -> dict[str, Any]:
     """Runs every engine of ``cfg``; returns the result dict (rows, ratios, goals, notes)."""
     tokenizer = load_tokenizer(cfg.model)
     if cfg.tiny:
-        from baton.bench.engine import tiny_checkpoint
+        from baton.bench.offline.engine import tiny_checkpoint
 
         ckpt = tiny_checkpoint(tokenizer)
     else:

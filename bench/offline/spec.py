@@ -3,7 +3,7 @@
 Two greedy JSON workloads on one model, at each ``--concurrency`` N (prompts submitted N at a
 time through ``LLM.generate``; at least ``--num-prompts`` prompts per concurrency):
 
-* ``peers``: bench/peers.py's workload (invent a person as JSON; its schema),
+* ``peers``: bench/offline/peers.py's workload (invent a person as JSON; its schema),
 * ``extraction``: facts about a person in the prompt, a schema to fill from them (JSON
   extraction copies from its prompt, which prompt lookup drafts).
 
@@ -18,7 +18,7 @@ GEMMs may compute a row differently in a step of more rows, as with drafts, so a
 go the other way). The goals of the issue are judged on the measured ratios (nothing asserted).
 Then the same prompts run on the simulated accelerator (``--sim-device sim:h200 --sim-shape
 llama-3.1-8b``; ``--sim-device none`` skips it), replaying the spec-off outputs measured here
-as traces (``bench/spec_sim.py``): what the drafts are worth at GPU speed.
+as traces (``bench/sim/spec_sim.py``): what the drafts are worth at GPU speed.
 
     baton bench spec [--concurrency 1,16] [--num-prompts 8] [--max-tokens 96]
         [--num-speculative-tokens 5] [--modes off,grammar,ngram,auto] [--dtype auto]
@@ -50,10 +50,10 @@ from baton.bench.common import (
     run_order,
     write_results,
 )
-from baton.bench.peers import SCHEMA as PEERS_SCHEMA
-from baton.bench.peers import conversation
+from baton.bench.offline.peers import SCHEMA as PEERS_SCHEMA
+from baton.bench.offline.peers import conversation
 from baton.bench.plotting import pyplot
-from baton.bench.spec_sim import (
+from baton.bench.sim.spec_sim import (
     ASYNC,
     ASYNC_OFF,
     FIXED,

@@ -3,7 +3,7 @@
 Two workloads, each at every ``--batches`` size, with async scheduling off (sync, the
 default on this 2-core machine) and on (the model in a worker process):
 
-* ``peers``: ``bench/peers.py``'s schema (length-bounded strings, integer bounds, an array
+* ``peers``: ``bench/offline/peers.py``'s schema (length-bounded strings, integer bounds, an array
   with item counts) and its prompts;
 * ``shared``: a sample of ``--sample`` schemas from the shared data (``--data``): the
   maskbench files whose schema a default request accepts (``backend="auto"``), sorted by
@@ -44,8 +44,9 @@ from typing import Any
 
 import jsonschema
 
-from baton.bench import common, peers
-from baton.bench.grammar import default_data_dir, load_cases
+from baton.bench import common
+from baton.bench.grammars.grammar import default_data_dir, load_cases
+from baton.bench.offline import peers
 from baton.bench.plotting import pyplot
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.loader import Checkpoint, load_checkpoint

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from baton.bench.common import add_common_args, write_results
-from baton.bench.forward import build_transformers
+from baton.bench.offline.forward import build_transformers
 from baton.bench.plotting import pyplot
 from baton.engine import LLM, SamplingParams
 from baton.engine.loader import load_checkpoint

@@ -1,12 +1,12 @@
 """The README's result tables for the engine benchmarks: async vs sync on the CPU and on the
-simulated device, and speculative decoding (used by bench/readme_results.py)."""
+simulated device, and speculative decoding (used by bench/readme/readme_results.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from baton.bench.engine_sim_report import mode_label
+from baton.bench.sim.engine_sim_report import mode_label
 from baton.bench.tables import (
     Column,
     fixed,

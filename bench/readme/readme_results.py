@@ -7,7 +7,7 @@ of docs/results.md with tables rendered from whatever result files exist, each w
 command that produced it, and the text between ``<!-- headline:begin -->`` and
 ``<!-- headline:end -->`` of README.md with the headline sections (``HEADLINE``).
 
-    python -m baton.bench.readme_results [--readme README.md] [--page docs/results.md]
+    python -m baton.bench.readme.readme_results [--readme README.md] [--page docs/results.md]
         [--results DIR]
 """
 
@@ -19,15 +19,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from baton.bench.forward import RESULTS
-from baton.bench.gguf_decode import readme_table as gguf_decode_table
-from baton.bench.gpu_report import gpu_check_table
-from baton.bench.invariance import readme_table as invariance_table
-from baton.bench.invariance_cost import readme_table as invariance_cost_table
-from baton.bench.moe_decode import readme_table as moe_decode_table
-from baton.bench.quant_linear import readme_table as quant_linear_table
-from baton.bench.readme_engine_tables import engine_sim_table, engine_table, spec_table
-from baton.bench.readme_tables import (
+from baton.bench.compute.gguf_decode import readme_table as gguf_decode_table
+from baton.bench.compute.moe_decode import readme_table as moe_decode_table
+from baton.bench.compute.quant_linear import readme_table as quant_linear_table
+from baton.bench.gpu.gpu_report import gpu_check_table
+from baton.bench.llama_server.serve_peers_report import readme_table as serve_peers_table
+from baton.bench.offline.forward import RESULTS
+from baton.bench.offline.invariance import readme_table as invariance_table
+from baton.bench.offline.invariance_cost import readme_table as invariance_cost_table
+from baton.bench.readme.readme_engine_tables import engine_sim_table, engine_table, spec_table
+from baton.bench.readme.readme_tables import (
     compile_burst_table,
     data_parallel_table,
     forward_table,
@@ -42,12 +43,11 @@ from baton.bench.readme_tables import (
     tensor_parallel_table,
     throughput_table,
 )
-from baton.bench.serve_peers_report import readme_table as serve_peers_table
-from baton.bench.sim_calibration_report import readme_table as sim_calibration_table
+from baton.bench.sim.sim_calibration_report import readme_table as sim_calibration_table
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->", "<!-- headline:end -->"
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 README = _ROOT / "README.md"
 RESULTS_PAGE = _ROOT / "docs" / "results.md"
 # The result files whose sections the README shows; docs/results.md shows every one.
@@ -80,19 +80,19 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     (
         "gpu_check.json",
         "On an NVIDIA H200: the prepared GPU check",
-        "bench/gpu_check.sh OUT, then python -m baton.bench.gpu_check collect --src OUT",
+        "bench/gpu/gpu_check.sh OUT, then python -m baton.bench.gpu.gpu_check collect --src OUT",
         gpu_check_table,
     ),
     (
         "sim_calibration.json",
         "The simulated H200 against the real one (calibrated runner costs)",
-        "python -m baton.bench.sim_calibration check",
+        "python -m baton.bench.sim.sim_calibration check",
         sim_calibration_table,
     ),
     (
         "sim_calibration_policy.json",
         "Calibrated simulator, synchronous cells with the draft policy",
-        "python -m baton.bench.sim_calibration check --drafts adaptive --only sync "
+        "python -m baton.bench.sim.sim_calibration check --drafts adaptive --only sync "
         "--out bench/results/sim_calibration_policy.json",
         sim_calibration_table,
     ),
@@ -117,7 +117,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict[str, Any]], str]]] = [
     (
         "grammar_overhead.json",
         "Grammar wrapper overhead",
-        "python -m baton.bench.grammar_overhead",
+        "python -m baton.bench.grammars.grammar_overhead",
         grammar_overhead_table,
     ),
     (
@@ -271,7 +271,7 @@ def render(results: Path = RESULTS) -> str:
         "GPU (the commit, date, CPU model and its bfloat16 units (AMX, AVX512-BF16; recorded "
         "from 2026-12-03 on), dtype and threads of each run are in its JSON file), except "
         "the H200 section, which says where it ran. "
-        "`python -m baton.bench.readme_results` rewrites this section from "
+        "`python -m baton.bench.readme.readme_results` rewrites this section from "
         "`bench/results/*.json`.",
     ]
     return "\n\n".join(parts + _sections(results, None, PAGE_IMAGES))
@@ -280,8 +280,8 @@ def render(results: Path = RESULTS) -> str:
 def render_headline(results: Path = RESULTS) -> str:
     """The README's headline section body: the ``HEADLINE`` result files' sections."""
     lead = (
-        "Rendered from `bench/results/` by `python -m baton.bench.readme_results`, like every "
-        "table in [docs/results.md](docs/results.md), which has the rest."
+        "Rendered from `bench/results/` by `python -m baton.bench.readme.readme_results`, like "
+        "every table in [docs/results.md](docs/results.md), which has the rest."
     )
     return "\n\n".join([lead, *_sections(results, HEADLINE, README_IMAGES)])
 

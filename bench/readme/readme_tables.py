@@ -1,5 +1,5 @@
 """The README's result tables, one renderer per result file of bench/results/ (used by
-bench/readme_results.py), each a caption and its tables declared column by column
+bench/readme/readme_results.py), each a caption and its tables declared column by column
 (bench/tables.py renders them)."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from baton.bench.tables import (
 
 
 def engine_label(d: dict[str, Any]) -> str:
-    """What ``bench/forward.py``'s engine column ran: the dtype, its quantisation and packing
-    (``int8_max_rows``: results recorded before ``quantization`` replaced int8 by rows)."""
+    """What ``bench/offline/forward.py``'s engine column ran: the dtype, its quantisation and
+    packing (``int8_max_rows``: results recorded before ``quantization`` replaced int8 by rows)."""
     parts = [d.get("dtype", "")]
     if d.get("quantization"):
         parts.append(f"{d['quantization']} weights")
@@ -126,7 +126,7 @@ def masks_table(d: dict[str, Any]) -> str:
     caption = (
         f"{cfg['schemas']} schemas and {cfg['tests']} instances of the shared data, each "
         f"walked with {cfg['rows']} matchers filled together per state; time per row. A state "
-        "counts in every family it stands inside (`bench/mask_families.py`). Compiled: "
+        "counts in every family it stands inside (`bench/grammars/mask_families.py`). Compiled: "
         + ", ".join(
             f"{n} {d['compiled'][n]['compiled']}/{d['compiled'][n]['schemas']}" for n in names
         )

@@ -35,9 +35,9 @@ import httpx
 import jsonschema
 
 from baton.bench.common import add_common_args, config_from_args, csv_of, write_results
-from baton.bench.engine import SCHEMA, TinyModelShape, conversations
-from baton.bench.serve_report import plot, print_report
-from baton.bench.server_process import (
+from baton.bench.offline.engine import SCHEMA, TinyModelShape, conversations
+from baton.bench.serving.serve_report import plot, print_report
+from baton.bench.serving.server_process import (
     COMPUTE_INFO,
     ServerProcess,
     parse_metrics,

@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import httpx
 
-from baton.bench.engine import TinyModelShape, tiny_checkpoint
+from baton.bench.offline.engine import TinyModelShape, tiny_checkpoint
 from baton.engine.tokenizer import Tokenizer
 
 LOG_TAIL_CHARS = 4000

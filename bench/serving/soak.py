@@ -18,7 +18,7 @@ The run is bounded: it sends no new request after ``--time-limit`` seconds and e
 has a timeout. The server is stopped at the end, also on errors. Writes JSON (default
 bench/results/soak.json) and a PNG of RSS and in-flight requests over time.
 
-    python -m baton.bench.soak [--tiny] [--requests 2000] [--concurrency 64]
+    python -m baton.bench.serving.soak [--tiny] [--requests 2000] [--concurrency 64]
         [--max-tokens 32] [--time-limit 900] [--model PATH] [--server-arg=--max-num-seqs=32]
 """
 
@@ -41,13 +41,13 @@ import httpx
 
 from baton.bench.common import add_common_args, config_from_args, write_results
 from baton.bench.plotting import pyplot
-from baton.bench.server_process import (
+from baton.bench.serving.server_process import (
     ServerProcess,
     parse_metrics,
     served_dtype,
     write_tiny_model_dir,
 )
-from baton.bench.soak_requests import (
+from baton.bench.serving.soak_requests import (
     VALID_KINDS,
     Outcome,
     SoakRequest,

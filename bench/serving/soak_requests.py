@@ -18,7 +18,7 @@ import httpx
 import jsonschema
 
 if TYPE_CHECKING:
-    from baton.bench.soak import SoakConfig
+    from baton.bench.serving.soak import SoakConfig
 
 VALID_KINDS = ("text", "json", "regex", "choice")
 KINDS = (*VALID_KINDS, "invalid", "disconnect")

@@ -31,9 +31,9 @@ import jsonschema
 
 from baton.bench import common
 from baton.bench.common import RESULTS_DIR, judge_goal, write_results
-from baton.bench.engine_sim_report import mode_label, plot, print_report, timeline_path
-from baton.bench.grammar import default_data_dir
-from baton.bench.sim_traces import (
+from baton.bench.grammars.grammar import default_data_dir
+from baton.bench.sim.engine_sim_report import mode_label, plot, print_report, timeline_path
+from baton.bench.sim.sim_traces import (
     JsonCase,
     chat_prompt,
     free_prompts,
@@ -275,7 +275,7 @@ def build_llm(cfg: SimBenchConfig, mode: str, batch: int, traces: Path) -> LLM:
         sim_traces=str(traces),
         async_scheduling=mode != "sync",
         grammar_fill_thread=mode == "async",
-        # Async vs sync like for like, without drafts (bench/spec.py measures those).
+        # Async vs sync like for like, without drafts (bench/offline/spec.py measures those).
         structured_drafts=False,
         max_num_seqs=batch,
         max_num_batched_tokens=max(2048, 8 * batch),

@@ -1,6 +1,6 @@
 """Fits the simulated accelerator's runner costs to the GPU check, and checks the fit per cell.
 
-The GPU check (``bench/gpu_check.py``) ran ``baton bench engine`` on a GPU: the default
+The GPU check (``bench/gpu/gpu_check.py``) ran ``baton bench engine`` on a GPU: the default
 model's shape with random weights, batches 1-256, free and JSON requests, async and sync
 scheduling, with the decode CUDA graphs and without (``enforce_eager``). This runs the same
 workload (the same prompts, lengths, schema, engine settings and drafts) on the simulated
@@ -18,8 +18,8 @@ device of that GPU, with traces in place of the model's tokens, and
          that the engine here plays the GPU machine's host), and compares each cell's TPOT
          with the GPU's. Writes ``bench/results/sim_calibration.json`` and a plot.
 
-    python -m baton.bench.sim_calibration fit [--gpu-result F] [--profile-log F] [--runs 3]
-    python -m baton.bench.sim_calibration check [--gpu-result F] [--calibration F] [--runs 3]
+    python -m baton.bench.sim.sim_calibration fit [--gpu-result F] [--profile-log F] [--runs 3]
+    python -m baton.bench.sim.sim_calibration check [--gpu-result F] [--calibration F] [--runs 3]
         [--drafts fixed|adaptive] [--only 'sync json']
 
 A new GPU check recalibrates with ``fit`` then ``check`` (one command each).
@@ -41,7 +41,7 @@ import numpy as np
 
 from baton.bench import common
 from baton.bench.common import RESULTS_DIR, write_results
-from baton.bench.engine import (
+from baton.bench.offline.engine import (
     BLOCK_SIZE,
     STEADY_TRIM,
     conversations,
@@ -49,7 +49,7 @@ from baton.bench.engine import (
     request_params,
     summarize,
 )
-from baton.bench.sim_calibration_report import plot
+from baton.bench.sim.sim_calibration_report import plot
 from baton.engine import LLM
 from baton.engine.executor.sim import SimExecutor
 from baton.engine.executor.sim_runner import (
@@ -88,8 +88,8 @@ _STORY = (
 
 # ------------------------------------------------------------------ workload
 def json_instance(i: int) -> dict[str, Any]:
-    """A valid instance of the GPU check's schema (``bench.engine.SCHEMA``), varied by ``i``;
-    about as long as the random-weight model's outputs there (48 tokens on average)."""
+    """A valid instance of the GPU check's schema (``bench.offline.engine.SCHEMA``), varied by
+    ``i``; about as long as the random-weight model's outputs there (48 tokens on average)."""
     name, city = _NAMES[i % len(_NAMES)], _CITIES[i % len(_CITIES)]
     return {
         "name": name,
@@ -205,7 +205,8 @@ def build_llm(
 
 
 def _step_features(steps: Sequence[RunnerStep]) -> list[float]:
-    """Mean features of a run's steady steps (trimmed as ``bench.engine`` trims its rows)."""
+    """Mean features of a run's steady steps (trimmed as ``bench.offline.engine`` trims its
+    rows)."""
     steady = list(steps[STEADY_TRIM : len(steps) - STEADY_TRIM]) or list(steps)
     if not steady:
         return [0.0] * len(HOST_COEFFICIENTS)

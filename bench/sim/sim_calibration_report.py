@@ -1,4 +1,4 @@
-"""The report of ``bench/sim_calibration.py check``: its README table and its plot."""
+"""The report of ``bench/sim/sim_calibration.py check``: its README table and its plot."""
 
 from __future__ import annotations
 

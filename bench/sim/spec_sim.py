@@ -1,6 +1,6 @@
 """``baton bench spec`` on the simulated accelerator: the same workloads at GPU speed.
 
-The CPU runs of ``bench/spec.py`` give, per prompt, the default model's greedy output with
+The CPU runs of ``bench/offline/spec.py`` give, per prompt, the default model's greedy output with
 speculative decoding off. Those outputs become the simulated device's traces (one trace file
 per concurrency: in bfloat16 a prompt's output may depend on its batch), so on the simulator
 every mode verifies its drafts against exactly what the model produced, and acceptance is
