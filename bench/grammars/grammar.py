@@ -315,27 +315,34 @@ def run_benchmark(
         parts = [times[(r["schema"], name)] for r in rows if (r["schema"], name) in times]
         cdf[name] = mask_cdf(np.concatenate(parts) if parts else np.empty(0))
     return {
-        "config": {
-            "data": [str(p) for p in config.data],
-            "schemas": len(cases),
-            "tests": sum(len(c.tests) for c in cases),
-            "backends": list(config.backends),
-            "tokenizer": model,
-            "vocab_size": vocab_size,
-            "whitespace": config.whitespace,
-            "limit": config.limit,
-            "timeout_s": config.timeout_s,
-            "jobs": config.jobs,
-            "max_memory_gb": config.max_memory_gb,
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "versions": _versions(),
-            "wall_s": wall_s,
-        },
+        "config": _config_record(config, cases, model, vocab_size, wall_s),
         "summary": summary,
         "rows": rows,
         "mask_us_cdf": cdf,
         **({} if lenient is None else {"lenient": lenient}),
+    }
+
+
+def _config_record(
+    config: GrammarBenchConfig, cases: list[Any], model: str, vocab_size: int, wall_s: float
+) -> dict[str, Any]:
+    """The result's "config": what ran, on what, and how long it took."""
+    return {
+        "data": [str(p) for p in config.data],
+        "schemas": len(cases),
+        "tests": sum(len(c.tests) for c in cases),
+        "backends": list(config.backends),
+        "tokenizer": model,
+        "vocab_size": vocab_size,
+        "whitespace": config.whitespace,
+        "limit": config.limit,
+        "timeout_s": config.timeout_s,
+        "jobs": config.jobs,
+        "max_memory_gb": config.max_memory_gb,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "versions": _versions(),
+        "wall_s": wall_s,
     }
 
 

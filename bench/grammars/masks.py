@@ -367,29 +367,42 @@ def run_masks(
         )
     goals = _goals(families, worst)
     return {
-        "config": {
-            "data": [str(p) for p in run.data],
-            "schemas": len(cases),
-            "tests": sum(len(c.tests) for c in cases),
-            "backends": list(run.backends),
-            "rows": config.rows,
-            "allow_unenforced": config.allow_unenforced,
-            "fill_repeats": config.fill_repeats,
-            "tokenizer": model,
-            "vocab_size": vocab_size,
-            "whitespace": run.whitespace,
-            "limit": run.limit,
-            "timeout_s": run.timeout_s,
-            "jobs": run.jobs,
-            "load_avg": load_avg,
-            "versions": _versions(),
-            "wall_s": wall_s,
-        },
+        "config": _config_record(config, cases, model, vocab_size, load_avg, wall_s),
         "compiled": compiled,
         "families": families,
         "worst": worst,
         "goals": goals,
         "rows": rows,
+    }
+
+
+def _config_record(
+    config: MaskBenchConfig,
+    cases: list[Any],
+    model: str,
+    vocab_size: int,
+    load_avg: list[float],
+    wall_s: float,
+) -> dict[str, Any]:
+    """The result's "config": what ran, on what, the load before it, and how long it took."""
+    run = config.run
+    return {
+        "data": [str(p) for p in run.data],
+        "schemas": len(cases),
+        "tests": sum(len(c.tests) for c in cases),
+        "backends": list(run.backends),
+        "rows": config.rows,
+        "allow_unenforced": config.allow_unenforced,
+        "fill_repeats": config.fill_repeats,
+        "tokenizer": model,
+        "vocab_size": vocab_size,
+        "whitespace": run.whitespace,
+        "limit": run.limit,
+        "timeout_s": run.timeout_s,
+        "jobs": run.jobs,
+        "load_avg": load_avg,
+        "versions": _versions(),
+        "wall_s": wall_s,
     }
 
 
