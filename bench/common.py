@@ -137,10 +137,16 @@ def _cpuinfo_field(text: str, *names: str) -> str | None:
     return None
 
 
+ISA_LIMIT_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
 def cpu_features(cpuinfo: str | None = None) -> dict[str, Any]:
     """The CPU this runs on: ``cpu_model`` (its model name), ``cpu_flags`` (each feature of
     ``X86_CPU_FLAGS`` or ``ARM_CPU_FLAGS``, by the machine's architecture, mapped to whether the
     CPU reports it) and ``torch_cpu_capability`` (the vector ISA torch's kernels dispatch to).
+
+    ``isa_limits``: those of ``ISA_LIMIT_VARIABLES`` set in the environment, which hold torch
+    and oneDNN below what the CPU has.
 
     ``cpuinfo``: the text of /proc/cpuinfo (read when None); model "unknown" and no flags where
     it cannot be read."""
@@ -159,12 +165,16 @@ def cpu_features(cpuinfo: str | None = None) -> dict[str, Any]:
         "cpu_model": model,
         "cpu_flags": {flag: flag in present for flag in wanted} if present else {},
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # Set to run as on a smaller CPU (``make test-avx2-only``'s variables): then the flags
+        # above are the machine's, not what the kernels used.
+        "isa_limits": {k: os.environ[k] for k in ISA_LIMIT_VARIABLES if os.environ.get(k)},
     }
 
 
 def cpu_description(features: dict[str, Any] | None = None) -> str:
-    """The CPU's model name and its bfloat16 matrix units (AMX, AVX512-BF16), as one line;
-    ``features`` from ``cpu_features`` (read when None)."""
+    """The CPU's model name and its bfloat16 matrix units (AMX, AVX512-BF16), as one line, with
+    the ISA limits set in the environment if any; ``features`` from ``cpu_features`` (read when
+    None)."""
     features = features or cpu_features()
     flags = features["cpu_flags"]
     units = [
@@ -172,7 +182,9 @@ def cpu_description(features: dict[str, Any] | None = None) -> str:
         for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"))
         if flags.get(flag)
     ]
-    return f"{features['cpu_model']} ({', '.join(units) or 'no bf16 units'})"
+    limits = features.get("isa_limits") or {}
+    held = f", limited to {'/'.join(sorted(set(limits.values())))}" if limits else ""
+    return f"{features['cpu_model']} ({', '.join(units) or 'no bf16 units'}{held})"
 
 
 def run_info(**extra: Any) -> dict[str, Any]:

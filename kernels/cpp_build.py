@@ -1,21 +1,27 @@
 """Builds baton's C++ extensions (``kernels/csrc``) with torch's ``cpp_extension`` on first use.
 
-Each extension is compiled once per version of its sources and flags into torch's extension
-cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); it needs g++ and ninja.
+Each extension is compiled once per version of its sources and flags into a folder of torch's
+extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); it needs g++
+and ninja. Processes that load the same extension at once take turns through a lock that dies
+with its holder, so a build killed half way never leaves the next process waiting for ever.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import logging
 import os
 import re
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+logger = logging.getLogger(__name__)
 
 
 def load_extension(stem: str, source: str, cflags: Sequence[str]) -> ModuleType:
@@ -43,13 +49,44 @@ def load_extension(stem: str, source: str, cflags: Sequence[str]) -> ModuleType:
     digest = hashlib.sha256(" ".join(cflags).encode())
     for path in [CSRC / source, *sorted(included_headers(CSRC / source))]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return cpp_extension.load(
-        name=f"{stem}_{digest.hexdigest()[:16]}",
-        sources=[str(CSRC / source)],
-        extra_include_paths=[str(CSRC)],
-        extra_cflags=list(cflags),
-        verbose=os.environ.get("BATON_VERBOSE_BUILD") == "1",
-    )
+    name = f"{stem}_{digest.hexdigest()[:16]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    folder = Path(root) / f"baton_py{sys.version_info[0]}{sys.version_info[1]}" / name
+    with build_turn(folder):
+        return cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / source)],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=list(cflags),
+            build_directory=str(folder),
+            verbose=os.environ.get("BATON_VERBOSE_BUILD") == "1",
+        )
+
+
+@contextlib.contextmanager
+def build_turn(folder: Path) -> Iterator[None]:
+    """This process's turn at ``folder`` (an extension's build folder, created if missing):
+    blocks while another process has its turn there, and on entry removes a ``lock`` file
+    that torch left behind.
+
+    torch's own build lock is a file whose existence is the lock: a build killed half way
+    leaves it, and every later ``cpp_extension.load`` of that folder waits for ever. Ours is an
+    ``flock`` on a separate file, which the kernel releases when its holder dies; every baton
+    process holds it while torch's lock exists, so a ``lock`` seen while holding ours is stale.
+
+    Side effects: creates ``folder`` and ``folder/baton.lock``; may delete ``folder/lock``.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "baton.lock", "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)

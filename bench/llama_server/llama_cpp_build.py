@@ -81,6 +81,35 @@ class LlamaCppBuild:
         libs = list(self.bin_dir.glob("libggml-cpu-*.so"))
         return self.server.is_file() and self.quantize.is_file() and bool(libs)
 
+    def one_variant(self, variant: str) -> Path:
+        """A ``llama-server``, in a folder beside the build's, that can load only the CPU
+        variant ``variant`` (say ``haswell``: AVX2 kernels on an AVX-512 machine, as on an
+        AVX2-only CPU). llama.cpp looks for its variants beside the running program (the
+        resolved path), so the program is copied there, beside links to the build's libraries
+        less the other variants.
+
+        Side effects: replaces that folder's contents.
+
+        Raises:
+            ValueError: this build has no library for ``variant`` (names the ones it has).
+        """
+        lib = self.bin_dir / f"libggml-cpu-{variant}.so"
+        if not lib.is_file():
+            have = sorted(
+                p.name[len("libggml-cpu-") : -3] for p in self.bin_dir.glob("libggml-cpu-*.so")
+            )
+            raise ValueError(
+                f"llama.cpp variant {variant!r} is not built; built: {', '.join(have)}"
+            )
+        dest = self.bin_dir.parent / f"bin-only-{variant}"
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True)
+        shutil.copy2(self.server, dest / self.server.name)
+        for path in self.bin_dir.glob("*.so*"):
+            if not path.name.startswith("libggml-cpu-") or path == lib:
+                (dest / path.name).symlink_to(path)
+        return dest / self.server.name
+
 
 def keep_variants(cmakelists: str, keep: tuple[str, ...] = VARIANTS) -> str:
     """``ggml/src/CMakeLists.txt`` with every x86 CPU variant not in ``keep`` commented out.

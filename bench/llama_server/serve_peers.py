@@ -17,8 +17,15 @@ kept) and ``llama-server`` (built by ``baton.bench.llama_server.llama_cpp_build`
 ``--parallel`` = the highest concurrency). Models: ``--model PATH`` or ``--shape llama-1b``
 (a random-weight GGUF of that shape, ``baton.bench.llama_server.gguf_models``; ``--type Q4_K_M``).
 
+As on an AVX2-only CPU, on an AVX-512 machine: ``--llama-variant haswell`` (llama-server with
+its AVX2 kernels only) and baton under ``make test-avx2-only``'s limits, ``PYTHONPATH=
+tests/avx2_only ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (its C++ kernels take their
+AVX2 paths, ``auto`` picks float32); the result records both (``config``, ``isa_limits``).
+It shows the instruction sets' share, not such a CPU's bandwidth or clock.
+
     baton bench serve_peers [--model PATH | --shape llama-1b --type Q4_K_M]
         [--engines baton,baton-gguf,llama-server] [--concurrency 1,8,16]
+        [--llama-variant haswell]
 """
 
 from __future__ import annotations
@@ -67,6 +74,8 @@ class ServePeersConfig:
     threads: int = 2
     startup_timeout_s: float = 900.0
     settle_s: float = 10.0
+    # llama-server limited to this CPU variant of its build (``LlamaCppBuild.one_variant``).
+    llama_variant: str | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.engines) - set(ENGINES))
@@ -165,7 +174,10 @@ def server_for(engine: str, model: Path, cfg: ServePeersConfig) -> ServerProcess
 
     parallel = max(cfg.concurrency)
     port = free_port()
-    command = [str(build().server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    program = build().server
+    if cfg.llama_variant:
+        program = build().one_variant(cfg.llama_variant)
+    command = [str(program), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     command += ["-t", str(cfg.threads), "-tb", str(cfg.threads), "--parallel", str(parallel)]
     # Each slot holds its prompt (~100 tokens) and its longest answer.
     # -lv 4: the log names the CPU variant loaded and the KV buffer reserved.
@@ -295,6 +307,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         dest="settle_s",
         default=10.0,
         help="idle seconds between the warm-up and the first cell (default 10)",
+    )
+    p.add_argument(
+        "--llama-variant",
+        default=None,
+        help="limit llama-server to one CPU variant of its build (haswell: AVX2 only)",
     )
     a = p.parse_args(argv)
     cfg = config_from_args(p, a, ServePeersConfig)  # a bad value: a usage error

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from baton.engine.loader.errors import ModelLoadError
-from baton.engine.loader.gguf import EXPERTS_MARK, qk_heads, unpermute_qk
+from baton.engine.loader.gguf_names import EXPERTS_MARK, qk_heads, unpermute_qk
 from baton.engine.loader.gguf_reader import GGUFTensor
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.gguf_linear import (

@@ -4,19 +4,30 @@ accounted for."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from baton.engine.models.gguf_linear import PROJECTIONS
+from baton.engine.models.layers import RMSNorm
 from baton.engine.models.moe import load_experts
-
-if TYPE_CHECKING:
-    from baton.engine.models.llama import LlamaForCausalLM
+from baton.kernels.quant_formats import QuantWeight
 
 
-def load_decoder_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
+class DecoderWeights(Protocol):
+    """The parts of a decoder that ``load_decoder_weights`` fills (``LlamaForCausalLM``'s):
+    its layers are ``DecoderLayer``s."""
+
+    embed_tokens: nn.Embedding
+    embed_quant: QuantWeight | None
+    norm: RMSNorm
+    lm_head: nn.Linear | None
+    lm_head_quant: QuantWeight | None
+    layers: nn.ModuleList
+
+
+def load_decoder_weights(model: DecoderWeights, weights: dict[str, torch.Tensor]) -> None:
     """Copies ``weights`` (Hugging Face names) into ``model``: the embedding (taken as it is
     where the model was built for GGUF weights), norms, LM head, each layer's projections
     (q|k|v and gate|up concatenated; those held in GGUF blocks skipped), experts, the layer's

@@ -34,8 +34,9 @@ from baton.engine.worker.prompt_logprobs import (
     queue_prompt_logprobs,
 )
 from baton.engine.worker.request_states import RequestStates
-from baton.engine.worker.runner_values import ForwardOutput, SampledTokens, StepPlan
+from baton.engine.worker.runner_values import ForwardOutput, SampledTokens
 from baton.engine.worker.spec_decode import DraftLayout, record_verified_
+from baton.engine.worker.step_plan import StepPlan
 from baton.sampler import Sampler, SamplingMetadata, apply_token_bitmask_
 from baton.sampler.outputs import LogprobsTensors
 

@@ -14,17 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from baton.engine.scheduler_output import Logprobs, PromptLogprobs
 from baton.engine.worker.device_buffers import DeviceIO, HostCopy
+from baton.engine.worker.step_plan import StepPlan
 from baton.sampler.logprobs import compute_logprobs
-
-if TYPE_CHECKING:  # runner_values carries this module's copies: no import cycle at run time
-    from baton.engine.worker.runner_values import StepPlan
 
 # Hidden rows sent through the LM head at once: a long prompt chunk's float32 logits
 # ([rows, vocab]) are bounded to this many rows (512 x 49152 tokens: 100 MB).

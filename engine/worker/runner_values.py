@@ -1,49 +1,20 @@
-"""The values the model runner hands on: a step's plan, its forward's output for sampling, and
-the sampled tokens on their way to the host (``runner_output`` turns them into the scheduler's
+"""The values the model runner hands on: its forward's output for sampling, and the sampled
+tokens on their way to the host (``runner_output`` turns them into the scheduler's
 ``ModelRunnerOutput``). Frozen, so that steps in flight travel as values, not runner state."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from baton.engine.scheduler_output import Logprobs, ModelRunnerOutput, PromptLogprobs
 from baton.engine.worker.device_buffers import HostCopy
+from baton.engine.worker.prompt_logprobs import PromptLogprobsCopy
 from baton.engine.worker.spec_decode import DraftLayout, accepted_tokens
 from baton.sampler.outputs import LogprobsTensors
-
-if TYPE_CHECKING:
-    from baton.engine.worker.prompt_logprobs import PromptLogprobsCopy
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """A step's batch structure, computed on the host from the CPU mirrors (int64 arrays).
-
-    Attributes:
-        rows: state row of each scheduled request ``[B]``.
-        query_lens, seq_lens: new tokens this step, and tokens after it ``[B]``.
-        token_rows, positions: row and position of every flat token ``[T]``.
-        sample_idx: batch indices of the requests that sample ``[N]``.
-        hidden_index: flat index of their last token ``[N]``.
-    """
-
-    rows: np.ndarray
-    query_lens: np.ndarray
-    seq_lens: np.ndarray
-    token_rows: np.ndarray
-    positions: np.ndarray
-    sample_idx: np.ndarray
-    hidden_index: np.ndarray
-
-    @property
-    def sample_rows(self) -> np.ndarray:
-        """State rows of the requests that sample ``[N]``."""
-        return self.rows[self.sample_idx]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from baton.bench import common
 
 
@@ -119,7 +121,9 @@ def test_run_info_records_the_cpu_model_and_its_flags() -> None:
     assert flags == {flag: flag in listed for flag in wanted}
 
 
-def test_cpu_features_reads_the_units_of_each_machine() -> None:
+def test_cpu_features_reads_the_units_of_each_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in common.ISA_LIMIT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     xeon = common.cpu_features(_SAPPHIRE_RAPIDS)
     assert xeon["cpu_model"] == "Intel(R) Xeon(R) Platinum 8480+"
     if platform.machine().lower() in ("aarch64", "arm64"):
@@ -133,6 +137,15 @@ def test_cpu_features_reads_the_units_of_each_machine() -> None:
     assert not any(zen3["cpu_flags"][f] for f in ("avx512f", "avx512_bf16", "amx_tile"))
     assert common.cpu_description(zen3) == "AMD EPYC 7763 64-Core Processor (no bf16 units)"
     assert common.cpu_features("")["cpu_flags"] == {}
+    assert xeon["isa_limits"] == {}
+
+
+def test_cpu_features_record_the_isa_limits_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    xeon = common.cpu_features(_SAPPHIRE_RAPIDS)
+    assert xeon["isa_limits"] == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert common.cpu_description(xeon).endswith("(AMX, AVX512-BF16, limited to AVX2/avx2)")
 
 
 # bench modules with a ``main`` that write no result JSON of their own, and why.

@@ -11,7 +11,7 @@ import pytest
 from gguf import GGUFReader
 
 from baton.bench.llama_server.gguf_models import SHAPES, LlamaShape, write_random_gguf
-from baton.bench.llama_server.llama_cpp_build import keep_variants, loaded_variant
+from baton.bench.llama_server.llama_cpp_build import LlamaCppBuild, keep_variants, loaded_variant
 from baton.bench.llama_server.serve_peers import (
     ServePeersConfig,
     kv_cache_bytes,
@@ -58,6 +58,24 @@ def test_loaded_variant_reads_the_server_log() -> None:
     log = "load_backend: loaded CPU backend from /x/build/bin/libggml-cpu-zen4.so\nmain: ok"
     assert loaded_variant(log) == "zen4"
     assert loaded_variant("main: ok") is None
+
+
+def test_one_variant_leaves_the_server_only_that_cpu_variant(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    names = ["llama-server", "llama-quantize", "libggml-base.so", "libggml-base.so.0"]
+    names += [f"libggml-cpu-{v}.so" for v in ("x64", "haswell", "zen4")]
+    for name in names:
+        (bin_dir / name).write_text(name)
+    build = LlamaCppBuild(source=tmp_path, bin_dir=bin_dir)
+    server = build.one_variant("haswell")
+    assert server.is_file() and not server.is_symlink()  # llama.cpp resolves its own path
+    assert server.read_text() == "llama-server" and server.parent != bin_dir
+    assert sorted(p.name for p in server.parent.glob("libggml-cpu-*")) == ["libggml-cpu-haswell.so"]
+    assert (server.parent / "libggml-base.so.0").resolve() == bin_dir / "libggml-base.so.0"
+    assert build.one_variant("haswell") == server  # a second call replaces the folder
+    with pytest.raises(ValueError, match="'skylakex' is not built; built: haswell, x64, zen4"):
+        build.one_variant("skylakex")
 
 
 def test_shapes_have_the_real_parameter_counts() -> None:

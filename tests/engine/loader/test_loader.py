@@ -28,7 +28,7 @@ from baton.engine.loader import (
     load_checkpoint,
     load_tokenizer,
 )
-from baton.engine.loader.gguf import unpermute_qk
+from baton.engine.loader.gguf_names import unpermute_qk
 from baton.engine.models.config import ModelConfig
 
 
