@@ -1,6 +1,6 @@
 """The one Markdown table renderer of the results pages: a table from rows of a result JSON and
 its column declarations, the caption + tables + notes shape of a section, and the cells and goal
-lines every benchmark's section shares (used by bench/readme_results.py and each benchmark's
+lines every benchmark's section shares (used by bench/readme/readme_results.py and each benchmark's
 ``readme_table``)."""
 
 from __future__ import annotations

@@ -157,10 +157,10 @@ class EngineConfig:
             (default: the runner's host time per step, spent on the engine thread as on a GPU,
             and kernel floors, as fitted to the GPU check: ``executor/sim_runner.py``), "off"
             (neither: the device's roofline only), or the path of another calibration file (as
-            ``bench/sim_calibration.py`` writes).
+            ``bench/sim/sim_calibration.py`` writes).
         sim_time_scale: a simulated device's times are multiplied by this (> 0; default 1).
             Set to how many times slower this host is than the GPU machine's, a run plays
-            that machine in slow motion (``bench/sim_calibration.py`` does).
+            that machine in slow motion (``bench/sim/sim_calibration.py`` does).
         grammar_compile_timeout_s: time limit of one grammar compile's own running time
             (its worker process's CPU time: neither its wait in the compile queue nor a
             busy machine counts); past it the worker is killed and the spec fails.

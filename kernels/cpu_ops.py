@@ -255,7 +255,7 @@ def paged_prefill_cpu(
 def read_words(t: torch.Tensor) -> int:
     """The XOR of a contiguous uint8 CPU tensor's 8-byte words (little-endian; the last
     ``numel % 8`` bytes left out), read by torch's threads in contiguous shares: a streaming
-    read for measuring memory bandwidth (``bench/memory_bandwidth.py``).
+    read for measuring memory bandwidth (``bench/compute/memory_bandwidth.py``).
 
     Raises:
         RuntimeError: no extension, or not a contiguous uint8 CPU tensor.

@@ -4,7 +4,7 @@ Each new token's key and value rows go to one slot of the caches, seen flat as `
 num_kv_heads, head_dim]`` (slot ``block * block_size + offset``, the attention metadata's
 ``slot_mapping``). The torch form is one ``index_copy_`` per
 cache, two launches per layer; on the H200 those two copies were 13% of a decode step's GPU time
-(``bench/gpu_profile.py``, batch 32). The Triton kernel writes both caches in one launch, and a
+(``bench/gpu/gpu_profile.py``, batch 32). The Triton kernel writes both caches in one launch, and a
 CUDA graph holds one node for it instead of two. It only moves values, so it matches the
 reference bit for bit in every dtype. Nothing here reads a tensor value on the host.
 """

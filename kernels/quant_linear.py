@@ -19,14 +19,14 @@ AVX512-BF16), a 512 x 2048 weight quantised with ``gguf.quants.quantize``, 1 and
   0.625) and has no 5-, 6- or 8-bit form. Its float32 path, the exact one, is slow: a 16384 x
   2048 weight took 115 ms at M=1 and 7.2 s at M=64 (2 threads, load average about 4.7), where
   this kernel took 2.7 ms at M=1. Its bfloat16 path (inexact, as above) is fast: on one thread
-  (``bench/quant_linear.py``, a 1B-shape layer, load 4-5.6) it matched or beat this kernel up
-  to 16 rows (Q4_0 M=1 3.5 against 4.1 ms, M=8 13.0 against 17.5) and lost at 64 (102 against
+  (``bench/compute/quant_linear.py``, a 1B-shape layer, load 4-5.6) it matched or beat this kernel
+  up to 16 rows (Q4_0 M=1 3.5 against 4.1 ms, M=8 13.0 against 17.5) and lost at 64 (102 against
   89 ms).
 - ``aten._weight_int8pack_mm`` has one scale per output row, so it cannot represent Q8_0's
   scale per 32 weights (it was batch-invariant too).
 
 So Q8_0 (the default model's embedding and tied LM head) and the K-quants need a kernel of our
-own; ``bench/quant_linear.py`` measures torch's int4 kernel beside ours for Q4_0/Q4_1.
+own; ``bench/compute/quant_linear.py`` measures torch's int4 kernel beside ours for Q4_0/Q4_1.
 
 This kernel's weights are bit-exact to ``gguf.quants.dequantize``: every product of an fp16
 scale and a small integer is exact in float32, Q4_0's ``q * d - 8 d`` is one exact FMA, and

@@ -5,7 +5,7 @@ cast back to ``x``'s dtype, then times the weight (a product in that dtype). Wit
 the input is first ``x + residual`` (rounded to the dtype, as torch's ``x + residual``), and that
 sum is returned too: it is the residual stream the next block adds to. On a GPU the torch form is
 eight or nine kernels per call (casts, power, mean, add, rsqrt, products), the Triton kernel one;
-a small model's decode step is bound by such launches (``bench/gpu_profile.py``). Nothing here
+a small model's decode step is bound by such launches (``bench/gpu/gpu_profile.py``). Nothing here
 reads a tensor value on the host.
 """
 

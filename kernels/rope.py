@@ -4,7 +4,7 @@ Hugging Face's Llama rotation ("rotate half"): a head ``x = [x1, x2]`` (two halv
 dim) becomes ``[x1 * cos - x2 * sin, x2 * cos + x1 * sin]``, each product and sum in the tensors'
 dtype, with ``cos``/``sin`` the token's angles already cast to that dtype. On a GPU the torch form
 is about seven kernels per tensor and layer, the Triton kernel one for queries and keys together
-(a small model's decode step is bound by such launches: ``bench/gpu_profile.py``). Nothing here
+(a small model's decode step is bound by such launches: ``bench/gpu/gpu_profile.py``). Nothing here
 reads a tensor value on the host.
 """
 

@@ -964,11 +964,11 @@ def kquant_llama_weights(
     config: Any, split_qkv: bool = False, qkv_bias: bool = False
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A Llama of ``config`` (hidden and intermediate multiples of 256) as hand-made K-quant
-    blocks (``bench.quant_linear.random_blocks``: Q4_K projections, Q6_K down and LM head)
+    blocks (``bench.compute.quant_linear.random_blocks``: Q4_K projections, Q6_K down and LM head)
     plus random dense norms and embedding: (kernel weights by name, dense tensors by name).
     ``split_qkv``: q and k in Q4_K and v in Q6_K as three parts (a Q4_K_M file's layers with
     more bits for v); ``qkv_bias``: a QKV bias (Qwen2's)."""
-    from baton.bench.quant_linear import random_blocks
+    from baton.bench.compute.quant_linear import random_blocks
     from baton.kernels.quant_formats import repack
 
     rng = np.random.default_rng(0)

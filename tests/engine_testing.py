@@ -78,7 +78,7 @@ def assert_same_checkpoint(a: Checkpoint, b: Checkpoint) -> None:
 
 def llama_cpp_convert(folder: Path, out: Path) -> Path:
     """``folder`` as GGUF (float32 tensors) by llama.cpp's converter; its output in the failure."""
-    from baton.bench.llama_cpp_build import convert_hf
+    from baton.bench.llama_server.llama_cpp_build import convert_hf
 
     try:
         return convert_hf(folder, out, "f32")

@@ -5,7 +5,7 @@ reading the weights (a small batch on a GPU, one row of a dense model on a CPU) 
 rows cost almost nothing and drafts are a clear win; where it is bound by arithmetic (the CPU's
 quantised kernels, or any batch of 8-16 rows on a CPU) each row costs about as much as a
 request's own, and a draft the model rejects slows every request in the batch. Measured
-in-process on an AMD EPYC Genoa, 2 threads, with ``bench/engine.py``'s JSON-person requests,
+in-process on an AMD EPYC Genoa, 2 threads, with ``bench/offline/engine.py``'s JSON-person requests,
 JSON objects per second with up to 5 drafts a step against none: the default model in GGUF
 Q4_1 gains 1.2-1.6x from drafts at batch 1-16; a random-weight 1B-shape Q4_K_M model, whose
 drafts are mostly rejected, loses 20% at batch 1 and 27-34% at batch 8-16; the default model

@@ -11,7 +11,7 @@ engine thread (a spin, as the real runner's Python would), and gives each forwar
 time a real one has: every kernel costs at least ``kernel_floor_s``, however small.
 
 The costs are a linear model whose coefficients come from the GPU check by least squares
-(``bench/sim_calibration.py``; the fitted values and the cells they were fitted to live in
+(``bench/sim/sim_calibration.py``; the fitted values and the cells they were fitted to live in
 ``sim_calibration.json`` beside this file). Host costs there are in the GPU machine's host
 seconds; this host runs the same work ``host_scale`` times slower (``host_speed.py``).
 """
@@ -28,7 +28,7 @@ CALIBRATION_PATH = Path(__file__).with_name("sim_calibration.json")
 # Host-cost coefficients fitted by least squares, in the order of ``RunnerStep.features`` (the
 # fit's design matrix). ``sample_s``, the fixed host cost of sampling, is not among them: every
 # step pays it as it pays ``step_s``, so no fit can tell the two apart; the profile's split
-# between the runner's launch and sampling parts sets it (``bench/sim_calibration.py``).
+# between the runner's launch and sampling parts sets it (``bench/sim/sim_calibration.py``).
 HOST_COEFFICIENTS = (
     "step_s",
     "row_s",

@@ -248,7 +248,7 @@ def _host_int64(value: np.ndarray | torch.Tensor, name: str) -> np.ndarray:
 
 # cuDNN's attention builds a plan per new shape, and a prompt or draft step's key length is new
 # every step: on an H200 (torch 2.11) synchronous JSON steps with drafts took 100-170 ms, and
-# under bench/gpu_profile.py cuDNN attention held 40% of their host time, about 1 ms per layer.
+# under bench/gpu/gpu_profile.py cuDNN attention held 40% of their host time, about 1 ms per layer.
 # One query per sequence on a CPU without AMX, torch's half-precision SDPA is 3-5x slower than
 # its float32 one (AVX512-BF16 without AMX, 1 thread: batch 1 x 100 keys 255 vs 39 us; batch 16
 # 3.8 vs 0.95 ms), so decode attends in float32 there. With AMX it is the other way round

@@ -2,7 +2,7 @@
 
 A small model's decode step on a GPU is bound by launching its kernels from Python, not by
 the GPU (an H200 spent about 20 ms per step on SmolLM2-135M's shape at every batch from 1 to
-64, `bench/gpu_check.py`). So, as vLLM and SGLang do, the runner captures the forward of a
+64, `bench/gpu/gpu_check.py`). So, as vLLM and SGLang do, the runner captures the forward of a
 pure-decode batch (one new token per sequence) once per batch size at startup and replays it.
 
 A graph reads fixed device buffers: each sequence's row in the runner's token table and position
@@ -50,7 +50,7 @@ NULL_SLOT = 0
 GRAPH_COPIES_ENV = "BATON_DECODE_GRAPH_COPIES"
 """Experimental: graphs captured per batch size, replayed in turn (default 1). On the H200 a
 replay cost 8 us alone but 0.5 ms in the engine's loop; if a launch waits for the previous run
-of the same graph, two copies in turn do not (``bench/gpu_profile.py`` measures both)."""
+of the same graph, two copies in turn do not (``bench/gpu/gpu_profile.py`` measures both)."""
 
 
 def graph_copies() -> int:

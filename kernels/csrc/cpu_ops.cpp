@@ -20,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("read_words", &cpuops::read_words,
-        "XOR of a uint8 tensor's 8-byte words: a streaming read (bench/memory_bandwidth.py)",
+        "XOR of a uint8 tensor's 8-byte words: a streaming read (bench/compute/memory_bandwidth.py)",
         py::call_guard<py::gil_scoped_release>());
   m.def("isa_supported", &cpuops::isa_supported, "whether this CPU runs instruction set code (0: AVX2 "
         "and FMA, 1: AVX-512 F/BW/VL too)");

@@ -387,8 +387,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache,
 
 // The XOR of a contiguous uint8 tensor's 8-byte words (its last numel % 8 bytes left out), each
 // thread over one contiguous share: a pure streaming read with next to no arithmetic, so that
-// its rate is the memory's (bench/memory_bandwidth.py; torch's reductions are bound by their
-// arithmetic here: a float32 sum read at half the rate this loop does).
+// its rate is the memory's (bench/compute/memory_bandwidth.py; torch's reductions are bound by
+// their arithmetic here: a float32 sum read at half the rate this loop does).
 int64_t read_words(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.is_contiguous(),
               "read_words takes a contiguous uint8 CPU tensor");

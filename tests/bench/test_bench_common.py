@@ -162,11 +162,11 @@ _NO_RESULT_JSON = {
 def test_every_benchmark_writes_its_result_with_the_run_info() -> None:
     bench = Path(common.__file__).resolve().parent
     writers = []
-    for path in sorted(bench.glob("*.py")):
+    for path in sorted(bench.rglob("*.py")):  # the top and every family folder
         source = path.read_text()
         if "\ndef main(" not in source or path.stem in _NO_RESULT_JSON:
             continue
         writers.append(path.stem)
-        assert "write_results(" in source, f"bench/{path.name} writes no run info (cpu flags)"
+        assert "write_results(" in source, f"{path.relative_to(bench)} writes no run info"
     assert len(writers) >= 15 and {"engine", "peers", "forward"} <= set(writers)
-    assert "cpu_features()" in (bench / "gpu_check.py").read_text()
+    assert "cpu_features()" in (bench / "gpu" / "gpu_check.py").read_text()

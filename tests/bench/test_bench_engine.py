@@ -35,7 +35,7 @@ ROW_KEYS = {
 
 @pytest.mark.slow
 def test_bench_engine_smallest_run_writes_every_row(tmp_path: Path) -> None:
-    from baton.bench.engine import main
+    from baton.bench.offline.engine import main
 
     out = tmp_path / "engine.json"
     argv = ["--regimes", "b", "--batches", "1,2", "--output-len", "4", "--repeats", "1"]
@@ -75,7 +75,7 @@ def test_bench_engine_smallest_run_writes_every_row(tmp_path: Path) -> None:
 
 
 def test_worker_threads_is_a_positive_int_for_the_cpu_model_worker() -> None:
-    from baton.bench.engine import BenchConfig, main
+    from baton.bench.offline.engine import BenchConfig, main
 
     with pytest.raises(ValueError, match="worker_threads"):
         BenchConfig(worker_threads=0)

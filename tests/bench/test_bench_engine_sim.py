@@ -1,11 +1,11 @@
-"""bench/engine_sim.py's ratios and goals over its three engines (no simulation run here)."""
+"""bench/sim/engine_sim.py's ratios and goals over its three engines (no simulation run here)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from baton.bench.engine_sim import compute_ratios, evaluate_goals
-from baton.bench.engine_sim_report import mode_label
+from baton.bench.sim.engine_sim import compute_ratios, evaluate_goals
+from baton.bench.sim.engine_sim_report import mode_label
 
 
 def row(
@@ -43,8 +43,8 @@ def test_ratios_compare_async_with_its_fill_thread_and_goals_ignore_the_other_en
 
 
 def test_tables_show_the_runs_cpu_time_and_rows_from_before_it_existed(capsys: Any) -> None:
-    from baton.bench.engine_sim_report import print_report
-    from baton.bench.readme_engine_tables import engine_sim_table
+    from baton.bench.readme.readme_engine_tables import engine_sim_table
+    from baton.bench.sim.engine_sim_report import print_report
 
     base = {"deferred_steps": 3, "errors": 0, "json_invalid": 0, "json_checked": 4}
     measured = {**row(True, False, 1.0, 640.0, 0.4), **base, "cpu_ms_per_step": 7.05}

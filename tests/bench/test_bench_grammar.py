@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from baton.bench.grammar import (
+from baton.bench.grammars.grammar import (
     BACKENDS,
     GrammarBenchConfig,
     load_cases,
@@ -30,9 +30,9 @@ from baton.bench.grammar import (
     parse_schema_file,
     run_benchmark,
 )
-from baton.bench.grammar_report import auto_rows, format_report
-from baton.bench.grammar_worker import fed_as_written, serialize_instance
-from baton.bench.readme_tables import grammar_table
+from baton.bench.grammars.grammar_report import auto_rows, format_report
+from baton.bench.grammars.grammar_worker import fed_as_written, serialize_instance
+from baton.bench.readme.readme_tables import grammar_table
 from baton.grammar.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import VocabSource

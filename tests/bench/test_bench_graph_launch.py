@@ -1,4 +1,4 @@
-"""Tests of bench/graph_launch.py's arithmetic and report (the measurement needs CUDA)."""
+"""Tests of bench/gpu/graph_launch.py's arithmetic and report (the measurement needs CUDA)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from baton.bench import graph_launch as gl
-from baton.bench.gpu_check import collect
-from baton.bench.gpu_report import gpu_check_table
+from baton.bench.gpu import graph_launch as gl
+from baton.bench.gpu.gpu_check import collect
+from baton.bench.gpu.gpu_report import gpu_check_table
 
 
 def _rows() -> list[dict[str, float]]:

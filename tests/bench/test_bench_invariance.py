@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from baton.bench import invariance
+from baton.bench.offline import invariance
 
 
 def test_compare_counts_identical_requests_and_finds_the_first_difference():

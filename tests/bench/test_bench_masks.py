@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from baton.bench.grammar_worker import walk_tokens
-from baton.bench.mask_families import (
+from baton.bench.grammars.grammar_worker import walk_tokens
+from baton.bench.grammars.mask_families import (
     FAMILIES,
     PLAIN,
     byte_families,
     in_schema_order,
     state_families,
 )
-from baton.bench.masks import ALL, main
+from baton.bench.grammars.masks import ALL, main
 from baton.grammar.backend import allocate_bitmask
 from baton.grammar.spec import StructuredOutputsParams
 from baton.grammar.vocab import VocabSource

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from baton.bench.peer_runners import Completion, StepRecorder, sequences_from_steps
-from baton.bench.peers import (
+from baton.bench.offline.peer_runners import Completion, StepRecorder, sequences_from_steps
+from baton.bench.offline.peers import (
     SCHEMA,
     CaseMeasure,
     PeersConfig,
@@ -22,7 +22,7 @@ from baton.bench.peers import (
     run_order,
     summarize,
 )
-from baton.bench.peers_report import compute_ratios, evaluate_goals
+from baton.bench.offline.peers_report import compute_ratios, evaluate_goals
 from baton.engine.cli.main import main as cli_main
 
 ROW_KEYS = {
@@ -162,7 +162,7 @@ def test_units_and_alternating_order() -> None:
 def test_tiny_run_has_every_row_and_notes_the_missing_peer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from baton.bench.peers import main
+    from baton.bench.offline.peers import main
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed: import fails
     out = tmp_path / "peers.json"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.bench.serve import (
+from baton.bench.serving.serve import (
     ServeBenchConfig,
     is_structured,
     main,

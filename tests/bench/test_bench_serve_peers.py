@@ -10,11 +10,16 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from baton.bench.gguf_models import SHAPES, LlamaShape, write_random_gguf
-from baton.bench.llama_cpp_build import LlamaCppBuild, keep_variants, loaded_variant
-from baton.bench.serve import LevelRun, RequestRecord
-from baton.bench.serve_peers import ServePeersConfig, kv_cache_bytes, summarize, tree_pss_bytes
-from baton.bench.serve_peers_report import goals, ratios, readme_table, table
+from baton.bench.llama_server.gguf_models import SHAPES, LlamaShape, write_random_gguf
+from baton.bench.llama_server.llama_cpp_build import LlamaCppBuild, keep_variants, loaded_variant
+from baton.bench.llama_server.serve_peers import (
+    ServePeersConfig,
+    kv_cache_bytes,
+    summarize,
+    tree_pss_bytes,
+)
+from baton.bench.llama_server.serve_peers_report import goals, ratios, readme_table, table
+from baton.bench.serving.serve import LevelRun, RequestRecord
 from baton.engine import LLM, SamplingParams
 
 CMAKELISTS = """\

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from baton.bench.spec import _params
-from baton.bench.spec_sim import ASYNC, SimRun, measure_sim, trace_of
+from baton.bench.offline.spec import _params
+from baton.bench.sim.spec_sim import ASYNC, SimRun, measure_sim, trace_of
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def test_every_mode_replays_the_traces_on_the_simulator(tiny_model_dir, tokenize
 
 
 def test_a_row_is_the_median_of_its_runs():
-    from baton.bench.spec import _median_row
+    from baton.bench.offline.spec import _median_row
 
     runs = [
         {"tok_per_s": v, "steps": 10, "load_avg_1m": [0.1 * i, 0.1 * i + 0.05], "tokens": [[1]]}
@@ -73,8 +73,8 @@ def test_a_row_is_the_median_of_its_runs():
 
 
 def test_modes_name_the_engine_config_they_run():
-    from baton.bench.spec import MODES, SpecBenchConfig
-    from baton.bench.spec_sim import spec_config
+    from baton.bench.offline.spec import MODES, SpecBenchConfig
+    from baton.bench.sim.spec_sim import spec_config
 
     assert spec_config("off", 5) is None
     assert spec_config("auto", 5) == {

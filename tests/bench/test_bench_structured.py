@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.bench.structured import StructuredConfig, evaluate_goals, main
+from baton.bench.offline.structured import StructuredConfig, evaluate_goals, main
 
 SCHEMAS = {
     "a-person.json": {

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from baton.bench import gpu_check
+from baton.bench.gpu import gpu_check
 
 SCRIPT = Path(gpu_check.__file__).resolve().parent / "gpu_check.sh"
 
@@ -106,7 +106,7 @@ def test_summary_reads_the_results(tmp_path: Path) -> None:
 
 
 def test_collect_gathers_a_run_into_one_file_the_readme_renders(tmp_path: Path) -> None:
-    from baton.bench.gpu_report import gpu_check_table
+    from baton.bench.gpu.gpu_report import gpu_check_table
 
     src = tmp_path / "out"
     src.mkdir()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from baton.bench.readme_results import (
+from baton.bench.readme.readme_results import (
     BEGIN,
     END,
     HEADLINE_BEGIN,
@@ -28,14 +28,16 @@ def test_results_page_matches_the_result_files(tmp_path: Path) -> None:
     copy = tmp_path / "results.md"
     shutil.copy(RESULTS_PAGE, copy)
     changed = update_results_page(copy)
-    assert not changed, "docs/results.md is stale: run python -m baton.bench.readme_results"
+    assert not changed, "docs/results.md is stale: run python -m baton.bench.readme.readme_results"
 
 
 def test_readme_headline_matches_the_result_files(tmp_path: Path) -> None:
     copy = tmp_path / "README.md"
     shutil.copy(README, copy)
     changed = update_readme(copy)
-    assert not changed, "README's headline table is stale: run python -m baton.bench.readme_results"
+    assert not changed, (
+        "README's headline table is stale: run python -m baton.bench.readme.readme_results"
+    )
 
 
 def test_each_page_links_the_plots_from_its_own_folder() -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_testing import assert_same_checkpoint, json_object, llama_cpp_convert
 
-from baton.bench.llama_cpp_build import converter
+from baton.bench.llama_server.llama_cpp_build import converter
 from baton.engine.loader import load_tokenizer
 
 spm = pytest.importorskip("sentencepiece")

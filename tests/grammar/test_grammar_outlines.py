@@ -12,7 +12,7 @@ import pytest
 import torch
 from jsonschema.validators import validator_for
 
-from baton.bench.mask_families import in_schema_order
+from baton.bench.grammars.mask_families import in_schema_order
 from baton.engine.tokenizer import Tokenizer
 from baton.grammar.backend import GrammarError, allocate_bitmask, bitmask_width
 from baton.grammar.outlines.backend import (

@@ -133,7 +133,7 @@ def test_shared_schemas_that_disagreed(
 ) -> None:
     """Every test instance of the file (as the bench feeds it: properties in schema order,
     integral numbers without a fraction), on every backend that takes the schema."""
-    from baton.bench.grammar_worker import fed_as_written
+    from baton.bench.grammars.grammar_worker import fed_as_written
 
     case = json.loads((shared_data / name).read_text(encoding="utf-8"))
     spec = StructuredOutputsParams(json=case["schema"])

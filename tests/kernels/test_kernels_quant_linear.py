@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from baton.bench.quant_linear import random_blocks
+from baton.bench.compute.quant_linear import random_blocks
 from baton.kernels.quant_formats import FORMATS, dequantize, dequantize_rows, repack
 from baton.kernels.quant_linear import (
     ISAS,
@@ -54,7 +54,7 @@ def _quantized(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
 
 
 def _random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Hand-built blocks (``bench.quant_linear.random_blocks``): fp16 scales of either sign,
+    """Hand-built blocks (``bench.compute.quant_linear.random_blocks``): fp16 scales of either sign,
     which gguf's quantiser never writes (e.g. a negative Q4_0 d)."""
     return random_blocks(fmt, n, k, np.random.default_rng(seed), scale=0.05)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from baton.bench.quant_linear import random_blocks
+from baton.bench.compute.quant_linear import random_blocks
 from baton.kernels.quant_formats import dequantize, repack
 from baton.kernels.quant_linear import (
     INT8_FORMATS,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from baton.bench.quant_linear import random_blocks
+from baton.bench.compute.quant_linear import random_blocks
 from baton.kernels.quant_formats import repack
 from baton.kernels.quant_linear import ISAS, QuantProjection, available_isas, quant_linear
 

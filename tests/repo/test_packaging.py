@@ -103,6 +103,13 @@ def test_the_wheels_split_the_product_from_the_benchmarks(tmp_path: Path) -> Non
     assert "baton/engine/cli/main.py" in names
     bench = _wheel(tmp_path, "bench")
     assert {n.split("/")[1] for n in bench if n.startswith("baton/")} == {"bench"}
-    assert {"baton/bench/cli.py", "baton/bench/gpu_check.sh"} <= set(bench)
+    assert {"baton/bench/cli.py", "baton/bench/gpu/gpu_check.sh"} <= set(bench)
+    # Every benchmark module ships, those in the family folders too.
+    on_disk = {
+        "baton/bench/" + p.relative_to(ROOT / "bench").as_posix()
+        for p in (ROOT / "bench").rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    assert on_disk <= set(bench)
     (entry_points,) = [n for n in bench if n.endswith(".dist-info/entry_points.txt")]
     assert entry_points.startswith("baton_bench-")

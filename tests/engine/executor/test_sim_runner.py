@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from baton.bench import sim_calibration
+from baton.bench.sim import sim_calibration
 from baton.engine.config import EngineConfig
 from baton.engine.executor.sim import SimExecutor
 from baton.engine.executor.sim_runner import (

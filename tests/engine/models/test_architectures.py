@@ -20,7 +20,7 @@ from engine_testing import (
     llama_cpp_convert,
 )
 
-from baton.bench.llama_cpp_build import converter
+from baton.bench.llama_server.llama_cpp_build import converter
 from baton.engine import LLM, SamplingParams
 from baton.engine.loader import ModelLoadError, load_checkpoint
 from baton.engine.tokenizer import Tokenizer
@@ -374,7 +374,7 @@ def test_longrope_keeps_sequences_within_the_original_context(tokenizer, tmp_pat
 
 
 def test_the_models_page_lists_every_architecture():
-    """docs/models.md (python -m baton.bench.models_table) is regenerated when the registry
+    """docs/models.md (python -m baton.bench.readme.models_table) is regenerated when the registry
     changes: every architecture has its row, and no test it reports failed."""
     from baton.engine.models.architectures import ARCHITECTURES
 

@@ -2,8 +2,8 @@
 (llama.cpp's numerics, the default) or float32 ones, reaching ``kernels/quant_linear.py``.
 
 The tiny test models are too narrow for K-quant blocks (256 weights), so the model here is a
-Llama of hidden 256 built from hand-made Q4_K/Q6_K blocks (``bench.quant_linear.random_blocks``)
-and random dense norms and embedding.
+Llama of hidden 256 built from hand-made Q4_K/Q6_K blocks
+(``bench.compute.quant_linear.random_blocks``) and random dense norms and embedding.
 """
 
 from __future__ import annotations

@@ -358,7 +358,7 @@ def test_bad_inputs_are_clear_errors(tiny_model_dir: Path, tmp_path: Path) -> No
 def test_bench_gguf_decode_runs_a_config_in_a_fresh_process(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from baton.bench.gguf_decode import run_config
+    from baton.bench.compute.gguf_decode import run_config
 
     path = gguf_from_hf_dir(
         tiny_model_dir, tmp_path / "q4.gguf", mini_tokenizer_metadata(), _linear_type("Q4_0")
@@ -462,7 +462,7 @@ def _moe_type(name: str) -> str:
 def test_a_decode_step_reads_every_weight_and_the_embedding_only_when_tied(
     tiny_model_dir: Path, tiny_qwen_dir: Path, tmp_path: Path
 ) -> None:
-    from baton.bench.memory_bandwidth import weight_bytes_per_token
+    from baton.bench.compute.memory_bandwidth import weight_bytes_per_token
     from baton.engine.loader.gguf import read_gguf
 
     for hf_dir, tied in ((tiny_model_dir, True), (tiny_qwen_dir, False)):
@@ -481,7 +481,7 @@ def test_a_decode_step_reads_every_weight_and_the_embedding_only_when_tied(
 def test_an_moe_decode_step_reads_its_share_of_the_experts(tokenizer, tmp_path: Path) -> None:
     """Mixtral (4 experts, top 2, untied): a batch-1 step reads half of each stacked expert
     tensor and everything else but the embedding."""
-    from baton.bench.memory_bandwidth import weight_bytes_per_token
+    from baton.bench.compute.memory_bandwidth import weight_bytes_per_token
     from baton.engine.loader.gguf import read_gguf
 
     folder = build_tiny_model_dir(tmp_path / "mixtral", tokenizer, "mixtral")
@@ -494,7 +494,7 @@ def test_an_moe_decode_step_reads_its_share_of_the_experts(tokenizer, tmp_path: 
 
 
 def test_memory_bandwidth_measures_and_restores_the_threads() -> None:
-    from baton.bench.memory_bandwidth import memory_bandwidth
+    from baton.bench.compute.memory_bandwidth import memory_bandwidth
 
     threads = torch.get_num_threads()
     figures = memory_bandwidth(1, mib=8, trials=1)

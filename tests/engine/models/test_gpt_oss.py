@@ -212,7 +212,7 @@ def test_mxfp4_through_llama_cpp_converter(mxfp4_folder, tmp_path):
         llama_cpp_convert,
     )
 
-    from baton.bench.llama_cpp_build import converter
+    from baton.bench.llama_server.llama_cpp_build import converter
     from baton.engine.loader.gguf import read_gguf
 
     try:
@@ -277,7 +277,7 @@ def test_harmony_special_tokens_from_folder_and_llama_cpp_gguf(harmony_folder, t
     from engine_testing import llama_cpp_convert
     from transformers import AutoTokenizer
 
-    from baton.bench.llama_cpp_build import converter
+    from baton.bench.llama_server.llama_cpp_build import converter
     from baton.engine import LLM, SamplingParams
     from baton.engine.loader import load_tokenizer
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.bench.gpu_profile import runner_laps
+from baton.bench.gpu.gpu_profile import runner_laps
 from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.worker.host_times import RUNNER_TIMES_ENV, HostTimes
 
@@ -67,7 +67,7 @@ def test_an_engine_built_with_it_times_every_part_of_its_steps(
         outs = llm.generate(["Hi", "JSON:"], params, use_tqdm=False)
         assert all(o.outputs[0].finish_reason != "error" for o in outs)
         times = llm.engine.core.executor.runner.host_times.snapshot()
-        assert runner_laps(llm) == times  # what bench/gpu_profile.py reads
+        assert runner_laps(llm) == times  # what bench/gpu/gpu_profile.py reads
     finally:
         llm.shutdown()
     assert set(times) == PARTS and all(t > 0 for t in times.values())

@@ -1,0 +1,2 @@
+"""``baton serve`` under load: the serve benchmark and the reliability soak, over a real
+server subprocess."""
