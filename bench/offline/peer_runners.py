@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -22,9 +22,6 @@ from baton.engine import LLM, SamplingParams, StructuredOutputsParams
 from baton.engine.config import num_cpu_cores
 from baton.engine.loader import Checkpoint
 from baton.engine.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from baton.bench.offline.peers import Workload
 
 # Prompts and tokens each engine is warmed up with, outside the measurements.
 WARMUP_PROMPTS = 2
@@ -48,6 +45,25 @@ def hf_tokenizer(tokenizer: Tokenizer) -> Any:
     return PreTrainedTokenizerFast(
         tokenizer_object=copy.deepcopy(tokenizer.backend), **tokenizer.special_tokens_map()
     )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The prompts every engine gets: chat text and the same text as token ids."""
+
+    texts: tuple[str, ...]
+    prompt_ids: tuple[tuple[int, ...], ...]
+    warmup_texts: tuple[str, ...]
+    warmup_ids: tuple[tuple[int, ...], ...]
+    schema: dict[str, Any]
+    max_tokens: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+
+    @property
+    def max_model_len(self) -> int:
+        longest = max(len(p) for p in (*self.prompt_ids, *self.warmup_ids))
+        return longest + self.max_tokens + 1
 
 
 def check_same_ids(hf_tok: Any, workload: Workload) -> None:

@@ -37,7 +37,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,14 +61,16 @@ from baton.bench.offline.peer_runners import (
     OutlinesRunner,
     Runner,
     TransformersXgrammarRunner,
+    Workload,
     build_hf_model,
     check_same_ids,
     hf_tokenizer,
     package_version,
     unavailable,
 )
+from baton.bench.offline.peers_config import PeersConfig, resolve_dtypes
 from baton.bench.offline.peers_report import compute_ratios, evaluate_goals, plot, print_report
-from baton.engine.config import EngineConfig, auto_dtype, num_cpu_cores
+from baton.engine.config import EngineConfig, num_cpu_cores
 from baton.engine.loader import Checkpoint, load_checkpoint, load_tokenizer
 from baton.engine.tokenizer import Tokenizer
 
@@ -100,88 +102,6 @@ SUBJECTS = (
     "a sailor",
     "a librarian",
 )
-
-DTYPES = ("float32", "bfloat16")
-
-
-def resolve_dtypes(names: Sequence[str]) -> tuple[str, ...]:
-    """``names`` with "auto" replaced by what baton's ``dtype="auto"`` picks on this CPU."""
-    out = []
-    for name in names:
-        if name == "auto":
-            name = str(auto_dtype("cpu")[0]).removeprefix("torch.")
-        if name not in out:
-            out.append(name)
-    return tuple(out)
-
-
-# ------------------------------------------------------------------ config
-@dataclass(frozen=True)
-class PeersConfig:
-    """What one run measures; raises ``ValueError`` naming a bad field.
-
-    Attributes:
-        concurrency: prompts submitted at once, one measured case each.
-        max_tokens: most output tokens per request (EOS counts as one).
-        dtypes: dtypes of baton and its Python peers (one row each per dtype); the first
-            one is the one the goals are judged on.
-        engines: keys of ``ENGINES`` to run, in this order on the first repeat.
-        repeats: runs of every engine; the order is reversed on every other run and
-            figures are medians over the runs.
-        model: GGUF file or Hugging Face folder (None: the default model);
-            with ``tiny``, only its tokenizer is used.
-        tiny: a random-weight 2-layer model over the model's vocabulary (smoke runs).
-    """
-
-    concurrency: tuple[int, ...] = (1, 16)
-    max_tokens: int = 96
-    dtypes: tuple[str, ...] = ("float32",)
-    engines: tuple[str, ...] = tuple(ENGINES)
-    repeats: int = 1
-    model: str | None = None
-    tiny: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.concurrency or any(c < 1 for c in self.concurrency):
-            raise ValueError(f"concurrency must be positive ints, got {list(self.concurrency)}")
-        if self.max_tokens < 2:
-            raise ValueError(
-                f"max_tokens must be >= 2 (TPOT needs two tokens), got {self.max_tokens}"
-            )
-        if not self.dtypes or any(d not in DTYPES for d in self.dtypes):
-            raise ValueError(
-                f"dtypes must be a non-empty subset of {list(DTYPES)}, got {list(self.dtypes)}"
-            )
-        if not self.engines or any(e not in ENGINES for e in self.engines):
-            raise ValueError(
-                f"engines must be a non-empty subset of {list(ENGINES)}, got {list(self.engines)}"
-            )
-        for name in ("concurrency", "dtypes", "engines"):
-            values = getattr(self, name)
-            if len(set(values)) != len(values):
-                raise ValueError(f"{name} must not repeat a value, got {list(values)}")
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-
-
-# ---------------------------------------------------------------- workload
-@dataclass(frozen=True)
-class Workload:
-    """The prompts every engine gets: chat text and the same text as token ids."""
-
-    texts: tuple[str, ...]
-    prompt_ids: tuple[tuple[int, ...], ...]
-    warmup_texts: tuple[str, ...]
-    warmup_ids: tuple[tuple[int, ...], ...]
-    schema: dict[str, Any]
-    max_tokens: int
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int
-
-    @property
-    def max_model_len(self) -> int:
-        longest = max(len(p) for p in (*self.prompt_ids, *self.warmup_ids))
-        return longest + self.max_tokens + 1
 
 
 def conversation(index: int) -> list[dict[str, str]]:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from baton.bench.common import fmt, ratio
 from baton.bench.offline.peer_runners import ENGINES, GGUF_DTYPE, baton_label
+from baton.bench.offline.peers_config import PeersConfig
 from baton.bench.plotting import pyplot
-
-if TYPE_CHECKING:
-    from baton.bench.offline.peers import PeersConfig
 
 # Goals of the issue: (peer, "high" = the highest concurrency measured or 1, minimum
 # baton/peer output tokens/s). Targets, not measurements.

@@ -50,6 +50,7 @@ from baton.bench.serving.server_process import (
 from baton.bench.serving.soak_requests import (
     VALID_KINDS,
     Outcome,
+    SoakConfig,
     SoakRequest,
     plan_requests,
     send,
@@ -58,77 +59,6 @@ from baton.engine.loader import load_tokenizer
 
 
 # ------------------------------------------------------------------ config
-@dataclass(frozen=True)
-class SoakConfig:
-    """One soak run.
-
-    Attributes:
-        requests: requests to send (the run also stops sending at ``time_limit_s``).
-        concurrency: requests in flight at once.
-        max_tokens: max_tokens of each valid request.
-        time_limit_s: no request is sent after this many seconds of load.
-        model: GGUF file or HF folder to serve (None: the default model).
-        tiny: serve a tiny random-weight model written to a temporary folder instead.
-        invalid_fraction: share of requests with an invalid constraint (400 expected).
-        disconnect_fraction: share of streaming requests whose client hangs up mid-stream.
-        stream_fraction: share of the valid requests that stream.
-        seed: seeds the request mix and each request's sampling.
-        request_timeout_s: longest wait for one response.
-        startup_timeout_s: longest wait for the server's first healthy /health.
-        rss_growth_limit: largest accepted VmRSS growth, first quarter to last quarter.
-        check_rss: judge the RSS growth (a very short run has no steady state to judge).
-        sample_interval_s: time between two VmRSS samples.
-        server_args: extra ``baton serve`` options.
-
-    Raises:
-        ValueError: naming the field out of range.
-    """
-
-    requests: int = 2000
-    concurrency: int = 64
-    max_tokens: int = 32
-    time_limit_s: float = 900.0
-    model: str | None = None
-    tiny: bool = False
-    invalid_fraction: float = 0.1
-    disconnect_fraction: float = 0.1
-    stream_fraction: float = 0.5
-    seed: int = 0
-    request_timeout_s: float = 120.0
-    startup_timeout_s: float = 300.0
-    rss_growth_limit: float = 0.10
-    check_rss: bool = True
-    sample_interval_s: float = 0.25
-    server_args: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("requests", "concurrency", "max_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        for name in (
-            "time_limit_s",
-            "request_timeout_s",
-            "startup_timeout_s",
-            "rss_growth_limit",
-            "sample_interval_s",
-        ):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be > 0, got {v!r}")
-        for name in ("invalid_fraction", "disconnect_fraction", "stream_fraction"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1], got {v!r}")
-        if self.invalid_fraction + self.disconnect_fraction > 1.0:
-            raise ValueError(
-                "invalid_fraction + disconnect_fraction must be <= 1, got "
-                f"{self.invalid_fraction} + {self.disconnect_fraction}"
-            )
-        if self.tiny and self.model is not None:
-            raise ValueError("give either model or tiny, not both")
-
-
 # ------------------------------------------------------------------ server
 def read_rss_kb(pid: int) -> int | None:
     """The resident set size of process ``pid`` in kB (VmRSS), or None once it is gone."""

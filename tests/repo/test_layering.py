@@ -163,3 +163,30 @@ def test_the_checker_catches_a_wrong_import(tmp_path: Path) -> None:
 @pytest.mark.parametrize("room", sorted(set(ENGINE_ROOMS) - {"shared"}))
 def test_every_room_is_a_package(room: str) -> None:
     assert (ROOT / "engine" / room / "__init__.py").is_file()
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    # A cycle holds at run time only by the order of first imports; every import counts here
+    # (inside functions and under TYPE_CHECKING too), bench/ included.
+    from baton.bench.readme.import_graph import cycles, module_graph
+
+    graph = module_graph(ROOT)
+    assert len(graph) > 150  # the whole tree was read
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_each_cycle_and_the_rooms_their_floors() -> None:
+    from baton.bench.readme.import_graph import cycles, room_graph
+
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    found = cycles({"a": {"b"}, "b": {"a", "c"}, "c": {"d"}, "d": {"c"}})
+    assert sorted(sorted(c) for c in found) == [["a", "b"], ["c", "d"]]
+    rooms = room_graph(
+        {
+            "baton.engine.server.app": {"baton.engine.core.scheduler"},
+            "baton.engine.core.scheduler": {"baton.kernels.rope"},
+            "baton.kernels.rope": set(),
+        }
+    )
+    assert rooms.floors == {"engine.server": 2, "engine.core": 1, "kernels": 0}
+    assert rooms.back_arrows == [] and rooms.room_cycles == []

@@ -20,8 +20,13 @@ import pytest
 from conftest import serve_in_thread
 
 from baton.bench.serving.server_process import ServerProcess, parse_metrics
-from baton.bench.serving.soak import SoakConfig, descendants, read_tree_rss_kb, run_soak
-from baton.bench.serving.soak_requests import INVALID_SPECS, plan_requests, verify_output
+from baton.bench.serving.soak import descendants, read_tree_rss_kb, run_soak
+from baton.bench.serving.soak_requests import (
+    INVALID_SPECS,
+    SoakConfig,
+    plan_requests,
+    verify_output,
+)
 from baton.engine.entrypoints.async_llm import AsyncLLM
 from baton.engine.executor.base import ExecutorError
 from baton.engine.server.app import build_app
