@@ -288,9 +288,8 @@ class Scheduler:
         return produced >= max_tokens or len(req.prompt_token_ids) + produced >= self.max_model_len
 
     def _allocate_alone(self, req: Request, cached: int, budget: int) -> int | None:
-        """Admits a request that found no room while nothing runs (every block free) without
-        its prefix hits (a windowed group takes them all until the next step's release): the
-        tokens it schedules, or None after refusing it (``_refuse``) if that finds no room."""
+        """Admits a request that found no room while nothing runs without its prefix hits (a
+        windowed group takes them all until the next release): its tokens, or None (refused)."""
         if cached:
             req.num_computed_tokens = 0
             req.num_cached_tokens = 0 if req.num_cached_tokens == cached else req.num_cached_tokens
@@ -301,13 +300,10 @@ class Scheduler:
         return None
 
     def _refuse(self, req: Request, num_tokens: int) -> None:
-        """Fails a request whose ``num_tokens`` find no blocks while it is alone (waiting cannot
-        help); its output goes with the next update. ``kv_capacity.py`` says why it should not
-        happen: the engine's ``max_model_len`` is lowered to what fits."""
-        kv = self.kv
-        message = refusal_message(
-            req.request_id, num_tokens, kv.num_blocks, kv.block_size, self.max_model_len
-        )
+        """Fails a request whose ``num_tokens`` find no blocks while it is alone, its output sent
+        with the next update (``kv_capacity.py``: max_model_len is lowered so that it fits)."""
+        kv, limit = self.kv, self.max_model_len
+        message = refusal_message(req.request_id, num_tokens, kv.num_blocks, kv.block_size, limit)
         logger.error("%s", message)
         self._refused.append(self._fail(req, message))
 
