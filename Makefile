@@ -61,7 +61,8 @@ AVX2_ONLY_TESTS := tests/engine/test_config_dtype.py tests/engine/core/test_spec
 	tests/kernels/test_kernels_rope.py tests/kernels/test_kernels_paged_attention.py \
 	tests/kernels/test_kernels_quant_linear.py tests/kernels/test_kernels_quant_linear_int8.py \
 	tests/kernels/test_kernels_quant_projection.py tests/kernels/test_kernels_cpu_ops.py \
-	tests/sampler/test_sampler.py
+	tests/sampler/test_sampler.py tests/sampler/test_sampler_penalties.py \
+	tests/sampler/test_sampler_inputs.py
 test-avx2-only: $(STAMP)
 	PYTHONPATH=tests/avx2_only ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 \
 		$(VENV)/bin/pytest -q -rs -n 2 --dist loadfile --max-worker-restart 0 $(AVX2_ONLY_TESTS)
