@@ -54,6 +54,7 @@ test: $(STAMP)
 AVX2_ONLY_TESTS := tests/engine/test_config_dtype.py tests/engine/core/test_spec_decode.py \
 	tests/engine/core/test_engine_stats.py tests/engine/cli/test_cli.py \
 	tests/engine/loader/test_tp_loader.py tests/engine/loader/test_loader.py \
+	tests/engine/loader/test_loader_errors.py \
 	tests/engine/models/test_packed_weights.py tests/engine/models/test_model.py \
 	tests/engine/models/test_gguf_int8_activations.py tests/engine/models/test_gguf_quantized.py \
 	tests/engine/models/test_cpu_decode.py tests/engine/models/test_batch_invariance.py \
