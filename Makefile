@@ -56,6 +56,7 @@ AVX2_ONLY_TESTS := tests/engine/test_config_dtype.py tests/engine/core/test_spec
 	tests/engine/loader/test_tp_loader.py tests/engine/loader/test_loader.py \
 	tests/engine/loader/test_loader_errors.py \
 	tests/engine/models/test_packed_weights.py tests/engine/models/test_model.py \
+	tests/engine/models/test_model_int8.py \
 	tests/engine/models/test_gguf_int8_activations.py tests/engine/models/test_gguf_quantized.py \
 	tests/engine/models/test_cpu_decode.py tests/engine/models/test_batch_invariance.py \
 	tests/kernels/test_kernels_rms_norm.py tests/kernels/test_kernels_silu_mul.py \

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # tests/ mirrors the package (tests/layout.py). pytest imports a test module by its file name
 # (its default "prepend" import mode puts the module's folder on sys.path; the test folders have
 # no __init__.py, and tests/repo/test_layout.py keeps file names unique). With every test folder
-# on sys.path, a test may import another's helpers (``from test_model import _tiny_pair``)
+# on sys.path, a test may import another's helpers (``from test_scheduler import fake_output``)
 # wherever each lives and whichever files the run collects. Appended, so they shadow nothing.
 for _folder in sorted({path.parent for path in ROOT.joinpath("tests").rglob("test_*.py")}):
     if str(_folder) not in sys.path:
