@@ -52,6 +52,7 @@ test: $(STAMP)
 # The tests that depend on CPU features (dtype choice, bfloat16, oneDNN packing, kernels, drafts)
 # as on an AVX2-only CPU, run on any x86 machine: they must pass or skip naming the feature.
 AVX2_ONLY_TESTS := tests/engine/test_config_dtype.py tests/engine/core/test_spec_decode.py \
+	tests/engine/core/test_spec_decode_drafters.py \
 	tests/engine/core/test_engine_stats.py tests/engine/cli/test_cli.py \
 	tests/engine/loader/test_tp_loader.py tests/engine/loader/test_loader.py \
 	tests/engine/loader/test_loader_errors.py \
