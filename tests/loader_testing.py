@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from conftest import encode_tensor, mini_tokenizer_metadata
+from gguf_files import encode_tensor, mini_tokenizer_metadata
 
 MINI_VOCAB = len(mini_tokenizer_metadata()["tokenizer.ggml.tokens"])
 

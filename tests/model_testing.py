@@ -1,10 +1,13 @@
-"""Helpers of the model tests (tests/engine/models/test_model*.py, test_packed_weights.py): tiny
-baton/transformers model pairs of each architecture, their decode logits."""
+"""Helpers of the model tests (tests/engine/models/): tiny baton/transformers model pairs of each
+architecture and their decode logits (test_model*.py, test_packed_weights.py), one decode step
+after prompts and a Llama as hand-made K-quant blocks (test_cpu_decode.py, test_gguf_*.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import numpy as np
 import torch
 from transformers import (
     LlamaConfig,
@@ -185,3 +188,70 @@ def _decode_logits(model, prompt: torch.Tensor, steps: int, dtype: torch.dtype) 
         meta = AttentionMetadata.build(torch.tensor([1]), torch.tensor([n + i + 1]), blocks, BLOCK)
         rows.append(model.compute_logits(model(tok, torch.tensor([n + i]), kv, meta))[0])
     return torch.stack(rows)
+
+
+def decode_after_prompts(
+    model: torch.nn.Module, prompts: torch.Tensor, which: list[int], dtype: torch.dtype, block: int
+) -> torch.Tensor:
+    """Logits of one decode step for sequences ``which`` of ``prompts`` ``[seqs, n + 1]``:
+    each prompt's first n tokens prefilled alone into its own two cache blocks (block size
+    ``block``), then its token n decoded, all of ``which`` in one step."""
+    from baton.engine.models.attention import AttentionMetadata
+    from baton.engine.models.kv_cache import allocate_kv_cache
+
+    seqs, n = prompts.shape[0], prompts.shape[1] - 1
+    tables = torch.tensor([[1 + 2 * s, 2 + 2 * s] for s in range(seqs)])
+    kv = allocate_kv_cache(model.config, 1 + 2 * seqs, block, dtype)
+    with torch.no_grad():
+        for s in which:
+            meta = AttentionMetadata.build(
+                torch.tensor([n]), torch.tensor([n]), tables[s : s + 1], block
+            )
+            model(prompts[s, :n], torch.arange(n), kv, meta)
+        k = len(which)
+        meta = AttentionMetadata.build(
+            torch.ones(k, dtype=torch.long), torch.full((k,), n + 1), tables[which], block
+        )
+        return model.compute_logits(model(prompts[which, n], torch.full((k,), n), kv, meta))
+
+
+def kquant_llama_weights(
+    config: Any, split_qkv: bool = False, qkv_bias: bool = False
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A Llama of ``config`` (hidden and intermediate multiples of 256) as hand-made K-quant
+    blocks (``bench.quant_linear.random_blocks``: Q4_K projections, Q6_K down and LM head)
+    plus random dense norms and embedding: (kernel weights by name, dense tensors by name).
+    ``split_qkv``: q and k in Q4_K and v in Q6_K as three parts (a Q4_K_M file's layers with
+    more bits for v); ``qkv_bias``: a QKV bias (Qwen2's)."""
+    from baton.bench.quant_linear import random_blocks
+    from baton.kernels.quant_formats import repack
+
+    rng = np.random.default_rng(0)
+
+    def weight(fmt: str, n: int, k: int) -> Any:
+        return repack(random_blocks(fmt, n, k, rng, scale=1e-4), fmt)
+
+    c = config
+    h, kv = c.hidden_size, c.num_kv_heads * c.head_dim
+    quantized: dict[str, Any] = {"lm_head.weight": weight("Q6_K", c.vocab_size, h)}
+    gen = torch.Generator().manual_seed(0)
+    dense = {"model.embed_tokens.weight": torch.randn(c.vocab_size, h, generator=gen)}
+    dense["model.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        if split_qkv:
+            quantized[p + "self_attn.q_proj.weight"] = weight("Q4_K", c.num_heads * c.head_dim, h)
+            quantized[p + "self_attn.k_proj.weight"] = weight("Q4_K", kv, h)
+            quantized[p + "self_attn.v_proj.weight"] = weight("Q6_K", kv, h)
+        else:
+            qkv = c.num_heads * c.head_dim + 2 * kv
+            quantized[p + "self_attn.qkv_proj.weight"] = weight("Q4_K", qkv, h)
+        if qkv_bias:
+            for part, n in (("q", c.num_heads * c.head_dim), ("k", kv), ("v", kv)):
+                dense[f"{p}self_attn.{part}_proj.bias"] = 0.1 * torch.randn(n, generator=gen)
+        quantized[p + "self_attn.o_proj.weight"] = weight("Q4_K", h, c.num_heads * c.head_dim)
+        quantized[p + "mlp.gate_up_proj.weight"] = weight("Q4_K", 2 * c.intermediate_size, h)
+        quantized[p + "mlp.down_proj.weight"] = weight("Q6_K", h, c.intermediate_size)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            dense[f"{p}{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    return quantized, dense

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import encode_tensor, write_gguf
+from gguf_files import encode_tensor, write_gguf
 from loader_testing import MINI_VOCAB, _tiny_metadata, _tiny_tensors
 from safetensors.torch import load_file
 

@@ -34,7 +34,7 @@ TEMPLATE = (
 def harmony_server(harmony_folder):  # noqa: F811
     """``baton serve --reasoning-parser openai_gptoss --tool-call-parser openai`` on the tiny
     gpt-oss, with a harmony chat template."""
-    from conftest import serve_in_thread
+    from serving import serve_in_thread
 
     from baton.engine.entrypoints.async_llm import AsyncLLM
     from baton.engine.server.app import build_app

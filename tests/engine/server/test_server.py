@@ -16,9 +16,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import serve_in_thread
 from pydantic import BaseModel, Field
 from server_testing import API_KEY, MESSAGES, MODEL, PERSON_SCHEMA, Server, get_metrics, metric
+from serving import serve_in_thread
 
 from baton.engine.entrypoints.async_llm import AsyncLLM
 from baton.engine.server.app import build_app

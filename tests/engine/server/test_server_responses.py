@@ -13,8 +13,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import DEFAULT_SERVED_MODEL as MODEL
 from responses_testing import ASK, FORMAT, LOGPROBS, SCHEMA, TOOL, Weather
+from serving import DEFAULT_SERVED_MODEL as MODEL
 
 from baton.grammar.tool_formats import TOOL_CALL_FORMATS
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DEFAULT_SERVED_MODEL as MODEL
 from responses_testing import ASK, LOGPROBS, TOOL
+from serving import DEFAULT_SERVED_MODEL as MODEL
 
 from baton.engine.server.responses_input import chat_messages
 from baton.engine.server.responses_store import ResponseStore, StoredResponse

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import serve_in_thread
 from server_testing import MESSAGES, MODEL, PERSON_SCHEMA, Server, get_metrics, metric
+from serving import serve_in_thread
 
 from baton.engine.entrypoints.async_llm import AsyncLLM
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
