@@ -52,16 +52,20 @@ test: $(STAMP)
 # The tests that depend on CPU features (dtype choice, bfloat16, oneDNN packing, kernels, drafts)
 # as on an AVX2-only CPU, run on any x86 machine: they must pass or skip naming the feature.
 AVX2_ONLY_TESTS := tests/engine/test_config_dtype.py tests/engine/core/test_spec_decode.py \
+	tests/engine/core/test_spec_decode_drafters.py \
 	tests/engine/core/test_engine_stats.py tests/engine/cli/test_cli.py \
 	tests/engine/loader/test_tp_loader.py tests/engine/loader/test_loader.py \
+	tests/engine/loader/test_loader_errors.py \
 	tests/engine/models/test_packed_weights.py tests/engine/models/test_model.py \
+	tests/engine/models/test_model_int8.py \
 	tests/engine/models/test_gguf_int8_activations.py tests/engine/models/test_gguf_quantized.py \
 	tests/engine/models/test_cpu_decode.py tests/engine/models/test_batch_invariance.py \
 	tests/kernels/test_kernels_rms_norm.py tests/kernels/test_kernels_silu_mul.py \
 	tests/kernels/test_kernels_rope.py tests/kernels/test_kernels_paged_attention.py \
 	tests/kernels/test_kernels_quant_linear.py tests/kernels/test_kernels_quant_linear_int8.py \
 	tests/kernels/test_kernels_quant_projection.py tests/kernels/test_kernels_cpu_ops.py \
-	tests/sampler/test_sampler.py
+	tests/sampler/test_sampler.py tests/sampler/test_sampler_penalties.py \
+	tests/sampler/test_sampler_inputs.py
 test-avx2-only: $(STAMP)
 	PYTHONPATH=tests/avx2_only ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 \
 		$(VENV)/bin/pytest -q -rs -n 2 --dist loadfile --max-worker-restart 0 $(AVX2_ONLY_TESTS)

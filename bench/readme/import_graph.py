@@ -189,7 +189,9 @@ def _report(lines: Iterable[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Prints the cycles (bench's modules included) and back-arrows, if any, and writes the
     picture of the product's rooms; exit status 1 when there are any."""
-    p = argparse.ArgumentParser(prog="python -m baton.bench.readme.import_graph", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m baton.bench.readme.import_graph", description=__doc__
+    )
     p.add_argument("--out", type=Path, default=OUT)
     a = p.parse_args(argv)
     _report(f"module cycle: {' -> '.join(c)}" for c in cycles(module_graph()))

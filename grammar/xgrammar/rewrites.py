@@ -6,7 +6,7 @@ run time, one parse each. A rule shape that leaves thousands of tokens uncertain
 mask fill of microseconds into milliseconds per row. Each rewrite here keeps the language
 (or narrows it to valid JSON), and each was measured on the shared schemas with ``baton bench
 masks``; ``tests/grammar/test_grammar_fill_speed.py`` guards the speed and
-``tests/grammar/test_grammar_xgrammar.py`` the languages.
+``tests/grammar/test_grammar_xgrammar_rewrites.py`` the languages.
 
 1. Length-bounded strings. xgrammar spells one character of a ``minLength``/``maxLength``
    string as ``[^"\\\\\\r\\n]``, which admits raw control characters (invalid JSON: seen in a

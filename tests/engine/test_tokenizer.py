@@ -9,7 +9,7 @@ from typing import Any
 
 import jinja2
 import pytest
-from conftest import tokenizer_metadata, write_gguf
+from gguf_files import tokenizer_metadata, write_gguf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

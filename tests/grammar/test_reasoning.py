@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-from conftest import build_tiny_model_dir
+from model_files import build_tiny_model_dir
 
 from baton.engine import LLM, SamplingParams
 from baton.grammar.backend import GrammarMatcher, allocate_bitmask
@@ -214,7 +214,7 @@ def reasoning_engine(thinking_model):
 
 
 def _serve(engine, **settings):
-    from conftest import serve_in_thread
+    from serving import serve_in_thread
 
     from baton.engine.server.app import build_app
     from baton.engine.server.config import ServerConfig

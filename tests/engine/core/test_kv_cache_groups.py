@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_tiny_model_dir
+from model_files import build_tiny_model_dir
 from test_scheduler import fake_output
 
 from baton.engine import LLM, SamplingParams

@@ -23,7 +23,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import serve_in_thread
+from serving import serve_in_thread
 
 ray = pytest.importorskip("ray")
 

@@ -16,14 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import encode_tensor, mini_tokenizer_metadata, write_gguf
+from gguf_files import encode_tensor, mini_tokenizer_metadata, write_gguf
 
-from baton.engine.loader import (
-    ModelLoadError,
-    ShardSpec,
-    expected_weight_shapes,
-    load_checkpoint,
-)
+from baton.engine.loader import ModelLoadError, ShardSpec, expected_weight_shapes, load_checkpoint
 from baton.engine.loader.checkpoint import Checkpoint
 from baton.engine.models.sharding import shard_weights
 

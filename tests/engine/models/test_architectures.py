@@ -12,13 +12,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, build_tiny_model_dir, gguf_from_hf_dir, mini_tokenizer_metadata
+from conftest import ROOT
 from engine_testing import (
     assert_equal_weights,
     assert_same_checkpoint,
     json_object,
     llama_cpp_convert,
 )
+from gguf_files import gguf_from_hf_dir, mini_tokenizer_metadata
+from model_files import build_tiny_model_dir
 
 from baton.bench.llama_server.llama_cpp_build import converter
 from baton.engine import LLM, SamplingParams

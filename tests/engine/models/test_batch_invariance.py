@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_tiny_model_dir, built_once_per_run
+from model_files import build_tiny_model_dir, built_once_per_run
 
 from baton.engine import LLM, SamplingParams
 from baton.engine.tokenizer import Tokenizer

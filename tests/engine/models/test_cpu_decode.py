@@ -11,7 +11,7 @@ import platform
 
 import pytest
 import torch
-from conftest import decode_after_prompts, kquant_llama_weights
+from model_testing import decode_after_prompts, kquant_llama_weights
 
 from baton.engine.models import cpu_decode
 from baton.engine.models.config import ModelConfig

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_tiny_model_dir
 from engine_testing import prefill_logits, random_prompt
+from model_files import build_tiny_model_dir
 
 from baton.engine.loader import load_checkpoint
 from baton.engine.models.attention import AttentionMetadata

@@ -13,7 +13,7 @@ import platform
 
 import pytest
 import torch
-from conftest import decode_after_prompts, kquant_llama_weights
+from model_testing import decode_after_prompts, kquant_llama_weights
 
 from baton.engine.config import EngineConfig
 from baton.engine.entrypoints.args import add_engine_args, config_from_args

@@ -17,12 +17,9 @@ from pathlib import Path
 import gguf.quants
 import pytest
 import torch
-from conftest import (
-    build_tiny_model_dir,
-    decode_after_prompts,
-    gguf_from_hf_dir,
-    mini_tokenizer_metadata,
-)
+from gguf_files import gguf_from_hf_dir, mini_tokenizer_metadata
+from model_files import build_tiny_model_dir
+from model_testing import decode_after_prompts
 
 from baton.engine import LLM, SamplingParams
 from baton.engine.config import EngineConfig

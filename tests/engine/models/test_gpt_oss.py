@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_tiny_model_dir
 from engine_testing import prefill_logits, random_prompt
+from model_files import build_tiny_model_dir
 
 from baton.engine.loader import ModelLoadError, load_checkpoint
 from baton.engine.loader.gpt_oss import dequantize_mxfp4

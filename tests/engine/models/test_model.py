@@ -1,39 +1,21 @@
-"""baton's Llama forward pass against transformers, and paged-cache consistency."""
+"""baton's Llama forward pass against transformers, paged-cache consistency, bfloat16 decode
+attention, packed experts (int8 linears: test_model_int8.py)."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
-from engine_testing import spy_int8_rows
-from transformers import (
-    LlamaConfig,
-    MixtralConfig,
-    Phi3Config,
-    Qwen2Config,
-    Qwen2MoeConfig,
-    Qwen3Config,
-    Qwen3MoeConfig,
-)
+from model_testing import BLOCK, _tiny_pair
+from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
-from transformers import MixtralForCausalLM as HFMixtral
-from transformers import Phi3ForCausalLM as HFPhi3
-from transformers import Qwen2ForCausalLM as HFQwen2
-from transformers import Qwen2MoeForCausalLM as HFQwen2Moe
-from transformers import Qwen3ForCausalLM as HFQwen3
-from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
 
 from baton.engine.models.attention import AttentionMetadata, paged_attention
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.kv_cache import allocate_kv_cache
 from baton.engine.models.llama import LlamaForCausalLM
-from baton.engine.models.quant import int8_linear, quantize_int8
 from baton.engine.models.sharding import check_tensor_parallel
-
-BLOCK = 4
-
 
 # YaRN stretching an original context of 64 positions to the tiny models' 256: with head_dim 16
 # the ramp falls inside the dimensions, so interpolated, extrapolated and blended frequencies all
@@ -48,147 +30,6 @@ LONGROPE = {
     "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 3.0, 4.0],
     "long_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0],
 }
-
-
-def _tiny_pair(arch: str = "llama", rope_scaling: dict | None = None, tied: bool = False):
-    torch.manual_seed(0)
-    rope_scaling = dict(rope_scaling) if rope_scaling else None  # transformers adds keys
-    common = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        tie_word_embeddings=tied,
-    )
-    if arch == "qwen2":
-        hf = HFQwen2(Qwen2Config(**common)).eval()
-    elif arch == "qwen3":
-        hf = HFQwen3(Qwen3Config(head_dim=16, rope_scaling=rope_scaling, **common)).eval()
-        # transformers initialises the per-head norms to ones: random ones test their use.
-        with torch.no_grad():
-            for layer in hf.model.layers:
-                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
-                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
-    elif arch == "phi3":
-        longrope = rope_scaling is not None and rope_scaling.get("rope_type") == "longrope"
-        hf = HFPhi3(
-            Phi3Config(
-                rope_scaling=rope_scaling,
-                original_max_position_embeddings=64 if longrope else 256,
-                sliding_window=None,
-                pad_token_id=0,
-                eos_token_id=2,
-                **common,
-            )
-        )
-    elif arch == "mixtral":
-        hf = HFMixtral(
-            MixtralConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, **common)
-        )
-    elif arch == "qwen2_moe":
-        # Layer 0: 8 experts of width 32, top 2 not renormalised, a shared expert of 48.
-        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
-        hf = HFQwen2Moe(
-            Qwen2MoeConfig(
-                shared_expert_intermediate_size=48,
-                norm_topk_prob=False,
-                mlp_only_layers=[1],
-                **moe,
-                **common,
-            )
-        )
-    elif arch == "qwen3_moe":
-        # Layer 1 dense (mlp_only_layers), layer 0 of 8 experts of width 32, top 3 renormalised.
-        moe = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32)
-        hf = HFQwen3Moe(
-            Qwen3MoeConfig(head_dim=16, norm_topk_prob=True, mlp_only_layers=[1], **moe, **common)
-        )
-    else:
-        hf = HFLlama(LlamaConfig(head_dim=16, rope_scaling=rope_scaling, **common)).eval()
-    hf.eval()
-    if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):  # transformers' router init: near uniform
-        with torch.no_grad():
-            for name, param in hf.named_parameters():
-                if ".mlp." in name:
-                    param.normal_(0.0, 0.3)
-    experts = {}
-    if arch == "mixtral":
-        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
-    elif arch == "qwen3_moe":
-        experts = dict(
-            num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, dense_layers=(1,)
-        )
-    elif arch == "qwen2_moe":
-        experts = dict(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            dense_layers=(1,),
-            norm_topk_prob=False,
-            shared_expert_intermediate_size=48,
-        )
-    cfg = ModelConfig(
-        architecture=arch,
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=hf.config.rms_norm_eps,
-        rope_theta=10000.0,
-        rope_scaling=(
-            {**rope_scaling, "original_max_position_embeddings": 64, "factor": 4.0}  # as hf.py
-            if rope_scaling and rope_scaling["rope_type"] == "longrope"
-            else rope_scaling
-        ),
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-        attention_bias=arch in ("qwen2", "qwen2_moe"),
-        **experts,
-    )
-    state = dict(hf.state_dict())
-    if rope_scaling and rope_scaling.get("rope_type") == "longrope":  # as hf.py fills it in
-        cfg = dataclasses.replace(
-            cfg,
-            rope_scaling={**rope_scaling, "original_max_position_embeddings": 64, "factor": 4.0},
-        )
-    model = LlamaForCausalLM(cfg)
-    model.load_weights(_unfused_experts(state))
-    return hf, model
-
-
-def _unfused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers 5 holds experts stacked (``mlp.experts.gate_up_proj`` [E, 2ff, H],
-    ``down_proj`` [E, H, ff]); checkpoints, and baton's loader, name them one by one."""
-    out = {}
-    for name, value in state.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            prefix = name[: -len("gate_up_proj")]
-            for e, rows in enumerate(value):
-                gate, up = rows.chunk(2)
-                out[f"{prefix}{e}.gate_proj.weight"] = gate
-                out[f"{prefix}{e}.up_proj.weight"] = up
-        elif name.endswith("self_attn.qkv_proj.weight"):  # Phi-3: q (64 rows), k, v (32 each)
-            prefix = name[: -len("qkv_proj.weight")]
-            for part, rows in zip("qkv", value.split([64, 32, 32]), strict=True):
-                out[f"{prefix}{part}_proj.weight"] = rows
-        elif name.endswith("mlp.gate_up_proj.weight"):
-            prefix = name[: -len("gate_up_proj.weight")]
-            gate, up = value.chunk(2)
-            out[f"{prefix}gate_proj.weight"], out[f"{prefix}up_proj.weight"] = gate, up
-        elif name.endswith("mlp.experts.down_proj"):
-            prefix = name[: -len("down_proj")]
-            for e, rows in enumerate(value):
-                out[f"{prefix}{e}.down_proj.weight"] = rows
-        else:
-            out[name] = value
-    return out
 
 
 def _prefill(model, ids: torch.Tensor, kv, blocks: list[int]) -> torch.Tensor:
@@ -416,135 +257,6 @@ def test_default_model_bfloat16_logits_near_transformers_bfloat16(
         kv = allocate_kv_cache(ckpt.config, 8, 16, torch.bfloat16)
         out = _prefill_block(model, ids, kv)
         assert (out - ref).abs().max().item() <= BF16_LOGIT_TOLERANCE, text
-
-
-def _decode_logits(model, prompt: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """Prefill ``prompt`` then decode ``steps`` greedy tokens one at a time; every step's
-    logits ``[steps + 1, vocab]``."""
-    n = prompt.numel()
-    blocks = torch.tensor([list(range(1, 9))])
-    kv = allocate_kv_cache(model.config, 9, BLOCK, dtype)
-    meta = AttentionMetadata.build(torch.tensor([n]), torch.tensor([n]), blocks, BLOCK)
-    rows = [model.compute_logits(model(prompt, torch.arange(n), kv, meta))[-1]]
-    for i in range(steps):
-        tok = rows[-1].argmax().view(1)
-        meta = AttentionMetadata.build(torch.tensor([1]), torch.tensor([n + i + 1]), blocks, BLOCK)
-        rows.append(model.compute_logits(model(tok, torch.tensor([n + i]), kv, meta))[0])
-    return torch.stack(rows)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_model_takes_int8_on_every_step_and_stays_near_dense(dtype, monkeypatch):
-    _, dense = _tiny_pair()
-    dense = dense.to(dtype)
-    quant = copy.deepcopy(dense)
-    quant.quantize_int8()
-    # No dense copy of a projection or of the untied LM head is kept; the embedding is.
-    for layer in quant.layers:
-        assert layer.int8 is not None and layer.packed is None
-        assert all(lin.weight.numel() == 0 for lin in layer._linears)
-    assert quant.lm_head.weight.numel() == 0 and quant.lm_head_int8 is not None
-    assert torch.equal(quant.embed_tokens.weight, dense.embed_tokens.weight)
-    prompt = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = _decode_logits(dense, prompt, 6, dtype)
-        rows = spy_int8_rows(monkeypatch)
-        out = _decode_logits(quant, prompt, 6, dtype)
-    # A 16-row prefill and 1-row decodes alike: 4 projections x 2 layers, then the LM head.
-    per_step = len(quant.layers) * 4 + 1
-    assert rows == [16] * per_step + [1] * per_step * 6
-    # int8 weights: close to the dense result, not equal (the tiny model's logits span ~+-1).
-    assert not torch.equal(out, ref)
-    assert (out - ref).abs().max().item() <= 0.05 * ref.abs().max().item() + 0.02
-
-
-def test_int8_tied_head_keeps_the_embedding_for_lookups():
-    _, dense = _tiny_pair(tied=True)
-    quant = copy.deepcopy(dense)
-    quant.quantize_int8()
-    assert quant.lm_head is None and quant.lm_head_int8 is not None
-    assert torch.equal(quant.embed_tokens.weight, dense.embed_tokens.weight)
-    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
-    ref = dense.compute_logits(hidden)
-    out = quant.compute_logits(hidden)
-    assert not torch.equal(out, ref)
-    assert (out - ref).abs().max().item() <= 0.05 * ref.abs().max().item() + 0.02
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linears_give_a_row_the_same_bits_alone_and_in_a_batch(dtype):
-    """Every int8 projection and the int8 LM head compute a row the same whatever the other
-    rows (aten._weight_int8pack_mm is batch-invariant on the CPU). The float32 dense GEMMs
-    this model would otherwise use are not (measured: no shape here passed), so the test
-    also fails if a step leaves the int8 path."""
-    _, model = _tiny_pair()
-    model = model.to(dtype)
-    model.quantize_int8()
-    layer = model.layers[0]
-    widths = (64, 64, 64, 128)  # in_features of qkv, o, gate_up, down
-    gen = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for rows in (2, 3, 16, 33, 64):
-            picks = (0, rows // 2, rows - 1)
-            for i, width in enumerate(widths):
-                x = torch.randn(rows, width, generator=gen).to(dtype)
-                batch = layer._project(i, x)
-                for r in picks:
-                    assert torch.equal(layer._project(i, x[r : r + 1].clone())[0], batch[r])
-            hidden = torch.randn(rows, 64, generator=gen).to(dtype)
-            batch = model.compute_logits(hidden)
-            for r in picks:
-                assert torch.equal(model.compute_logits(hidden[r : r + 1].clone())[0], batch[r])
-
-
-def test_int8_model_refusals_leave_it_whole():
-    _, model = _tiny_pair()
-    quant = copy.deepcopy(model)
-    quant.quantize_int8()
-    with pytest.raises(ValueError, match="int8 already"):
-        quant.quantize_int8()
-    with pytest.raises(ValueError, match="no dense weight to pack"):
-        quant.pack_weights()
-    packed = copy.deepcopy(model)
-    packed.pack_weights()
-    with pytest.raises(ValueError, match="packed already"):
-        packed.quantize_int8()
-    with pytest.raises(ValueError, match="CPU"):
-        copy.deepcopy(model).to("meta").quantize_int8()
-    # A down projection of 72 inputs: the kernel reads 16 at a time (wrong values or a crash
-    # otherwise), so the model is refused before any weight is replaced.
-    odd = LlamaForCausalLM(dataclasses.replace(model.config, intermediate_size=72))
-    with pytest.raises(ValueError, match="divisible by 16.*72"):
-        odd.quantize_int8()
-    assert odd.lm_head_int8 is None
-    for layer in odd.layers:
-        assert layer.int8 is None and all(lin.weight.numel() > 0 for lin in layer._linears)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_equals_its_dequantized_reference(dtype):
-    gen = torch.Generator().manual_seed(4)
-    weight = torch.randn(48, 64, generator=gen)
-    weight[5] = 0.0  # a zero row must not divide by zero
-    w = quantize_int8(weight, dtype)
-    assert w.qweight.dtype == torch.int8 and w.scales.dtype == dtype
-    assert w.qweight.abs().max().item() == 127
-    dequant = w.qweight.float() * w.scales.float()[:, None]
-    # Per-channel rounding error is at most half a step of the scale as stored.
-    step = w.scales.float()
-    assert ((dequant - weight).abs() <= step[:, None] * 0.5 + 1e-6).all()
-    x = torch.randn(3, 64, generator=gen).to(dtype)
-    bias = torch.randn(48, generator=gen).to(dtype)
-    ref = x.float() @ dequant.T + bias.float()
-    out = int8_linear(x, w, bias)
-    assert out.dtype == dtype and out.shape == (3, 48)
-    tol = 1e-4 if dtype == torch.float32 else 0.1
-    assert (out.float() - ref).abs().max().item() <= tol
-    parts = w.split((16, 32))
-    assert [p.qweight.shape[0] for p in parts] == [16, 32]
-    assert (int8_linear(x, parts[1]).float() - ref[:, 16:] + bias[16:].float()).abs().max() <= tol
-    with pytest.raises(ValueError, match="divisible by 16"):
-        quantize_int8(torch.randn(8, 40), dtype)
 
 
 def test_bfloat16_decode_attention_upcast_computes_in_float32(monkeypatch):

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_model import _decode_logits, _tiny_pair
+from model_testing import _decode_logits, _tiny_pair
 
 from baton.engine.models.packed import pack_linear, packed_linear, packing_available
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import serve_in_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serving import serve_in_thread
 
 from baton.engine.entrypoints.async_llm import AsyncLLM
 from baton.engine.server.app import build_app

@@ -15,8 +15,8 @@ from typing import Any, Literal
 import jsonschema
 import openai
 import pytest
-from conftest import DEFAULT_SERVED_MODEL as MODEL
 from pydantic import BaseModel, Field
+from serving import DEFAULT_SERVED_MODEL as MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

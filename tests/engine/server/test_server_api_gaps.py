@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from conftest import DEFAULT_SERVED_MODEL as MODEL
+from serving import DEFAULT_SERVED_MODEL as MODEL
 
 from baton.engine.cli.main import build_parser
 from baton.engine.sampling_params import SamplingParams

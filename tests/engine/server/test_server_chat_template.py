@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import DEFAULT_SERVED_MODEL as MODEL
-from conftest import serve_in_thread
+from serving import DEFAULT_SERVED_MODEL as MODEL
+from serving import serve_in_thread
 
 from baton.engine.server.chat_plan import render_chat
 from baton.engine.server.errors import APIError

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from conftest import DEFAULT_SERVED_MODEL as MODEL
+from serving import DEFAULT_SERVED_MODEL as MODEL
 
 from baton.engine.loader import load_tokenizer
 from baton.engine.server.constraints import request_constraint

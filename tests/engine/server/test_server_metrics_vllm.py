@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import DEFAULT_SERVED_MODEL as MODEL
+from serving import DEFAULT_SERVED_MODEL as MODEL
 
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from baton.engine.server.metrics import ServerMetrics

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from conftest import DEFAULT_SERVED_MODEL as MODEL
+from serving import DEFAULT_SERVED_MODEL as MODEL
 
 PROMPT_B = "Once upon a time, in a land far away,"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import DEFAULT_SERVED_MODEL as MODEL
+from serving import DEFAULT_SERVED_MODEL as MODEL
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 

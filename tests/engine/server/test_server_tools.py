@@ -16,8 +16,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import DEFAULT_SERVED_MODEL as MODEL
 from pydantic import BaseModel, Field
+from serving import DEFAULT_SERVED_MODEL as MODEL
 
 from baton.engine.server.protocol import ChatCompletionRequest
 from baton.engine.server.tools import prepare_messages, tool_plan

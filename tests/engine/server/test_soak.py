@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import serve_in_thread
+from serving import serve_in_thread
 
 from baton.bench.serving.server_process import ServerProcess, parse_metrics
 from baton.bench.serving.soak import descendants, read_tree_rss_kb, run_soak

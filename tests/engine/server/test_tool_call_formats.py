@@ -408,7 +408,7 @@ def marker_servers(marker_folder: Any) -> Any:
     mistral, qwen3_coder) on one engine."""
     from contextlib import ExitStack
 
-    from conftest import serve_in_thread
+    from serving import serve_in_thread
 
     from baton.engine.entrypoints.async_llm import AsyncLLM
     from baton.engine.server.app import build_app
