@@ -46,7 +46,10 @@ def load_extension(stem: str, source: str, cflags: Sequence[str]) -> ModuleType:
     # process loaded another checkout's older build, which lacked a function). Only the
     # headers the source includes count: an edit to another extension's header rebuilt this
     # one too, inside the first server start after it (30 s of a measured load time).
-    digest = hashlib.sha256(" ".join(cflags).encode())
+    # The sources' folder counts too: torch's build file names the sources by path, so two
+    # checkouts of the same sources sharing a folder rebuilt it in turn (seen: 98 s of a
+    # server's start).
+    digest = hashlib.sha256(" ".join([str(CSRC), *cflags]).encode())
     for path in [CSRC / source, *sorted(included_headers(CSRC / source))]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     name = f"{stem}_{digest.hexdigest()[:16]}"

@@ -156,6 +156,7 @@ _NO_RESULT_JSON = {
     "llama_cpp_build": "builds llama.cpp for the benchmarks: measures nothing",
     "gguf_models": "writes model files for the benchmarks: measures nothing",
     "models_table": "writes docs/models.md from the tests' outcomes (commit and CPU in it)",
+    "import_graph": "draws docs/imports.png from the source: measures nothing",
 }
 
 

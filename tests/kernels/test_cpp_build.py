@@ -3,6 +3,7 @@ not leave every later load waiting on torch's lock file."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,3 +88,20 @@ def test_load_builds_in_its_own_folder_after_clearing_a_stale_lock(
     (folder / "lock").touch()
     assert cpp_build.load_extension("baton_cpu_ops", "cpu_ops.cpp", ["-O3"]) == "module"
     assert seen["stale"] is False
+
+
+def test_checkouts_of_the_same_sources_build_in_folders_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's build file names the sources by path: one folder shared by two checkouts was
+    # rebuilt by each in turn.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    names: list[str] = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: names.append(kw["name"]))
+    cpp_build.load_extension("baton_cpu_ops", "cpu_ops.cpp", ["-O3"])
+    other = tmp_path / "checkout" / "csrc"
+    shutil.copytree(cpp_build.CSRC, other)
+    monkeypatch.setattr(cpp_build, "CSRC", other)
+    cpp_build.load_extension("baton_cpu_ops", "cpu_ops.cpp", ["-O3"])
+    cpp_build.load_extension("baton_cpu_ops", "cpu_ops.cpp", ["-O3"])
+    assert names[0] != names[1] and names[1] == names[2]
