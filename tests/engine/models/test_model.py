@@ -319,11 +319,18 @@ def test_bf16_decode_attention_either_way_matches_float64(monkeypatch, half_fast
         assert (out[i].double() - ref).abs().max().item() <= 2e-2
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "onednn"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
-def test_packed_experts_compute_the_unpacked_logits(arch):
-    """The CPU default packs each expert for oneDNN (and releases the stacked weights): the
+def test_packed_experts_compute_the_unpacked_logits(arch, grouped, monkeypatch):
+    """The CPU default lays the experts out for the grouped kernel (kernels/moe_experts.py)
+    where it runs, else packs each expert for oneDNN, and releases the stacked weights: the
     same logits as the plain experts, within float32 rounding."""
     from baton.engine.models.packed import packing_available
+    from baton.kernels import moe_experts
+
+    if grouped and not moe_experts.available_isas():
+        pytest.skip("the grouped MoE kernel does not run here")
+    monkeypatch.setattr(moe_experts, "ENABLED", grouped)
 
     if not packing_available(torch.float32):
         pytest.skip("this torch build packs no CPU weights (no oneDNN)")
@@ -335,7 +342,8 @@ def test_packed_experts_compute_the_unpacked_logits(arch):
         model.pack_weights()
         packed = _prefill(model, ids, kv, list(range(1, 7)))
     mlp = model.layers[0].mlp
-    assert mlp is not None and mlp.packed is not None and mlp.gate_up.numel() == 0
+    assert mlp is not None and mlp.gate_up.numel() == 0
+    assert (mlp.grouped is not None, mlp.packed is not None) == (grouped, not grouped)
     assert (packed - plain).abs().max().item() <= 1e-4 * plain.abs().max().item()
 
 
@@ -346,5 +354,8 @@ def test_an_moe_block_takes_a_step_without_tokens():
     with torch.no_grad():
         block.gate_up.normal_()
         block.down.normal_()
+    assert block(torch.empty(0, 16)).shape == (0, 16)
+    assert block(torch.randn(3, 16)).shape == (3, 16)
+    block.pack_weights()
     assert block(torch.empty(0, 16)).shape == (0, 16)
     assert block(torch.randn(3, 16)).shape == (3, 16)
