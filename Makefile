@@ -64,6 +64,7 @@ AVX2_ONLY_TESTS := tests/engine/test_config_dtype.py tests/engine/core/test_spec
 	tests/kernels/test_kernels_rope.py tests/kernels/test_kernels_paged_attention.py \
 	tests/kernels/test_kernels_quant_linear.py tests/kernels/test_kernels_quant_linear_int8.py \
 	tests/kernels/test_kernels_quant_projection.py tests/kernels/test_kernels_cpu_ops.py \
+	tests/kernels/test_kernels_moe_experts.py \
 	tests/sampler/test_sampler.py tests/sampler/test_sampler_penalties.py \
 	tests/sampler/test_sampler_inputs.py
 test-avx2-only: $(STAMP)
