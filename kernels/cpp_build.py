@@ -20,6 +20,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 logger = logging.getLogger(__name__)
 
@@ -107,3 +109,16 @@ def included_headers(source: Path) -> set[Path]:
                 found.add(path)
                 todo.append(path)
     return found
+
+
+def runnable_isas(ext: ModuleType, names: Sequence[str]) -> tuple[str, ...]:
+    """Of an extension's instruction sets ``names`` (by code: ``ext.isa_supported(code)``),
+    those this CPU runs, in their order. An AVX-512 one ("avx512...") only where torch's own
+    probe agrees too: where it says no (the suite's AVX2-only emulation, ``tests/avx2_only``),
+    the AVX2 code is what runs, as on such a CPU."""
+    avx512 = torch.cpu._is_avx512_supported()
+    return tuple(
+        name
+        for code, name in enumerate(names)
+        if ext.isa_supported(code) and (not name.startswith("avx512") or avx512)
+    )

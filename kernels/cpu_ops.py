@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from baton.kernels.cpp_build import load_extension
+from baton.kernels.cpp_build import load_extension, runnable_isas
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +111,7 @@ def decode_isas() -> tuple[str, ...]:
     ext = extension()
     if ext is None:
         return ()
-    avx512 = torch.cpu._is_avx512_supported()
-    return tuple(
-        name
-        for code, name in enumerate(DECODE_ISAS)
-        if ext.isa_supported(code) and (name != "avx512" or avx512)
-    )
+    return runnable_isas(ext, DECODE_ISAS)
 
 
 DECODE_ISAS = ("avx2", "avx512")

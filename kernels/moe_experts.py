@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from baton.kernels.cpp_build import load_extension
+from baton.kernels.cpp_build import load_extension, runnable_isas
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,7 @@ def available_isas() -> tuple[str, ...]:
     ext = extension()
     if ext is None:
         return ()
-    avx512 = torch.cpu._is_avx512_supported()
-    return tuple(
-        name
-        for code, name in enumerate(ISAS)
-        if ext.isa_supported(code) and (name == "avx2" or avx512)
-    )
+    return runnable_isas(ext, ISAS)
 
 
 @dataclass(frozen=True)

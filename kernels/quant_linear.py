@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from baton.kernels.checks import check_tensor
-from baton.kernels.cpp_build import load_extension
+from baton.kernels.cpp_build import load_extension, runnable_isas
 from baton.kernels.huge_pages import huge_page_zeros
 from baton.kernels.quant_formats import (
     FORMATS,
@@ -169,14 +169,7 @@ def available_isas() -> tuple[str, ...]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ()
     ext = _extension()
-    # torch's own probe too: where it says no AVX-512 (the suite's AVX2-only emulation,
-    # tests/avx2_only), the AVX2 build is what runs, as on such a CPU.
-    avx512 = torch.cpu._is_avx512_supported()
-    return tuple(
-        name
-        for code, name in enumerate(ISAS)
-        if ext.isa_supported(code) and (not name.startswith("avx512") or avx512)
-    )
+    return runnable_isas(ext, ISAS)
 
 
 def selected_isa() -> str:

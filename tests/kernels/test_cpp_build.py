@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT
 from torch.utils import cpp_extension
 
@@ -105,3 +106,18 @@ def test_checkouts_of_the_same_sources_build_in_folders_of_their_own(
     cpp_build.load_extension("baton_cpu_ops", "cpu_ops.cpp", ["-O3"])
     cpp_build.load_extension("baton_cpu_ops", "cpu_ops.cpp", ["-O3"])
     assert names[0] != names[1] and names[1] == names[2]
+
+
+def test_runnable_isas_keep_the_extensions_and_torchs_word(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Ext:
+        @staticmethod
+        def isa_supported(code: int) -> bool:
+            return code != 2  # this CPU lacks the third
+
+    names = ("avx2", "avx512", "avx512vnni", "avx512bf16")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
+    assert cpp_build.runnable_isas(Ext(), names) == ("avx2", "avx512", "avx512bf16")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    assert cpp_build.runnable_isas(Ext(), names) == ("avx2",)
