@@ -173,3 +173,35 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+
+def surely_finishes(req: Request, max_model_len: int) -> bool:
+    """Whether ``req``'s tokens in flight reach its max_tokens or ``max_model_len``: it ends
+    with them anyway, so it needs no further step."""
+    max_tokens = req.sampling_params.max_tokens or max_model_len
+    produced = len(req.output_token_ids) + req.num_output_placeholders
+    return produced >= max_tokens or len(req.prompt_token_ids) + produced >= max_model_len
+
+
+def check_stop(req: Request, token: int, max_model_len: int) -> bool:
+    """Whether ``req`` stops at its newest output ``token``: the grammar ended it, an EOS or a
+    stop token after ``min_tokens``, or its length. Side effects: sets its finished status
+    (and ``stop_reason`` for a stop token)."""
+    if req.status is RequestStatus.FINISHED_STOPPED:  # the grammar ended
+        return True
+    sp = req.sampling_params
+    n_out = len(req.output_token_ids)
+    if n_out >= sp.min_tokens:
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if token in sp.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token
+            return True
+    if (sp.max_tokens is not None and n_out >= sp.max_tokens) or (
+        len(req.prompt_token_ids) + n_out >= max_model_len
+    ):
+        req.status = RequestStatus.FINISHED_LENGTH
+        return True
+    return False

@@ -14,7 +14,7 @@ from baton.engine.core.bitmask_fill import BitmaskFill
 from baton.engine.core.draft_policy import DraftPolicy
 from baton.engine.core.drafter import Drafter, propose_within
 from baton.engine.core.kv_cache_manager import KVCacheManager
-from baton.engine.core.request import Request, RequestStatus
+from baton.engine.core.request import Request, RequestStatus, check_stop, surely_finishes
 from baton.engine.kv_capacity import refusal_message
 from baton.engine.scheduler_output import (
     CachedRequestData,
@@ -131,7 +131,6 @@ class Scheduler:
 
         drafter, policy, depth = self.drafter, self.draft_policy, self._draft_depth()
         offered: list[int] = []  # drafts each drafting request proposed, for the policy
-        allocate = self.kv.allocate_slots
         release, window = self.kv.release_outside_window, self.kv.releases_blocks
         running = RequestStatus.RUNNING
         for req in list(self.running):
@@ -148,15 +147,7 @@ class Scheduler:
             n += len(proposed)
             if window:  # the lowest position it may compute again: its last known token's
                 release(req.request_id, min(req.num_computed_tokens, req.num_tokens - 1))
-            while (blocks := allocate(req.request_id, req.num_computed_tokens + n)) is None:
-                if len(self.running) == 1:  # alone, every other block free: it never fits
-                    self._refuse(req, req.num_computed_tokens + n)
-                    break
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
+            blocks = self._allocate_or_preempt(req, req.num_computed_tokens + n, preempted)
             if req.status is not running:
                 continue
             num_sched[req.request_id] = n
@@ -277,15 +268,26 @@ class Scheduler:
         in_flight = req.num_output_placeholders
         n = len(req.prompt_token_ids) + len(req.output_token_ids) + in_flight
         n -= req.num_computed_tokens
-        if in_flight and self._surely_finishes(req):
+        if in_flight and surely_finishes(req, self.max_model_len):
             return 0
         return max(0, min(n, budget, self.max_model_len - req.num_computed_tokens))
 
-    def _surely_finishes(self, req: Request) -> bool:
-        # An in-flight token that reaches max_tokens ends the request anyway.
-        max_tokens = req.sampling_params.max_tokens or self.max_model_len
-        produced = len(req.output_token_ids) + req.num_output_placeholders
-        return produced >= max_tokens or len(req.prompt_token_ids) + produced >= self.max_model_len
+    def _allocate_or_preempt(
+        self, req: Request, num_tokens: int, preempted: list[Request]
+    ) -> list[int] | None:
+        """Blocks for a running request's ``num_tokens``, preempting the latest admitted ones
+        (added to ``preempted``) until they fit: None if ``req`` itself was preempted, or
+        refused because it does not fit even alone (``_refuse``)."""
+        while (blocks := self.kv.allocate_slots(req.request_id, num_tokens)) is None:
+            if len(self.running) == 1:  # alone, every other block free: it never fits
+                self._refuse(req, num_tokens)
+                return None
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return None
+        return blocks
 
     def _allocate_alone(self, req: Request, cached: int, budget: int) -> int | None:
         """Admits a request that found no room while nothing runs without its prefix hits (a
@@ -492,7 +494,7 @@ class Scheduler:
                     req.status = RequestStatus.FINISHED_STOPPED
             req.output_token_ids.append(tok)
             accepted.append(tok)
-            if self._check_stop(req, tok):
+            if check_stop(req, tok, self.max_model_len):
                 break
         self._cache_known(req)
         status = req.status
@@ -551,26 +553,6 @@ class Scheduler:
         )
         if self.kv.fills_new_block(req.request_id, known):  # the token list costs µs
             self.kv.cache_blocks(req.request_id, req.all_token_ids, known)
-
-    def _check_stop(self, req: Request, token: int) -> bool:
-        if req.status is RequestStatus.FINISHED_STOPPED:  # the grammar ended
-            return True
-        sp = req.sampling_params
-        n_out = len(req.output_token_ids)
-        if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in sp.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-                return True
-        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or (
-            len(req.prompt_token_ids) + n_out >= self.max_model_len
-        ):
-            req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
 
     def _fail(self, req: Request, message: str, kind: str | None = None) -> EngineCoreOutput:
         req.status = RequestStatus.FINISHED_ERROR
