@@ -20,7 +20,7 @@ import argparse
 import ast
 import graphlib
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,11 +181,6 @@ def draw(rooms: RoomGraph, out: Path, modules: int) -> None:
     plt.close(fig)
 
 
-def _report(lines: Iterable[str]) -> None:
-    for line in lines:
-        print(line)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Prints the cycles (bench's modules included) and back-arrows, if any, and writes the
     picture of the product's rooms; exit status 1 when there are any."""
@@ -194,14 +189,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=OUT)
     a = p.parse_args(argv)
-    _report(f"module cycle: {' -> '.join(c)}" for c in cycles(module_graph()))
+    module_cycles = cycles(module_graph())
     graph = module_graph(packages=PRODUCT)
     rooms = room_graph(graph)
-    _report(f"room cycle: {' -> '.join(c)}" for c in rooms.room_cycles)
-    _report(f"back-arrow: {a_} -> {b}" for a_, b in rooms.back_arrows)
+    problems = [f"module cycle: {' -> '.join(c)}" for c in module_cycles]
+    problems += [f"room cycle: {' -> '.join(c)}" for c in rooms.room_cycles]
+    problems += [f"back-arrow: {a_} -> {b}" for a_, b in rooms.back_arrows]
+    if problems:
+        print("\n".join(problems))
     draw(rooms, a.out, len(graph))
     print(f"{len(graph)} modules, {len(rooms.floors)} rooms; wrote {a.out}")
-    return int(bool(cycles(module_graph()) or rooms.room_cycles or rooms.back_arrows))
+    return int(bool(problems))
 
 
 if __name__ == "__main__":
