@@ -25,15 +25,15 @@ from multiprocessing.connection import Connection
 from baton.engine.worker.fd_passing import send_fds
 from baton.engine.worker.messages import Shutdown
 
-# Runs in the fresh interpreter. An import failure is sent to the engine as the reason. After
+# Runs in the fresh interpreter. An import failure is sent to the engine as the reason: a
+# ``Failed``, or its bare text where even ``messages`` cannot be imported (nothing of baton's is
+# imported before the engine's import path is put first). After
 # serving it leaves with os._exit: tearing down an interpreter that imported torch took ~0.6 s,
 # which every engine shutdown waited for, and nothing is left to finalise (the shared buffers
 # are the engine's, mapped through inherited descriptors; everything was sent).
 _BOOTSTRAP = """\
 import os, sys, json, traceback
 from multiprocessing.connection import Connection
-
-from baton.engine.worker.messages import Shutdown
 conn = Connection(int(sys.argv[1]))
 try:
     sys.path[:0] = json.loads(sys.argv[2])
@@ -44,7 +44,7 @@ except BaseException:
         from baton.engine.worker.messages import Failed
         conn.send(Failed(why))
     except BaseException:
-        conn.send(("error", why))
+        conn.send(why)
     raise SystemExit(1)
 code = serve(conn)
 sys.stdout.flush()

@@ -66,8 +66,11 @@ WorkerCommand = Execute | Rung | Sample | Shutdown
 
 
 def failure_text(message: object) -> str:
-    """What a worker's message that is not the one expected says: a ``Failed``'s detail, or
-    the message itself."""
+    """What a worker's message that is not the one expected says: a ``Failed``'s detail, a
+    bare ``str`` as is (the bootstrap's reason when it cannot import this module), or the
+    message itself."""
     if isinstance(message, Failed):
         return message.detail
+    if isinstance(message, str):
+        return message
     return f"unexpected message from the model worker: {message!r:.2000}"

@@ -92,6 +92,15 @@ def test_a_worker_that_cannot_import_says_why(tiny_model_dir: Path, monkeypatch)
         MultiprocExecutor(_spec(ckpt), ckpt.weights)
 
 
+def test_a_worker_that_cannot_import_the_messages_says_why(tiny_model_dir: Path, monkeypatch):
+    # Not even messages.py (no Failed to send): the bare reason comes back, lines intact.
+    ckpt = load_checkpoint(str(tiny_model_dir))
+    broken = worker_process._BOOTSTRAP.replace("baton.engine.worker.", "baton.engine.no_room.")
+    monkeypatch.setattr(worker_process, "_BOOTSTRAP", broken)
+    with pytest.raises(ExecutorError, match=r"cannot import the model worker:\nTraceback"):
+        MultiprocExecutor(_spec(ckpt), ckpt.weights)
+
+
 def test_a_worker_killed_while_starting_says_how_it_ended(tiny_model_dir: Path, monkeypatch):
     ckpt = load_checkpoint(str(tiny_model_dir))
     monkeypatch.setattr(

@@ -42,4 +42,8 @@ def test_failure_text_names_what_went_wrong() -> None:
     assert failure_text(Failed("boom")) == "boom"
     text = failure_text(("error", "x"))
     assert text == "unexpected message from the model worker: ('error', 'x')"
-    assert len(failure_text("y" * 5000)) < 2100
+    assert len(failure_text(b"y" * 5000)) < 2100
+    # The bootstrap's bare reason where it cannot import messages.py: its lines as they are.
+    assert failure_text("cannot import the model worker:\nTraceback") == (
+        "cannot import the model worker:\nTraceback"
+    )
