@@ -57,6 +57,7 @@ PLACES: dict[str, str] = {
     "test_sim.py": "engine/executor",
     "test_sim_runner.py": "engine/executor",
     "test_worker_start.py": "engine/executor",
+    "test_start_workers.py": "engine/executor",
     # engine/worker: the runner and what it owns
     "test_cpu_threads.py": "engine/worker",
     "test_cuda_graphs.py": "engine/worker",

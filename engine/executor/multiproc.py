@@ -16,23 +16,29 @@ its shard of the weights (``models/sharding.py``) in its own shared buffer, join
 is written once into a shared ring that every rank reads (``worker/step_broadcast.py``); every
 rank gets ``Sample``, but only rank 0 reads the bitmask, samples and answers. A rank that dies
 ends the executor, as the single worker does.
+
+The set-up (shared memory, each rank's worker started, the wait until all are ready; undone if
+any step fails) is ``worker_start.py``'s; ``MultiprocExecutor.start`` runs it and builds the
+executor over the ``StartedWorkers`` it returns.
 """
 
 from __future__ import annotations
 
-import datetime
-import logging
-import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 
 import torch
-import torch.distributed as dist
 
 from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
 from baton.engine.executor.worker_process import WorkerProcess
-from baton.engine.models.sharding import check_tensor_parallel, shard_weights
+from baton.engine.executor.worker_start import (
+    SLOTS,
+    StartedWorkers,
+    Weights,
+    start_workers,
+    stop_all,
+)
 from baton.engine.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from baton.engine.sync_check import SyncChecker
 from baton.engine.worker.build import RunnerSpec
@@ -40,29 +46,16 @@ from baton.engine.worker.cpu_threads import ThreadState
 from baton.engine.worker.messages import (
     Execute,
     Failed,
-    Ready,
     Rung,
     Sample,
     WorkerCommand,
     failure_text,
 )
 from baton.engine.worker.runner_values import runner_output
-from baton.engine.worker.shared_memory import (
-    QuantLayout,
-    SharedBuffer,
-    TensorLayout,
-    pack_layouts,
-)
 from baton.engine.worker.spec_decode import DraftLayout
-from baton.engine.worker.step_broadcast import StepBroadcaster
-from baton.engine.worker.worker_main import Reply, WorkerInit
-from baton.grammar.backend import bitmask_width
+from baton.engine.worker.worker_main import Reply
 from baton.kernels.quant_formats import QuantWeight
 
-logger = logging.getLogger(__name__)
-
-_SLOTS = 2  # steps in flight at most (max_concurrent_batches)
-_START_TIMEOUT_S = 300.0
 _POLL_S = 0.5
 
 
@@ -77,234 +70,61 @@ class _MpOutput(AsyncOutput):
         return self._output
 
 
-# Prefix of a quantised weight's bytes among the shared buffer's layouts (no dense weight
-# name has a colon).
-_QUANT_PREFIX = "quant:"
-
-
-def _share_weights(
-    weights: dict[str, torch.Tensor], quantized: Mapping[str, QuantWeight] | None = None
-) -> tuple[SharedBuffer, dict[str, TensorLayout], dict[str, QuantLayout]]:
-    """Copies all weights into one shared buffer (one descriptor to pass): the dense ones (of
-    any dtypes) and the quantised ones' packed bytes. Returns the buffer and where each lies."""
-    quantized = quantized or {}
-    shapes = {n: (w.dtype, tuple(w.shape)) for n, w in weights.items()}
-    shapes.update({_QUANT_PREFIX + n: (torch.uint8, (q.nbytes,)) for n, q in quantized.items()})
-    layouts, total = pack_layouts(shapes)
-    buf = SharedBuffer.create(total, "baton-weights")
-    for name, w in weights.items():
-        buf.tensor(layouts[name]).copy_(w)
-    quant_layouts = {}
-    for name, q in quantized.items():
-        data = layouts.pop(_QUANT_PREFIX + name)
-        buf.tensor(data).copy_(q.data)
-        quant_layouts[name] = QuantLayout(q.format, q.n, q.k, data)
-    return buf, layouts, quant_layouts
-
-
-def _step_io_layouts(spec: RunnerSpec) -> tuple[dict[str, TensorLayout], int]:
-    """Where the double-buffered bitmasks and sampled tokens lie in the step I/O buffer: a
-    logits row per request and one more per draft (speculative decoding), per slot."""
-    rows = spec.max_num_seqs * (1 + spec.max_drafts)
-    return pack_layouts(
-        {
-            "bitmasks": (torch.int32, (_SLOTS, rows, bitmask_width(spec.model_config.vocab_size))),
-            "sampled": (torch.int64, (_SLOTS, rows)),
-        }
-    )
-
-
 class MultiprocExecutor(Executor):
     """Runs the model runner in a worker process (one per tensor-parallel rank); every call
     returns at once.
 
-    ``weights``: the whole model's (cut here for each rank), or a function that gives rank
-    ``r``'s shard (called once per rank, in order). ``quantized``: GGUF-quantised linears
-    (``spec.quantization="gguf"``, one rank only), shared with the worker beside ``weights``.
-    ``prestarted``: rank 0's worker process, started earlier (``WorkerProcess()``) so that it
-    imported the runner while the model was read; stopped here if the start fails after this
-    takes it.
-
-    Raises:
-        ExecutorError: a worker failed to start; the message says why (its traceback, or
-            how it ended).
-        ValueError: the model cannot be cut into ``spec.tensor_parallel_size`` shards, or
-            ``quantized`` with more than one.
+    Built from workers already started and ready (``start``, or ``worker_start.start_workers``
+    and this constructor, which starts and waits for nothing and cannot fail half way). It owns
+    them from then on: ``shutdown``, or this object's collection, stops them.
     """
 
-    def __init__(
-        self,
-        spec: RunnerSpec,
-        weights: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]],
-        checker: SyncChecker | None = None,
-        quantized: Mapping[str, QuantWeight] | None = None,
-        prestarted: WorkerProcess | None = None,
-    ) -> None:
+    def __init__(self, started: StartedWorkers, checker: SyncChecker | None = None) -> None:
         self._checker = checker or SyncChecker("off")
-        size = spec.tensor_parallel_size
-        check_tensor_parallel(spec.model_config, size)
-        if quantized and size > 1:
-            raise ValueError(
-                f"GGUF-quantised weights cannot be cut into {size} tensor-parallel shards yet"
-            )
+        self._workers = started.workers
+        self._conn = started.workers[0].conn
+        self._ring = started.ring
+        self._store = started.store  # the ranks' meeting point, kept while they run
+        self._bitmasks, self._sampled = started.bitmasks, started.sampled
         self._slot = 0
         self._device_s = 0.0
         self._collective_s = 0.0
         self._threads: ThreadState | None = None
         self._replies: dict[int, Reply] = {}
         self._dead: str | None = None
-        self._workers: list[WorkerProcess] = []
-        self._store: dist.TCPStore | None = None
-        self._ring: StepBroadcaster | None = None
-        io_layouts, io_total = _step_io_layouts(spec)
-        io, rank_weights = self._share_memory(spec, weights, quantized, io_total)
-        self._bitmasks = io.tensor(io_layouts["bitmasks"])
-        self._bitmasks.fill_(-1)
-        self._sampled = io.tensor(io_layouts["sampled"])
-        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
-        try:
-            for rank, (buf, layouts, quant_layouts) in enumerate(rank_weights):
-                early = prestarted if rank == 0 else None
-                self._start_worker(spec, rank, buf, layouts, quant_layouts, io, io_layouts, early)
-        finally:
-            for buf in [io, *(buf for buf, _, _ in rank_weights)]:
-                buf.close()
-            if self._ring is not None:
-                self._ring.close()
-            # Unmaps the weights here: their pages live on in the workers' mappings only.
-            rank_weights.clear()
-        self._conn = self._workers[0].conn
-        for rank, worker in enumerate(self._workers):
-            self._wait_ready(worker, rank)
+        self._finalizer = weakref.finalize(self, stop_all, self._workers)
 
-    def _share_memory(
-        self,
+    @classmethod
+    def start(
+        cls,
         spec: RunnerSpec,
-        weights: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]],
-        quantized: Mapping[str, QuantWeight] | None,
-        io_total: int,
-    ) -> tuple[
-        SharedBuffer, list[tuple[SharedBuffer, dict[str, TensorLayout], dict[str, QuantLayout]]]
-    ]:
-        """The step I/O buffer and each rank's weights in a shared buffer of its own; with
-        several ranks also the step ring and the TCP store they meet through (``_ring``,
-        ``_store``). Closes what it made before raising.
+        weights: Weights,
+        checker: SyncChecker | None = None,
+        quantized: Mapping[str, QuantWeight] | None = None,
+        prestarted: WorkerProcess | None = None,
+    ) -> MultiprocExecutor:
+        """Starts ``spec``'s workers (``worker_start.start_workers``: shared memory, one worker
+        process per tensor-parallel rank, the wait until each is ready) and returns the
+        executor over them.
+
+        ``weights``: the whole model's (cut for each rank), or a function that gives rank
+        ``r``'s shard (called once per rank, in order). ``quantized``: GGUF-quantised linears
+        (``spec.quantization="gguf"``, one rank only), shared with the worker beside
+        ``weights``. ``prestarted``: rank 0's worker process, started earlier
+        (``WorkerProcess()``) so that it imported the runner while the model was read; stopped
+        if the start fails after it was taken. A failed start stops every worker it started.
 
         Raises:
-            ExecutorError: shared memory (or the store) could not be set up.
+            ExecutorError: a worker failed to start; the message says why (its traceback, or
+                how it ended).
+            ValueError: the model cannot be cut into ``spec.tensor_parallel_size`` shards, or
+                ``quantized`` with more than one.
         """
-        size = spec.tensor_parallel_size
-        shared: list[SharedBuffer] = []
-        try:
-            io = SharedBuffer.create(io_total, "baton-step-io")
-            shared.append(io)
-            if size > 1:
-                self._ring = StepBroadcaster(size)
-                # Hosted here, so the ranks meet without racing for a free port.
-                self._store = dist.TCPStore(
-                    "127.0.0.1",
-                    0,
-                    is_master=True,
-                    wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
-                )
-            rank_weights = []
-            for rank in range(size):
-                # A callable reads one rank's shard at a time (the loader's shard mode), so the
-                # whole model is never in this process at once.
-                shard = (
-                    weights(rank)
-                    if callable(weights)
-                    else shard_weights(weights, spec.model_config, rank, size)
-                )
-                buf, layouts, quant_layouts = _share_weights(shard, quantized)
-                del shard
-                shared.append(buf)
-                rank_weights.append((buf, layouts, quant_layouts))
-        except (OSError, RuntimeError) as exc:
-            for buf in shared:
-                buf.close()
-            raise ExecutorError(f"cannot set up the model workers' shared memory: {exc}") from exc
-        return io, rank_weights
-
-    def _start_worker(
-        self,
-        spec: RunnerSpec,
-        rank: int,
-        buf: SharedBuffer,
-        layouts: dict[str, TensorLayout],
-        quant_layouts: dict[str, QuantLayout],
-        io: SharedBuffer,
-        io_layouts: dict[str, TensorLayout],
-        prestarted: WorkerProcess | None,
-    ) -> None:
-        """Starts rank ``rank``'s worker process (or takes ``prestarted``), appends it to
-        ``_workers``, hands it the shared buffers and sends it its ``WorkerInit``; closes this
-        process's descriptor of the rank's weights.
-
-        Raises:
-            ExecutorError: the process could not be started or reached.
-        """
-        init = WorkerInit(
-            spec=spec,
-            weights_fd=buf.fd,
-            weights_nbytes=buf.nbytes,
-            weights=layouts,
-            quantized=quant_layouts,
-            io_fd=io.fd,
-            io_nbytes=io.nbytes,
-            bitmasks=io_layouts["bitmasks"],
-            sampled=io_layouts["sampled"],
-            rank=rank,
-            store_port=0 if self._store is None else self._store.port,
-            broadcast=None if self._ring is None else self._ring.layout,
-        )
-        fds = [buf.fd, io.fd] + ([] if self._ring is None else [self._ring.layout.fd])
-        try:
-            worker = prestarted or WorkerProcess()
-        except OSError as exc:
-            self.shutdown()
-            raise ExecutorError(f"cannot start the model worker process: {exc}") from exc
-        self._workers.append(worker)
-        try:
-            worker.hand_over(fds)
-            worker.conn.send(init)
-        except OSError:
-            # A worker that is gone already (an import failure, a kill) left its reason in the
-            # connection or its exit status: _wait_ready, which follows, reports that.
-            pass
-        # The worker holds its own copy of the descriptor now; its weights' pages live on in
-        # its mapping only.
-        buf.close()
-
-    def _wait_ready(self, worker: WorkerProcess, rank: int) -> None:
-        conn = worker.conn
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not conn.poll(_POLL_S):
-            if not worker.is_alive():
-                break  # its last message, if any, is still readable
-            if time.monotonic() > deadline:
-                self._start_failed(
-                    f"{self._rank_name(rank)}not ready after {_START_TIMEOUT_S:.0f} s"
-                )
-        try:
-            message = conn.recv()
-        except (EOFError, OSError) as exc:
-            worker.stop()
-            ended = worker.exit_description() or "still running"
-            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            self._start_failed(
-                f"{self._rank_name(rank)}it ended without a reason ({ended}; {reason})"
-            )
-        if not isinstance(message, Ready):
-            self._start_failed(f"{self._rank_name(rank)}\n{failure_text(message)}")
+        started = start_workers(spec, weights, quantized=quantized, prestarted=prestarted)
+        return cls(started, checker)
 
     def _rank_name(self, rank: int) -> str:
         return f"rank {rank}: " if len(self._workers) > 1 else ""
-
-    def _start_failed(self, reason: str) -> None:
-        self.shutdown()
-        raise ExecutorError(f"the model worker process failed to start: {reason}")
 
     @property
     def worker_pid(self) -> int:
@@ -336,7 +156,7 @@ class MultiprocExecutor(Executor):
 
     def sample_tokens(self, step_id: int, grammar: GrammarOutput | None) -> AsyncOutput:
         slot = self._slot
-        self._slot = (self._slot + 1) % _SLOTS
+        self._slot = (self._slot + 1) % SLOTS
         request_ids: tuple[str, ...] = ()
         row_counts: tuple[int, ...] = ()
         if grammar is not None and grammar.request_ids:
@@ -433,10 +253,3 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         self._finalizer()
         self._store = None
-
-
-def _stop_all(workers: list[WorkerProcess]) -> None:
-    """Stops every worker: rank 0 last, so that no rank is left waiting for it in a
-    collective while the others are asked to stop."""
-    for worker in reversed(workers):
-        worker.stop()

@@ -173,7 +173,7 @@ def _executor(
             if sharded
             else ckpt.weights
         )
-        return MultiprocExecutor(spec, weights, checker, ckpt.quantized, prestarted=early)
+        return MultiprocExecutor.start(spec, weights, checker, ckpt.quantized, prestarted=early)
     governor = ThreadGovernor() if spec.adapt_threads else None
     runner = build_runner(spec, ckpt.weights, quantized=ckpt.quantized)
     # The runner holds these very tensor objects: moving one re-points it everywhere; its old

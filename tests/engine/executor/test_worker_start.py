@@ -81,7 +81,7 @@ def test_a_worker_that_cannot_build_says_why(tiny_model_dir: Path):
     weights = dict(ckpt.weights)
     weights.pop("model.norm.weight")
     with pytest.raises(ExecutorError, match=r"failed to start(.|\n)*model\.norm\.weight"):
-        MultiprocExecutor(_spec(ckpt), weights)
+        MultiprocExecutor.start(_spec(ckpt), weights)
 
 
 def test_a_worker_that_cannot_import_says_why(tiny_model_dir: Path, monkeypatch):
@@ -89,7 +89,7 @@ def test_a_worker_that_cannot_import_says_why(tiny_model_dir: Path, monkeypatch)
     broken = worker_process._BOOTSTRAP.replace("worker.worker_main", "worker.no_such_module")
     monkeypatch.setattr(worker_process, "_BOOTSTRAP", broken)
     with pytest.raises(ExecutorError, match=r"cannot import the model worker(.|\n)*no_such_module"):
-        MultiprocExecutor(_spec(ckpt), ckpt.weights)
+        MultiprocExecutor.start(_spec(ckpt), ckpt.weights)
 
 
 def test_a_worker_that_cannot_import_the_messages_says_why(tiny_model_dir: Path, monkeypatch):
@@ -98,7 +98,7 @@ def test_a_worker_that_cannot_import_the_messages_says_why(tiny_model_dir: Path,
     broken = worker_process._BOOTSTRAP.replace("baton.engine.worker.", "baton.engine.no_room.")
     monkeypatch.setattr(worker_process, "_BOOTSTRAP", broken)
     with pytest.raises(ExecutorError, match=r"cannot import the model worker:\nTraceback"):
-        MultiprocExecutor(_spec(ckpt), ckpt.weights)
+        MultiprocExecutor.start(_spec(ckpt), ckpt.weights)
 
 
 def test_a_worker_killed_while_starting_says_how_it_ended(tiny_model_dir: Path, monkeypatch):
@@ -107,7 +107,7 @@ def test_a_worker_killed_while_starting_says_how_it_ended(tiny_model_dir: Path, 
         worker_process, "_BOOTSTRAP", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     )
     with pytest.raises(ExecutorError, match="killed by signal SIGKILL"):
-        MultiprocExecutor(_spec(ckpt), ckpt.weights)
+        MultiprocExecutor.start(_spec(ckpt), ckpt.weights)
 
 
 def test_descriptors_follow_over_the_connection():
