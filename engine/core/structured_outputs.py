@@ -98,6 +98,9 @@ class StructuredOutputManager:
             recipes, tokenizer, vocab_size, compile_timeout_s, cache_size, compile_pool, cache_bytes
         )
         self._bitmask = allocate_bitmask(max_rows, vocab_size)
+        # The row views of one buffer (the last one asked for), by row count.
+        self._views_of: torch.Tensor | None = None
+        self._views: dict[int, torch.Tensor] = {}
         self._validated: OrderedDict[tuple[object, ...], None] = OrderedDict()
 
     # ------------------------------------------------------------ submission
@@ -206,9 +209,18 @@ class StructuredOutputManager:
         buffer), or of the manager's own buffer, which grows to ``n`` rows when the one
         chosen is smaller (a step's fill is ``bitmask_fill.BitmaskFill``)."""
         buffer = self._bitmask if out is None else out
-        if buffer.shape[0] < n:
-            buffer = self._bitmask = allocate_bitmask(n, self.vocab_size)
-        return buffer[:n]
+        if buffer is not self._views_of:
+            self._views_of, self._views = buffer, {}
+        view = self._views.get(n)
+        if view is None:
+            if buffer.shape[0] < n:
+                buffer = self._bitmask = allocate_bitmask(n, self.vocab_size)
+                self._views_of, self._views = buffer, {}
+            # Kept: a step slices the same buffer to one of few sizes, and slicing a tensor is
+            # a torch call (tens of µs on a busy engine thread); the backends also check a
+            # view once, not once a step (they know it by identity).
+            view = self._views[n] = buffer[:n]
+        return view
 
     @staticmethod
     def advance(reqs: Sequence[Request], tokens: Sequence[int]) -> list[GrammarVerdict]:

@@ -160,6 +160,9 @@ class SimExecutor(Executor):
         self._checker = checker or SyncChecker("off")
         self._clock = clock
         self._bitmask = allocate_bitmask(max_num_seqs, vocab_size)
+        # The last mask checked, and its numpy view (sharing its memory).
+        self._mask_of: torch.Tensor | None = None
+        self._mask_np = np.empty((0, 0), dtype=np.int32)
         self._rows: dict[str, _Row] = {}
         self._pending: deque[_Forward] = deque()
         self._free_at = 0.0
@@ -378,9 +381,10 @@ class SimExecutor(Executor):
             return None
         rows = np.asarray(mask_rows, dtype=np.int64)
         tok_arr = np.asarray(toks, dtype=np.int64)
-        with self._checker.allow():  # the device reading the mask it was sent
-            bitmask = grammar.bitmask.numpy()
-            words = bitmask[rows, tok_arr >> 5]
+        if grammar.bitmask is not self._mask_of:  # each step sends the same view: one numpy
+            with self._checker.allow():  # the device reading the mask it was sent
+                self._mask_of, self._mask_np = grammar.bitmask, grammar.bitmask.numpy()
+        words = self._mask_np[rows, tok_arr >> 5]
         allowed = (words >> (tok_arr & 31)) & 1
         if allowed.all():
             return None

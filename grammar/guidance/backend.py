@@ -306,6 +306,9 @@ class GuidanceBackend(GrammarBackend):
         self._executors: dict[int, llguidance.LLExecutor] = {}  # by thread count
         # What a terminated matcher allows, like the other backends: EOS only.
         self.eos_row = token_bitmask_row(self.eos_token_ids, vocab_size)
+        # The last bitmask plan_fill checked, with its first row's address and row bytes.
+        self._checked: torch.Tensor | None = None
+        self._row_ptr = (0, 0, 0)
 
     # ------------------------------------------------------------- tokenizer
     def _llt(self) -> llguidance.LLTokenizer:
@@ -447,6 +450,23 @@ class GuidanceBackend(GrammarBackend):
         return compiled
 
     # ------------------------------------------------------------------ masks
+    def _check_rows(self, bitmask: torch.Tensor) -> None:
+        """Raises ValueError unless ``bitmask`` is ``[rows, words]``, int32, contiguous on the
+        CPU; notes its first row's address, row size and rows (``_row_ptr``). Each step's
+        fill passes the same view of a buffer: it is looked at once (a tensor's shape and
+        storage stay)."""
+        if bitmask is self._checked:
+            return
+        if bitmask.dim() != 2 or bitmask.shape[1] != bitmask_width(self.vocab_size):
+            raise ValueError(
+                f"bitmask must be [rows, {bitmask_width(self.vocab_size)}], "
+                f"got {list(bitmask.shape)}"
+            )
+        _check_layout(bitmask)  # llguidance writes through raw pointers
+        row_bytes = bitmask.stride(0) * bitmask.element_size()
+        self._row_ptr = (bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+        self._checked = bitmask
+
     def plan_fill(
         self,
         matchers: Sequence[GrammarMatcher],
@@ -461,11 +481,7 @@ class GuidanceBackend(GrammarBackend):
         Raises:
             ValueError: ``bitmask`` is not ``[rows, words]`` int32 contiguous on the CPU.
         """
-        if bitmask.dim() != 2 or bitmask.shape[1] != bitmask_width(self.vocab_size):
-            raise ValueError(
-                f"bitmask must be [rows, {bitmask_width(self.vocab_size)}], "
-                f"got {list(bitmask.shape)}"
-            )
+        self._check_rows(bitmask)
         live: list[tuple[llguidance.LLMatcher, int]] = []
         for matcher, row in zip(matchers, rows, strict=True):
             if not isinstance(matcher, GuidanceMatcher) or matcher.is_terminated():
@@ -479,9 +495,13 @@ class GuidanceBackend(GrammarBackend):
             threads = self._fill_threads
             here = threads == 1 or len(live) < self._parallel_min_rows
         if here:
-            _check_layout(bitmask)
+            base, row_bytes, num_rows = self._row_ptr
             for ll, row in live:
-                _fill_row(ll, bitmask, row)
+                if not 0 <= row < num_rows:
+                    raise IndexError(f"bitmask row {row} is outside [0, {num_rows})")
+                # The row's address, not a view of it (a torch call per row): the layout
+                # is checked, contiguous rows of row_bytes each.
+                ll.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
             return filled_now
         with self._lock:
             executor = self._executors.get(threads)

@@ -315,6 +315,8 @@ class XGrammarBackend(GrammarBackend):
         self._parallel_min_rows = parallel_fill_min_rows
         self._batch_lock = threading.Lock()
         self.eos_row = token_bitmask_row(eos, vocab_size)
+        # The last bitmask ``check_bitmask`` passed (a tensor's dtype, device and shape stay).
+        self._checked: torch.Tensor | None = None
 
     def never_allowed(self, token: int) -> bool:
         """True for ids no grammar may produce: out of range, padding ids (a control token only
@@ -323,6 +325,8 @@ class XGrammarBackend(GrammarBackend):
 
     def check_bitmask(self, bitmask: torch.Tensor) -> None:
         """Raises ValueError unless ``bitmask`` is a CPU int32 [rows, width] tensor."""
+        if bitmask is self._checked:  # each step's fill passes the same view: checked once
+            return
         width = bitmask_width(self.vocab_size)
         if (
             bitmask.dtype != torch.int32
@@ -334,6 +338,7 @@ class XGrammarBackend(GrammarBackend):
                 f"bitmask must be a CPU int32 tensor of shape [rows, {width}], got "
                 f"{bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}"
             )
+        self._checked = bitmask
 
     # ------------------------------------------------------------------ specs
 

@@ -78,6 +78,26 @@ def test_the_governor_pauses_the_thread_after_a_window_that_hid_too_little() -> 
     assert [gov.use_thread() for _ in range(4)] == [False, False, False, True]
 
 
+def test_the_governor_ends_a_window_early_once_the_thread_held_more_than_it_hid() -> None:
+    gov = FillGovernor(window=32, max_held=0.5, pause=3, min_fills=4)
+    for _ in range(3):  # fewer than min_fills: no verdict, however bad
+        assert gov.use_thread()
+        gov.record(native_s=0.2, held_s=2.0)
+    assert gov.use_thread()
+    gov.record(native_s=0.2, held_s=2.0)  # the 4th: held 8 s of 0.8 s native, thread lost
+    assert [gov.use_thread() for _ in range(4)] == [False, False, False, True]
+
+
+def test_the_governor_judges_a_thread_that_held_less_than_the_fill_over_a_whole_window() -> None:
+    gov = FillGovernor(window=8, max_held=0.5, pause=3, min_fills=4)
+    for _ in range(7):  # held 0.8 of the native time: above max_held, not lost outright
+        assert gov.use_thread()
+        gov.record(native_s=0.2, held_s=0.16)
+    assert gov.use_thread()
+    gov.record(native_s=0.2, held_s=0.16)
+    assert [gov.use_thread() for _ in range(4)] == [False, False, False, True]
+
+
 def test_the_governor_keeps_a_thread_that_hides_the_fill() -> None:
     gov = FillGovernor(window=2, max_held=0.5, pause=3)
     for _ in range(10):
@@ -91,7 +111,7 @@ def test_the_governor_keeps_a_thread_that_hides_the_fill() -> None:
 
 
 def test_the_governor_refuses_settings_that_cannot_work() -> None:
-    for kwargs in ({"window": 0}, {"max_held": 0.0}, {"pause": -1}):
+    for kwargs in ({"window": 0}, {"max_held": 0.0}, {"pause": -1}, {"min_fills": 0}):
         with pytest.raises(ValueError, match="bad governor settings"):
             FillGovernor(**kwargs)  # type: ignore[arg-type]
 
