@@ -275,7 +275,10 @@ class EngineConfig:
             the thoughts end with ``<|channel|>final<|message|>``). A structured request's
             grammar then holds from the token after the end of the thoughts, never over them,
             and ``SamplingParams.max_reasoning_tokens`` bounds them. None (default): no
-            reasoning.
+            reasoning, except for gpt-oss (model type ``gpt_oss`` with harmony's tokens), which
+            gets "openai_gptoss" as in vLLM; a parser named for gpt-oss must be that one
+            (``model_parsers.resolve_parsers``: ValueError when the model is loaded). The
+            parser in force is ``stats()["reasoning_parser"]``.
     """
 
     model: str | None = None

@@ -152,7 +152,8 @@ def _add_decoding_args(parser: argparse.ArgumentParser) -> None:
         choices=sorted(REASONING_PARSERS),
         default=None,
         help="the model thinks in <think> ... </think> (vLLM's parser names): structured "
-        "output holds after the thoughts, and the server returns them as reasoning_content",
+        "output holds after the thoughts, and the server returns them as reasoning_content; "
+        "default: openai_gptoss (harmony) for gpt-oss, else none",
     )
     parser.add_argument(
         "--no-structured-drafts",

@@ -173,6 +173,7 @@ class AsyncLLM:
         self.tokenizer: Tokenizer = self._engine.tokenizer
         self._sampling_defaults = dict(self._engine.sampling_defaults)
         self.max_model_len: int = self._engine.max_model_len
+        self._architecture = self._engine.architecture
 
     @classmethod
     def from_engine_args(
@@ -250,6 +251,11 @@ class AsyncLLM:
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (safe to use from any thread for encode/decode/templates)."""
         return self.tokenizer
+
+    def model_architecture(self) -> str | None:
+        """The model's architecture (``ModelConfig.architecture``, e.g. "llama", "gpt_oss");
+        None on a simulated device. Any thread."""
+        return self._architecture
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The ``SamplingParams`` fields the model ships defaults for (its generation config),

@@ -5,8 +5,8 @@ its own model, scheduler and grammar cache. The front end routes each request
 (``dp_router.ReplicaRouter``: by outstanding tokens, and requests with the same grammar to
 the replica that compiled it) and streams the replica's outputs back. It offers what the
 OpenAI server uses of ``AsyncLLM`` (``add_request``, ``generate``, ``abort``, ``stats``,
-``is_healthy``, ``get_tokenizer``, ``sampling_defaults``, ``max_model_len``, ``shutdown``)
-plus ``replica_stats`` for per-replica health and metrics.
+``is_healthy``, ``get_tokenizer``, ``model_architecture``, ``sampling_defaults``,
+``max_model_len``, ``shutdown``) plus ``replica_stats`` for per-replica health and metrics.
 
 Faults: a replica that dies fails only the requests it was serving. A request that had not
 received any output yet is sent once more, to another replica; one that had is failed with
@@ -154,6 +154,7 @@ class DataParallelLLM:
                 raise EngineDeadError(f"data-parallel replica {i} failed to start: {exc}") from None
         self.max_model_len: int = int(infos[0]["max_model_len"])
         self._sampling_defaults: dict[str, float | int] = dict(infos[0]["sampling_defaults"])
+        self._architecture: str | None = infos[0]["architecture"]
         self._pids = [int(info["pid"]) for info in infos]
         self._restarts = [0] * dp.size
         self._router = ReplicaRouter(dp.size, dp.balance_tokens, dp.grammar_affinity)
@@ -214,6 +215,10 @@ class DataParallelLLM:
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (loaded in this process; the same as every replica's)."""
         return self.tokenizer
+
+    def model_architecture(self) -> str | None:
+        """The model's architecture (every replica's; ``AsyncLLM.model_architecture``)."""
+        return self._architecture
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The model's sampling defaults (a copy)."""

@@ -57,6 +57,7 @@ class EngineReplica:
             "pid": os.getpid(),
             "max_model_len": self._engine.max_model_len,
             "sampling_defaults": self._engine.sampling_defaults(),
+            "architecture": self._engine.model_architecture(),
         }
 
     async def add(self, prompt: Prompt, params: SamplingParams, request_id: str) -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "expected_weight_shapes",
     "load_checkpoint",
     "load_tokenizer",
+    "model_architecture",
 ]
 
 
@@ -107,6 +108,24 @@ def load_checkpoint(
         f"{resolved}: not a .gguf file or a directory; expected a .gguf file or a Hugging Face "
         "model folder with config.json"
     )
+
+
+def model_architecture(path: str | Path | None = None) -> str:
+    """A model's ``ModelConfig.architecture`` (same path rules as ``load_checkpoint``), read
+    from its config.json or its GGUF metadata alone: no weight and no tokenizer is built, so a
+    front end can check its options against the model before loading it. Raises
+    ``ModelLoadError`` naming the path, as ``load_checkpoint`` would."""
+    resolved = _resolve(path)
+    if _is_gguf(resolved):
+        from baton.engine.loader.gguf import read_gguf
+        from baton.engine.loader.gguf_config import architecture_of
+
+        return architecture_of(resolved, read_gguf(resolved).metadata).name
+    if resolved.is_dir():
+        from baton.engine.loader.hf import hf_architecture, read_hf_config
+
+        return hf_architecture(resolved, read_hf_config(resolved))
+    raise ModelLoadError(f"{resolved}: expected a .gguf file or a Hugging Face model folder")
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:

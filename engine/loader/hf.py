@@ -28,7 +28,9 @@ from baton.engine.tokenizer import Tokenizer
 SUPPORTED_HF_ARCHITECTURES = HF_CLASSES
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """The folder's config.json as a dict; ``ModelLoadError`` naming the file where it is
+    missing or not a JSON object."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(
@@ -44,6 +46,27 @@ def _read_config(path: Path) -> dict[str, Any]:
     return data
 
 
+def hf_architecture(path: Path, data: dict[str, Any]) -> str:
+    """``ModelConfig.architecture`` of a Hugging Face ``config.json`` (parsed into ``data``):
+    by its ``architectures`` classes, else its ``model_type``.
+
+    Raises:
+        ModelLoadError: naming the file, for an architecture baton does not run.
+    """
+    archs = data.get("architectures") or []
+    model_type = data.get("model_type")
+    known = [SUPPORTED_HF_ARCHITECTURES[a] for a in archs if a in SUPPORTED_HF_ARCHITECTURES]
+    if known:
+        return known[0]
+    if not archs and model_type in SUPPORTED_HF_ARCHITECTURES.values():
+        return str(model_type)
+    raise ModelLoadError(
+        f"{path / 'config.json'}: architecture {archs or model_type!r} is not supported; "
+        f"expected one of {', '.join(SUPPORTED_HF_ARCHITECTURES)} "
+        f"(model_type {', '.join(SUPPORTED_HF_ARCHITECTURES.values())})"
+    )
+
+
 def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face ``config.json`` (already parsed into ``data``).
 
@@ -52,19 +75,7 @@ def config_from_hf(path: Path, data: dict[str, Any], tokenizer: Tokenizer) -> Mo
     unsupported architecture or a missing/invalid field.
     """
     config_file = path / "config.json"
-    archs = data.get("architectures") or []
-    model_type = data.get("model_type")
-    known = [SUPPORTED_HF_ARCHITECTURES[a] for a in archs if a in SUPPORTED_HF_ARCHITECTURES]
-    if known:
-        arch = known[0]
-    elif not archs and model_type in SUPPORTED_HF_ARCHITECTURES.values():
-        arch = model_type
-    else:
-        raise ModelLoadError(
-            f"{config_file}: architecture {archs or model_type!r} is not supported; expected one "
-            f"of {', '.join(SUPPORTED_HF_ARCHITECTURES)} "
-            f"(model_type {', '.join(SUPPORTED_HF_ARCHITECTURES.values())})"
-        )
+    arch = hf_architecture(path, data)
 
     def field(name: str, default: Any = None) -> Any:
         value = data.get(name, default)
@@ -377,7 +388,7 @@ def load_hf(
     or unsupported config, missing tokenizer, unreadable weights, missing or misshapen tensors,
     and a ``shard.size`` that does not fit the model.
     """
-    data = _read_config(path)
+    data = read_hf_config(path)
     try:
         tokenizer = Tokenizer.from_files(path)
     except (OSError, ValueError) as exc:

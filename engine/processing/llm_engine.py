@@ -97,11 +97,14 @@ class LLMEngine:
             ),
             cache_bytes=config.grammar_cache_bytes,
             reasoning=None
-            if config.reasoning_parser is None
-            else reasoning_token_ids(self.tokenizer, *_markers(config.reasoning_parser)),
+            if model.reasoning_parser is None
+            else reasoning_token_ids(self.tokenizer, *_markers(model.reasoning_parser)),
             eos_token_ids=tuple(self.eos_token_ids),
         )
-        self.reasoning_parser = config.reasoning_parser
+        # The parser in force: config.reasoning_parser, or gpt-oss's harmony one where none
+        # was named (model_parsers.resolve_parsers); and the architecture it was chosen for.
+        self.reasoning_parser: str | None = model.reasoning_parser
+        self.architecture: str | None = model.architecture
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         drafter = Drafter(spec, self.tokenizer) if spec is not None else None
         policy = DraftPolicy(spec.num_speculative_tokens) if spec and spec.adaptive else None
@@ -124,7 +127,7 @@ class LLMEngine:
             logger.info("sampling defaults from the model: %s", self.sampling_defaults)
         logger.info(
             "engine ready: %s on %s in %s%s, %d KV blocks of %d tokens, max_model_len %d, "
-            "executor %s%s, async scheduling %s",
+            "executor %s%s, async scheduling %s, reasoning parser %s",
             model.path,
             config.device,
             _dtype_name(config.dtype),
@@ -135,6 +138,7 @@ class LLMEngine:
             config.executor,
             f" x{config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else "",
             "on" if config.async_scheduling else "off",
+            self.reasoning_parser or "none",
         )
         freeze_startup_heap()
 
@@ -308,8 +312,10 @@ class LLMEngine:
         ``kv_usage``; how the model computes: ``dtype`` (e.g. "bfloat16"),
         ``dtype_reason`` (why: "asked for", or what ``dtype="auto"`` saw), and
         ``quantization`` (the weight quantisation in force on every step: "none", "int8"
-        or "gguf"), and with "gguf" ``quantized_weights`` (the kernel weights by GGUF type,
-        e.g. "Q4_1=120,Q8_0=1": fused projections and the LM head) and ``gguf_activations``
+        or "gguf"), ``reasoning_parser`` (the one in force, gpt-oss's harmony one where
+        none was named; "none" without), and with "gguf" ``quantized_weights`` (the kernel
+        weights by GGUF type, e.g. "Q4_1=120,Q8_0=1": fused projections and the LM head) and
+        ``gguf_activations``
         ("int8" or "float32", ``EngineConfig.gguf_activations``);
         ``cpu_threads``, ``cpu_max_threads``, ``cpu_thread_changes`` and
         ``cpu_others_busy_cores`` where a CPU thread governor runs (``adapt_cpu_threads``);
@@ -329,6 +335,7 @@ class LLMEngine:
             dtype=_dtype_name(self.config.dtype),
             dtype_reason=self.config.dtype_reason,
             quantization=self.config.quantization or "none",
+            reasoning_parser=self.reasoning_parser or "none",
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             kv_total_blocks=sched.kv.num_blocks - 1,  # block 0 is reserved

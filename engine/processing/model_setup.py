@@ -26,6 +26,7 @@ from baton.engine.host_speed import host_speed_seconds
 from baton.engine.kv_capacity import StepShape, lone_request_limit
 from baton.engine.kv_layout import KVCacheLayout, kv_cache_layout
 from baton.engine.loader import Checkpoint, ShardSpec, load_checkpoint, load_tokenizer
+from baton.engine.model_parsers import resolve_parsers
 from baton.engine.sim_specs import DEFAULT_SHAPE, sim_gpu, sim_shape
 from baton.engine.sync_check import SyncChecker
 from baton.engine.tokenizer import Tokenizer
@@ -60,6 +61,10 @@ class ModelSetup:
     # windowed layers and full ones keep blocks of their own (Gemma 2). A windowed group's
     # blocks wholly before its window can go back to the pool.
     kv_group_windows: tuple[int | None, ...] = (None,)
+    # ``ModelConfig.architecture`` (None on a simulated device), and the reasoning parser in
+    # force: the one named, or gpt-oss's harmony one (``model_parsers.resolve_parsers``).
+    architecture: str | None = None
+    reasoning_parser: str | None = None
 
 
 def setup_model(
@@ -107,6 +112,14 @@ def _setup_loaded(
             huge_pages=False,
         )
     c = ckpt.config
+    # Before the executor starts: a parser that cannot read the model fails here.
+    parsers = resolve_parsers(c.architecture, ckpt.tokenizer, config.reasoning_parser)
+    if parsers.reasoning != config.reasoning_parser:
+        logger.info(
+            "model type %s speaks harmony: reasoning parser %s (none named)",
+            c.architecture,
+            parsers.reasoning,
+        )
     max_model_len = _max_model_len(config, ckpt)
     element = torch.tensor([], dtype=config.dtype).element_size()
     # A block costs one cache tensor pair per slot: every layer, or the layers of one KV cache
@@ -151,6 +164,8 @@ def _setup_loaded(
         dict(ckpt.sampling_defaults),
         ckpt.quantized_types(),
         layout.group_windows,
+        c.architecture,
+        parsers.reasoning,
     )
 
 
@@ -304,8 +319,18 @@ def _setup_sim(
     )
     source = config.model or "the default model"
     path = f"{shape.name} shape on a simulated {gpu.name}, tokenizer of {source}"
+    # The model is a shape (no architecture to recognise): the parser named, if any.
     return ModelSetup(
-        path, model.vocab_size, tokenizer, max_model_len, num_blocks, eos, executor, None, {}
+        path,
+        model.vocab_size,
+        tokenizer,
+        max_model_len,
+        num_blocks,
+        eos,
+        executor,
+        None,
+        {},
+        reasoning_parser=config.reasoning_parser,
     )
 
 

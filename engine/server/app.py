@@ -11,12 +11,14 @@ adds per-replica series.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from baton.engine.entrypoints.serving import ServingEngine
+from baton.engine.model_parsers import HARMONY_ARCHITECTURE
 from baton.engine.server import chat, completions, responses, tokenize
 from baton.engine.server.config import ServerConfig
 from baton.engine.server.errors import APIError, install_error_handlers
@@ -25,12 +27,30 @@ from baton.engine.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from baton.engine.server.responses_store import ResponseStore
 from baton.engine.server.state import ServerState, get_state
 
+logger = logging.getLogger(__name__)
+
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
     """An app serving ``engine`` (an ``AsyncLLM`` or a ``DataParallelLLM``) under ``config``
-    (API key, body limit, model name)."""
+    (API key, body limit, model name), its parsers resolved for the engine's model
+    (``ServerConfig.resolved``: gpt-oss gets harmony's where none is named) and logged.
+
+    Raises:
+        ValueError: a parser named in ``config`` that cannot read the model.
+    """
+    architecture = engine.model_architecture()
+    # Harmony's tokens are looked up for gpt-oss only (other models' parsers need no tokenizer).
+    tokenizer = engine.get_tokenizer() if architecture == HARMONY_ARCHITECTURE else None
+    config = config.resolved(architecture, tokenizer)
+    logger.info(
+        "serving %s (model type %s): reasoning parser %s, tool call parser %s",
+        config.served_model_name,
+        architecture or "unknown",
+        config.reasoning_parser or "none",
+        config.tool_call_parser or "the chat template's, else hermes",
+    )
     app = FastAPI(title="baton", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(config.served_model_name, engine.max_model_len)
     store = ResponseStore(config.responses_store_size)
@@ -51,6 +71,9 @@ def build_app(engine: ServingEngine, config: ServerConfig) -> FastAPI:
             "created": created,
             "owned_by": "baton",
             "max_model_len": state.engine.max_model_len,
+            # The parsers in force (gpt-oss's harmony ones where none was named); None: none.
+            "reasoning_parser": state.config.reasoning_parser,
+            "tool_call_parser": state.config.tool_call_parser,
         }
         return JSONResponse({"object": "list", "data": [card]})
 

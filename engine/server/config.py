@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from baton.engine.config import REASONING_PARSERS
+from baton.engine.model_parsers import resolve_parsers
+from baton.engine.tokenizer import Tokenizer
 from baton.grammar.spec import BACKENDS
 from baton.grammar.tool_formats import TOOL_CALL_PARSERS
 
@@ -24,7 +27,8 @@ class ServerConfig:
             ("auto", "xgrammar", "outlines" or "guidance").
         max_n: largest ``n`` (completions per prompt) one request may ask for.
         reasoning_parser: the engine's reasoning parser (``EngineConfig.reasoning_parser``):
-            chat answers then carry the model's thoughts as ``reasoning_content``.
+            chat answers then carry the model's thoughts as ``reasoning_content``. None: none,
+            or for gpt-oss harmony's, "openai_gptoss" (``resolved``, which ``build_app`` runs).
         chat_template: a Jinja chat template used instead of the tokenizer's (``baton serve
             --chat-template``); None: the tokenizer's.
         trust_request_chat_template: whether a request may send its own ``chat_template``
@@ -34,14 +38,16 @@ class ServerConfig:
         responses_store_size: how many ``/v1/responses`` responses are kept (in memory,
             least recently used evicted first) for ``previous_response_id`` and ``GET``.
         tool_call_parser: the models' tool-call syntax, by vLLM's parser name
-            (``TOOL_CALL_PARSERS``: ``baton serve --tool-call-parser``); None: the one the
-            chat template writes, else Hermes'.
+            (``TOOL_CALL_PARSERS``: ``baton serve --tool-call-parser``); None: for gpt-oss
+            harmony's, "openai" (``resolved``), for other models the one the chat template
+            writes, else Hermes'.
         max_reasoning_tokens: the thinking budget of a structured request that gives no
             ``max_reasoning_tokens`` (``baton serve --max-reasoning-tokens``); needs
             ``reasoning_parser``. None: such requests think unbounded.
 
     Raises:
-        ValueError: naming the field that is out of range.
+        ValueError: naming the field that is out of range. What depends on the model (which
+            parsers fit it, a budget without a reasoning parser) is checked by ``resolved``.
     """
 
     served_model_name: str
@@ -77,24 +83,36 @@ class ServerConfig:
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                 f"got {self.tool_call_parser!r}"
             )
-        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
-            raise ValueError(
-                "tool_call_parser 'openai' reads gpt-oss's harmony tokens: it needs "
-                "reasoning_parser 'openai_gptoss' (--reasoning-parser openai_gptoss)"
-            )
         budget = self.max_reasoning_tokens
-        if budget is not None:
-            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-                raise ValueError(
-                    f"max_reasoning_tokens must be None or an int >= 0, got {budget!r}"
-                )
-            if self.reasoning_parser is None:
-                raise ValueError(
-                    "max_reasoning_tokens bounds a reasoning model's thoughts: it needs "
-                    "reasoning_parser (--reasoning-parser)"
-                )
+        if budget is not None and (
+            not isinstance(budget, int) or isinstance(budget, bool) or budget < 0
+        ):
+            raise ValueError(f"max_reasoning_tokens must be None or an int >= 0, got {budget!r}")
         if self.structured_outputs_backend not in BACKENDS:
             raise ValueError(
                 f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "
                 f"got {self.structured_outputs_backend!r}"
             )
+
+    def resolved(self, architecture: str | None, tokenizer: Tokenizer | None) -> ServerConfig:
+        """This config with the parsers in force for a model of ``architecture``
+        (``ModelConfig.architecture``) and ``tokenizer`` (None: not loaded yet), as
+        ``model_parsers.resolve_parsers`` chooses them, the engine's reasoning parser alike:
+        gpt-oss gets harmony's where none is named. A new config; this one is unchanged.
+
+        Raises:
+            ValueError: a parser that cannot read this model (naming the model type and the
+                parser that fits), tool_call_parser "openai" without reasoning_parser
+                "openai_gptoss", or max_reasoning_tokens without a reasoning parser.
+        """
+        parsers = resolve_parsers(
+            architecture, tokenizer, self.reasoning_parser, self.tool_call_parser
+        )
+        if self.max_reasoning_tokens is not None and parsers.reasoning is None:
+            raise ValueError(
+                "max_reasoning_tokens bounds a reasoning model's thoughts: it needs "
+                "reasoning_parser (--reasoning-parser)"
+            )
+        return dataclasses.replace(
+            self, reasoning_parser=parsers.reasoning, tool_call_parser=parsers.tool_call
+        )

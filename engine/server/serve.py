@@ -81,8 +81,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=tuple(TOOL_CALL_PARSERS),
         default=None,
-        help="the model's tool-call syntax (vLLM's parser names); default: the one the chat "
-        "template writes, else hermes",
+        help="the model's tool-call syntax (vLLM's parser names); default: openai (harmony) "
+        "for gpt-oss, else the one the chat template writes, else hermes",
     )
     p.add_argument(
         "--max-reasoning-tokens",
@@ -166,6 +166,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from baton.engine.entrypoints.async_llm import AsyncLLM
+    from baton.engine.loader import model_architecture
     from baton.engine.server.app import build_app
 
     if not 0 <= args.port <= 65535:
@@ -185,6 +186,9 @@ def run_serve(args: argparse.Namespace) -> int:
         tool_call_parser=getattr(args, "tool_call_parser", None),
         max_reasoning_tokens=getattr(args, "max_reasoning_tokens", None),
     )
+    # Refused before the model loads: a parser that cannot read it (its architecture is read
+    # alone; build_app resolves again with the engine's tokenizer and keeps that result).
+    config.resolved(model_architecture(args.model), None)
     engine: ServingEngine
     dp_config = data_parallel_config(args)
     if dp_config is None:

@@ -2,7 +2,8 @@
 analysis as ``reasoning_content`` and final as ``content`` from the token ids, the Responses API
 carries the analysis as a reasoning item, and tool choice forces harmony calls that stream as
 deltas and validate (the matcher, splitter and parsing without a server:
-test_harmony_parsing.py)."""
+test_harmony_parsing.py). gpt-oss served with no parser named gets harmony's all the same,
+and a parser named that cannot read harmony is refused at start-up (``model_parsers.py``)."""
 
 from __future__ import annotations
 
@@ -264,7 +265,7 @@ def test_a_harmony_tool_schema_that_cannot_compile_is_a_400_naming_it(harmony_se
     body |= {"tool_choice": "auto", "tools": tools[:1]}
     assert httpx.post(f"{harmony_server}/v1/chat/completions", json=body, timeout=120).is_success
     with pytest.raises(ValueError, match="needs reasoning_parser 'openai_gptoss'"):
-        ServerConfig(served_model_name="m", tool_call_parser="openai")
+        ServerConfig(served_model_name="m", tool_call_parser="openai").resolved("llama", None)
     with pytest.raises(ValueError, match="qwen3_coder, openai"):
         ServerConfig(served_model_name="m", tool_call_parser="harmony")
 
@@ -324,3 +325,107 @@ def test_responses_force_harmony_calls(harmony_server):
         assert [c["name"] for c in calls] == ["get_time"], items
         jsonschema.validate(json.loads(calls[0]["arguments"]), TIME)
         assert {i["type"] for i in items} <= {"reasoning", "function_call"}, items
+
+
+# --- gpt-oss without parser flags (model_parsers.resolve_parsers) ----------------------------
+
+
+@pytest.fixture(scope="module")
+def flagless_server(harmony_folder):  # noqa: F811
+    """``baton serve`` on the tiny gpt-oss with no parser named, to the engine or the server;
+    yields the base URL and the engine."""
+    from serving import serve_in_thread
+
+    from baton.engine.entrypoints.async_llm import AsyncLLM
+    from baton.engine.server.app import build_app
+    from baton.engine.server.config import ServerConfig
+
+    engine = AsyncLLM.from_engine_args(
+        str(harmony_folder), dtype="float32", max_num_seqs=4, max_model_len=768
+    )
+    config = ServerConfig(served_model_name="oss", chat_template=TEMPLATE)
+    try:
+        with serve_in_thread(build_app(engine, config)) as base:
+            yield base, engine
+    finally:
+        engine.shutdown()
+
+
+def test_gpt_oss_without_parser_flags_speaks_harmony(flagless_server):
+    """No --reasoning-parser, no --tool-call-parser: the engine and the server report
+    harmony's parsers; a structured answer's grammar holds after the analysis (content the
+    validated object, reasoning_content the analysis, the budget of 6 kept) and a forced
+    tool call comes back as tool_calls written with harmony's tokens."""
+    import httpx
+
+    base, engine = flagless_server
+    for seed in range(2):
+        body = {
+            "model": "oss",
+            "messages": [{"role": "user", "content": "A name and a flag, as JSON."}],
+            "max_tokens": 80,
+            "temperature": 1.0,
+            "seed": seed,
+            "max_reasoning_tokens": 6,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": SCHEMA},
+            },
+        }
+        reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        message = reply.json()["choices"][0]["message"]
+        assert isinstance(message["reasoning_content"], str)
+        jsonschema.validate(json.loads(message["content"]), SCHEMA)
+        assert reply.json()["usage"]["completion_tokens_details"]["reasoning_tokens"] >= 4
+        out = _forced(base, NAMED, seed).json()["choices"][0]
+        (call,) = out["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_time" and out["finish_reason"] == "tool_calls"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), TIME)
+        tokens = [t["token"] for t in out["logprobs"]["content"]]
+        assert tokens.count("<|constrain|>") == tokens.count("<|call|>") == 1, tokens
+    (card,) = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
+    assert (card["reasoning_parser"], card["tool_call_parser"]) == ("openai_gptoss", "openai")
+    assert engine.stats()["reasoning_parser"] == "openai_gptoss"
+
+
+def test_a_parser_that_cannot_read_harmony_is_refused_at_startup(harmony_folder):  # noqa: F811
+    """For gpt-oss, a reasoning or tool-call parser other than harmony's is one ValueError
+    naming the model type and the parser that fits: from ``LLM`` (before the executor
+    starts) and from ``baton serve`` (before the model is loaded)."""
+    from baton.engine import LLM
+    from baton.engine.cli.main import build_parser
+    from baton.engine.server.serve import run_serve
+
+    with pytest.raises(ValueError, match=r"model type gpt_oss.*'qwen3'.*'openai_gptoss'"):
+        LLM(str(harmony_folder), dtype="float32", max_model_len=64, reasoning_parser="qwen3")
+    for flags, named, fits in (
+        (["--tool-call-parser", "hermes"], "hermes", "openai"),
+        (["--reasoning-parser", "deepseek_r1"], "deepseek_r1", "openai_gptoss"),
+        (
+            ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "mistral"],
+            "mistral",
+            "openai",
+        ),
+    ):
+        args = build_parser().parse_args(["serve", "--model", str(harmony_folder), *flags])
+        with pytest.raises(ValueError, match=rf"model type gpt_oss.*'{named}'.*'{fits}'"):
+            run_serve(args)
+
+
+def test_other_models_get_no_parser_unless_named(folder):  # noqa: F811
+    """Any other model gets what was named, nothing when nothing was; so does a gpt-oss-shaped
+    model whose vocabulary lacks harmony's tokens (it cannot write harmony)."""
+    from baton.engine.model_parsers import ModelParsers, resolve_parsers
+    from baton.engine.server.config import ServerConfig
+
+    assert resolve_parsers("llama", None) == ModelParsers(None, None)
+    assert resolve_parsers("qwen3", None, "qwen3", "hermes") == ModelParsers("qwen3", "hermes")
+    assert resolve_parsers("gpt_oss", load_tokenizer(folder)) == ModelParsers(None, None)
+    plain = ServerConfig(served_model_name="m").resolved("llama", None)
+    assert (plain.reasoning_parser, plain.tool_call_parser) == (None, None)
+    with pytest.raises(ValueError, match="needs reasoning_parser"):
+        ServerConfig(served_model_name="m", max_reasoning_tokens=4).resolved("llama", None)
+    # gpt-oss takes the budget without naming its parser.
+    oss = ServerConfig(served_model_name="m", max_reasoning_tokens=4).resolved("gpt_oss", None)
+    assert (oss.reasoning_parser, oss.tool_call_parser) == ("openai_gptoss", "openai")

@@ -342,6 +342,15 @@ def test_bad_or_missing_key_is_401(server: Server) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_plain_model_served_without_flags_gets_no_parser(server: Server) -> None:
+    # Only gpt-oss gets parsers nobody named (harmony's): this Llama-shaped model none.
+    r = httpx.get(f"{server.base}/v1/models", headers=server.headers())
+    (card,) = r.json()["data"]
+    assert (card["reasoning_parser"], card["tool_call_parser"]) == (None, None)
+    assert server.engine.stats()["reasoning_parser"] == "none"
+
+
+@pytest.mark.timeout(60)
 def test_unknown_model_is_404(server: Server) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         server.client().chat.completions.create(model="gpt-9", messages=MESSAGES)

@@ -71,7 +71,9 @@ def test_the_server_chat_template_replaces_the_models(tokenizer, tmp_path) -> No
         "{% if add_generation_prompt %}<<assistant>> {% endif %}"
     )
     text = chat_template_text(str(template))
-    engine = SimpleNamespace(get_tokenizer=lambda: tokenizer, max_model_len=64)
+    engine = SimpleNamespace(
+        get_tokenizer=lambda: tokenizer, model_architecture=lambda: "llama", max_model_len=64
+    )
     config = ServerConfig(served_model_name=MODEL, chat_template=text)
     with TestClient(build_app(engine, config)) as client:  # type: ignore[arg-type]
         r = client.post("/tokenize", json={"messages": MESSAGES})

@@ -252,6 +252,9 @@ class _BrokenEngine:
     def get_tokenizer(self) -> None:
         raise RuntimeError("tokenizer exploded")
 
+    def model_architecture(self) -> str:
+        return "llama"
+
     def stats(self) -> dict[str, float | int]:
         return {}
 
