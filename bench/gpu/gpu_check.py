@@ -21,7 +21,10 @@ the working tree). The default model itself (98 MB) is too large to travel.
 6. ``paged_attention.json``: the Triton decode kernel against the torch paths.
 7. ``graph_launch.json``: host time of a CUDA graph launch by node count and by what the GPU
    is doing (``bench/gpu/graph_launch.py``).
-8. ``summary.txt``: the short summary it also prints; ``gpu_check.json``: all of it in one file
+8. ``invariance.json``: batch invariance with the linears on cuBLAS and on the batch-invariant
+   kernel (sequences alone vs 16 together, bfloat16, greedy), and the kernel's cost against
+   cuBLAS at 1/8/32 rows (``bench/gpu/invariance_check.py``).
+9. ``summary.txt``: the short summary it also prints; ``gpu_check.json``: all of it in one file
    (``collect``), which is what comes back to ``bench/results/`` and the README.
 
 Each stage has a time limit so that the whole check ends in under 8 minutes on an H200; a stage
@@ -189,6 +192,13 @@ def stages(out: Path, model: str | None, prep: Path = DEFAULT_PREP) -> list[Stag
     attention += ["--out", str(out / "paged_attention.json")]
     launch = [py, "-m", "baton.bench.gpu.graph_launch", "--out", str(out / "graph_launch.json")]
     launch += models  # the engine's own decode graph too
+    invariance = [
+        py,
+        "-m",
+        "baton.bench.gpu.invariance_check",
+        "--out",
+        str(out / "invariance.json"),
+    ]
     return [
         # The tests' tiny models take the default model's tokenizer from the prepared folder.
         Stage(
@@ -202,9 +212,11 @@ def stages(out: Path, model: str | None, prep: Path = DEFAULT_PREP) -> list[Stag
         ),
         Stage("bench engine", tuple(engine), 85.0, "engine.log"),
         Stage("bench engine eager", tuple(eager), 65.0, "engine_eager.log"),
-        Stage("profile", tuple(profile), 120.0, "profile.log"),
-        Stage("paged attention", tuple(attention), 25.0, "paged_attention.log"),
-        Stage("graph launch", tuple(launch), 40.0, "graph_launch.log"),
+        # Limits trimmed for the invariance cell (took 85, 10 and 8 s on the H200 at 8eb05e9).
+        Stage("profile", tuple(profile), 100.0, "profile.log"),
+        Stage("paged attention", tuple(attention), 20.0, "paged_attention.log"),
+        Stage("graph launch", tuple(launch), 25.0, "graph_launch.log"),
+        Stage("invariance", tuple(invariance), 40.0, "invariance.log"),
     ]
 
 
@@ -283,6 +295,13 @@ def summarize_graph_launch(data: dict[str, Any]) -> list[str]:
     return table(data.get("rows", [])).splitlines()
 
 
+def summarize_invariance(data: dict[str, Any]) -> list[str]:
+    """Identical sequences per linear mode and the kernel's cost (``invariance_check.py``)."""
+    from baton.bench.gpu.invariance_check import summarize
+
+    return summarize(data)
+
+
 def summary(out: Path, env: dict[str, Any], results: list[dict[str, Any]]) -> str:
     """The short text summary of a finished check (from the files under ``out``)."""
     lines = [f"GPU check on {env.get('device')} (torch {env.get('torch')}, CUDA {env.get('cuda')})"]
@@ -293,6 +312,7 @@ def summary(out: Path, env: dict[str, Any], results: list[dict[str, Any]]) -> st
         ("engine_eager.json", summarize_engine),
         ("paged_attention.json", summarize_attention),
         ("graph_launch.json", summarize_graph_launch),
+        ("invariance.json", summarize_invariance),
     ):
         path = out / name
         lines += ["", f"{name}:"]
@@ -416,6 +436,7 @@ def collect(src: Path, out: Path, commit: str | None = None) -> dict[str, Any]:
         "engine": {"graphs": engine, "eager": eager},
         "paged_attention": load("paged_attention.json"),
         "graph_launch": load("graph_launch.json"),
+        "invariance": load("invariance.json"),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))

@@ -5,7 +5,8 @@
 #                                  the default model's tokenizer, into .gpu_check/ (git-ignored)
 #   bench/gpu/gpu_check.sh [OUT] [--stages "gpu tests,profile"] [--pack]
 #                                  on the CUDA machine: GPU tests, bench engine on CUDA, paged
-#                                  attention; results in OUT (default: gpu_check_results/);
+#                                  attention, batch invariance (bench/gpu/invariance_check.py);
+#                                  results in OUT (default: gpu_check_results/);
 #                                  --pack: OUT becomes OUT.tgz (and OUT.summary.txt)
 #
 # With the device tool: run `bench/gpu/gpu_check.sh "$OUT/r" --pack` with carry [".gpu_check"],

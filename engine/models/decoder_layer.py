@@ -18,7 +18,7 @@ from baton.engine.models.gguf_linear import (
     PROJECTIONS,
     QuantParts,
 )
-from baton.engine.models.layers import RMSNorm, apply_rope
+from baton.engine.models.layers import RMSNorm, apply_rope, dense_linear
 from baton.engine.models.moe import SparseMoeBlock
 from baton.engine.models.packed import (
     PackedWeight,
@@ -66,6 +66,9 @@ class DecoderLayer(nn.Module):
         # (``paged_attention(token_order=True)``, windows, soft caps and sinks included);
         # ``LlamaForCausalLM.set_batch_invariant``.
         self.token_order = True
+        # On CUDA, the dense projections through the batch-invariant kernel instead of cuBLAS,
+        # which picks its kernel by the row count (``LlamaForCausalLM.set_invariant_gemm``).
+        self.invariant_gemm = False
         self.quant_activations = quant_activations
         self.reduce = reduce
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
@@ -190,7 +193,7 @@ class DecoderLayer(nn.Module):
             return int8_linear(x, self.int8[i], linear.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed[i])
-        return linear(x)
+        return dense_linear(x, linear.weight, linear.bias, self.invariant_gemm)
 
     def forward(
         self,
@@ -230,7 +233,7 @@ class DecoderLayer(nn.Module):
         ``softcap`` and sinks) and o_proj, summed over the ranks under tensor parallelism."""
         t = h.shape[0]
         sizes = (self.q_size, self.kv_size, self.kv_size)
-        if self._plain:
+        if self._plain and not self.invariant_gemm:
             q, k, v = fused_linear(h, self.qkv_proj, sizes)
         else:
             q, k, v = self._project(0, h).split(sizes, dim=-1)
@@ -260,7 +263,7 @@ class DecoderLayer(nn.Module):
     def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense MLP's gate and up projections of ``h``."""
         sizes = (self.intermediate_size, self.intermediate_size)
-        if self._plain:
+        if self._plain and not self.invariant_gemm:
             assert self.gate_up_proj is not None
             gate, up = fused_linear(h, self.gate_up_proj, sizes)
             return gate, up

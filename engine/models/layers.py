@@ -1,13 +1,16 @@
-"""Building blocks of a Llama-family decoder: RMSNorm and rotary embeddings."""
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embeddings and the dense linear
+that is batch-invariant on request."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.models.rope_scaling import rope_inv_freq
+from baton.kernels.invariant_matmul import invariant_matmul
 from baton.kernels.rms_norm import rms_norm
 from baton.kernels.rope import rope
 
@@ -65,3 +68,24 @@ def apply_rope(
     """Rotates q ``[T, H, D]`` and k ``[T, KVH, D]`` (rotate-half layout; one Triton kernel on
     CUDA, torch ops elsewhere: ``kernels/rope.py``)."""
     return rope(q, k, cos, sin)
+
+
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` ``[T, in]``; ``invariant``: through the
+    batch-invariant Triton kernel instead (``kernels/invariant_matmul.py``: a row's bits the
+    same whatever else the step holds), which the model asks for on CUDA only
+    (``LlamaForCausalLM.set_invariant_gemm``). Rows with a stride are copied contiguous first
+    (the kernel takes contiguous rows).
+
+    Raises:
+        ValueError: with ``invariant``, tensors the kernel refuses (a CPU tensor outside the
+            Triton interpreter, mismatched shapes or dtypes).
+        ImportError: with ``invariant``, when triton is not installed.
+    """
+    if not invariant:
+        return F.linear(x, weight, bias)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return invariant_matmul(x, weight, bias)

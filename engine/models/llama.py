@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.models.attention import (
@@ -25,7 +25,7 @@ from baton.engine.models.gguf_linear import (
     layer_projections,
 )
 from baton.engine.models.kv_cache import KVCache
-from baton.engine.models.layers import RMSNorm, RotaryEmbedding
+from baton.engine.models.layers import RMSNorm, RotaryEmbedding, dense_linear
 from baton.engine.models.packed import (
     PackedWeight,
     pack_and_release,
@@ -42,8 +42,11 @@ from baton.engine.models.quant import (
 )
 from baton.engine.models.sharding import shard_config
 from baton.engine.models.weight_loading import load_decoder_weights
+from baton.kernels.invariant_matmul import HAS_TRITON
 from baton.kernels.quant_formats import QuantWeight
 from baton.kernels.quant_linear import QuantProjection, dequantize_rows_native
+
+logger = logging.getLogger(__name__)
 
 
 def _embedding(
@@ -129,6 +132,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_int8: Int8Weight | None = None
         # The LM head packed for oneDNN (set by ``pack_weights``).
         self.lm_head_packed: PackedWeight | None = None
+        # The dense linears through the batch-invariant kernel (``set_invariant_gemm``).
+        self.invariant_gemm = False
 
     def _init_head(
         self,
@@ -263,9 +268,29 @@ class LlamaForCausalLM(nn.Module):
         """Whether the CPU attends prefill and mixed steps token by token, in the order a
         decode step of each token's length would (``paged_attention(token_order=True)``; the
         default), or through the padded SDPA (at most a few percent faster on long prompts:
-        ``EngineConfig.batch_invariant``). Lone rows' padding is ``pack_weights``'s."""
+        ``EngineConfig.batch_invariant``); and, for a model on CUDA, whether its dense
+        linears run on the batch-invariant kernel (``set_invariant_gemm``; on the CPU they
+        never do). Lone rows' padding is ``pack_weights``'s. Call once the model is on its
+        device."""
         for layer in self.layers:
             layer.token_order = on
+        cuda = self.embed_tokens.weight.device.type == "cuda"
+        if on and cuda and not HAS_TRITON:
+            logger.warning("batch invariance on CUDA needs triton; the linears stay on cuBLAS")
+        self.set_invariant_gemm(on and cuda and HAS_TRITON)
+
+    def set_invariant_gemm(self, on: bool) -> None:
+        """Whether every dense linear (projections, a mixture of experts' router and experts,
+        the LM head) runs on ``kernels/invariant_matmul.py``, which gives a row the same bits
+        whatever else its step holds, instead of ``F.linear`` (cuBLAS on CUDA picks its kernel
+        by the row count). Packed, int8 and GGUF-quantised linears keep their kernels. Set by
+        ``set_batch_invariant`` on CUDA; the kernel runs on CPU tensors only under the Triton
+        interpreter (the tests)."""
+        self.invariant_gemm = on
+        for layer in self.layers:
+            layer.invariant_gemm = on
+            if layer.mlp is not None:
+                layer.mlp.invariant_gemm = on
 
     @property
     def gguf_quantized(self) -> bool:
@@ -352,7 +377,7 @@ class LlamaForCausalLM(nn.Module):
             logits = packed_linear(hidden, self.lm_head_packed)
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            logits = F.linear(hidden, weight)
+            logits = dense_linear(hidden, weight, None, self.invariant_gemm)
         if self.tp is None:
             return logits.float() if out is None else out.copy_(logits)
         if out is not None:

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.models.gguf_linear import QuantParts
+from baton.engine.models.layers import dense_linear
 from baton.engine.models.packed import PackedWeight, pack_and_release, pack_linear, packed_linear
 from baton.kernels.moe_experts import (
     GroupedExperts,
@@ -170,6 +170,10 @@ class SparseMoeBlock(nn.Module):
         self.shared_packed: tuple[PackedWeight, ...] | None = None  # gate_up, down, gate
         # The experts for the grouped CPU kernel (``kernels/moe_experts.py``), else None.
         self.grouped: GroupedExperts | None = None
+        # On CUDA, the dense router, experts and shared expert through the batch-invariant
+        # kernel (``LlamaForCausalLM.set_invariant_gemm``): an expert's row count follows the
+        # batch, and cuBLAS's kernel follows the row count.
+        self.invariant_gemm = False
 
     def pack_weights(self, batch_invariant: bool = True) -> None:
         """Packs the router for oneDNN (``models/packed.py``: the dense layers' CPU kernels;
@@ -229,12 +233,13 @@ class SparseMoeBlock(nn.Module):
             gate_up, down = self.packed[e]
             gate, up = packed_linear(rows, gate_up).chunk(2, dim=-1)
         else:
-            gate, up = F.linear(rows, self.gate_up[e], gate_up_bias).chunk(2, dim=-1)
+            gate_up = dense_linear(rows, self.gate_up[e], gate_up_bias, self.invariant_gemm)
+            gate, up = gate_up.chunk(2, dim=-1)
         swiglu = self.swiglu
         act = silu_mul(gate, up) if swiglu is None else clamped_swiglu(gate, up, *swiglu)
         if self.packed is not None:
             return packed_linear(act, down).float()
-        return F.linear(act, self.down[e], down_bias).float()
+        return dense_linear(act, self.down[e], down_bias, self.invariant_gemm).float()
 
     def _quant_expert(
         self,
@@ -255,7 +260,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for ``x`` ``[T, hidden]``."""
-        logits = self.gate(x) if self.gate_packed is None else packed_linear(x, self.gate_packed)
+        logits = (
+            dense_linear(x, self.gate.weight, self.gate.bias, self.invariant_gemm)
+            if self.gate_packed is None
+            else packed_linear(x, self.gate_packed)
+        )
         biased = self.gate_up_bias is not None
         weights, experts = route(logits, self.top_k, self.renormalize, softmax_after=biased)
         if self.grouped is not None:
@@ -274,8 +283,10 @@ class SparseMoeBlock(nn.Module):
             return torch.sigmoid(packed_linear(x, gate)) * packed_linear(silu_mul(g, u), down)
         assert self.shared_down is not None and self.shared_gate is not None
         assert self.shared_gate_up is not None
-        g, u = self.shared_gate_up(x).chunk(2, dim=-1)
-        return torch.sigmoid(self.shared_gate(x)) * self.shared_down(silu_mul(g, u))
+        inv = self.invariant_gemm
+        g, u = dense_linear(x, self.shared_gate_up.weight, None, inv).chunk(2, dim=-1)
+        scale = torch.sigmoid(dense_linear(x, self.shared_gate.weight, None, inv))
+        return scale * dense_linear(silu_mul(g, u), self.shared_down.weight, None, inv)
 
 
 def load_experts(

@@ -145,3 +145,63 @@ def test_collect_gathers_a_run_into_one_file_the_readme_renders(tmp_path: Path) 
     assert "No eager run in this check" in text and "eager async" not in text
     with pytest.raises(FileNotFoundError, match="not the output of a GPU check"):
         gpu_check.collect(tmp_path / "results", tmp_path / "x.json")
+
+
+def test_the_invariance_cell_is_a_stage_and_skips_cleanly_without_cuda(tmp_path: Path) -> None:
+    from baton.bench.gpu import invariance_check
+
+    stage = next(s for s in gpu_check.stages(tmp_path, None) if s.name == "invariance")
+    assert "baton.bench.gpu.invariance_check" in stage.argv
+    assert stage.argv[stage.argv.index("--out") + 1] == str(tmp_path / "invariance.json")
+    assert stage.timeout_s <= 60
+    if torch.cuda.is_available():
+        return
+    assert invariance_check.main(["--out", str(tmp_path / "invariance.json")]) == 0
+    data = json.loads((tmp_path / "invariance.json").read_text())
+    assert data == {"skipped": "no CUDA device visible to torch"}
+    text = gpu_check.summary(tmp_path, {"device": "-"}, [])
+    assert "invariance.json:\nskipped: no CUDA device visible to torch" in text
+
+
+def test_the_invariance_cell_summary_reads_its_rows() -> None:
+    from baton.bench.gpu.invariance_check import summarize
+
+    counts = {"decode_logits_identical": 16, "decode_tokens_identical": 16}
+    data = {
+        "invariance_kernel": {**counts, "prefill_logits_identical": 3},
+        "invariance_cublas": {"decode_logits_identical": 2, "decode_tokens_identical": 9,
+                              "prefill_logits_identical": 1},
+        "gemm": [{"rows": 8, "kernel_ms": 0.5, "cublas_ms": 0.25, "kernel_over_cublas": 2.0}],
+        "step": [{"batch": 8, "kernel_ms": 3.0, "cublas_ms": 2.0, "kernel_over_cublas": 1.5,
+                  "graphed": True}],
+    }  # fmt: skip
+    lines = summarize(data)
+    assert lines[1].split() == ["kernel", "16", "16", "3"]
+    assert lines[2].split() == ["cublas", "2", "9", "1"]
+    assert lines[4].split() == ["8", "0.500", "0.250", "2.00"]
+    assert lines[6].split() == ["8", "3.000", "2.000", "1.50", "True"]
+
+
+def test_the_invariance_cells_counts_on_a_tiny_cpu_model() -> None:
+    """The cell's bookkeeping (metadata, caches, greedy tokens, counts) runs here on a tiny
+    model with CPU linears, so that a GPU sitting is not spent finding its bugs."""
+    from baton.bench.gpu import invariance_check as ic
+    from baton.engine.models.config import ModelConfig
+    from baton.engine.models.llama import LlamaForCausalLM
+
+    config = ModelConfig(
+        architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=96,
+        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    prompts = torch.randint(0, 96, (ic.PROMPTS, ic.PROMPT_LEN))
+    counts = ic.invariance(LlamaForCausalLM(config).eval(), prompts)
+    assert set(counts) == {
+        "sequences",
+        "decode_logits_identical",
+        "decode_tokens_identical",
+        "prefill_logits_identical",
+    }
+    assert counts["sequences"] == ic.PROMPTS
+    # Identical logits at every step make identical greedy tokens.
+    assert ic.PROMPTS >= counts["decode_tokens_identical"] >= counts["decode_logits_identical"]
