@@ -233,11 +233,10 @@ class EngineConfig:
             default model took 4-6% longer token by token in dense bfloat16, measured
             in-process on the AMD EPYC at 5f8d41b; ``bench invariance_cost``'s prefill cell).
             Sliding windows, soft-capped scores and attention sinks take the same kernels.
-            On CUDA only the dense linears so far: they run on a Triton kernel whose
-            reduction order does not follow the row count (``kernels/invariant_matmul.py``)
-            instead of cuBLAS; attention for prefill and mixed steps (torch's SDPA over
-            padded batches) is still chosen per shape, so a token's bits can still follow
-            its step there (decode-only steps take the per-sequence Triton decode kernel).
+            Not on CUDA yet: its GEMMs and prefill attention are chosen per shape by the
+            libraries. A Triton linear whose reduction order does not follow the row count
+            (``kernels/invariant_matmul.py``) is built and tested under the interpreter; the
+            GPU check measures it against cuBLAS before the engine uses it.
         tensor_parallel_size: worker processes the model is cut over, one shard of every
             layer each (heads, MLP and vocabulary split; all-reduces through
             ``torch.distributed``, gloo on the CPU). Needs the "mp" executor (None picks it)

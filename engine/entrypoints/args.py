@@ -177,9 +177,8 @@ def _add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-batch-invariant",
         action="store_true",
-        help="let a request's tokens depend on its batch for speed: on a CPU padded attention "
-        "for prefill and lone rows not padded, on CUDA cuBLAS linears instead of the "
-        "batch-invariant kernel; see EngineConfig.batch_invariant",
+        help="on a CPU, let a request's tokens depend on its batch for faster long prompts "
+        "(padded attention for prefill; lone rows not padded); see EngineConfig.batch_invariant",
     )
     parser.add_argument(
         "--enforce-eager",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 
 import torch
@@ -42,11 +41,8 @@ from baton.engine.models.quant import (
 )
 from baton.engine.models.sharding import shard_config
 from baton.engine.models.weight_loading import load_decoder_weights
-from baton.kernels.invariant_matmul import HAS_TRITON
 from baton.kernels.quant_formats import QuantWeight
 from baton.kernels.quant_linear import QuantProjection, dequantize_rows_native
-
-logger = logging.getLogger(__name__)
 
 
 def _embedding(
@@ -268,24 +264,21 @@ class LlamaForCausalLM(nn.Module):
         """Whether the CPU attends prefill and mixed steps token by token, in the order a
         decode step of each token's length would (``paged_attention(token_order=True)``; the
         default), or through the padded SDPA (at most a few percent faster on long prompts:
-        ``EngineConfig.batch_invariant``); and, for a model on CUDA, whether its dense
-        linears run on the batch-invariant kernel (``set_invariant_gemm``; on the CPU they
-        never do). Lone rows' padding is ``pack_weights``'s. Call once the model is on its
-        device."""
+        ``EngineConfig.batch_invariant``). Lone rows' padding is ``pack_weights``'s. On CUDA
+        this leaves the linears on cuBLAS: the batch-invariant kernel (``set_invariant_gemm``)
+        is only switched on by the GPU check until that check has measured its cost on a GPU.
+        """
         for layer in self.layers:
             layer.token_order = on
-        cuda = self.embed_tokens.weight.device.type == "cuda"
-        if on and cuda and not HAS_TRITON:
-            logger.warning("batch invariance on CUDA needs triton; the linears stay on cuBLAS")
-        self.set_invariant_gemm(on and cuda and HAS_TRITON)
 
     def set_invariant_gemm(self, on: bool) -> None:
         """Whether every dense linear (projections, a mixture of experts' router and experts,
         the LM head) runs on ``kernels/invariant_matmul.py``, which gives a row the same bits
         whatever else its step holds, instead of ``F.linear`` (cuBLAS on CUDA picks its kernel
         by the row count). Packed, int8 and GGUF-quantised linears keep their kernels. Set by
-        ``set_batch_invariant`` on CUDA; the kernel runs on CPU tensors only under the Triton
-        interpreter (the tests)."""
+        the GPU check (``bench/gpu/invariance_check.py``), not by the engine yet: the kernel has
+        not run on a GPU, and its cost against cuBLAS is what that check measures. It runs on
+        CPU tensors only under the Triton interpreter (the tests)."""
         self.invariant_gemm = on
         for layer in self.layers:
             layer.invariant_gemm = on

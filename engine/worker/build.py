@@ -54,8 +54,7 @@ class RunnerSpec:
     # Capture the decode forward as CUDA graphs at startup (CUDA; worker/cuda_graphs.py).
     cuda_graphs: bool = False
     # A request's tokens the same whatever its batch (EngineConfig.batch_invariant): lone
-    # rows padded where a packed GEMM needs it, prefill attended token by token (CPU); the
-    # dense linears on the batch-invariant kernel (CUDA).
+    # rows padded where a packed GEMM needs it, prefill attended token by token (CPU).
     batch_invariant: bool = True
     # Speculative decoding: draft tokens per request and step at most (the worker process's
     # shared bitmask and token buffers hold 1 + this many rows per request).
@@ -69,11 +68,10 @@ def add_cpu_kernels(
     ``quantization="int8"`` every linear as int8 weight-only (``quantize_int8``, for every
     step; dense projection weights released); with "gguf" nothing (the model was built with
     its GGUF-quantised linears, and a linear dequantised at load stays a plain one);
-    otherwise, on a CPU, its linears packed for oneDNN where ``packing_available``.
-    ``batch_invariant`` (``EngineConfig.batch_invariant``): packed lone rows padded where
-    needed and prefill attended token by token on a CPU, the dense linears on the
-    batch-invariant Triton kernel on CUDA (``LlamaForCausalLM.set_batch_invariant``); False:
-    none of these.
+    otherwise, on a CPU, its linears packed for oneDNN where ``packing_available``. Nothing
+    else on CUDA. ``batch_invariant`` (``EngineConfig.batch_invariant``): packed lone rows
+    padded where needed and prefill attended token by token
+    (``LlamaForCausalLM.set_batch_invariant``); False: neither.
 
     Raises:
         ValueError: an unknown ``quantization``, "int8" for a model the int8 kernel cannot

@@ -1,10 +1,10 @@
-"""The CUDA side of ``EngineConfig.batch_invariant`` for linears, checked on the CPU: with
+"""The batch-invariant linears for CUDA, checked on the CPU: with
 ``LlamaForCausalLM.set_invariant_gemm(True)`` every dense linear of a tiny model (projections
 with a QKV bias, a mixture of experts' router and experts, the LM head) runs on
 ``kernels/invariant_matmul.py``, which the Triton interpreter runs on CPU tensors. The routed
 model decodes what the ``F.linear`` model decodes (within float32 rounding), and a sequence's
 logits decoded alone are the bits of its row in a step of three. ``set_batch_invariant``
-routes only a model on CUDA: a CPU model keeps ``F.linear``, bit for bit as before.
+routes nothing: the engine keeps ``F.linear`` until the GPU check has measured the kernel.
 """
 
 from __future__ import annotations
@@ -126,14 +126,19 @@ def test_a_sequence_alone_gets_the_bits_of_its_row_in_a_batch(name: str, decoded
         assert torch.equal(logits, together[row : row + 1]), row
 
 
-def test_only_a_cuda_model_is_routed_by_batch_invariance() -> None:
+def test_only_set_invariant_gemm_routes_the_linears() -> None:
+    # The engine's batch invariance leaves them on F.linear (cuBLAS on CUDA) until the GPU
+    # check has measured the kernel; set_invariant_gemm reaches every linear's owner.
     torch.manual_seed(0)
     model = LlamaForCausalLM(_CONFIGS["qwen3_moe"])
+
+    def flags() -> list[bool]:
+        out = [model.invariant_gemm, *(layer.invariant_gemm for layer in model.layers)]
+        return out + [layer.mlp.invariant_gemm for layer in model.layers if layer.mlp is not None]
+
     model.set_batch_invariant(True)
-    assert not model.invariant_gemm  # a CPU model: F.linear as before
+    assert not any(flags())
     model.set_invariant_gemm(True)
-    flags = [model.invariant_gemm, *(layer.invariant_gemm for layer in model.layers)]
-    flags += [layer.mlp.invariant_gemm for layer in model.layers if layer.mlp is not None]
-    assert all(flags) and len(flags) == 4
-    model.set_batch_invariant(False)
-    assert not any(layer.invariant_gemm for layer in model.layers)
+    assert all(flags()) and len(flags()) == 4
+    model.set_invariant_gemm(False)
+    assert not any(flags())
