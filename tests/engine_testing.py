@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,55 @@ def llama_cpp_convert(folder: Path, out: Path) -> Path:
         return convert_hf(folder, out, "f32")
     except subprocess.CalledProcessError as exc:
         raise AssertionError(f"convert_hf_to_gguf.py failed:\n{exc.stderr[-3000:]}") from exc
+
+
+# Runs llama.cpp's converter (argv[1]) once per job of the JSON list in argv[2] ([folder, out]
+# pairs) in this one process: torch, transformers and the converter import once, not per model
+# (4-5 s of CPU each). Prints a JSON list of each job's error text, null where it converted.
+_CONVERT_MANY = """
+import contextlib, io, json, runpy, sys, traceback
+script, jobs = sys.argv[1], json.loads(sys.argv[2])
+sys.path.insert(0, script.rsplit("/", 1)[0])
+main = runpy.run_path(script)["main"]
+errors = []
+for folder, out in jobs:
+    sys.argv = [script, folder, "--outfile", out, "--outtype", "f32"]
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            main()
+        errors.append(None)
+    except BaseException:  # SystemExit too: the converter exits 1 on what it refuses
+        errors.append(log.getvalue()[-3000:] + traceback.format_exc()[-3000:])
+print(json.dumps(errors))
+"""
+
+
+def llama_cpp_convert_many(jobs: dict[str, tuple[Path, Path]]) -> dict[str, str | None]:
+    """Each ``name: (folder, out)`` of ``jobs`` written to ``out`` as GGUF (float32 tensors) by
+    llama.cpp's converter, all in one subprocess (as ``llama_cpp_convert`` runs it, its
+    ``gguf-py`` first on the path). Returns each name's converter output and traceback where it
+    failed, None where it converted."""
+    from baton.bench.llama_server.llama_cpp_build import converter
+
+    script = converter()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(script.parent / "gguf-py"), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    pairs = [[str(folder), str(out)] for folder, out in jobs.values()]
+    result = subprocess.run(
+        # -P: no working directory on the path, where the repository's kernels/ would shadow
+        # the kernels package transformers imports (a script's run puts its own folder there).
+        [sys.executable, "-P", "-c", _CONVERT_MANY, str(script), json.dumps(pairs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, f"the converter's driver failed:\n{result.stderr[-3000:]}"
+    errors = json.loads(result.stdout.strip().splitlines()[-1])
+    return dict(zip(jobs, errors, strict=True))
 
 
 def json_object(model: str, prompt: str, schema: dict[str, Any], max_tokens: int) -> Any:

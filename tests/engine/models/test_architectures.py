@@ -17,7 +17,7 @@ from engine_testing import (
     assert_equal_weights,
     assert_same_checkpoint,
     json_object,
-    llama_cpp_convert,
+    llama_cpp_convert_many,
 )
 from gguf_files import gguf_from_hf_dir, mini_tokenizer_metadata
 from model_files import build_tiny_model_dir
@@ -66,11 +66,20 @@ PROMPTS = [
 GREEDY = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def variant_folders(tmp_path_factory, tokenizer: Tokenizer) -> dict[str, Path]:
+    """Every variant's HF folder, built once for this module (all at once, so that llama.cpp's
+    converter can take them in one process: ``llama_cpp_ggufs``)."""
+    return {
+        name: build_tiny_model_dir(tmp_path_factory.mktemp(name), tokenizer, **VARIANTS[name])
+        for name in sorted(VARIANTS)
+    }
+
+
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
-def variant(request: pytest.FixtureRequest, tmp_path_factory, tokenizer: Tokenizer):
-    """(name, HF folder) of one variant, built once for this module."""
-    folder = tmp_path_factory.mktemp(request.param)
-    return request.param, build_tiny_model_dir(folder, tokenizer, **VARIANTS[request.param])
+def variant(request: pytest.FixtureRequest, variant_folders: dict[str, Path]):
+    """(name, HF folder) of one variant."""
+    return request.param, variant_folders[request.param]
 
 
 def _hf_model(folder: Path) -> Any:
@@ -130,8 +139,25 @@ def llama_cpp_converter() -> Path:
         pytest.skip(f"the llama-cpp-python sdist could not be downloaded: {exc}")
 
 
+@pytest.fixture(scope="module")
+def llama_cpp_ggufs(
+    variant_folders: dict[str, Path], tmp_path_factory, llama_cpp_converter: Path
+) -> dict[str, tuple[Path, str | None]]:
+    """Each convertible variant as llama.cpp's converter writes it (float32 tensors): its GGUF
+    path and the converter's output where it failed. One converter process for them all (a
+    process each took 4-5 s of CPU, mostly importing torch and transformers)."""
+    out = tmp_path_factory.mktemp("llama_cpp")
+    jobs = {
+        name: (folder, out / f"{name}.gguf")
+        for name, folder in variant_folders.items()
+        if name not in NO_CONVERTER
+    }
+    errors = llama_cpp_convert_many(jobs)
+    return {name: (jobs[name][1], errors[name]) for name in jobs}
+
+
 @pytest.mark.timeout(600)  # a first run downloads the sdist (76 MB)
-def test_llama_cpp_converter_output_loads_as_its_folder(variant, tmp_path, llama_cpp_converter):
+def test_llama_cpp_converter_output_loads_as_its_folder(variant, llama_cpp_ggufs):
     """The GGUF llama.cpp's own converter writes (names, q/k layout, rope keys, tokenizer)
     loads to the folder's config, weights and tokens exactly."""
     name, folder = variant
@@ -140,7 +166,8 @@ def test_llama_cpp_converter_output_loads_as_its_folder(variant, tmp_path, llama
             "llama.cpp's converter writes Phi-3 and Gemma 2 only with a SentencePiece tokenizer "
             "(test_tokenizer_sentencepiece.py converts them so)"
         )
-    gguf = llama_cpp_convert(folder, tmp_path / f"{name}.gguf")
+    gguf, error = llama_cpp_ggufs[name]
+    assert error is None, f"convert_hf_to_gguf.py failed on {name}:\n{error}"
     a, b = load_checkpoint(folder), load_checkpoint(gguf)
     assert_same_checkpoint(a, b)
     for text in PROMPTS:

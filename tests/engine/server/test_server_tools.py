@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import httpx
@@ -359,9 +360,8 @@ def parser_client(servers: dict[str, str], parser: str) -> openai.OpenAI:
     return openai.OpenAI(api_key="none", base_url=f"{servers[parser]}/v1", max_retries=0)
 
 
-@pytest.mark.parametrize("parser", PARSERS)
-def test_named_tool_choice_in_each_format(parser_servers: dict[str, str], parser: str) -> None:
-    r = parser_client(parser_servers, parser).chat.completions.create(
+def _named_call(servers: dict[str, str], parser: str) -> Any:
+    return parser_client(servers, parser).chat.completions.create(
         model=MODEL,
         messages=ASK,
         tools=[WEATHER_TOOL, CLOCK_TOOL],
@@ -370,6 +370,55 @@ def test_named_tool_choice_in_each_format(parser_servers: dict[str, str], parser
         temperature=0,
         logprobs=True,  # the tokens show the text the model wrote
     )
+
+
+def _required_stream(servers: dict[str, str], parser: str) -> list[Any]:
+    stream = parser_client(servers, parser).chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER_TOOL, CLOCK_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=FORMAT_MAX_TOKENS,
+        temperature=0,
+        stream=True,
+    )
+    return list(stream)
+
+
+def _outcome(send: Any, servers: dict[str, str], parser: str) -> Any:
+    """What ``send`` returned, or the exception it raised (re-raised by the test that reads
+    it, so that one request's failure fails its own test only)."""
+    try:
+        return send(servers, parser)
+    except Exception as exc:
+        return exc
+
+
+@pytest.fixture(scope="module")
+def format_answers(parser_servers: dict[str, str]) -> dict[tuple[str, str], Any]:
+    """The named and the streamed required call of every format, sent at once so that the
+    engine batches them (one after another, each ran ~60 decode steps alone): the response
+    and the list of stream chunks, by (kind, parser)."""
+    cases = [(kind, parser) for kind in ("named", "streamed") for parser in PARSERS]
+    sends = {"named": _named_call, "streamed": _required_stream}
+    with ThreadPoolExecutor(len(cases)) as pool:
+        futures = [pool.submit(_outcome, sends[k], parser_servers, p) for k, p in cases]
+        return dict(zip(cases, (f.result() for f in futures), strict=True))
+
+
+def _answer(answers: dict[tuple[str, str], Any], kind: str, parser: str) -> Any:
+    answer = answers[kind, parser]
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_named_tool_choice_in_each_format(
+    format_answers: dict[tuple[str, str], Any], parser: str
+) -> None:
+    r = _answer(format_answers, "named", parser)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.content is None
@@ -381,20 +430,12 @@ def test_named_tool_choice_in_each_format(parser_servers: dict[str, str], parser
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-def test_required_streamed_in_each_format(parser_servers: dict[str, str], parser: str) -> None:
-    stream = parser_client(parser_servers, parser).chat.completions.create(
-        model=MODEL,
-        messages=ASK,
-        tools=[WEATHER_TOOL, CLOCK_TOOL],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=FORMAT_MAX_TOKENS,
-        temperature=0,
-        stream=True,
-    )
+def test_required_streamed_in_each_format(
+    format_answers: dict[tuple[str, str], Any], parser: str
+) -> None:
     calls: dict[int, dict[str, str]] = {}
     finish = None
-    for chunk in stream:
+    for chunk in _answer(format_answers, "streamed", parser):
         for choice in chunk.choices:
             for d in choice.delta.tool_calls or []:
                 if d.id is not None:  # a call's first delta names it
