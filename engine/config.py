@@ -233,10 +233,8 @@ class EngineConfig:
             default model took 4-6% longer token by token in dense bfloat16, measured
             in-process on the AMD EPYC at 5f8d41b; ``bench invariance_cost``'s prefill cell).
             Sliding windows, soft-capped scores and attention sinks take the same kernels.
-            Not on CUDA yet: its GEMMs and prefill attention are chosen per shape by the
-            libraries. A Triton linear whose reduction order does not follow the row count
-            (``kernels/invariant_matmul.py``) is built and tested under the interpreter; the
-            GPU check measures it against cuBLAS before the engine uses it.
+            Not on CUDA yet (GEMMs and prefill attention chosen per shape by the libraries);
+            ``kernels/invariant_matmul.py`` waits for the GPU check to measure it on a GPU.
         tensor_parallel_size: worker processes the model is cut over, one shard of every
             layer each (heads, MLP and vocabulary split; all-reduces through
             ``torch.distributed``, gloo on the CPU). Needs the "mp" executor (None picks it)

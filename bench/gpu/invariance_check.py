@@ -27,12 +27,13 @@ writes ``{"skipped": ...}`` and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from baton.bench.common import write_results
 
 PROMPTS, PROMPT_LEN, DECODE_STEPS, BLOCK = 16, 24, 8, 16
 STEP_BATCHES = (1, 8, 32)
@@ -264,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     data = run() if torch.cuda.is_available() else {"skipped": "no CUDA device visible to torch"}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(data, indent=1))
+    write_results(data, a.out, None)
     print("\n".join(summarize(data)))
     return 0
 

@@ -158,7 +158,8 @@ def test_the_invariance_cell_is_a_stage_and_skips_cleanly_without_cuda(tmp_path:
         return
     assert invariance_check.main(["--out", str(tmp_path / "invariance.json")]) == 0
     data = json.loads((tmp_path / "invariance.json").read_text())
-    assert data == {"skipped": "no CUDA device visible to torch"}
+    assert data["skipped"] == "no CUDA device visible to torch"
+    assert set(data) == {"skipped", "run"} and data["run"]["cpu"]  # the run info, as every result
     text = gpu_check.summary(tmp_path, {"device": "-"}, [])
     assert "invariance.json:\nskipped: no CUDA device visible to torch" in text
 

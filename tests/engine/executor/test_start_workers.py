@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_worker_start import runner_spec
 
 from baton.engine.executor import worker_process, worker_start
 from baton.engine.executor.base import ExecutorError
 from baton.engine.executor.multiproc import MultiprocExecutor
 from baton.engine.loader import load_checkpoint
-from baton.engine.worker.build import RunnerSpec
 from baton.engine.worker.messages import Failed, Ready
 from baton.engine.worker.shared_memory import SharedBuffer
 from baton.engine.worker.worker_main import WorkerInit
@@ -56,21 +56,6 @@ class FakeWorker:
 @pytest.fixture()
 def tiny(tiny_model_dir: Path):
     return load_checkpoint(str(tiny_model_dir))
-
-
-def _spec(ckpt, size: int) -> RunnerSpec:
-    return RunnerSpec(
-        model_config=ckpt.config,
-        dtype=torch.float32,
-        num_kv_blocks=16,
-        block_size=16,
-        max_num_seqs=4,
-        max_model_len=128,
-        eos_token_ids=tuple(ckpt.config.eos_token_ids),
-        tokenizer_vocab_size=ckpt.tokenizer.vocab_size,
-        num_threads=1,
-        tensor_parallel_size=size,
-    )
 
 
 @pytest.fixture()
@@ -117,7 +102,7 @@ def test_a_rank_that_cannot_start_stops_the_prestarted_rank_0(tiny, buffers, mon
     _workers(monkeypatch, log, {0: OSError("no more processes (test)")})
     early = FakeWorker(log)
     with pytest.raises(ExecutorError, match=r"cannot start the model worker process: no more"):
-        worker_start.start_workers(_spec(tiny, 2), tiny.weights, prestarted=early)
+        worker_start.start_workers(runner_spec(tiny, 2), tiny.weights, prestarted=early)
     assert early.stopped and log == [f"start {early.pid}", f"stop {early.pid}"]
     # the step I/O buffer, the ring and both ranks' weights: every descriptor closed
     assert len(buffers) == 4 and all(buf.fd == -1 for buf in buffers)
@@ -127,7 +112,7 @@ def test_a_rank_that_fails_to_build_stops_every_rank_rank_0_last(tiny, buffers, 
     log: list[str] = []
     workers = _workers(monkeypatch, log, {1: Failed("Traceback: no model.norm (test)")})
     with pytest.raises(ExecutorError, match=r"failed to start: rank 1: \nTraceback: no model"):
-        worker_start.start_workers(_spec(tiny, 2), tiny.weights)
+        worker_start.start_workers(runner_spec(tiny, 2), tiny.weights)
     first, second = workers
     assert log == [
         f"start {first.pid}",
@@ -143,7 +128,7 @@ def test_a_rank_that_fails_to_build_stops_every_rank_rank_0_last(tiny, buffers, 
 def test_the_executor_is_built_from_started_workers_and_starts_nothing(tiny, buffers, monkeypatch):
     log: list[str] = []
     workers = _workers(monkeypatch, log, {})
-    started = worker_start.start_workers(_spec(tiny, 2), tiny.weights)
+    started = worker_start.start_workers(runner_spec(tiny, 2), tiny.weights)
     first, second = workers
     assert started.workers == (first, second)
     assert log == [f"start {first.pid}", f"start {second.pid}"]  # ready: nothing stopped

@@ -27,7 +27,8 @@ from baton.engine.worker.shared_memory import SharedBuffer
 pytestmark = pytest.mark.slow
 
 
-def _spec(ckpt) -> RunnerSpec:
+def runner_spec(ckpt, tensor_parallel_size: int = 1) -> RunnerSpec:
+    """A small float32 runner spec of ``ckpt`` (also test_start_workers.py's)."""
     return RunnerSpec(
         model_config=ckpt.config,
         dtype=torch.float32,
@@ -38,6 +39,7 @@ def _spec(ckpt) -> RunnerSpec:
         eos_token_ids=tuple(ckpt.config.eos_token_ids),
         tokenizer_vocab_size=ckpt.tokenizer.vocab_size,
         num_threads=1,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -81,7 +83,7 @@ def test_a_worker_that_cannot_build_says_why(tiny_model_dir: Path):
     weights = dict(ckpt.weights)
     weights.pop("model.norm.weight")
     with pytest.raises(ExecutorError, match=r"failed to start(.|\n)*model\.norm\.weight"):
-        MultiprocExecutor.start(_spec(ckpt), weights)
+        MultiprocExecutor.start(runner_spec(ckpt), weights)
 
 
 def test_a_worker_that_cannot_import_says_why(tiny_model_dir: Path, monkeypatch):
@@ -89,7 +91,7 @@ def test_a_worker_that_cannot_import_says_why(tiny_model_dir: Path, monkeypatch)
     broken = worker_process._BOOTSTRAP.replace("worker.worker_main", "worker.no_such_module")
     monkeypatch.setattr(worker_process, "_BOOTSTRAP", broken)
     with pytest.raises(ExecutorError, match=r"cannot import the model worker(.|\n)*no_such_module"):
-        MultiprocExecutor.start(_spec(ckpt), ckpt.weights)
+        MultiprocExecutor.start(runner_spec(ckpt), ckpt.weights)
 
 
 def test_a_worker_that_cannot_import_the_messages_says_why(tiny_model_dir: Path, monkeypatch):
@@ -98,7 +100,7 @@ def test_a_worker_that_cannot_import_the_messages_says_why(tiny_model_dir: Path,
     broken = worker_process._BOOTSTRAP.replace("baton.engine.worker.", "baton.engine.no_room.")
     monkeypatch.setattr(worker_process, "_BOOTSTRAP", broken)
     with pytest.raises(ExecutorError, match=r"cannot import the model worker:\nTraceback"):
-        MultiprocExecutor.start(_spec(ckpt), ckpt.weights)
+        MultiprocExecutor.start(runner_spec(ckpt), ckpt.weights)
 
 
 def test_a_worker_killed_while_starting_says_how_it_ended(tiny_model_dir: Path, monkeypatch):
@@ -107,7 +109,7 @@ def test_a_worker_killed_while_starting_says_how_it_ended(tiny_model_dir: Path, 
         worker_process, "_BOOTSTRAP", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     )
     with pytest.raises(ExecutorError, match="killed by signal SIGKILL"):
-        MultiprocExecutor.start(_spec(ckpt), ckpt.weights)
+        MultiprocExecutor.start(runner_spec(ckpt), ckpt.weights)
 
 
 def test_descriptors_follow_over_the_connection():

@@ -61,6 +61,22 @@ def harmony_server(harmony_folder):  # noqa: F811
         engine.shutdown()
 
 
+def _structured_chat(seed: int) -> dict[str, Any]:
+    """A chat request for SCHEMA at temperature 1 with 6 reasoning tokens at most."""
+    return {
+        "model": "oss",
+        "messages": [{"role": "user", "content": "A name and a flag, as JSON."}],
+        "max_tokens": 80,
+        "temperature": 1.0,
+        "seed": seed,
+        "max_reasoning_tokens": 6,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": SCHEMA},
+        },
+    }
+
+
 def test_the_server_returns_analysis_as_reasoning_and_final_as_content(
     harmony_server, harmony_tokenizer
 ):
@@ -73,18 +89,7 @@ def test_the_server_returns_analysis_as_reasoning_and_final_as_content(
     # The thoughts, then at most the forced markers and the final channel's header.
     most = 6 + len(_ids(harmony_tokenizer, "<|end|><|start|>assistant<|channel|>final<|message|>"))
     for seed in range(3):
-        body = {
-            "model": "oss",
-            "messages": [{"role": "user", "content": "A name and a flag, as JSON."}],
-            "max_tokens": 80,
-            "temperature": 1.0,
-            "seed": seed,
-            "max_reasoning_tokens": 6,
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "answer", "schema": SCHEMA},
-            },
-        }
+        body = _structured_chat(seed)
         reply = httpx.post(url, json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         message = reply.json()["choices"][0]["message"]
@@ -360,18 +365,7 @@ def test_gpt_oss_without_parser_flags_speaks_harmony(flagless_server):
 
     base, engine = flagless_server
     for seed in range(2):
-        body = {
-            "model": "oss",
-            "messages": [{"role": "user", "content": "A name and a flag, as JSON."}],
-            "max_tokens": 80,
-            "temperature": 1.0,
-            "seed": seed,
-            "max_reasoning_tokens": 6,
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "answer", "schema": SCHEMA},
-            },
-        }
+        body = _structured_chat(seed)
         reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         message = reply.json()["choices"][0]["message"]
