@@ -40,6 +40,10 @@ _ACCEPTED = GrammarVerdict()
 _TERMINATED = GrammarVerdict(terminated=True)
 
 
+# Buffers whose row views bitmask_rows keeps (its own and the executor's slots: a few).
+_MAX_VIEWED_BUFFERS = 8
+
+
 class StructuredOutputManager:
     """Validates specs, compiles them off-thread and advances grammars for the engine.
 
@@ -98,9 +102,9 @@ class StructuredOutputManager:
             recipes, tokenizer, vocab_size, compile_timeout_s, cache_size, compile_pool, cache_bytes
         )
         self._bitmask = allocate_bitmask(max_rows, vocab_size)
-        # The row views of one buffer (the last one asked for), by row count.
-        self._views_of: torch.Tensor | None = None
-        self._views: dict[int, torch.Tensor] = {}
+        # Row views by row count, per buffer asked for (the own one, or each of the executor's
+        # slots), keyed by id with the buffer held so that an id is never reused.
+        self._views: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
         self._validated: OrderedDict[tuple[object, ...], None] = OrderedDict()
 
     # ------------------------------------------------------------ submission
@@ -209,17 +213,21 @@ class StructuredOutputManager:
         buffer), or of the manager's own buffer, which grows to ``n`` rows when the one
         chosen is smaller (a step's fill is ``bitmask_fill.BitmaskFill``)."""
         buffer = self._bitmask if out is None else out
-        if buffer is not self._views_of:
-            self._views_of, self._views = buffer, {}
-        view = self._views.get(n)
+        held = self._views.get(id(buffer))
+        if held is None or held[0] is not buffer:
+            if len(self._views) >= _MAX_VIEWED_BUFFERS:  # a caller that passes new buffers
+                self._views.clear()
+            held = self._views[id(buffer)] = (buffer, {})
+        view = held[1].get(n)
         if view is None:
-            if buffer.shape[0] < n:
-                buffer = self._bitmask = allocate_bitmask(n, self.vocab_size)
-                self._views_of, self._views = buffer, {}
+            if buffer.shape[0] < n:  # the own buffer grows, and serves a too small ``out`` too
+                self._views.pop(id(self._bitmask), None)
+                self._bitmask = allocate_bitmask(n, self.vocab_size)
+                return self.bitmask_rows(n)
             # Kept: a step slices the same buffer to one of few sizes, and slicing a tensor is
             # a torch call (tens of µs on a busy engine thread); the backends also check a
             # view once, not once a step (they know it by identity).
-            view = self._views[n] = buffer[:n]
+            view = held[1][n] = buffer[:n]
         return view
 
     @staticmethod

@@ -33,6 +33,7 @@ import torch
 from baton.engine.executor.base import AsyncOutput, Executor, ExecutorError
 from baton.engine.executor.worker_process import WorkerProcess
 from baton.engine.executor.worker_start import (
+    POLL_S,
     SLOTS,
     StartedWorkers,
     Weights,
@@ -55,8 +56,6 @@ from baton.engine.worker.runner_values import runner_output
 from baton.engine.worker.spec_decode import DraftLayout
 from baton.engine.worker.worker_main import Reply
 from baton.kernels.quant_formats import QuantWeight
-
-_POLL_S = 0.5
 
 
 class _MpOutput(AsyncOutput):
@@ -85,7 +84,11 @@ class MultiprocExecutor(Executor):
         self._conn = started.workers[0].conn
         self._ring = started.ring
         self._store = started.store  # the ranks' meeting point, kept while they run
-        self._bitmasks, self._sampled = started.bitmasks, started.sampled
+        self._sampled = started.sampled
+        # One view per slot, made once: the manager fills the one ``bitmask_buffer`` gives and
+        # knows it (and its row views) by identity from step to step.
+        self._slot_masks = tuple(started.bitmasks[i] for i in range(SLOTS))
+        self._slot_ptrs = tuple(m.data_ptr() for m in self._slot_masks)
         self._slot = 0
         self._device_s = 0.0
         self._collective_s = 0.0
@@ -160,9 +163,9 @@ class MultiprocExecutor(Executor):
         request_ids: tuple[str, ...] = ()
         row_counts: tuple[int, ...] = ()
         if grammar is not None and grammar.request_ids:
-            target = self._bitmasks[slot, : grammar.num_rows]
-            if grammar.bitmask.data_ptr() != target.data_ptr():  # not filled in place
-                target.copy_(grammar.bitmask[: grammar.num_rows])
+            if grammar.bitmask.data_ptr() != self._slot_ptrs[slot]:  # not filled in place
+                n = grammar.num_rows
+                self._slot_masks[slot][:n].copy_(grammar.bitmask[:n])
             request_ids, row_counts = grammar.request_ids, grammar.row_counts
         self._send(self._conn, Sample(step_id, slot, request_ids, row_counts))
         for worker in self._workers[1:]:  # the bitmask is rank 0's only
@@ -170,7 +173,7 @@ class MultiprocExecutor(Executor):
         return _MpOutput(self, step_id)
 
     def bitmask_buffer(self) -> torch.Tensor:
-        return self._bitmasks[self._slot]
+        return self._slot_masks[self._slot]
 
     def _send(self, conn: Connection, message: WorkerCommand) -> None:
         if self._dead is not None:
@@ -186,7 +189,7 @@ class MultiprocExecutor(Executor):
                 if self._dead is not None:
                     raise ExecutorError(self._dead)
                 try:
-                    if not self._conn.poll(_POLL_S):
+                    if not self._conn.poll(POLL_S):
                         if any(not w.is_alive() for w in self._workers):
                             self._died("the model worker process died")
                         continue

@@ -44,7 +44,7 @@ from baton.kernels.quant_formats import QuantWeight
 
 SLOTS = 2  # steps in flight at most (max_concurrent_batches): bitmask and token buffers each
 _START_TIMEOUT_S = 300.0
-_POLL_S = 0.5
+POLL_S = 0.5  # seconds between looks at whether a worker waited on still lives
 # Prefix of a quantised weight's bytes among the shared buffer's layouts (no dense weight
 # name has a colon).
 _QUANT_PREFIX = "quant:"
@@ -293,7 +293,7 @@ def _wait_ready(worker: WorkerProcess, rank_name: str) -> None:
     """
     conn = worker.conn
     deadline = time.monotonic() + _START_TIMEOUT_S
-    while not conn.poll(_POLL_S):
+    while not conn.poll(POLL_S):
         if not worker.is_alive():
             break  # its last message, if any, is still readable
         if time.monotonic() > deadline:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+from baton.bench.readme.import_graph import imported_names, module_name
+
 PACKAGES = ("engine", "grammar", "sampler", "kernels", "bench")
 
 # The rooms of engine/ and what each may import of engine/. "shared" is engine/'s top-level
@@ -47,27 +49,6 @@ def _modules() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
-def _dotted(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(["baton", *parts])
-
-
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), str(path))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            # `from baton.engine.executor import base` names a module too.
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-    return {m for m in found if m.startswith("baton.")}
-
-
 def _engine_room(module: str) -> str | None:
     """The room of an engine module ("shared" for engine/'s top-level modules)."""
     parts = module.split(".")
@@ -96,12 +77,12 @@ def _allowed_in_grammar(importer: str, target: str) -> bool:
 def _violations() -> list[str]:
     bad = []
     for path in _modules():
-        me = _dotted(path)
+        me = module_name(ROOT, path)
         if me == "baton.engine":
             continue  # the facade re-exports from every room, lazily
         pkg = me.split(".")[1]
         room = _engine_room(me)
-        for target in sorted(_imports(path)):
+        for target in sorted(imported_names(path)):
             target_pkg = target.split(".")[1]
             if target_pkg not in PACKAGE_RULES[pkg]:
                 bad.append(f"{me} imports {target} ({pkg}/ must not import {target_pkg}/)")
@@ -141,7 +122,7 @@ def test_the_product_never_names_bench() -> None:
 def test_the_checker_catches_a_wrong_import(tmp_path: Path) -> None:
     fake = tmp_path / "m.py"
     fake.write_text("from baton.engine.core.scheduler import Scheduler\nimport baton.engine\n")
-    assert _imports(fake) == {
+    assert imported_names(fake) == {
         "baton.engine.core.scheduler",
         "baton.engine.core.scheduler.Scheduler",
         "baton.engine",

@@ -147,3 +147,26 @@ def test_no_row_to_fill_gives_no_grammar() -> None:
     backend, fail = BatchBackend(), Failures()
     assert BitmaskFill.begin(Manager(backend), requests(None), fail).wait() == (None, [])
     assert backend.off_thread == [] and fail.failed == []
+
+
+def test_bitmask_rows_keeps_one_view_per_buffer_and_row_count(tokenizer) -> None:
+    # The mp executor alternates two slot buffers: each keeps its views (the backends know a
+    # view by identity); a buffer too small for the rows gives the own buffer, grown.
+    from baton.engine.core.structured_outputs import StructuredOutputManager
+
+    vocab = tokenizer.vocab_size
+    manager = StructuredOutputManager(tokenizer, vocab, max_rows=4)
+    try:
+        slots = [allocate_bitmask(8, vocab), allocate_bitmask(8, vocab)]
+        first = [manager.bitmask_rows(3, slot) for slot in slots]
+        for _ in range(3):
+            assert all(manager.bitmask_rows(3, s) is v for s, v in zip(slots, first, strict=True))
+        for slot, view in zip(slots, first, strict=True):
+            assert view.shape[0] == 3 and view.data_ptr() == slot.data_ptr()
+        own = manager.bitmask_rows(2)
+        assert manager.bitmask_rows(2) is own
+        grown = manager.bitmask_rows(16, slots[0])
+        assert grown.shape[0] == 16 and grown.data_ptr() != slots[0].data_ptr()
+        assert manager.bitmask_rows(16) is grown
+    finally:
+        manager.shutdown()
